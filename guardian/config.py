@@ -1,0 +1,180 @@
+"""guardian's one typed configuration object, loaded from TOML with pydantic-settings.
+
+Precedence, highest first: ``GUARDIAN_*`` environment variables (nested keys with ``__``,
+e.g. ``GUARDIAN_WATCHDOG__STALL_WINDOW_S=90``), then the TOML file, then the defaults here.
+Unknown keys are errors: a typo must not silently leave a default in force.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from contextvars import ContextVar
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+DEFAULT_CONFIG_PATH = Path("/etc/guardian/guardian.toml")
+CONFIG_ENV = "GUARDIAN_CONFIG"
+
+
+class ConfigError(Exception):
+    """A configuration that guardian refuses to run with; the message names file, key and reason."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ReplicaConfig(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", min_length=1, max_length=64)
+    unit: str
+    url: str
+    model: str = Field(min_length=1)
+    startup_grace_s: float = Field(default=1200.0, gt=0)
+    health_timeout_s: float = Field(default=2.0, gt=0)
+    metrics_timeout_s: float = Field(default=3.0, gt=0)
+    canary_timeout_s: float = Field(default=15.0, gt=0)
+
+    @field_validator("unit")
+    @classmethod
+    def _unit_is_service(cls, v: str) -> str:
+        if not v.endswith(".service") or len(v) <= len(".service") or "/" in v:
+            raise ValueError(f"must be a systemd service unit name ending in '.service' (got {v!r})")
+        return v
+
+    @field_validator("url")
+    @classmethod
+    def _url_has_scheme(cls, v: str) -> str:
+        parts = urlsplit(v)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"must be an http:// or https:// URL with a host, e.g. http://127.0.0.1:8000 (got {v!r})")
+        try:
+            parts.port
+        except ValueError as e:
+            raise ValueError(f"has an invalid port ({v!r})") from e
+        return v.rstrip("/")
+
+    @property
+    def port(self) -> int:
+        parts = urlsplit(self.url)
+        return parts.port or (443 if parts.scheme == "https" else 80)
+
+
+class WatchdogConfig(_Strict):
+    stall_window_s: float = Field(default=60.0, gt=0)
+    unresponsive_after_s: float = Field(default=10.0, gt=0)
+    canary_interval_s: float = Field(default=30.0, gt=0)
+    canary_retry_s: float = Field(default=5.0, gt=0)
+    canary_failures: int = Field(default=2, ge=1)
+    restart_budget: int = Field(default=3, ge=1)
+    restart_window_s: float = Field(default=1800.0, gt=0)
+    backoff_s: float = Field(default=60.0, ge=0)
+    restart_job_timeout_s: float = Field(default=300.0, gt=0)
+
+
+class MemoryConfig(_Strict):
+    enabled: bool = False
+    min_headroom_bytes: int = Field(default=8 * 2**30, ge=0)
+    critical_headroom_bytes: int = Field(default=3 * 2**30, ge=0)
+    sustain_s: float = Field(default=30.0, ge=0)
+
+    @model_validator(mode="after")
+    def _critical_below_min(self) -> "MemoryConfig":
+        if self.critical_headroom_bytes > self.min_headroom_bytes:
+            raise ValueError("critical_headroom_bytes must be <= min_headroom_bytes")
+        return self
+
+
+_toml_data: ContextVar[dict[str, Any]] = ContextVar("_toml_data", default={})
+
+
+class _DictSource(PydanticBaseSettingsSource):
+    def get_field_value(self, field, field_name):  # pragma: no cover - unused by __call__
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return _toml_data.get()
+
+
+class Config(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="GUARDIAN_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        frozen=True,
+    )
+
+    interval_s: float = Field(default=2.0, gt=0)
+    dry_run: bool = False
+    state_dir: Path = Path("/var/lib/guardian")
+    runtime_dir: Path = Path("/run/guardian")
+    shutdown_timeout_s: float = Field(default=10.0, gt=0)
+    watchdog: WatchdogConfig = WatchdogConfig()
+    memory: MemoryConfig = MemoryConfig()
+    replicas: list[ReplicaConfig] = Field(default_factory=list)
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings):
+        return (init_settings, env_settings, _DictSource(settings_cls))
+
+    @model_validator(mode="after")
+    def _replicas_distinct(self) -> "Config":
+        for attr in ("name", "unit", "url"):
+            seen: set[str] = set()
+            for r in self.replicas:
+                value = getattr(r, attr)
+                if value in seen:
+                    raise ValueError(f"two replicas have the same {attr} {value!r}")
+                seen.add(value)
+        return self
+
+    def replica(self, name: str) -> ReplicaConfig | None:
+        return next((r for r in self.replicas if r.name == name), None)
+
+
+def config_path(cli_path: str | None) -> Path:
+    if cli_path:
+        return Path(cli_path)
+    return Path(os.environ.get(CONFIG_ENV) or DEFAULT_CONFIG_PATH)
+
+
+def _describe(err: dict[str, Any]) -> str:
+    key = ".".join(str(p) for p in err.get("loc", ())) or "(top level)"
+    msg = err.get("msg", "invalid")
+    if err.get("type") == "extra_forbidden":
+        msg = "unknown key (typo?)"
+    elif err.get("type") == "missing":
+        msg = "required key is missing"
+    msg = msg.removeprefix("Value error, ")
+    env_name = "GUARDIAN_" + key.upper().replace(".", "__")
+    if env_name in os.environ:
+        return f"{key} (set by environment variable {env_name}): {msg}"
+    return f"{key}: {msg}"
+
+
+def load_config(path: Path) -> Config:
+    """Read and validate PATH; raise ConfigError with one message per problem."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"config error in {path}: file not found") from None
+    except OSError as e:
+        raise ConfigError(f"config error in {path}: cannot read it: {e.strerror}") from None
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ConfigError(f"config error in {path}: not UTF-8 text") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config error in {path}: invalid TOML: {e}") from None
+    token = _toml_data.set(data)
+    try:
+        return Config()
+    except ValidationError as e:
+        problems = "; ".join(_describe(err) for err in e.errors())
+        raise ConfigError(f"config error in {path}: {problems}") from None
+    finally:
+        _toml_data.reset(token)

@@ -1,0 +1,139 @@
+"""Files guardian writes: persistent state (StateDirectory) and runtime status (RuntimeDirectory).
+
+Every write is atomic: a temporary file in the same directory, fsync, rename over the old one,
+fsync of the directory. A reader sees the old file or the new one, never half of one.
+Read-modify-write of the persistent state holds an flock, because ``guardian pause`` and
+``guardian restart`` (other processes) change it too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from .observations import Pause, PersistentView
+
+STATE_FILE = "state.json"
+STATUS_FILE = "status.json"
+STATE_VERSION = 1
+
+
+def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    atomic_write(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
+
+
+class CorruptState(Exception):
+    def __init__(self, path: Path, moved_to: Path, reason: str) -> None:
+        super().__init__(f"state file {path} was corrupt ({reason}); moved aside to {moved_to}, starting from defaults")
+        self.moved_to = moved_to
+
+
+def _empty() -> dict:
+    return {"version": STATE_VERSION, "restarts": {}, "pauses": {}, "resumed_at": {}}
+
+
+def _validate(data: Any) -> dict:
+    if not isinstance(data, dict) or data.get("version") != STATE_VERSION:
+        raise ValueError("not a guardian state file of version 1")
+    out = _empty()
+    for name, times in dict(data.get("restarts", {})).items():
+        out["restarts"][str(name)] = [float(t) for t in times]
+    for name, p in dict(data.get("pauses", {})).items():
+        until = p.get("until")
+        out["pauses"][str(name)] = {"until": None if until is None else float(until), "reason": str(p.get("reason", "operator"))}
+    for name, t in dict(data.get("resumed_at", {})).items():
+        out["resumed_at"][str(name)] = float(t)
+    for k, v in data.items():
+        if k not in out:
+            out[k] = v  # sections owned by later features (memory guard) are kept as they are
+    return out
+
+
+class StateStore:
+    def __init__(self, state_dir: Path) -> None:
+        self.dir = state_dir
+        self.path = state_dir / STATE_FILE
+        self.lock_path = state_dir / ".state.lock"
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        with open(self.lock_path, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def _read_unlocked(self) -> dict:
+        try:
+            raw = self.path.read_bytes()
+        except FileNotFoundError:
+            return _empty()
+        try:
+            return _validate(json.loads(raw))
+        except (ValueError, TypeError, AttributeError) as e:
+            moved = self.path.with_name(f"{STATE_FILE}.corrupt-{int(time.time())}")
+            os.replace(self.path, moved)
+            raise CorruptState(self.path, moved, str(e) or type(e).__name__) from None
+
+    def read(self) -> dict:
+        with self._locked():
+            return self._read_unlocked()
+
+    def update(self, change: Callable[[dict], None]) -> dict:
+        """Apply CHANGE to the state under the lock and write it atomically; return the new state.
+
+        A corrupt file is moved aside first (CorruptState is raised after the write, so the
+        caller can log it)."""
+        corrupt: CorruptState | None = None
+        with self._locked():
+            try:
+                data = self._read_unlocked()
+            except CorruptState as e:
+                corrupt, data = e, _empty()
+            change(data)
+            atomic_write_json(self.path, data)
+        if corrupt is not None:
+            raise corrupt
+        return data
+
+
+def view(data: dict) -> PersistentView:
+    return PersistentView(
+        restarts={k: tuple(v) for k, v in data["restarts"].items()},
+        pauses={k: Pause(p["until"], p.get("reason", "operator")) for k, p in data["pauses"].items()},
+        resumed_at=dict(data["resumed_at"]),
+    )
+
+
+def record_restart(data: dict, replica: str, at: float, keep_s: float) -> None:
+    times = [t for t in data["restarts"].get(replica, []) if t > at - keep_s]
+    data["restarts"][replica] = times + [at]

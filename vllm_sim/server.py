@@ -1,0 +1,412 @@
+"""A vLLM replica simulator: vLLM's endpoints and V1 metric names, with injectable faults.
+
+What it imitates (observed on a real vLLM 0.32 server, see shared/BRIEF.md):
+
+* startup: connection refused until the "model" has loaded (``--load-time-s``), then 200 at once;
+  vLLM's startup memory check fails the start when ``--gpu-memory-utilization`` x total memory is
+  more than the free memory (exit status 1, vLLM's own message).
+* an engine thread runs iterations: it admits waiting requests (up to ``--max-num-seqs``), counts
+  a request's prompt tokens when its prefill completes, then emits one token per running request
+  per iteration; the vllm: gauges are updated by the engine, so they freeze when it does.
+* ``/health`` ``/ping`` ``/version`` ``/v1/models`` ``/metrics`` ``/v1/completions``
+  ``/v1/chat/completions`` (both streaming with ``"stream": true``).
+
+Faults, at start (``--fault NAME``, with ``--fault-after-s``) or at run time
+(``POST /_sim/fault {"fault": NAME, ...}``, ``POST /_sim/clear``):
+
+  engine-dead      engine stops iterating; /health 200, metrics frozen, requests hang
+  engine-killed    /health 503, completions 500; exits with status 0 after ``exit_after_s``
+                   (default 4 s, as vLLM's API server does); ``exit_after_s: null`` stays up
+                   (VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1)
+  slow-health      /health takes ``delay_s`` (default 5 s) while requests run; tokens still flow
+  wrong-model      /v1/models lists ``model`` (default "other-model") instead
+  frozen           the whole process stops itself with SIGSTOP (what ``kill -STOP`` does)
+  fail-startup     exit 1 before serving, with an error (start-time only)
+
+``POST /_sim/load {"streams": N, "max_tokens": M, "prompt_tokens": P}`` keeps N synthetic
+requests in the engine (they count like real ones) until ``{"streams": 0}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client import gc_collector, platform_collector, process_collector
+
+VERSION = "0.32.0+sim"
+_ids = itertools.count(1)
+
+
+@dataclass
+class Req:
+    prompt_tokens: int
+    max_tokens: int
+    synthetic: bool = False
+    prefilled: bool = False
+    generated: int = 0
+    done: bool = False
+    failed: str | None = None
+    id: str = field(default_factory=lambda: f"cmpl-sim-{next(_ids)}")
+    cond: threading.Condition = field(default_factory=threading.Condition)
+
+
+class Metrics:
+    def __init__(self, model: str, gpu_util: float, registry: CollectorRegistry) -> None:
+        lab = ["engine", "model_name"]
+        self.labels = {"engine": "0", "model_name": model}
+        r = registry
+        self.running = Gauge("vllm:num_requests_running", "Number of requests in model execution batches.", lab, registry=r)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", lab, registry=r)
+        self.kv = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", lab, registry=r)
+        self.prompt = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", lab, registry=r)
+        self.gen = Counter("vllm:generation_tokens", "Number of generation tokens processed.", lab, registry=r)
+        self.success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                               lab + ["finished_reason"], registry=r)
+        self.iteration = Histogram("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.", lab,
+                                   buckets=[1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384], registry=r)
+        cfg = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                    ["engine", "gpu_memory_utilization", "block_size", "cache_dtype"], registry=r)
+        cfg.labels(engine="0", gpu_memory_utilization=str(gpu_util), block_size="16", cache_dtype="auto").set(1)
+        for reason in ("stop", "length", "abort", "error", "repetition"):
+            self.success.labels(finished_reason=reason, **self.labels)
+        for m in (self.running, self.waiting, self.kv, self.prompt, self.gen, self.iteration):
+            m.labels(**self.labels)
+
+
+class Engine:
+    """The simulated EngineCore: iterations on a thread; requests wait on their conditions."""
+
+    def __init__(self, args, metrics: Metrics) -> None:
+        self.args = args
+        self.m = metrics
+        self.lock = threading.Lock()
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.dead = False  # engine-dead: no more iterations
+        self.killed = False  # engine-killed
+        self.synthetic_target = 0
+        self.synthetic_max_tokens = 64
+        self.synthetic_prompt_tokens = 16
+        self.kv_capacity_tokens = 16384
+
+    def submit(self, req: Req) -> None:
+        with self.lock:
+            self.waiting.append(req)
+
+    def _refill_synthetic(self) -> None:
+        have = sum(1 for r in self.running + self.waiting if r.synthetic)
+        for _ in range(self.synthetic_target - have):
+            self.waiting.append(Req(self.synthetic_prompt_tokens, self.synthetic_max_tokens, synthetic=True))
+
+    def loop(self) -> None:
+        period = 1.0 / self.args.tokens_per_s
+        while True:
+            time.sleep(period)
+            if self.dead or self.killed:
+                continue
+            self.iterate()
+
+    def iterate(self) -> None:
+        with self.lock:
+            self._refill_synthetic()
+            while self.waiting and len(self.running) < self.args.max_num_seqs:
+                self.running.append(self.waiting.pop(0))
+            computed = 0
+            finished: list[Req] = []
+            for r in self.running:
+                if not r.prefilled:
+                    r.prefilled = True
+                    self.m.prompt.labels(**self.m.labels).inc(r.prompt_tokens)
+                    computed += r.prompt_tokens
+                r.generated += 1
+                computed += 1
+                if r.generated >= r.max_tokens:
+                    r.done = True
+                    finished.append(r)
+            if self.running:
+                self.m.gen.labels(**self.m.labels).inc(len(self.running))
+                self.m.iteration.labels(**self.m.labels).observe(computed)
+            for r in finished:
+                self.running.remove(r)
+                self.m.success.labels(finished_reason="length", **self.m.labels).inc()
+            used = sum(r.prompt_tokens + r.generated for r in self.running)
+            self.m.running.labels(**self.m.labels).set(len(self.running))
+            self.m.waiting.labels(**self.m.labels).set(len(self.waiting))
+            self.m.kv.labels(**self.m.labels).set(min(1.0, used / self.kv_capacity_tokens))
+            touched = list(self.running) + finished
+        for r in touched:
+            if not r.synthetic:
+                with r.cond:
+                    r.cond.notify_all()
+
+    def fail_all(self, why: str) -> None:
+        with self.lock:
+            reqs = self.running + self.waiting
+            self.running, self.waiting = [], []
+        for r in reqs:
+            with r.cond:
+                r.failed = why
+                r.cond.notify_all()
+
+
+class Sim:
+    def __init__(self, args) -> None:
+        self.args = args
+        self.model = args.served_model_name or args.model
+        self.registry = CollectorRegistry()
+        process_collector.ProcessCollector(registry=self.registry)
+        platform_collector.PlatformCollector(registry=self.registry)
+        gc_collector.GCCollector(registry=self.registry)
+        self.metrics = Metrics(self.model, args.gpu_memory_utilization, self.registry)
+        self.engine = Engine(args, self.metrics)
+        self.fault: dict = {}
+        self.started_at = time.time()
+
+    def set_fault(self, spec: dict) -> None:
+        name = spec.get("fault")
+        log(f"SIM fault injected: {json.dumps(spec)}")
+        self.fault = dict(spec)
+        if name == "engine-dead":
+            self.engine.dead = True
+        elif name == "engine-killed":
+            self.engine.killed = True
+            self.engine.fail_all("engine dead")
+            exit_after = spec.get("exit_after_s", 4.0)
+            if exit_after is not None:
+                threading.Timer(float(exit_after), lambda: os._exit(0)).start()
+        elif name == "frozen":
+            threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGSTOP)).start()
+        elif name not in ("slow-health", "wrong-model"):
+            raise ValueError(f"unknown fault {name!r}")
+
+    def clear(self) -> None:
+        self.fault = {}
+        self.engine.dead = False
+        self.engine.killed = False
+
+
+def log(msg: str) -> None:
+    print(f"INFO {time.strftime('%m-%d %H:%M:%S')} [sim] {msg}", flush=True)
+
+
+def make_handler(sim: Sim):
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, fmt, *a):  # quiet: a journal line per probe is noise
+            pass
+
+        def _send(self, code: int, body: bytes, ctype="application/json") -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def _json(self, code: int, obj) -> None:
+            self._send(code, json.dumps(obj).encode())
+
+        def _body(self) -> dict:
+            n = int(self.headers.get("Content-Length") or 0)
+            try:
+                return json.loads(self.rfile.read(n) or b"{}")
+            except json.JSONDecodeError:
+                return {}
+
+        def do_GET(self):
+            fault = sim.fault.get("fault")
+            path = self.path.split("?")[0]
+            if path in ("/health", "/ping"):
+                if fault == "engine-killed":
+                    return self._send(503, b"")
+                if fault == "slow-health" and sim.engine.running:
+                    time.sleep(float(sim.fault.get("delay_s", 5.0)))
+                return self._send(200, b"")
+            if path == "/version":
+                return self._json(200, {"version": VERSION})
+            if path == "/v1/models":
+                served = sim.fault.get("model", "other-model") if fault == "wrong-model" else sim.model
+                return self._json(200, {"object": "list", "data": [
+                    {"id": served, "object": "model", "created": int(sim.started_at), "owned_by": "vllm",
+                     "root": sim.args.model, "parent": None, "max_model_len": 4096}]})
+            if path == "/metrics":
+                return self._send(200, generate_latest(sim.registry), "text/plain; version=0.0.4; charset=utf-8")
+            if path == "/_sim/state":
+                return self._json(200, {"fault": sim.fault, "running": len(sim.engine.running),
+                                        "waiting": len(sim.engine.waiting), "pid": os.getpid(),
+                                        "gpu_memory_utilization": sim.args.gpu_memory_utilization,
+                                        "model": sim.model})
+            self._json(404, {"detail": "Not Found"})
+
+        def do_POST(self):
+            path = self.path.split("?")[0]
+            body = self._body()
+            if path == "/_sim/fault":
+                try:
+                    sim.set_fault(body)
+                except ValueError as e:
+                    return self._json(400, {"error": str(e)})
+                return self._json(200, {"fault": sim.fault})
+            if path == "/_sim/clear":
+                sim.clear()
+                return self._json(200, {"fault": {}})
+            if path == "/_sim/load":
+                e = sim.engine
+                with e.lock:
+                    e.synthetic_target = int(body.get("streams", 0))
+                    e.synthetic_max_tokens = int(body.get("max_tokens", 64))
+                    e.synthetic_prompt_tokens = int(body.get("prompt_tokens", 16))
+                return self._json(200, {"streams": e.synthetic_target})
+            if path in ("/v1/completions", "/v1/chat/completions"):
+                return self._complete(path, body)
+            self._json(404, {"detail": "Not Found"})
+
+        def _complete(self, path: str, body: dict) -> None:
+            chat = path.endswith("chat/completions")
+            if body.get("model") not in (None, sim.model):
+                return self._json(404, {"error": {"message": f"The model `{body.get('model')}` does not exist.",
+                                                  "type": "NotFoundError", "code": 404}})
+            if sim.engine.killed:
+                return self._json(500, {"error": {"message": "EngineCore encountered an issue.", "code": 500}})
+            prompt = json.dumps(body.get("messages")) if chat else str(body.get("prompt", ""))
+            req = Req(prompt_tokens=max(1, len(prompt.split())), max_tokens=max(1, int(body.get("max_tokens") or 16)))
+            sim.engine.submit(req)
+            if body.get("stream"):
+                return self._stream(req, chat)
+            with req.cond:
+                while not req.done and req.failed is None:
+                    req.cond.wait(1.0)
+            if req.failed:
+                return self._json(500, {"error": {"message": req.failed, "code": 500}})
+            text = " tok" * req.generated
+            choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
+                      if chat else {"index": 0, "text": text, "finish_reason": "length"})
+            self._json(200, {"id": req.id, "object": "chat.completion" if chat else "text_completion",
+                             "model": sim.model, "choices": [choice],
+                             "usage": {"prompt_tokens": req.prompt_tokens, "completion_tokens": req.generated,
+                                       "total_tokens": req.prompt_tokens + req.generated}})
+
+        def _stream(self, req: Req, chat: bool) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+
+            def chunk(data: str) -> None:
+                raw = f"data: {data}\n\n".encode()
+                self.wfile.write(f"{len(raw):x}\r\n".encode() + raw + b"\r\n")
+                self.wfile.flush()
+
+            sent = 0
+            try:
+                while True:
+                    with req.cond:
+                        while req.generated == sent and not req.done and req.failed is None:
+                            req.cond.wait(1.0)
+                        generated, done, failed = req.generated, req.done, req.failed
+                    if failed:
+                        chunk(json.dumps({"error": {"message": failed, "code": 500}}))
+                        break
+                    for _ in range(generated - sent):
+                        delta = {"delta": {"content": " tok"}} if chat else {"text": " tok"}
+                        chunk(json.dumps({"id": req.id, "model": sim.model, "choices": [{"index": 0, **delta}]}))
+                    sent = generated
+                    if done:
+                        chunk("[DONE]")
+                        break
+                self.wfile.write(b"0\r\n\r\n")
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+
+    return Handler
+
+
+def _meminfo_bytes(key: str) -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def startup_memory_check(args) -> str | None:
+    """vLLM's check: desired = utilization x total must not exceed free memory at startup."""
+    total = args.sim_total_memory_bytes or _meminfo_bytes("MemTotal")
+    free = _meminfo_bytes("MemFree" if args.sim_free_source == "memfree" else "MemAvailable")
+    if args.sim_total_memory_bytes:
+        free = max(0, free - (_meminfo_bytes("MemTotal") - total))
+    desired = args.gpu_memory_utilization * total
+    if desired > free:
+        gib = 2**30
+        return (f"ValueError: Free memory on device cuda:0 ({free / gib:.2f}/{total / gib:.2f} GiB) on startup is "
+                f"less than desired GPU memory utilization ({args.gpu_memory_utilization}, {desired / gib:.2f} GiB). "
+                "Decrease GPU memory utilization or reduce GPU memory used by other processes.")
+    return None
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="vllm-sim", description="vLLM replica simulator for guardian's tests")
+    p.add_argument("serve", nargs="?", help="ignored, as in `vllm serve MODEL`")
+    p.add_argument("--model", default="sim-model")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--max-num-seqs", type=int, default=12)
+    p.add_argument("--tokens-per-s", type=float, default=20.0, help="engine iterations per second")
+    p.add_argument("--load-time-s", type=float, default=1.0, help="time before the port is bound")
+    p.add_argument("--fault", default=None, help="fault to inject after --fault-after-s once serving")
+    p.add_argument("--fault-after-s", type=float, default=0.0)
+    p.add_argument("--fault-json", default="{}", help="extra fault parameters as JSON")
+    p.add_argument("--check-memory", action="store_true", help="run vLLM's startup free-memory check")
+    p.add_argument("--sim-total-memory-bytes", type=int, default=0, help="pretend total memory (0: MemTotal)")
+    p.add_argument("--sim-free-source", choices=["memavailable", "memfree"], default="memavailable")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    model = args.served_model_name or args.model
+    log(f"vLLM API server version {VERSION}; model={model} gpu_memory_utilization={args.gpu_memory_utilization} pid={os.getpid()}")
+    if args.fault == "fail-startup":
+        print("ERROR [sim] EngineCore failed to start: RuntimeError: simulated startup failure", file=sys.stderr, flush=True)
+        return 1
+    if args.check_memory:
+        problem = startup_memory_check(args)
+        if problem:
+            print(f"ERROR [sim] EngineCore failed to start.\n{problem}", file=sys.stderr, flush=True)
+            return 1
+    time.sleep(args.load_time_s)  # loading weights: the port is not bound yet (connection refused)
+    sim = Sim(args)
+    server = ThreadingHTTPServer((args.host, args.port), make_handler(sim))
+    server.daemon_threads = True
+    threading.Thread(target=sim.engine.loop, daemon=True, name="EngineCore").start()
+    if args.fault:
+        spec = {"fault": args.fault, **json.loads(args.fault_json)}
+        threading.Timer(args.fault_after_s, sim.set_fault, [spec]).start()
+    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown).start())
+    log(f"Starting vLLM API server on http://{args.host}:{args.port}")
+    log("Application startup complete.")
+    server.serve_forever(poll_interval=0.2)
+    log("Shutting down")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
