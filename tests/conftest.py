@@ -1,0 +1,25 @@
+"""Fixtures. System tests share one booted container per session (booting takes seconds,
+building the rootfs about a minute the first time, then it is cached)."""
+
+from __future__ import annotations
+
+import pytest
+
+from systemd_box import BoxError, SystemdBox, ensure_deps, ensure_rootfs
+
+
+@pytest.fixture(scope="session")
+def box():
+    b = None
+    try:
+        rootfs = ensure_rootfs()
+        deps = ensure_deps()
+        b = SystemdBox(rootfs, deps)
+        b.boot()
+    except BoxError as e:
+        if b is not None:
+            b.halt()
+        # Fail, never skip: a system test that cannot run must say so loudly.
+        pytest.fail(f"cannot boot the real-systemd test container: {e}", pytrace=False)
+    yield b
+    b.halt()

@@ -1,0 +1,247 @@
+"""A real systemd, booted with systemd-nspawn in a cached Debian 12 rootfs, for system tests.
+
+Recipe from shared/BRIEF.md: debootstrap once (cached under $GUARDIAN_TEST_CACHE, default
+/var/cache/guardian-test), boot with ``--volatile=overlay`` so every boot starts clean,
+``--private-network`` so replicas' ports never clash with the host, and the source tree and the
+Python dependencies bind-mounted read-only. Anything that goes wrong raises BoxError with what
+nspawn said: a system test never skips quietly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Iterable
+
+REPO = Path(__file__).resolve().parent.parent
+CACHE = Path(os.environ.get("GUARDIAN_TEST_CACHE", "/var/cache/guardian-test"))
+SUITE = "bookworm"
+PACKAGES = ["systemd", "systemd-sysv", "dbus", "python3", "libpam-systemd", "polkitd", "procps"]
+PY_DEPS = ["psutil>=5.9", "nvidia-ml-py>=12", "dbus-next>=0.2.3", "pydantic-settings>=2.2", "httpx>=0.25",
+           "prometheus_client>=0.17"]
+PURE_SDIST_DEPS = ["sdnotify>=0.3.2"]  # published as an sdist only
+GUEST_PYTHON = "3.11"  # Debian 12's python3
+
+
+class BoxError(RuntimeError):
+    pass
+
+
+def _key(*parts: Iterable[str]) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        h.update("\0".join(p).encode())
+    return h.hexdigest()[:12]
+
+
+def _need(tool: str) -> str:
+    path = shutil.which(tool) or next((p for p in (f"/usr/sbin/{tool}", f"/usr/bin/{tool}") if os.path.exists(p)), None)
+    if not path:
+        raise BoxError(f"{tool} is not installed: run `apt-get install -y systemd-container debootstrap` "
+                       "(.ci/run does this) before the system tests")
+    return path
+
+
+def ensure_rootfs() -> Path:
+    if os.geteuid() != 0:
+        raise BoxError("the system tests boot a container with systemd-nspawn and need root")
+    root = CACHE / f"rootfs-{SUITE}-{_key(PACKAGES)}"
+    if (root / ".complete").exists():
+        return root
+    debootstrap = _need("debootstrap")
+    CACHE.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="rootfs-", dir=CACHE))
+    cmd = [debootstrap, "--variant=minbase", f"--include={','.join(PACKAGES)}", SUITE, str(tmp)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise BoxError(f"debootstrap failed ({proc.returncode}): {proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    (tmp / ".complete").write_text(time.strftime("%F %T"))
+    os.replace(tmp, root)
+    return root
+
+
+def ensure_deps() -> Path:
+    """The guest's Python dependencies, installed from the host for the guest's CPython."""
+    arch = platform.machine()
+    target = CACHE / f"deps-py{GUEST_PYTHON}-{arch}-{_key(PY_DEPS, PURE_SDIST_DEPS)}"
+    if (target / ".complete").exists():
+        return target
+    tmp = Path(tempfile.mkdtemp(prefix="deps-", dir=CACHE))
+    plat = {"x86_64": "x86_64", "aarch64": "aarch64"}.get(arch, arch)
+    base = [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--target", str(tmp)]
+    binary = base + ["--only-binary=:all:", "--implementation", "cp", "--python-version", GUEST_PYTHON,
+                     "--platform", f"manylinux2014_{plat}", "--platform", f"manylinux_2_17_{plat}",
+                     "--platform", f"manylinux_2_28_{plat}"] + PY_DEPS
+    for cmd in (binary, base + ["--no-deps"] + PURE_SDIST_DEPS):
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise BoxError(f"installing the guest's Python dependencies failed: {proc.stderr[-3000:]}")
+    (tmp / ".complete").write_text("ok")
+    os.replace(tmp, target)
+    return target
+
+
+WRAPPER = """#!/bin/sh
+export PYTHONPATH=/opt/guardian/src:/opt/guardian/deps
+exec python3 -m {module} "$@"
+"""
+
+
+class SystemdBox:
+    def __init__(self, rootfs: Path, deps: Path, name: str | None = None) -> None:
+        self.rootfs = rootfs
+        self.deps = deps
+        self.name = name or f"gtest{os.getpid()}"
+        self.proc: subprocess.Popen | None = None
+        self.leader: int | None = None
+        self.log_path = Path(tempfile.mkstemp(prefix="nspawn-", suffix=".log")[1])
+
+    # --- lifecycle ----------------------------------------------------------------------
+    def boot(self, timeout_s: float = 90.0) -> None:
+        nspawn = _need("systemd-nspawn")
+        Path("/run/systemd/nspawn").mkdir(parents=True, exist_ok=True)
+        if subprocess.run(["mountpoint", "-q", "/run/systemd/nspawn"]).returncode != 0:
+            subprocess.run(["mount", "-t", "tmpfs", "tmpfs", "/run/systemd/nspawn"], check=True)
+        cmd = [nspawn, "--register=no", "--keep-unit", "-D", str(self.rootfs), "-M", self.name, "--boot",
+               "--console=pipe", "--volatile=overlay", "--private-network",
+               f"--bind-ro={REPO}:/opt/guardian/src", f"--bind-ro={self.deps}:/opt/guardian/deps"]
+        log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout_s
+        while self.leader is None:
+            if self.proc.poll() is not None:
+                raise BoxError(f"systemd-nspawn exited with {self.proc.returncode}: {self.log_tail()}")
+            # nspawn forks helpers before the container's init: wait for the child that is systemd.
+            out = subprocess.run(["ps", "--ppid", str(self.proc.pid), "-o", "pid=,comm="], capture_output=True, text=True).stdout
+            pids = [int(line.split()[0]) for line in out.splitlines() if line.split()[1:] == ["systemd"]]
+            if pids:
+                self.leader = pids[0]
+            elif time.monotonic() > deadline:
+                raise BoxError(f"the container's systemd never appeared: {self.log_tail()}")
+            else:
+                time.sleep(0.1)
+        while True:
+            r = self.run(["systemctl", "is-system-running"], check=False, timeout=10)
+            state = r.stdout.strip()
+            if state in ("running", "degraded"):
+                break
+            if time.monotonic() > deadline:
+                raise BoxError(f"the container's systemd did not finish booting (state {state!r}): {self.log_tail()}")
+            time.sleep(0.2)
+        self._install_guardian()
+
+    def _install_guardian(self) -> None:
+        self.write("/usr/bin/guardian", WRAPPER.format(module="guardian"), mode=0o755)
+        self.write("/usr/local/bin/vllm-sim", WRAPPER.format(module="vllm_sim"), mode=0o755)
+        self.write("/usr/local/bin/vllm-sim-ctl", WRAPPER.format(module="vllm_sim.ctl"), mode=0o755)
+        self.run(["cp", "/opt/guardian/src/units/guardian.service", "/etc/systemd/system/guardian.service"])
+        self.run(["mkdir", "-p", "/etc/guardian"])
+        self.daemon_reload()
+
+    def halt(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def log_tail(self, n: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return "(no log)"
+
+    # --- running things inside ------------------------------------------------------------
+    def run(self, cmd: list[str] | str, check: bool = True, timeout: float = 60, input: str | None = None) -> subprocess.CompletedProcess:
+        if isinstance(cmd, str):
+            cmd = ["sh", "-c", cmd]
+        full = ["nsenter", "-t", str(self.leader), "-a", "--", "env", "-i", "PATH=/usr/sbin:/usr/bin:/sbin:/bin",
+                "LANG=C.UTF-8", "SYSTEMD_PAGER=", "SYSTEMD_COLORS=0", *cmd]
+        r = subprocess.run(full, capture_output=True, text=True, timeout=timeout, input=input)
+        if check and r.returncode != 0:
+            raise BoxError(f"{shlex.join(cmd)} exited {r.returncode}:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
+        return r
+
+    def write(self, path: str, content: str, mode: int = 0o644) -> None:
+        d = os.path.dirname(path)
+        self.run(f"mkdir -p {shlex.quote(d)} && cat > {shlex.quote(path)}.tmp && chmod {mode:o} {shlex.quote(path)}.tmp "
+                 f"&& mv {shlex.quote(path)}.tmp {shlex.quote(path)}", input=content)
+
+    def systemctl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        return self.run(["systemctl", *args], check=check)
+
+    def daemon_reload(self) -> None:
+        self.systemctl("daemon-reload")
+
+    def prop(self, unit: str, name: str) -> str:
+        return self.run(["systemctl", "show", "-p", name, "--value", unit]).stdout.strip()
+
+    def identity(self, unit: str) -> tuple[str, str]:
+        """(MainPID, InvocationID): both change when a unit is restarted."""
+        return self.prop(unit, "MainPID"), self.prop(unit, "InvocationID")
+
+    def journal(self, *match: str, unit: str | None = None, since: float | None = None) -> list[dict]:
+        """Journal entries (dicts of fields) matching MATCH, after epoch time SINCE."""
+        cmd = ["journalctl", "--no-pager", "-o", "json"]
+        if unit:
+            cmd += ["-u", unit]
+        if since:
+            cmd += ["--since", f"@{int(since)}"]
+        cmd += list(match)
+        out = self.run(cmd, check=False).stdout
+        lines = []
+        for raw in out.splitlines():
+            try:
+                entry = json.loads(raw)
+            except ValueError:
+                continue
+            if since and int(entry.get("__REALTIME_TIMESTAMP", 0)) < since * 1e6:
+                continue
+            if isinstance(entry.get("MESSAGE"), list):  # binary-safe form
+                entry["MESSAGE"] = bytes(entry["MESSAGE"]).decode(errors="replace")
+            lines.append(entry)
+        return lines
+
+    def messages(self, *match: str, since: float | None = None, unit: str | None = None) -> list[str]:
+        return [e.get("MESSAGE", "") for e in self.journal(*match, unit=unit, since=since)]
+
+    def http(self, url: str, method: str = "GET", body: dict | None = None, timeout_s: float = 5) -> tuple[int, str]:
+        """An HTTP request from inside the box (its network is private)."""
+        script = (
+            "import json,sys,urllib.request,urllib.error\n"
+            f"req=urllib.request.Request({url!r}, method={method!r}, data={json.dumps(body).encode() if body is not None else None!r},"
+            " headers={'Content-Type':'application/json'})\n"
+            "try:\n"
+            f"  r=urllib.request.urlopen(req, timeout={timeout_s}); print(r.status); print(r.read().decode())\n"
+            "except urllib.error.HTTPError as e:\n  print(e.code); print(e.read().decode())\n"
+            "except Exception as e:\n  print(0); print(type(e).__name__, e)\n"
+        )
+        r = self.run(["python3", "-c", script], timeout=timeout_s + 10)
+        code, _, text = r.stdout.partition("\n")
+        return int(code), text.strip()
+
+
+def wait_for(predicate: Callable[[], object], timeout_s: float, what: str, interval_s: float = 0.25):
+    """Poll PREDICATE until it returns something truthy; fail with WHAT after TIMEOUT_S."""
+    deadline = time.monotonic() + timeout_s
+    last: object = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what} (last: {last!r})")

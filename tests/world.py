@@ -1,0 +1,197 @@
+"""A small world inside the test container: two simulated replicas, a stand-in database and a
+stand-in proxy (each a real systemd unit), and guardian configured to watch the replicas."""
+
+from __future__ import annotations
+
+import json
+import time
+import shlex
+from dataclasses import dataclass, field
+
+from systemd_box import SystemdBox, wait_for
+
+REPLICA_UNIT = """[Unit]
+Description=simulated vLLM replica {name}
+{unit_extra}
+[Service]
+Type=simple
+Environment=GPU_MEMORY_UTILIZATION={fraction}
+EnvironmentFile=-/var/lib/guardian/replicas/{name}.env
+ExecStart=/usr/local/bin/vllm-sim serve --model {model} --port {port} --gpu-memory-utilization ${{GPU_MEMORY_UTILIZATION}} --load-time-s {load_time_s} {sim_args}
+Restart={restart}
+RestartSec=1
+{service_extra}
+[Install]
+WantedBy=multi-user.target
+"""
+
+PLAIN_UNIT = """[Unit]
+Description={description}
+{unit_extra}
+[Service]
+ExecStart={exec_start}
+[Install]
+WantedBy=multi-user.target
+"""
+
+FAST_WATCHDOG = {
+    "stall_window_s": 6,
+    "unresponsive_after_s": 4,
+    "canary_interval_s": 3,
+    "canary_retry_s": 1,
+    "canary_failures": 2,
+    "restart_budget": 3,
+    "restart_window_s": 600,
+    "backoff_s": 0,
+    "restart_job_timeout_s": 30,
+}
+
+
+@dataclass
+class Replica:
+    name: str
+    port: int
+    model: str = "sim-model"
+    fraction: float = 0.9
+    load_time_s: float = 0.3
+    sim_args: str = ""
+    restart: str = "always"
+    unit_extra: str = ""
+    service_extra: str = ""
+    startup_grace_s: float = 20
+    health_timeout_s: float = 1.0
+
+    @property
+    def unit(self) -> str:
+        return f"vllm-{self.name}.service"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return json.dumps(v)
+    return repr(v)
+
+
+@dataclass
+class World:
+    box: SystemdBox
+    replicas: list[Replica] = field(default_factory=lambda: [Replica("a", 8001), Replica("b", 8002)])
+    watchdog: dict = field(default_factory=lambda: dict(FAST_WATCHDOG))
+    top: dict = field(default_factory=lambda: {"interval_s": 0.5})
+    bystanders: tuple[str, ...] = ("db.service", "proxy.service")
+    extra_units: list[str] = field(default_factory=list)
+    since: float = 0.0
+
+    # --- set-up ----------------------------------------------------------------------------
+    def config_text(self, replicas: list[Replica] | None = None, **top) -> str:
+        lines = [f"{k} = {toml_value(v)}" for k, v in {**self.top, **top}.items()]
+        lines.append("[watchdog]")
+        lines += [f"{k} = {toml_value(v)}" for k, v in self.watchdog.items()]
+        for r in replicas if replicas is not None else self.replicas:
+            lines += ["[[replicas]]", f'name = "{r.name}"', f'unit = "{r.unit}"', f'url = "{r.url}"',
+                      f'model = "{r.model}"', f"startup_grace_s = {r.startup_grace_s}",
+                      f"health_timeout_s = {r.health_timeout_s}", "metrics_timeout_s = 1.0", "canary_timeout_s = 2.0"]
+        return "\n".join(lines) + "\n"
+
+    def write_config(self, text: str | None = None, path: str = "/etc/guardian/guardian.toml") -> None:
+        self.box.write(path, text if text is not None else self.config_text())
+
+    def install_replica(self, r: Replica) -> None:
+        self.box.write(f"/etc/systemd/system/{r.unit}", REPLICA_UNIT.format(
+            name=r.name, model=r.model, port=r.port, fraction=r.fraction, load_time_s=r.load_time_s,
+            sim_args=r.sim_args, restart=r.restart, unit_extra=r.unit_extra, service_extra=r.service_extra))
+
+    def install_plain(self, name: str, exec_start: str = "/bin/sleep infinity", unit_extra: str = "", description: str = "") -> None:
+        self.box.write(f"/etc/systemd/system/{name}", PLAIN_UNIT.format(
+            description=description or f"stand-in {name}", exec_start=exec_start, unit_extra=unit_extra))
+        self.extra_units.append(name)
+
+    def setup(self, start_guardian: bool = True) -> "World":
+        self.since = time.time()
+        for r in self.replicas:
+            self.install_replica(r)
+        self.install_plain("db.service", description="stand-in database")
+        self.install_plain("proxy.service", exec_start="/usr/bin/python3 -m http.server 8080 --bind 127.0.0.1",
+                           description="stand-in proxy")
+        self.box.daemon_reload()
+        units = [r.unit for r in self.replicas] + list(self.bystanders)
+        self.box.systemctl("enable", "--now", *units)
+        for r in self.replicas:
+            self.wait_serving(r)
+        self.write_config()
+        if start_guardian:
+            self.start_guardian()
+        return self
+
+    def start_guardian(self) -> None:
+        self.box.systemctl("start", "guardian.service")
+        self.wait_states({r.name: "healthy" for r in self.replicas}, timeout_s=30)
+
+    def teardown(self) -> None:
+        b = self.box
+        b.systemctl("stop", "guardian.service", check=False)
+        units = [r.unit for r in self.replicas] + list(self.extra_units)
+        b.systemctl("disable", "--now", *units, check=False)
+        b.systemctl("unmask", *units, check=False)
+        for u in units:
+            b.run(["rm", "-f", f"/etc/systemd/system/{u}"], check=False)
+        b.run("rm -rf /etc/systemd/system/guardian.service.d /var/lib/guardian /run/guardian /etc/guardian/guardian.toml", check=False)
+        b.daemon_reload()
+        b.systemctl("reset-failed", check=False)
+
+    # --- looking ---------------------------------------------------------------------------
+    def wait_serving(self, r: Replica, timeout_s: float = 30) -> None:
+        wait_for(lambda: self.box.http(r.url + "/health", timeout_s=2)[0] == 200, timeout_s, f"{r.name} to serve")
+
+    def status(self) -> dict:
+        out = self.box.run(["guardian", "status", "--json"], check=False).stdout
+        try:
+            return json.loads(out)
+        except ValueError:
+            return {}
+
+    def states(self) -> dict[str, str]:
+        return {n: r["state"] for n, r in self.status().get("replicas", {}).items()}
+
+    def wait_states(self, want: dict[str, str], timeout_s: float) -> dict[str, str]:
+        def ok():
+            s = self.states()
+            return s if all(s.get(k) == v for k, v in want.items()) else None
+        return wait_for(ok, timeout_s, f"replica states {want} (now {self.states()})", interval_s=0.5)
+
+    def identities(self, units: list[str]) -> dict[str, tuple[str, str]]:
+        return {u: self.box.identity(u) for u in units}
+
+    def bystander_units(self, except_replica: str) -> list[str]:
+        return [r.unit for r in self.replicas if r.name != except_replica] + list(self.bystanders)
+
+    def guardian_lines(self, *match: str) -> list[dict]:
+        return self.box.journal("SYSLOG_IDENTIFIER=guardian", *match, since=self.since)
+
+    def guardian_messages(self, *match: str) -> list[str]:
+        return [e["MESSAGE"] for e in self.guardian_lines(*match)]
+
+    def sim(self, r: Replica, *args: str) -> str:
+        return self.box.run(["vllm-sim-ctl", r.url, *args]).stdout
+
+    def fault(self, r: Replica, name: str, **params) -> None:
+        self.sim(r, "fault", name, json.dumps(params))
+
+    def main_pid(self, unit: str) -> int:
+        return int(self.box.prop(unit, "MainPID"))
+
+    def kill(self, unit: str, sig: str) -> None:
+        self.box.run(["kill", f"-{sig}", str(self.main_pid(unit))])
+
+    def restarts_of(self, r: Replica) -> list[dict]:
+        return [e for e in self.guardian_lines(f"GUARDIAN_REPLICA={r.name}", "GUARDIAN_DECISION=restart")]
+
+
+def shq(s: str) -> str:
+    return shlex.quote(s)
