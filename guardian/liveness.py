@@ -10,7 +10,8 @@ Rules, first match wins (``W`` = watchdog config, ``R`` = replica config, times 
 =====  ==============  ==============================================================================
   1     paused          an operator pause is in force (``guardian pause``; until <= now ends it)
   2     unknown         systemd could not be asked about the unit (D-Bus error)
-  3     stopped         unit not found, masked, inactive or failed
+  3     stopped         unit not found, inactive or failed (a masked unit still running is judged,
+                        and the restart gates refuse it)
   4     starting        unit activating or deactivating, or a restart by guardian is in flight
   5     starting        unit active, not healthy once since it last started, and
                         now - start < R.startup_grace_s  (start = systemd's InactiveExitTimestamp)
@@ -200,8 +201,8 @@ def _classify(t, obs, now, rcfg, wcfg, pause, progressed, health_in_time, canary
         return PAUSED, f"paused by {pause.reason} {until}"
     if unit is None:
         return UNKNOWN, f"systemd not reachable: {obs.unit_error or 'D-Bus error'}"
-    if not unit.exists or unit.load_state == "masked" or unit.active_state in ("inactive", "failed"):
-        what = unit.load_state if not unit.exists or unit.load_state == "masked" else unit.active_state
+    if not unit.exists or unit.active_state in ("inactive", "failed"):
+        what = unit.load_state if not unit.exists else unit.active_state
         return STOPPED, f"unit {unit.name} is {what}"
     if unit.active_state in ("activating", "deactivating") or t.restart_in_flight:
         why = "restart by guardian in flight" if t.restart_in_flight else f"unit {unit.active_state}"

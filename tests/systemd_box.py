@@ -169,7 +169,7 @@ class SystemdBox:
     def run(self, cmd: list[str] | str, check: bool = True, timeout: float = 60, input: str | None = None) -> subprocess.CompletedProcess:
         if isinstance(cmd, str):
             cmd = ["sh", "-c", cmd]
-        full = ["nsenter", "-t", str(self.leader), "-a", "--", "env", "-i", "PATH=/usr/sbin:/usr/bin:/sbin:/bin",
+        full = ["nsenter", "-t", str(self.leader), "-a", "--", "env", "-i", "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
                 "LANG=C.UTF-8", "SYSTEMD_PAGER=", "SYSTEMD_COLORS=0", *cmd]
         r = subprocess.run(full, capture_output=True, text=True, timeout=timeout, input=input)
         if check and r.returncode != 0:

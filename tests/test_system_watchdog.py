@@ -1,13 +1,22 @@
-"""Watchdog system tests: real systemd, real D-Bus, the simulator as replicas (issue 3)."""
+"""Watchdog system tests: real systemd, real D-Bus, the simulator as replicas (issue 3).
+
+Every test that expects a restart (or a refusal) also checks that the other replica, the
+stand-in database and the stand-in proxy kept their MainPID and InvocationID.
+"""
 
 from __future__ import annotations
+
+import os
+import time
 
 import pytest
 
 from systemd_box import wait_for
-from world import World
+from world import Replica, World
 
 pytestmark = pytest.mark.system
+
+BUSY_FOR_S = float(os.environ.get("GUARDIAN_TEST_BUSY_S", "150"))
 
 
 @pytest.fixture
@@ -17,26 +26,254 @@ def world(box):
     w.teardown()
 
 
-def _assert_untouched(world: World, before: dict) -> None:
+def untouched(world: World, before: dict) -> None:
     after = world.identities(list(before))
     assert after == before, f"bystanders changed: {before} -> {after}"
 
 
-def _wait_restarted(world: World, r, old_identity, timeout_s=40):
+def wait_restarted(world: World, r: Replica, old_identity, timeout_s=40):
     wait_for(lambda: world.box.identity(r.unit) != old_identity and world.box.prop(r.unit, "ActiveState") == "active",
              timeout_s, f"{r.unit} to be restarted")
 
 
-def test_frozen_process_restarts_exactly_its_unit(world):
-    world.setup()
+def wait_line(world: World, *match: str, contains: str = "", timeout_s: float = 30) -> dict:
+    def found():
+        return next((e for e in world.guardian_lines(*match) if contains in e["MESSAGE"]), None)
+    return wait_for(found, timeout_s, f"a guardian journal line {match} containing {contains!r}")
+
+
+def freeze_and_expect_refusal(world: World, gate: str, contains: str) -> dict:
+    a = world.replicas[0]
+    before = world.identities([a.unit] + world.bystander_units("a"))
+    world.kill(a.unit, "STOP")
+    line = wait_line(world, "GUARDIAN_REPLICA=a", "GUARDIAN_DECISION=refused", contains=contains)
+    assert line["PRIORITY"] == "3", line
+    assert line.get("GUARDIAN_GATE") == gate, line
+    # Several more ticks: still no restart, and the refusal is not repeated every tick.
+    time.sleep(3 * world.top["interval_s"] + 1)
+    assert world.restarts_of(a) == []
+    assert len(world.guardian_lines("GUARDIAN_REPLICA=a", "GUARDIAN_DECISION=refused")) == 1
+    untouched(world, before)
+    world.kill(a.unit, "CONT")
+    return line
+
+
+# --- faults that must lead to exactly one restart of exactly the right unit ------------------
+
+def expect_restart(world: World, inject, *states: str) -> dict:
     a = world.replicas[0]
     before = world.identities(world.bystander_units("a"))
     old = world.box.identity(a.unit)
-    world.kill(a.unit, "STOP")
-    _wait_restarted(world, a, old)
+    inject(a)
+    wait_restarted(world, a, old)
     world.wait_states({"a": "healthy", "b": "healthy"}, timeout_s=30)
     lines = world.restarts_of(a)
-    assert len(lines) == 1, lines
-    assert "unresponsive" in lines[0]["MESSAGE"] and lines[0]["PRIORITY"] == "4"
-    assert lines[0]["GUARDIAN_UNIT"] == a.unit
-    _assert_untouched(world, before)
+    assert len(lines) == 1, [e["MESSAGE"] for e in lines]
+    line = lines[0]
+    assert any(line["MESSAGE"].startswith(f"replica a: {s} (") for s in states), line["MESSAGE"]
+    assert line["PRIORITY"] == "4" and line["GUARDIAN_UNIT"] == a.unit
+    assert any("serving again" in m for m in world.guardian_messages("GUARDIAN_REPLICA=a"))
+    untouched(world, before)
+    return line
+
+
+def test_frozen_process_is_restarted(world):
+    world.setup()
+    expect_restart(world, lambda a: world.kill(a.unit, "STOP"), "unresponsive")
+
+
+def test_engine_dead_with_health_200_is_restarted(world):
+    world.setup()
+    a = world.replicas[0]
+
+    def inject(a):
+        world.fault(a, "engine-dead")
+        code, _ = world.box.http(a.url + "/health")
+        assert code == 200  # the lie guardian must see through
+
+    line = expect_restart(world, inject, "idle-dead")
+    assert "canary" in line["MESSAGE"]
+
+
+def test_engine_killed_health_503_is_restarted(world):
+    world.setup()
+    # Both verdicts are right: /health 503 for the window, or the idle canaries failing first.
+    line = expect_restart(world, lambda a: world.fault(a, "engine-killed", exit_after_s=None), "unresponsive", "idle-dead")
+    assert "503" in line["MESSAGE"]
+
+
+def test_stalled_with_requests_queued_is_restarted(world):
+    world.setup()
+
+    def inject(a):
+        world.sim(a, "load", "4")
+        world.wait_states({"a": "healthy"}, timeout_s=10)
+        world.fault(a, "engine-dead")
+
+    line = expect_restart(world, inject, "stalled")
+    assert "4 running" in line["MESSAGE"]
+
+
+def test_busy_replica_with_slow_health_is_never_restarted(world):
+    world.setup()
+    a = world.replicas[0]
+    world.sim(a, "load", "6")
+    world.fault(a, "slow-health", delay_s=2.5)  # > health_timeout_s = 1
+    world.wait_states({"a": "busy"}, timeout_s=20)
+    old = world.box.identity(a.unit)
+    deadline = time.monotonic() + BUSY_FOR_S
+    seen = set()
+    while time.monotonic() < deadline:
+        seen.add(world.states().get("a"))
+        time.sleep(2)
+    assert world.box.identity(a.unit) == old
+    assert world.restarts_of(a) == []
+    assert seen <= {"busy", "healthy"}, seen
+    assert "busy" in seen
+
+
+def test_wrong_model_is_logged_and_not_restarted(world):
+    world.setup()
+    a = world.replicas[0]
+    old = world.box.identity(a.unit)
+    world.fault(a, "wrong-model", model="old-split-model")
+    line = wait_line(world, "GUARDIAN_REPLICA=a", "GUARDIAN_STATE=wrong-model")
+    assert line["PRIORITY"] == "3"
+    assert "old-split-model" in line["MESSAGE"] and "sim-model" in line["MESSAGE"]
+    time.sleep(world.watchdog["stall_window_s"] + world.watchdog["unresponsive_after_s"])
+    assert world.states()["a"] == "wrong-model"
+    assert world.box.identity(a.unit) == old
+    assert world.restarts_of(a) == []
+
+
+# --- refusals -------------------------------------------------------------------------------
+
+def test_stopped_on_purpose_is_not_started(world):
+    world.setup()
+    a = world.replicas[0]
+    world.box.systemctl("stop", a.unit)
+    world.wait_states({"a": "stopped"}, timeout_s=10)
+    time.sleep(world.watchdog["unresponsive_after_s"] + 2)
+    assert world.box.prop(a.unit, "ActiveState") == "inactive"
+    assert world.restarts_of(a) == []
+
+
+def test_masked_unit_is_refused(world):
+    world.setup()
+    world.box.systemctl("mask", world.replicas[0].unit)
+    world.box.daemon_reload()
+    freeze_and_expect_refusal(world, "masked", "masked")
+
+
+def test_disabled_unit_is_refused(world):
+    world.setup()
+    world.box.systemctl("disable", world.replicas[0].unit)
+    line = freeze_and_expect_refusal(world, "disabled", "disabled")
+    assert "systemctl enable vllm-a.service" in line["MESSAGE"]
+
+
+def test_active_conflicting_unit_is_refused_by_name(world):
+    world.setup()
+    world.install_plain("legacy-watchdog.service")
+    world.box.daemon_reload()
+    world.box.systemctl("start", "legacy-watchdog.service")
+    # The conflict appears while both run (an edited unit file), as it did in the field.
+    world.box.write("/etc/systemd/system/legacy-watchdog.service.d/conflict.conf", "[Unit]\nConflicts=vllm-a.service\n")
+    world.box.daemon_reload()
+    before = world.identities(["legacy-watchdog.service"])
+    line = freeze_and_expect_refusal(world, "conflicts", "legacy-watchdog.service")
+    assert "would stop legacy-watchdog.service" in line["MESSAGE"]
+    untouched(world, before)
+    world.box.run("rm -rf /etc/systemd/system/legacy-watchdog.service.d")
+
+
+def test_port_held_by_another_unit_is_refused_by_name(world):
+    # Replica a is configured on 8001, but vllm-a listens on 8011 and an impostor on 8001.
+    world.replicas[0] = Replica("a", 8011)
+    world.setup(start_guardian=False)
+    world.install_plain("impostor.service", exec_start="/usr/local/bin/vllm-sim --port 8001 --load-time-s 0")
+    world.box.daemon_reload()
+    world.box.systemctl("start", "impostor.service")
+    wait_for(lambda: world.box.http("http://127.0.0.1:8001/health")[0] == 200, 20, "impostor to serve")
+    world.write_config(world.config_text([Replica("a", 8001), world.replicas[1]]))
+    world.box.systemctl("start", "guardian.service")
+    world.wait_states({"a": "healthy", "b": "healthy"}, timeout_s=30)
+    before = world.identities(["vllm-a.service", "impostor.service", "vllm-b.service", "db.service"])
+    world.kill("impostor.service", "STOP")
+    line = wait_line(world, "GUARDIAN_REPLICA=a", "GUARDIAN_DECISION=refused", contains="impostor.service")
+    assert line["GUARDIAN_GATE"] == "port-owner" and line["PRIORITY"] == "3"
+    assert world.restarts_of(world.replicas[0]) == []
+    untouched(world, before)
+    world.kill("impostor.service", "CONT")
+
+
+# --- budget, crash safety, dry-run -------------------------------------------------------------
+
+def test_crash_loop_spends_the_budget_then_gives_up(world):
+    a = world.replicas[0]
+    a.sim_args = "--fault frozen --fault-after-s 1"  # every start freezes a second later
+    world.setup(start_guardian=False)
+    world.box.systemctl("start", "guardian.service")
+    critical = wait_line(world, "GUARDIAN_REPLICA=a", "PRIORITY=2", contains="budget spent", timeout_s=90)
+    assert "giving up" in critical["MESSAGE"] and "guardian resume a" in critical["MESSAGE"]
+    assert len(world.restarts_of(a)) == 3
+    pid_after = world.box.identity(a.unit)
+    # It stays frozen, and guardian keeps its hands off for several more windows.
+    time.sleep(3 * (world.watchdog["unresponsive_after_s"] + 1))
+    assert len(world.restarts_of(a)) == 3
+    assert world.box.identity(a.unit) == pid_after
+    assert "gave up" in world.box.run(["guardian", "status"]).stdout.lower()
+    assert "restart budget spent" in world.box.prop("guardian.service", "StatusText")
+    world.kill(a.unit, "CONT")
+
+
+def test_sigkill_during_restart_does_not_restart_twice(world):
+    a = world.replicas[0]
+    a.service_extra = "ExecStopPost=/bin/sleep 6"  # a restart job that takes a while
+    world.setup(start_guardian=False)
+    world.box.write("/etc/systemd/system/guardian.service.d/fast.conf", "[Service]\nRestartSec=1s\n")
+    world.box.daemon_reload()
+    world.start_guardian()
+    frozen_at = time.time()
+    world.kill(a.unit, "STOP")
+    wait_line(world, "GUARDIAN_REPLICA=a", "GUARDIAN_DECISION=restart")
+    world.kill("guardian.service", "KILL")
+    wait_for(lambda: world.box.prop("guardian.service", "NRestarts") == "1"
+             and world.box.prop("guardian.service", "ActiveState") == "active", 30, "guardian to come back")
+    world.wait_states({"a": "healthy", "b": "healthy"}, timeout_s=40)
+    time.sleep(2)
+    assert len(world.restarts_of(a)) == 1
+    starts = world.box.messages("MESSAGE_ID=39f53479d3a045ac8e11786248231fbf", f"UNIT={a.unit}", since=frozen_at)
+    assert len(starts) == 1, starts  # systemd's "Started" message for vllm-a: one restart only
+
+
+def test_dry_run_logs_the_would_be_restart_and_does_nothing(world):
+    world.top["dry_run"] = True
+    world.setup()
+    a = world.replicas[0]
+    old = world.box.identity(a.unit)
+    world.kill(a.unit, "STOP")
+    line = wait_line(world, "GUARDIAN_REPLICA=a", "GUARDIAN_DECISION=dry-run")
+    assert "DRY-RUN: would restart vllm-a.service" in line["MESSAGE"]
+    time.sleep(2)
+    assert world.box.identity(a.unit) == old
+    assert world.restarts_of(a) == []
+    world.kill(a.unit, "CONT")
+
+
+# --- hazards -------------------------------------------------------------------------------------
+
+def test_enabled_conflicting_unit_is_reported_with_the_remedy(world):
+    world.setup(start_guardian=False)
+    world.install_plain("vllm-split.service", unit_extra="Conflicts=vllm-a.service",
+                        description="the old split-model service")
+    world.box.daemon_reload()
+    world.box.systemctl("enable", "vllm-split.service")
+    r = world.box.run(["guardian", "check"], check=False)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "vllm-split.service is enabled and conflicts with vllm-a.service" in r.stdout
+    assert "systemctl disable --now vllm-split.service" in r.stdout
+    world.box.systemctl("start", "guardian.service")
+    line = wait_line(world, "GUARDIAN_HAZARD=conflict:vllm-split.service:vllm-a.service")
+    assert "systemctl disable --now vllm-split.service" in line["MESSAGE"] and line["PRIORITY"] == "3"
+    assert world.box.prop("vllm-split.service", "ActiveState") == "inactive"

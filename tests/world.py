@@ -103,7 +103,8 @@ class World:
         self.box.write(path, text if text is not None else self.config_text())
 
     def install_replica(self, r: Replica) -> None:
-        self.box.write(f"/etc/systemd/system/{r.unit}", REPLICA_UNIT.format(
+        # Where a package puts units, so that `systemctl mask` (a symlink in /etc) can override it.
+        self.box.write(f"/usr/lib/systemd/system/{r.unit}", REPLICA_UNIT.format(
             name=r.name, model=r.model, port=r.port, fraction=r.fraction, load_time_s=r.load_time_s,
             sim_args=r.sim_args, restart=r.restart, unit_extra=r.unit_extra, service_extra=r.service_extra))
 
@@ -140,7 +141,7 @@ class World:
         b.systemctl("disable", "--now", *units, check=False)
         b.systemctl("unmask", *units, check=False)
         for u in units:
-            b.run(["rm", "-f", f"/etc/systemd/system/{u}"], check=False)
+            b.run(["rm", "-f", f"/etc/systemd/system/{u}", f"/usr/lib/systemd/system/{u}"], check=False)
         b.run("rm -rf /etc/systemd/system/guardian.service.d /var/lib/guardian /run/guardian /etc/guardian/guardian.toml", check=False)
         b.daemon_reload()
         b.systemctl("reset-failed", check=False)
