@@ -84,8 +84,8 @@ class Daemon:
             raise StartupError(f"cannot talk to systemd over the system bus: {e}") from None
         self.sd.on_units_changed(self._on_units_changed)
         await self.tick()
-        self.notifier.ready(self.status_line())
         self.journal.send("info", f"guardian ready: {self.status_line()}")
+        self.notifier.ready(self.status_line())
 
     # --- one tick ---------------------------------------------------------------------
     async def tick(self) -> None:

@@ -1,0 +1,154 @@
+"""guardian as a systemd service: READY, watchdog pings, config errors, reload, status, state (issue 2)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from systemd_box import wait_for
+from world import Replica, World
+
+pytestmark = pytest.mark.system
+
+
+@pytest.fixture
+def world(box):
+    w = World(box)
+    yield w
+    w.teardown()
+
+
+def test_active_only_after_ready(world):
+    world.setup(start_guardian=False)
+    world.box.systemctl("start", "guardian.service")  # Type=notify: returns once READY=1 arrived
+    msgs = world.box.messages(since=world.since, unit="guardian.service")
+    ready = next(i for i, m in enumerate(msgs) if m.startswith("guardian ready:"))
+    started = next(i for i, m in enumerate(msgs) if m.startswith("Started guardian.service"))
+    first_verdict = next(i for i, m in enumerate(msgs) if m.startswith("replica a: starting -> healthy"))
+    assert first_verdict < ready < started, msgs
+    # the thresholds in effect are logged before anything else happens
+    assert any(m.startswith("limits in effect: watchdog: stalled when") for m in msgs[:ready])
+    assert "a healthy" in world.box.prop("guardian.service", "StatusText")
+
+
+def test_frozen_loop_gets_guardian_restarted_by_systemds_watchdog(world):
+    world.setup(start_guardian=False)
+    world.box.write("/etc/systemd/system/guardian.service.d/watchdog.conf", "[Service]\nWatchdogSec=3s\nRestartSec=1s\n")
+    world.box.daemon_reload()
+    world.start_guardian()
+    # Pings keep coming while the loop runs: well past WatchdogSec, no restart.
+    time.sleep(5)
+    assert world.box.prop("guardian.service", "NRestarts") == "0"
+    world.kill("guardian.service", "STOP")
+    wait_for(lambda: world.box.prop("guardian.service", "NRestarts") == "1", 20, "systemd to restart guardian")
+    msgs = world.box.messages(since=world.since, unit="guardian.service")
+    assert any("Watchdog timeout" in m for m in msgs), msgs
+    wait_for(lambda: world.box.prop("guardian.service", "ActiveState") == "active", 20, "guardian active again")
+
+
+def test_bad_config_exits_2_naming_the_key_and_does_not_loop(world):
+    world.setup(start_guardian=False)
+    world.write_config(world.config_text().replace("interval_s = 0.5", "interval_s = 0.5\nstall_windw_s = 3"))
+    r = world.box.run(["guardian", "check"], check=False)
+    assert r.returncode == 2
+    assert "stall_windw_s: unknown key" in r.stderr and "/etc/guardian/guardian.toml" in r.stderr
+    world.box.systemctl("start", "guardian.service", check=False)
+    wait_for(lambda: world.box.prop("guardian.service", "ActiveState") == "failed", 20, "guardian to fail")
+    time.sleep(7)  # > RestartSec=5s: a restart loop would have begun
+    assert world.box.prop("guardian.service", "NRestarts") == "0"
+    assert world.box.prop("guardian.service", "ExecMainStatus") == "2"
+    msgs = world.box.messages(since=world.since, unit="guardian.service")
+    assert any("stall_windw_s: unknown key" in m for m in msgs)
+
+
+def test_sighup_reloads_a_valid_config_and_keeps_the_old_on_an_invalid_one(world):
+    world.replicas = [Replica("a", 8001), Replica("b", 8002)]
+    world.setup(start_guardian=False)
+    world.write_config(world.config_text([world.replicas[0]]))
+    world.box.systemctl("start", "guardian.service")
+    world.wait_states({"a": "healthy"}, timeout_s=20)
+    assert "b" not in world.states()
+    pid = world.box.prop("guardian.service", "MainPID")
+    # valid: b is watched from now on
+    world.write_config()
+    world.box.systemctl("reload", "guardian.service")
+    world.wait_states({"a": "healthy", "b": "healthy"}, timeout_s=20)
+    # invalid: error logged, still running the previous config
+    world.write_config(world.config_text() + "\n[[replicas]]\nname = \"a\"\n")
+    world.box.systemctl("reload", "guardian.service")
+    line = wait_for(lambda: next((e for e in world.guardian_lines("PRIORITY=3") if "reload refused" in e["MESSAGE"]), None),
+                    20, "the reload refusal")
+    assert "keeping the running config" in line["MESSAGE"]
+    time.sleep(2)
+    assert world.box.prop("guardian.service", "MainPID") == pid
+    assert world.box.prop("guardian.service", "ActiveState") == "active"
+    assert world.states() == {"a": "healthy", "b": "healthy"}
+
+
+def test_status_shows_each_replica_from_the_running_daemon(world):
+    world.setup()
+    world.box.systemctl("stop", "vllm-b.service")
+    world.wait_states({"a": "healthy", "b": "stopped"}, timeout_s=15)
+    out = world.box.run(["guardian", "status"]).stdout
+    lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ")}
+    assert "healthy" in lines["a"] and "vllm-a.service" in lines["a"]
+    assert "stopped" in lines["b"] and "vllm-b.service is inactive" in lines["b"]
+    assert "memory:" in out and "GiB available" in out
+    data = json.loads(world.box.run(["guardian", "status", "--json"]).stdout)
+    assert data["pid"] == int(world.box.prop("guardian.service", "MainPID"))
+    assert data["stale"] is False
+    world.box.systemctl("stop", "guardian.service")
+    r = world.box.run(["guardian", "status"], check=False)
+    assert r.returncode == 3 and "not running" in r.stderr
+
+
+def test_corrupt_state_file_is_moved_aside_and_the_daemon_runs(world):
+    world.setup(start_guardian=False)
+    world.box.write("/var/lib/guardian/state.json", '{"version": 1, "restarts": {"a": [1, 2')
+    world.start_guardian()
+    line = wait_for(lambda: next((e for e in world.guardian_lines("PRIORITY=3") if "was corrupt" in e["MESSAGE"]), None),
+                    20, "the corrupt-state line")
+    assert "moved aside" in line["MESSAGE"]
+    listing = world.box.run("ls /var/lib/guardian").stdout.split()
+    assert any(n.startswith("state.json.corrupt-") for n in listing), listing
+    state = json.loads(world.box.run(["cat", "/var/lib/guardian/state.json"]).stdout)
+    assert state["version"] == 1 and state["restarts"] == {}
+    assert world.box.prop("guardian.service", "ActiveState") == "active"
+    # and it still does its job
+    a = world.replicas[0]
+    old = world.box.identity(a.unit)
+    world.kill(a.unit, "STOP")
+    wait_for(lambda: world.box.identity(a.unit) != old, 30, "the frozen replica to be restarted")
+
+
+def test_pause_survives_a_guardian_restart_and_resume_ends_it(world):
+    world.setup()
+    a = world.replicas[0]
+    out = world.box.run(["guardian", "pause", "a"]).stdout
+    assert "paused" in out
+    world.box.systemctl("restart", "guardian.service")
+    world.wait_states({"a": "paused", "b": "healthy"}, timeout_s=20)
+    old = world.box.identity(a.unit)
+    world.kill(a.unit, "STOP")
+    time.sleep(world.watchdog["unresponsive_after_s"] + 3)
+    assert world.box.identity(a.unit) == old and world.restarts_of(a) == []
+    world.box.run(["guardian", "resume", "a"])
+    wait_for(lambda: world.box.identity(a.unit) != old, 30, "a restart once resumed")
+
+
+def test_manual_restart_goes_through_the_gates(world):
+    world.setup()
+    a = world.replicas[0]
+    old = world.box.identity(a.unit)
+    r = world.box.run(["guardian", "restart", "a"], check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert world.box.identity(a.unit) != old
+    world.box.systemctl("disable", a.unit)
+    old = world.box.identity(a.unit)
+    r = world.box.run(["guardian", "restart", "a"], check=False)
+    assert r.returncode == 1 and world.box.identity(a.unit) == old
+    assert any("refused" in m and "disabled" in m for m in world.guardian_messages("GUARDIAN_REPLICA=a"))
+    r = world.box.run(["guardian", "restart", "nosuch"], check=False)
+    assert r.returncode != 0 and "no replica named 'nosuch'" in r.stderr
