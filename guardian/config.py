@@ -121,16 +121,17 @@ class Config(BaseSettings):
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings):
         return (init_settings, env_settings, _DictSource(settings_cls))
 
-    @model_validator(mode="after")
-    def _replicas_distinct(self) -> "Config":
+    @field_validator("replicas")
+    @classmethod
+    def _replicas_distinct(cls, replicas: list[ReplicaConfig]) -> list[ReplicaConfig]:
         for attr in ("name", "unit", "url"):
             seen: set[str] = set()
-            for r in self.replicas:
+            for r in replicas:
                 value = getattr(r, attr)
                 if value in seen:
                     raise ValueError(f"two replicas have the same {attr} {value!r}")
                 seen.add(value)
-        return self
+        return replicas
 
     def replica(self, name: str) -> ReplicaConfig | None:
         return next((r for r in self.replicas if r.name == name), None)

@@ -124,8 +124,7 @@ def decide(
               f"(restart {b.used + 1} of {b.limit} in {cfg.watchdog.restart_window_s:.0f} s)",
               r.name, r.unit, GUARDIAN_DECISION="restart")
         d.actions.append(RestartUnit(r.name, r.unit, t.state, t.evidence))
-        d.tracks[r.name] = replace(t, restart_in_flight=True, restart_issued_at=now, last_notice="restart",
-                                   state=liveness.STARTING, state_since=now, evidence="restart by guardian in flight")
+        d.tracks[r.name] = replace(t, restart_in_flight=True, restart_issued_at=now, last_notice="restart")
         restart_issued = True
     return d.tracks, d.actions
 

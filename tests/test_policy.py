@@ -1,0 +1,421 @@
+"""The pure watchdog policy, driven in memory with a fake clock, table by table.
+
+Every threshold is tested at the boundary: one tick before, exactly at, one tick after.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from guardian import gates, liveness, policy
+from guardian.config import Config, ReplicaConfig, WatchdogConfig
+from guardian.hazards import find_hazards
+from guardian.observations import (
+    CanaryResult, Pause, PersistentView, PortOwner, Probe, ReplicaObservation, RestartOutcome, UnitInfo, VllmSample,
+)
+
+OK = Probe(True, 200, 0.01)
+SLOW = Probe(True, 200, 2.5)  # answered, but slower than health_timeout_s = 2
+TIMEOUT = Probe(False, None, 2.0, "timeout")
+DEAD_503 = Probe(False, 503, 0.01, "HTTP 503")
+
+
+def cfg(n=2, **watchdog) -> Config:
+    reps = [ReplicaConfig(name=x, unit=f"vllm-{x}.service", url=f"http://127.0.0.1:800{i}", model="m",
+                          startup_grace_s=1200) for i, x in enumerate("abcd"[:n], start=1)]
+    return Config(replicas=reps, watchdog=WatchdogConfig(**watchdog))
+
+
+def unit(name="vllm-a.service", **kw) -> UnitInfo:
+    base = dict(name=name, load_state="loaded", active_state="active", unit_file_state="enabled",
+                inactive_exit_ts=0.0, main_pid=100, restart="always")
+    base.update(kw)
+    return UnitInfo(**base)
+
+
+def sample(gen=0.0, running=0, waiting=0, kv=0.0, prompt=0.0) -> VllmSample:
+    return VllmSample(running=running, waiting=waiting, kv_cache_usage=kv, generation_tokens=gen,
+                      prompt_tokens=prompt, iteration_count=gen, iteration_sum=gen + prompt, request_success=0)
+
+
+def obs(name="a", t=0.0, health=OK, s=None, models=("m",), u=None, canary=None, outcome=None, port=None, metrics_down=False):
+    s = s if s is not None else sample()
+    unit_info = u if u is not None else unit(f"vllm-{name}.service")
+    if metrics_down or health is TIMEOUT:
+        mprobe, s2 = (TIMEOUT, None) if health is TIMEOUT or metrics_down else (OK, s)
+    else:
+        mprobe, s2 = OK, s
+    models_probe, m = (TIMEOUT, None) if health is TIMEOUT else (OK, models)
+    owner = port if port is not None else PortOwner(8001, 100, unit_info.name)
+    return ReplicaObservation(name=name, at=t, unit=unit_info, health=health, metrics_probe=mprobe, metrics=s2,
+                              models_probe=models_probe, models=m, port_owner=owner, canary=canary, restart_outcome=outcome)
+
+
+class Sim:
+    """Feeds observations to policy.decide at fake times; remembers tracks and actions."""
+
+    def __init__(self, config: Config, persistent: PersistentView | None = None):
+        self.cfg = config
+        self.tracks: dict = {}
+        self.persistent = persistent or PersistentView()
+        self.actions: list = []
+
+    def tick(self, t: float, **per_replica) -> list:
+        observations = {}
+        for r in self.cfg.replicas:
+            o = per_replica.get(r.name) or obs(r.name, t)
+            observations[r.name] = replace(o, at=t)
+        self.tracks, actions = policy.decide(self.tracks, observations, self.persistent, t, self.cfg)
+        self.actions += actions
+        return actions
+
+    def state(self, name="a") -> str:
+        return self.tracks[name].state
+
+
+def restarts(actions) -> list:
+    return [a for a in actions if isinstance(a, policy.RestartUnit)]
+
+
+def logs(actions, priority=None) -> list[str]:
+    return [a.message for a in actions if isinstance(a, policy.LogLine) and (priority is None or a.priority == priority)]
+
+
+def healthy_start(sim: Sim, t0=100.0, **kw):
+    """A replica that was started at 0 and is serving at t0 (grace over by being healthy once)."""
+    sim.tick(t0, **kw)
+    assert sim.state() == liveness.HEALTHY
+
+
+# --- stalled --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dt, state", [(59.0, liveness.HEALTHY), (60.0, liveness.STALLED), (61.0, liveness.STALLED)])
+def test_stall_window_boundary(dt, state):
+    sim = Sim(cfg(1, stall_window_s=60))
+    healthy_start(sim)
+    flat = sample(gen=500, running=4, kv=0.3)
+    sim.tick(200, a=obs(t=200, s=flat))  # work first seen queued here
+    actions = sim.tick(200 + dt, a=obs(t=200 + dt, s=flat))
+    assert sim.state() == state
+    assert bool(restarts(actions)) == (state == liveness.STALLED)
+
+
+def test_stall_counts_from_last_progress_not_from_when_work_appeared():
+    sim = Sim(cfg(1, stall_window_s=60))
+    healthy_start(sim)
+    sim.tick(200, a=obs(t=200, s=sample(gen=1, running=2)))
+    sim.tick(250, a=obs(t=250, s=sample(gen=9, running=2)))  # progress at 250
+    sim.tick(309, a=obs(t=309, s=sample(gen=9, running=2)))
+    assert sim.state() != liveness.STALLED
+    sim.tick(310, a=obs(t=310, s=sample(gen=9, running=2)))
+    assert sim.state() == liveness.STALLED
+
+
+def test_long_prefill_moves_kv_usage_only_and_is_not_a_stall():
+    sim = Sim(cfg(1, stall_window_s=60))
+    healthy_start(sim)
+    for i, t in enumerate(range(200, 500, 10)):
+        sim.tick(t, a=obs(t=t, s=sample(gen=10, running=1, kv=0.01 * i)))  # token counters flat for 300 s
+        assert sim.state() == liveness.HEALTHY, t
+    assert restarts(sim.actions) == []
+
+
+# --- busy is not hung -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("health", [SLOW, TIMEOUT])
+def test_busy_with_slow_or_timed_out_health_is_never_restarted(health):
+    sim = Sim(cfg(1))
+    healthy_start(sim)
+    for i, t in enumerate(range(200, 200 + 600, 2)):  # ten minutes of load
+        o = obs(t=t, s=sample(gen=100 + i * 7, running=12, waiting=3))
+        o = replace(o, health=health)  # /health slow or failing; /metrics still answers
+        sim.tick(t, a=o)
+        assert sim.state() in (liveness.BUSY, liveness.HEALTHY)
+    assert sim.state() == liveness.BUSY
+    assert restarts(sim.actions) == []
+
+
+# --- unresponsive ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dt, state", [(9.5, liveness.DEGRADED), (10.0, liveness.UNRESPONSIVE), (10.5, liveness.UNRESPONSIVE)])
+def test_unresponsive_window_boundary(dt, state):
+    sim = Sim(cfg(1, unresponsive_after_s=10))
+    healthy_start(sim)
+    sim.tick(200, a=obs(t=200, health=TIMEOUT))  # first failure
+    actions = sim.tick(200 + dt, a=obs(t=200 + dt, health=TIMEOUT))
+    assert sim.state() == state
+    assert bool(restarts(actions)) == (state == liveness.UNRESPONSIVE)
+
+
+@pytest.mark.parametrize("dt, state", [(9.5, liveness.DEGRADED), (10.0, liveness.UNRESPONSIVE)])
+def test_health_503_means_engine_dead_after_the_window(dt, state):
+    sim = Sim(cfg(1, unresponsive_after_s=10))
+    healthy_start(sim)
+    sim.tick(200, a=obs(t=200, health=DEAD_503))
+    sim.tick(200 + dt, a=obs(t=200 + dt, health=DEAD_503))
+    assert sim.state() == state
+
+
+# --- starting and its grace ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("t, state", [(1199.0, liveness.STARTING), (1200.0, liveness.UNRESPONSIVE)])
+def test_startup_grace_is_measured_from_the_units_own_start(t, state):
+    sim = Sim(cfg(1, unresponsive_after_s=10))
+    u = unit(inactive_exit_ts=0.0)
+    for now in (5.0, 600.0, t):  # connection refused all along
+        sim.tick(now, a=obs(t=now, health=TIMEOUT, u=u))
+    assert sim.state() == state
+
+
+def test_guardian_restart_does_not_reset_grace():
+    """A fresh policy (guardian restarted) still measures grace from systemd's start time."""
+    sim = Sim(cfg(1))
+    u = unit(inactive_exit_ts=0.0)
+    sim.tick(1199.0, a=obs(t=1199.0, health=TIMEOUT, u=u))
+    assert sim.state() == liveness.STARTING
+    sim.tick(1200.0, a=obs(t=1200.0, health=TIMEOUT, u=u))
+    assert sim.state() == liveness.DEGRADED  # grace over; failures counted from first seen
+    sim.tick(1209.0, a=obs(t=1209.0, health=TIMEOUT, u=u))
+    assert sim.state() == liveness.UNRESPONSIVE
+
+
+def test_activating_unit_is_starting_and_healthy_once_ends_grace():
+    sim = Sim(cfg(1))
+    sim.tick(10, a=obs(t=10, health=TIMEOUT, u=unit(active_state="activating")))
+    assert sim.state() == liveness.STARTING
+    sim.tick(20, a=obs(t=20))
+    assert sim.state() == liveness.HEALTHY
+    assert any("starting -> healthy" in m for m in logs(sim.actions, "info"))
+
+
+def test_unit_restarted_by_anyone_starts_a_new_grace():
+    sim = Sim(cfg(1))
+    healthy_start(sim)
+    sim.tick(300, a=obs(t=300, health=TIMEOUT, u=unit(inactive_exit_ts=295.0)))
+    assert sim.state() == liveness.STARTING
+
+
+# --- idle-dead and canaries ---------------------------------------------------------------------
+
+def test_canary_only_when_idle_and_due():
+    sim = Sim(cfg(1, canary_interval_s=30))
+    healthy_start(sim, t0=100.0)  # start_ts 0: the first canary is due at once
+    assert any(isinstance(a, policy.StartCanary) for a in sim.actions)
+    sim.actions.clear()
+    sim.tick(110, a=obs(t=110, canary=CanaryResult(True, 100.0, 0.1)))
+    sim.tick(139, a=obs(t=139))
+    assert not any(isinstance(a, policy.StartCanary) for a in sim.actions)
+    sim.tick(140.1, a=obs(t=140.1, s=sample(running=3)))  # busy: no canary, even though due
+    assert not any(isinstance(a, policy.StartCanary) for a in sim.actions)
+    sim.tick(141, a=obs(t=141))
+    assert any(isinstance(a, policy.StartCanary) for a in sim.actions)
+
+
+@pytest.mark.parametrize("failures, state", [(1, liveness.DEGRADED), (2, liveness.IDLE_DEAD)])
+def test_idle_dead_after_consecutive_canary_failures(failures, state):
+    sim = Sim(cfg(1, canary_failures=2, canary_retry_s=5))
+    healthy_start(sim)
+    t = 100.0
+    for _ in range(failures):
+        t += 10
+        sim.tick(t, a=obs(t=t, canary=CanaryResult(False, t - 10, 10.0, "timeout")))
+    assert sim.state() == state
+    assert bool(restarts(sim.actions)) == (state == liveness.IDLE_DEAD)
+
+
+def test_canary_failure_during_real_progress_does_not_count():
+    sim = Sim(cfg(1, canary_failures=1))
+    healthy_start(sim)
+    sim.tick(105, a=obs(t=105, s=sample(gen=50)))  # traffic moved the counters while the canary ran
+    sim.tick(110, a=obs(t=110, s=sample(gen=50), canary=CanaryResult(False, 100.0, 10.0, "timeout")))
+    assert sim.state() == liveness.HEALTHY and restarts(sim.actions) == []
+
+
+# --- wrong model, stopped, paused -------------------------------------------------------------------
+
+def test_wrong_model_is_an_error_and_never_restarted():
+    sim = Sim(cfg(1))
+    healthy_start(sim)
+    for t in range(200, 400, 5):
+        sim.tick(t, a=obs(t=t, models=("old-split",), s=sample(running=2)))
+    assert sim.state() == liveness.WRONG_MODEL
+    errors = logs(sim.actions, "error")
+    assert len(errors) == 1 and "old-split" in errors[0] and "expected m" in errors[0]
+    assert restarts(sim.actions) == []
+
+
+@pytest.mark.parametrize("u", [unit(active_state="inactive"), unit(active_state="failed"), unit(load_state="not-found")])
+def test_stopped_units_are_reported_not_started(u):
+    sim = Sim(cfg(1))
+    healthy_start(sim)
+    for t in range(200, 300, 5):
+        sim.tick(t, a=obs(t=t, health=TIMEOUT, u=u))
+    assert sim.state() == liveness.STOPPED and restarts(sim.actions) == []
+
+
+@pytest.mark.parametrize("until, now, state", [(None, 500, liveness.PAUSED), (600, 599, liveness.PAUSED),
+                                               (600, 600, liveness.UNRESPONSIVE)])
+def test_pause_boundary(until, now, state):
+    sim = Sim(cfg(1))
+    healthy_start(sim, t0=1.0)
+    sim.persistent = PersistentView(pauses={"a": Pause(until)})
+    sim.tick(now - 20, a=obs(t=now - 20, health=TIMEOUT))
+    sim.tick(now, a=obs(t=now, health=TIMEOUT))
+    assert sim.state() == state
+
+
+# --- restart checks: budget, back-off, one at a time, dry-run ---------------------------------------------
+
+def stalled_sim(config, persistent=None, t=1000.0) -> tuple[Sim, list]:
+    sim = Sim(config, persistent)
+    sim.tick(t - 200, a=obs(t=t - 200))
+    sim.tick(t - 100, a=obs(t=t - 100, s=sample(gen=5, running=2)))
+    actions = sim.tick(t, a=obs(t=t, s=sample(gen=5, running=2)))
+    assert sim.state() == liveness.STALLED
+    return sim, actions
+
+
+@pytest.mark.parametrize("ages, allowed", [
+    ((), True),
+    ((1800.0, 1900.0, 1000.0), True),  # oldest two are exactly at / past the window edge: not counted
+    ((1799.0, 1000.0, 500.0), False),  # three inside the window: spent
+])
+def test_budget_window_boundary(ages, allowed):
+    now = 5000.0
+    sim, actions = stalled_sim(cfg(1, restart_budget=3, restart_window_s=1800, backoff_s=0),
+                               PersistentView(restarts={"a": tuple(now - a for a in ages)}), t=now)
+    assert bool(restarts(actions)) == allowed
+    if not allowed:
+        crit = logs(actions, "critical")
+        assert len(crit) == 1 and "budget spent" in crit[0] and "guardian resume a" in crit[0]
+        sim.tick(now + 5, a=obs(t=now + 5, s=sample(gen=5, running=2)))
+        assert logs(sim.actions, "critical") == crit  # said once, not every tick
+
+
+def test_resume_resets_the_budget():
+    now = 5000.0
+    pv = PersistentView(restarts={"a": (now - 30, now - 20, now - 10)}, resumed_at={"a": now - 5})
+    _, actions = stalled_sim(cfg(1, backoff_s=0), pv, t=now)
+    assert restarts(actions)
+
+
+@pytest.mark.parametrize("restart_ages, backoff_s, allowed", [
+    ((59.0,), 60, False), ((60.0,), 60, True),  # first gap: backoff_s
+    ((119.0, 300.0), 60, False), ((120.0, 300.0), 60, True),  # second gap: doubled
+])
+def test_backoff_boundary(restart_ages, backoff_s, allowed):
+    now = 5000.0
+    _, actions = stalled_sim(cfg(1, backoff_s=backoff_s), PersistentView(restarts={"a": tuple(now - a for a in restart_ages)}), t=now)
+    assert bool(restarts(actions)) == allowed
+    if not allowed:
+        assert any("back-off" in m for m in logs(actions, "error"))
+
+
+def test_one_restart_at_a_time_per_box():
+    sim = Sim(cfg(2))
+    t = 1000.0
+    sim.tick(t - 200)
+    flat = sample(gen=5, running=2)
+    sim.tick(t - 100, a=obs("a", t - 100, s=flat), b=obs("b", t - 100, s=flat))
+    actions = sim.tick(t, a=obs("a", t, s=flat), b=obs("b", t, s=flat))
+    assert [r.replica for r in restarts(actions)] == ["a"]
+    assert any("one restart at a time" in m for m in logs(actions, "error"))
+    # while a is starting again, b still waits
+    actions = sim.tick(t + 5, a=obs("a", t + 5, u=unit(active_state="activating")), b=obs("b", t + 5, s=flat))
+    assert restarts(actions) == [] and sim.state("a") == liveness.STARTING
+
+
+def test_restart_outcome_clears_in_flight():
+    sim, actions = stalled_sim(cfg(1))
+    assert restarts(actions) and sim.tracks["a"].restart_in_flight
+    sim.tick(1001, a=obs(t=1001, health=TIMEOUT))
+    assert sim.state() == liveness.STARTING
+    sim.tick(1010, a=obs(t=1010, u=unit(inactive_exit_ts=1005.0), outcome=RestartOutcome("vllm-a.service", "done", 1009)))
+    assert not sim.tracks["a"].restart_in_flight and sim.state() == liveness.HEALTHY
+    assert any("serving again 10.0 s after guardian's restart" in m for m in logs(sim.actions, "info"))
+
+
+def test_dry_run_logs_what_it_would_do_once():
+    config = cfg(1).model_copy(update={"dry_run": True})
+    sim, actions = stalled_sim(config)
+    assert restarts(actions) == []
+    warn = logs(actions, "warning")
+    assert len(warn) == 1 and "DRY-RUN: would restart vllm-a.service" in warn[0]
+    sim.tick(1005, a=obs(t=1005, s=sample(gen=5, running=2)))
+    assert len(logs(sim.actions, "warning")) == 1
+
+
+def test_unit_gate_refusal_is_logged_once_with_reason():
+    sim = Sim(cfg(1))
+    t = 1000.0
+    u = unit(unit_file_state="disabled")
+    sim.tick(t - 200, a=obs(t=t - 200, u=u))
+    for now in (t - 100, t, t + 1, t + 2):
+        sim.tick(now, a=obs(t=now, s=sample(gen=5, running=2), u=u))
+    errors = logs(sim.actions, "error")
+    assert len(errors) == 1 and "disabled" in errors[0] and "systemctl enable vllm-a.service" in errors[0]
+    assert restarts(sim.actions) == []
+
+
+# --- gates ------------------------------------------------------------------------------------
+
+OWN = PortOwner(8001, 100, "vllm-a.service")
+
+
+@pytest.mark.parametrize("u, owner, gate", [
+    (unit(), OWN, None),
+    (unit(unit_file_state="static"), OWN, None),
+    (unit(active_state="activating"), OWN, None),
+    (unit(), PortOwner(8001, None, None), None),  # nobody listens: this unit's problem
+    (unit(conflicts=(("old.service", "inactive"),)), OWN, None),
+    (unit(load_state="masked", unit_file_state="masked"), OWN, "masked"),
+    (unit(load_state="not-found", unit_file_state=""), OWN, "not-loaded"),
+    (unit(unit_file_state="disabled"), OWN, "disabled"),
+    (unit(active_state="inactive"), OWN, "inactive"),
+    (unit(active_state="failed"), OWN, "inactive"),
+    (unit(job_pending=True), OWN, "job-pending"),
+    (unit(), PortOwner(8001, 4242, "impostor.service"), "port-owner"),
+    (unit(), PortOwner(8001, None, "?"), "port-unknown"),
+    (unit(conflicts=(("old.service", "active"),)), OWN, "conflicts"),
+    (unit(conflicts=(("old.service", "deactivating"),)), OWN, "conflicts"),
+    (None, OWN, "dbus"),
+])
+def test_unit_gates(u, owner, gate):
+    refusal = gates.unit_refusal(u, owner)
+    assert (refusal.gate if refusal else None) == gate
+    if refusal is not None and u is not None:
+        assert refusal.remedy
+
+
+def test_refusals_name_what_would_be_hurt():
+    r = gates.unit_refusal(unit(conflicts=(("legacy.service", "active"),)), OWN)
+    assert "would stop legacy.service (active)" in r.reason
+    r = gates.unit_refusal(unit(), PortOwner(8001, 4242, "impostor.service"))
+    assert "impostor.service (pid 4242)" in r.reason
+
+
+# --- hazards ----------------------------------------------------------------------------------
+
+def test_hazards():
+    config = cfg(2)
+    units = {"vllm-a.service": unit(restart="on-failure"),
+             "vllm-b.service": unit("vllm-b.service", unit_file_state="disabled")}
+    found = {h.key: h.message for h in find_hazards(config, units, {"legacy.service": ("vllm-a.service",)})}
+    assert "systemctl disable --now legacy.service" in found["conflict:legacy.service:vllm-a.service"]
+    assert "Restart=always" in found["restart:vllm-a.service"]
+    assert "disabled:vllm-b.service" in found
+    # no hazard for a conflicting unit whose replica is not running
+    units["vllm-a.service"] = unit(active_state="inactive")
+    assert not any(k.startswith("conflict:") for k in (h.key for h in find_hazards(config, units, {"legacy.service": ("vllm-a.service",)})))
+
+
+def test_hazard_missing_unit_and_shared_port():
+    config = Config(replicas=[
+        ReplicaConfig(name="a", unit="vllm-a.service", url="http://127.0.0.1:8001", model="m"),
+        ReplicaConfig(name="b", unit="vllm-b.service", url="http://localhost:8001", model="m"),
+    ])
+    units = {"vllm-a.service": unit(load_state="not-found", unit_file_state=""), "vllm-b.service": unit("vllm-b.service")}
+    keys = {h.key for h in find_hazards(config, units, {})}
+    assert {"port:8001", "missing:vllm-a.service"} <= keys
