@@ -160,7 +160,7 @@ def _log_transition(d: _Decision, name: str, unit: str, old: Track, new: Track, 
     if new.state == old.state and old.evidence != liveness.NO_OBSERVATION:
         return
     msg = f"replica {name}: {old.state} -> {new.state} ({new.evidence})"
-    if new.state == liveness.HEALTHY and old.restart_issued_at is not None and old.state == liveness.STARTING:
+    if new.state == liveness.HEALTHY and old.restart_issued_at is not None:
         msg += f"; serving again {now - old.restart_issued_at:.1f} s after guardian's restart"
     if new.state == liveness.WRONG_MODEL:
         msg += "; not restarting: a wrong model is a wiring or cutover fault, fix the unit or the config"

@@ -1,0 +1,172 @@
+"""The replica simulator's faults really happen (real HTTP, real processes, on loopback)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from guardian.metrics import parse_vllm_metrics
+from systemd_box import wait_for
+
+SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "vllm-0.32-metrics-sample.txt"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Running:
+    def __init__(self, *args: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen([sys.executable, "-m", "vllm_sim", "--port", str(self.port), "--model", "m",
+                                      "--tokens-per-s", "50", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def get(self, path: str, timeout: float = 2.0) -> httpx.Response:
+        return httpx.get(self.url + path, timeout=timeout)
+
+    def post(self, path: str, body: dict, timeout: float = 5.0) -> httpx.Response:
+        return httpx.post(self.url + path, json=body, timeout=timeout)
+
+    def wait_up(self) -> "Running":
+        def up():
+            try:
+                return self.get("/health").status_code == 200
+            except httpx.HTTPError:
+                return False
+        wait_for(up, 15, "the simulator to serve")
+        return self
+
+    def sample(self):
+        return parse_vllm_metrics(self.get("/metrics").text)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            psutil.Process(self.proc.pid).resume()
+            self.proc.kill()
+        self.proc.wait(5)
+
+
+@pytest.fixture
+def sim():
+    started: list[Running] = []
+
+    def start(*args: str) -> Running:
+        r = Running(*args)
+        started.append(r)
+        return r
+    yield start
+    for r in started:
+        r.stop()
+
+
+def test_serves_vllms_endpoints_and_counters_move(sim):
+    s = sim("--gpu-memory-utilization", "0.74").wait_up()
+    assert s.get("/ping").status_code == 200 and "version" in s.get("/version").json()
+    assert [m["id"] for m in s.get("/v1/models").json()["data"]] == ["m"]
+    before = s.sample()
+    r = s.post("/v1/completions", {"model": "m", "prompt": "hello there", "max_tokens": 5})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+    after = s.sample()
+    assert after.generation_tokens >= before.generation_tokens + 5
+    assert after.prompt_tokens > before.prompt_tokens and after.request_success == before.request_success + 1
+    assert after.gpu_memory_utilization == 0.74 and after.model_names == ("m",)
+    with httpx.stream("POST", s.url + "/v1/chat/completions", timeout=5,
+                      json={"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "stream": True}) as resp:
+        events = [line for line in resp.iter_lines() if line.startswith("data: ")]
+    assert len(events) == 4 and events[-1] == "data: [DONE]"
+
+
+def test_metrics_page_uses_the_real_servers_names():
+    real = SAMPLE.read_text()
+    assert parse_vllm_metrics(real).generation_tokens == 166
+
+
+def test_metric_families_match_the_real_sample(sim):
+    s = sim().wait_up()
+    names = lambda text: {l.split()[2] for l in text.splitlines() if l.startswith("# TYPE vllm:")}
+    mine, real = names(s.get("/metrics").text), names(SAMPLE.read_text())
+    assert {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+            "vllm:generation_tokens_total", "vllm:prompt_tokens_total", "vllm:request_success_total",
+            "vllm:iteration_tokens_total", "vllm:cache_config_info"} <= mine
+    assert mine <= real, mine - real
+
+
+def test_engine_dead_health_200_requests_hang_counters_flat(sim):
+    s = sim().wait_up()
+    s.post("/_sim/load", {"streams": 3})
+    wait_for(lambda: s.sample().running == 3, 5, "load to run")
+    s.post("/_sim/fault", {"fault": "engine-dead"})
+    frozen = s.sample()
+    assert s.get("/health").status_code == 200
+    with pytest.raises(httpx.TimeoutException):
+        s.post("/v1/completions", {"model": "m", "prompt": "x", "max_tokens": 1}, timeout=1.5)
+    later = s.sample()
+    assert later.generation_tokens == frozen.generation_tokens and later.running == 3
+    assert later.waiting == frozen.waiting  # the new request never shows up, as in real vLLM
+
+
+def test_slow_health_under_load_while_tokens_flow(sim):
+    s = sim().wait_up()
+    s.post("/_sim/fault", {"fault": "slow-health", "delay_s": 1.5})
+    t = time.monotonic()
+    assert s.get("/health").status_code == 200 and time.monotonic() - t < 1.0  # idle: fast
+    s.post("/_sim/load", {"streams": 4})
+    wait_for(lambda: s.sample().running > 0, 5, "load to run")
+    before = s.sample()
+    with pytest.raises(httpx.TimeoutException):
+        s.get("/health", timeout=1.0)
+    assert s.sample().generation_tokens > before.generation_tokens
+
+
+def test_wrong_model(sim):
+    s = sim().wait_up()
+    s.post("/_sim/fault", {"fault": "wrong-model", "model": "old"})
+    assert [m["id"] for m in s.get("/v1/models").json()["data"]] == ["old"]
+
+
+def test_frozen_process(sim):
+    s = sim().wait_up()
+    s.post("/_sim/fault", {"fault": "frozen"})
+    wait_for(lambda: psutil.Process(s.proc.pid).status() == psutil.STATUS_STOPPED, 5, "SIGSTOP")
+    with pytest.raises(httpx.TimeoutException):
+        s.get("/health", timeout=1.0)
+
+
+def test_engine_killed_503_then_exit_0(sim):
+    s = sim().wait_up()
+    s.post("/_sim/fault", {"fault": "engine-killed", "exit_after_s": 1.0})
+    assert s.get("/health").status_code == 503
+    assert s.post("/v1/completions", {"model": "m", "prompt": "x"}).status_code == 500
+    assert s.proc.wait(10) == 0  # like vLLM's API server: Restart=on-failure would not restart it
+
+
+def test_fail_at_startup(sim):
+    s = sim("--fault", "fail-startup")
+    assert s.proc.wait(10) == 1
+    assert "failed to start" in s.proc.stdout.read()
+
+
+def test_startup_memory_check_refuses_a_fraction_that_does_not_fit(sim):
+    s = sim("--check-memory", "--gpu-memory-utilization", "0.999")
+    assert s.proc.wait(10) == 1
+    assert "Free memory on device" in s.proc.stdout.read()
+    ok = sim("--check-memory", "--gpu-memory-utilization", "0.01").wait_up()
+    assert ok.sample().gpu_memory_utilization == 0.01
+
+
+def test_slow_startup_refuses_connections_until_loaded(sim):
+    s = sim("--load-time-s", "2")
+    time.sleep(0.5)  # not a wait for a condition: we check that it is NOT up yet mid-load
+    with pytest.raises(httpx.ConnectError):
+        s.get("/health")
+    s.wait_up()
