@@ -94,6 +94,7 @@ def decide(
         if new.state not in RESTART_STATES:
             new = replace(new, last_notice=None)
         _log_transition(d, r.name, r.unit, old, new, obs, now)
+        new = _note_unreadable_metrics(d, r.name, r.unit, new, obs)
         if new.state == liveness.HEALTHY and new.restart_issued_at is not None:
             new = replace(new, restart_issued_at=None)
         if want_canary:
@@ -151,6 +152,17 @@ def _refusal(name, t, tracks, obs, persistent, now, cfg, restart_issued) -> tupl
     if refusal is not None:
         return (f"{refusal.gate}:{refusal.reason}", "error", refusal.text())
     return None
+
+
+def _note_unreadable_metrics(d: _Decision, name: str, unit: str, t: Track, obs: ReplicaObservation) -> Track:
+    """Garbage on /metrics is bad input: say so once, and base no restart on it."""
+    err = obs.metrics_probe.error if obs.metrics_probe.answered and obs.metrics is None else None
+    if err != t.metrics_error:
+        if err is not None:
+            d.log("error", f"replica {name}: /metrics {err}; progress cannot be judged, so no stall or idle "
+                  "verdict (and no restart) will be based on it until it reads again", name, unit)
+        t = replace(t, metrics_error=err)
+    return t
 
 
 _TRANSITION_PRIORITY = {liveness.WRONG_MODEL: "error", liveness.UNKNOWN: "error"}

@@ -72,3 +72,10 @@ def test_environment_overrides_the_file_and_is_named_when_wrong(tmp_path, monkey
     monkeypatch.setenv("GUARDIAN_INTERVAL_S", "soon")
     with pytest.raises(ConfigError, match="GUARDIAN_INTERVAL_S"):
         load_config(path)
+
+
+def test_shipped_example_config_is_valid():
+    from pathlib import Path
+
+    cfg = load_config(Path(__file__).resolve().parent.parent / "packaging" / "guardian.toml")
+    assert cfg.replicas and cfg.replicas[0].unit.endswith(".service")

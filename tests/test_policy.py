@@ -419,3 +419,17 @@ def test_hazard_missing_unit_and_shared_port():
     units = {"vllm-a.service": unit(load_state="not-found", unit_file_state=""), "vllm-b.service": unit("vllm-b.service")}
     keys = {h.key for h in find_hazards(config, units, {})}
     assert {"port:8001", "missing:vllm-a.service"} <= keys
+
+
+def test_garbage_metrics_is_said_once_and_never_grounds_for_a_restart():
+    sim = Sim(cfg(1, stall_window_s=60))
+    healthy_start(sim)
+    sim.actions.clear()
+    garbage = Probe(False, 200, 0.01, "unreadable: not Prometheus text: could not convert string to float")
+    for t in range(200, 500, 5):
+        o = replace(obs(t=t), metrics_probe=garbage, metrics=None)
+        sim.tick(t, a=o)
+        assert sim.state() == liveness.DEGRADED
+    errors = logs(sim.actions, "error")
+    assert len(errors) == 1 and "/metrics unreadable" in errors[0] and "no restart" in errors[0]
+    assert restarts(sim.actions) == [] and not any(isinstance(a, policy.StartCanary) for a in sim.actions)
