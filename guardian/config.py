@@ -81,11 +81,29 @@ class MemoryConfig(_Strict):
     min_headroom_bytes: int = Field(default=8 * 2**30, ge=0)
     critical_headroom_bytes: int = Field(default=3 * 2**30, ge=0)
     sustain_s: float = Field(default=30.0, ge=0)
+    psi_some_threshold_pct: float | None = Field(default=None, ge=0, le=100)
+    step: float = Field(default=0.04, gt=0, le=0.5)
+    floor: float = Field(default=0.50, gt=0, lt=1)
+    reserve_bytes: int = Field(default=2**30, ge=0)
+    cooldown_s: float = Field(default=600.0, ge=0)
+    device_total_bytes: int | None = Field(default=None, gt=0)
+    priority: list[str] = Field(default_factory=list)
+    peer_urls: list[str] = Field(default_factory=list)
+    peer_timeout_s: float = Field(default=2.0, gt=0)
+    restore: bool = False
+    restore_headroom_bytes: int = Field(default=16 * 2**30, ge=0)
+    restore_after_s: float = Field(default=3600.0, gt=0)
 
     @model_validator(mode="after")
-    def _critical_below_min(self) -> "MemoryConfig":
+    def _consistent(self) -> "MemoryConfig":
         if self.critical_headroom_bytes > self.min_headroom_bytes:
             raise ValueError("critical_headroom_bytes must be <= min_headroom_bytes")
+        if self.restore and self.restore_headroom_bytes <= self.min_headroom_bytes:
+            raise ValueError("restore_headroom_bytes must be > min_headroom_bytes, or lowering and raising would alternate")
+        for url in self.peer_urls:
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(f"peer_urls: {url!r} is not an http:// or https:// URL with a host")
         return self
 
 
@@ -132,6 +150,19 @@ class Config(BaseSettings):
                     raise ValueError(f"two replicas have the same {attr} {value!r}")
                 seen.add(value)
         return replicas
+
+    @model_validator(mode="after")
+    def _priority_names_replicas(self) -> "Config":
+        names = {r.name for r in self.replicas}
+        unknown = [n for n in self.memory.priority if n not in names]
+        if unknown:
+            raise ValueError(f"memory.priority names no configured replica: {', '.join(unknown)}")
+        return self
+
+    @property
+    def env_dir(self) -> Path:
+        """Where guardian keeps each replica's GPU_MEMORY_UTILIZATION environment file."""
+        return self.state_dir / "replicas"
 
     def replica(self, name: str) -> ReplicaConfig | None:
         return next((r for r in self.replicas if r.name == name), None)
