@@ -69,6 +69,22 @@ async def _check_live(cfg: Config, no_systemd: bool) -> int:
         for h in found:
             print(f"hazard: {h.message}")
         problems += len(found)
+        if cfg.memory.enabled:
+            from .nvml import Nvml
+            from .wiring import wiring_problem
+
+            print(f"memory guard: {Nvml().note}")
+            for r in cfg.replicas:
+                try:
+                    d = await sd.service_details(r.unit)
+                    problem = wiring_problem(r.unit, d.environment_files, d.exec_start, cfg.env_dir / f"{r.name}.env")
+                except SystemdError as e:
+                    problem = f"cannot ask systemd: {e}"
+                if problem:
+                    problems += 1
+                    print(f"memory guard: replica {r.name}: NOT wired, it will never be restarted to lower its fraction: {problem}")
+                else:
+                    print(f"memory guard: replica {r.name}: wired ({cfg.env_dir / f'{r.name}.env'})")
     async with make_client() as client:
         for r in cfg.replicas:
             from . import probes
@@ -133,9 +149,21 @@ def cmd_status(args) -> int:
         psi = mem.get("psi_some_avg10")
         print(f"memory: {mem['available_bytes'] / 2**30:.1f} GiB available of {mem['total_bytes'] / 2**30:.1f} GiB"
               + (f", PSI some avg10 {psi:.2f}%" if psi is not None else ", PSI not available"))
+        if mem.get("guard"):
+            below = mem.get("below_min_since")
+            line = f"memory guard: on, min headroom {mem['min_headroom_bytes'] / 2**30:.1f} GiB"
+            line += f", below it for {time.time() - below:.0f} s" if below else ", not squeezed"
+            if mem.get("pending"):
+                p = mem["pending"]
+                line += f"; lowering {p['replica']} {p['old']:g} -> {p['new']:g} in progress"
+            print(line)
+        else:
+            print("memory guard: off")
     for name, r in data.get("replicas", {}).items():
         extra = " GAVE UP (restart budget spent)" if r.get("gave_up") else ""
-        print(f"  {name:<12} {r['state']:<13} {r['unit']:<28} restarts {r['restarts_in_window']}/{r['restart_budget']}"
+        frac = r.get("gpu_memory_utilization")
+        frac_text = f"fraction {frac:g}" if frac is not None else "fraction ?"
+        print(f"  {name:<12} {r['state']:<13} {r['unit']:<28} {frac_text:<14} restarts {r['restarts_in_window']}/{r['restart_budget']}"
               f"{extra}  {r['evidence']}")
     return 0 if not stale else 3
 

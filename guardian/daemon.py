@@ -11,16 +11,21 @@ import asyncio
 import os
 import signal
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
-from . import hazards, policy, thresholds
-from .config import Config, ConfigError, load_config
+import psutil
+
+from . import hazards, memguard, policy, probes, thresholds, unitlog
+from .config import Config, ConfigError, ReplicaConfig, load_config
 from .executor import Executor
 from .journal import Journal
 from .liveness import Track
 from .memory import MemorySample, gib, sample_memory
 from .notify import Notifier
+from .nvml import Nvml
+from .wiring import read_env_fraction, wiring_problem
 from .observe import observe_all, unit_or_error
 from .probes import make_client
 from .state import STATUS_FILE, CorruptState, StateStore, atomic_write_json, view
@@ -53,6 +58,9 @@ class Daemon:
         self.reload_requested = False
         self.wake = asyncio.Event()
         self.ticks = 0
+        self.memtrack = memguard.MemTrack()
+        self.nvml: Nvml | None = None
+        self.wiring: dict[str, str | None] = {}
 
     # --- signals: flags only ------------------------------------------------------------
     def install_signal_handlers(self) -> None:
@@ -83,6 +91,9 @@ class Daemon:
         except (SystemdError, OSError, asyncio.TimeoutError) as e:
             raise StartupError(f"cannot talk to systemd over the system bus: {e}") from None
         self.sd.on_units_changed(self._on_units_changed)
+        if self.cfg.memory.enabled:
+            self.nvml = Nvml()
+            self.journal.send("info", f"memory guard: {self.nvml.note}")
         await self.tick()
         self.journal.send("info", f"guardian ready: {self.status_line()}")
         self.notifier.ready(self.status_line())
@@ -94,12 +105,104 @@ class Daemon:
         if self.rescan_hazards:
             self.rescan_hazards = False
             await self.scan_hazards()
+            if self.cfg.memory.enabled:
+                await self.scan_wiring()
         observations = await observe_all(self.cfg, self.sd, self.client, now, self.executor.canaries, self.executor.outcomes)
         self.memory = await asyncio.to_thread(sample_memory)
         self.tracks, actions = policy.decide(self.tracks, observations, view(self.persistent), now, self.cfg)
         self.executor.perform(actions)
+        if self.cfg.memory.enabled:
+            await self.memory_step(now, observations)
         self.write_status(now)
         self.ticks += 1
+
+    # --- memory guard ---------------------------------------------------------------------
+    async def memory_step(self, now: float, observations: dict) -> None:
+        p = self.memtrack.pending
+        if p is not None:
+            outcome = observations[p.replica].restart_outcome if p.replica in observations else None
+            if outcome is not None and outcome.result != "done" and outcome.result.startswith(("refused", "error")):
+                self.journal.send("error", f"replica {p.replica}: lowering to {p.new:g} abandoned: {outcome.result}", p.replica)
+                self.memtrack = replace(self.memtrack, pending=None)
+        mv = await self.memory_view(now, observations)
+        self.memtrack, actions = memguard.decide(self.memtrack, mv, now, self.cfg)
+        for a in actions:
+            if isinstance(a, memguard.LowerFraction) and a.restart and a.replica in self.tracks:
+                # The watchdog keeps out of it, and no other restart starts, until the job is done.
+                self.tracks[a.replica] = replace(self.tracks[a.replica], restart_in_flight=True, restart_issued_at=now)
+        self.executor.perform(actions)
+
+    async def memory_view(self, now: float, observations: dict) -> memguard.MemoryView:
+        m = self.cfg.memory
+        sample = self.memory
+        total = m.device_total_bytes or (self.nvml.device_total_bytes() if self.nvml else None) or sample.total_bytes
+        gpu_by_pid = await asyncio.to_thread(self.nvml.process_memory) if self.nvml else None
+        pv = view(self.persistent)
+        in_flight = any(t.restart_in_flight for t in self.tracks.values())
+        replicas = []
+        for r in self.cfg.replicas:
+            t = self.tracks.get(r.name, Track())
+            obs = observations.get(r.name)
+            unit = obs.unit if obs else None
+            running = t.last_sample.gpu_memory_utilization if t.last_sample else None
+            configured = read_env_fraction(self.executor.env_path(r.name))
+            usage = None
+            if gpu_by_pid and unit is not None and unit.main_pid:
+                usage = sum(gpu_by_pid.get(pid, 0) for pid in _process_tree(unit.main_pid)) or None
+            failure = None
+            p = self.memtrack.pending
+            if p is not None and p.replica == r.name and t.state not in memguard.SERVING:
+                failure = await unitlog.start_error(r.unit, p.issued_at, p.new)
+            replicas.append(memguard.ReplicaMemory(
+                name=r.name, unit=r.unit, model=r.model, fraction=configured if configured is not None else running,
+                running_fraction=running, started_at=unit.inactive_exit_ts if unit else None,
+                wiring_problem=self.wiring.get(r.name, "wiring not checked yet"), state=t.state, usage_bytes=usage,
+                start_failure=failure, startup_grace_s=r.startup_grace_s))
+        consumers, peers = "", ()
+        if sample.available_bytes < m.min_headroom_bytes:
+            consumers = await self._largest_consumers()
+            peers = tuple(await self._serving_peers())
+        blocked = {}
+        for r in self.cfg.replicas:
+            b = policy.restart_blocker(r.name, self.tracks, pv, now, self.cfg, in_flight)
+            if b is not None:
+                blocked[r.name] = b[2]
+        return memguard.MemoryView(sample, total, tuple(replicas), peers, consumers, blocked)
+
+    async def _largest_consumers(self) -> str:
+        try:
+            units = await self.sd.largest_units(3)
+        except SystemdError:
+            units = []
+        procs = await asyncio.to_thread(_largest_processes, 2)
+        return ", ".join([f"{n} {gib(b)}" for n, b in units] + [f"{n} (pid {pid}) {gib(b)}" for n, pid, b in procs])
+
+    async def _serving_peers(self) -> list[str]:
+        m = self.cfg.memory
+        models = {r.model for r in self.cfg.replicas}
+
+        async def serving(url: str) -> str | None:
+            peer = ReplicaConfig(name="peer", unit="peer.service", url=url, model="?", health_timeout_s=m.peer_timeout_s)
+            health, (_p, served) = await asyncio.gather(probes.probe_health(self.client, peer), probes.probe_models(self.client, peer))
+            return url if health.ok and served and models & set(served) else None
+
+        found = await asyncio.gather(*(serving(u) for u in m.peer_urls))
+        return [u for u in found if u]
+
+    def check_wiring_details(self, details: dict) -> None:
+        for r in self.cfg.replicas:
+            d = details.get(r.name)
+            self.wiring[r.name] = (wiring_problem(r.unit, d.environment_files, d.exec_start, self.executor.env_path(r.name))
+                                   if d is not None else f"systemd could not be asked about {r.unit}")
+
+    async def scan_wiring(self) -> None:
+        details = {}
+        for r in self.cfg.replicas:
+            try:
+                details[r.name] = await self.sd.service_details(r.unit)
+            except SystemdError:
+                details[r.name] = None
+        self.check_wiring_details(details)
 
     async def scan_hazards(self) -> list[hazards.Hazard]:
         units = {}
@@ -164,6 +267,9 @@ class Daemon:
                 "paused_until": (pv.pauses[r.name].until if r.name in pv.pauses else None),
                 "paused": r.name in pv.pauses,
                 "last_progress_at": t.last_progress_at,
+                "gpu_memory_utilization": _first(read_env_fraction(self.executor.env_path(r.name)),
+                                                 t.last_sample.gpu_memory_utilization if t.last_sample else None),
+                "memory_wiring": self.wiring.get(r.name, "not checked (memory guard off)"),
             }
         mem = self.memory
         return {
@@ -172,6 +278,9 @@ class Daemon:
             "memory": None if mem is None else {
                 "total_bytes": mem.total_bytes, "available_bytes": mem.available_bytes, "free_bytes": mem.free_bytes,
                 "psi_some_avg10": mem.psi_some_avg10, "psi_full_avg10": mem.psi_full_avg10,
+                "guard": self.cfg.memory.enabled, "min_headroom_bytes": self.cfg.memory.min_headroom_bytes,
+                "below_min_since": self.memtrack.below_since,
+                "pending": None if self.memtrack.pending is None else vars(self.memtrack.pending),
             },
         }
 
@@ -239,6 +348,27 @@ class Daemon:
         finally:
             await self.shutdown()
         return 0
+
+
+def _first(*values):
+    return next((v for v in values if v is not None), None)
+
+
+def _process_tree(pid: int) -> list[int]:
+    try:
+        p = psutil.Process(pid)
+        return [pid] + [c.pid for c in p.children(recursive=True)]
+    except psutil.Error:
+        return [pid]
+
+
+def _largest_processes(n: int) -> list[tuple[str, int, int]]:
+    procs = []
+    for p in psutil.process_iter(["name", "memory_info"]):
+        mi = p.info.get("memory_info")
+        if mi is not None:
+            procs.append((p.info.get("name") or "?", p.pid, mi.rss))
+    return sorted(procs, key=lambda x: -x[2])[:n]
 
 
 def _version() -> str:

@@ -38,7 +38,9 @@ class Refusal:
         return f"{self.reason}; {self.remedy}" if self.remedy else self.reason
 
 
-def unit_refusal(unit: UnitInfo | None, port_owner: PortOwner | None) -> Refusal | None:
+def unit_refusal(unit: UnitInfo | None, port_owner: PortOwner | None, allow_failed: bool = False) -> Refusal | None:
+    """The first gate that refuses, or None. ALLOW_FAILED lets the memory guard restart a unit
+    that failed to start after guardian's own lowering restart (its start, not the operator's stop)."""
     if unit is None:
         return Refusal("dbus", "systemd could not be asked about the unit", "see the D-Bus error above")
     n = unit.name
@@ -56,7 +58,7 @@ def unit_refusal(unit: UnitInfo | None, port_owner: PortOwner | None) -> Refusal
             f"{n} is {unit.unit_file_state or 'not enabled'}: a disabled unit is retired or handled by hand",
             f"systemctl enable {n} if guardian should look after it",
         )
-    if unit.active_state not in RUNNING_STATES:
+    if unit.active_state not in RUNNING_STATES and not (allow_failed and unit.active_state == "failed"):
         return Refusal(
             "inactive",
             f"{n} is {unit.active_state}: guardian never starts a stopped unit",

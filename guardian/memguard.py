@@ -28,7 +28,8 @@ When squeezed, in this order (the first that fails is logged once per squeeze):
 After a lowering: when the replica serves again the lowering is done. When its unit's journal
 shows vLLM refusing the start (or the unit is failed, or still not serving after its startup
 grace), the cause is logged and the next fraction down is written at once, if it is >= M.floor
-and fits; systemd's Restart=always picks it up (guardian restarts the unit only if it is active).
+and fits. While systemd is restarting the unit by itself (Restart=always), the file is all it
+takes; a unit that is active, or failed after this start, is restarted by guardian.
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ class LowerFraction:
     new: float
     restart: bool  # False: only write the env file (systemd is restarting the unit by itself)
     evidence: str
+    retry: bool = False  # after a failed start with the previous fraction: a failed unit may be restarted
 
 
 @dataclass(frozen=True)
@@ -169,8 +171,8 @@ def decide(track: MemTrack, view: MemoryView, now: float, cfg: Config) -> tuple[
             return replace(t, pending=None, last_change_at=now), actions
         actions.append(MemLog("error", f"replica {r.name}: start with gpu_memory_utilization {p.new:g} failed ({failed}); "
                               f"trying {nxt:g}", r.name, r.unit))
-        actions.append(LowerFraction(r.name, r.unit, p.new, nxt, restart=r.state not in ("starting", "stopped"),
-                                     evidence=f"start with {p.new:g} failed: {failed}"))
+        actions.append(LowerFraction(r.name, r.unit, p.new, nxt, restart=r.state != "starting",
+                                     evidence=f"start with {p.new:g} failed: {failed}", retry=True))
         return replace(t, pending=Pending(r.name, p.new, nxt, now), last_change_at=now), actions
 
     squeezed = t.below_since is not None and now - t.below_since >= m.sustain_s and (

@@ -131,6 +131,19 @@ def decide(
 
 
 def _refusal(name, t, tracks, obs, persistent, now, cfg, restart_issued) -> tuple[str, str, str] | None:
+    blocker = restart_blocker(name, tracks, persistent, now, cfg, restart_issued)
+    if blocker is not None:
+        return blocker
+    refusal = gates.unit_refusal(obs.unit, obs.port_owner)
+    if refusal is not None:
+        return (f"{refusal.gate}:{refusal.reason}", "error", refusal.text())
+    return None
+
+
+def restart_blocker(name, tracks, persistent, now, cfg, restart_issued=False) -> tuple[str, str, str] | None:
+    """Budget, back-off, one-at-a-time: (key, priority, text), or None when a restart may go ahead.
+
+    Shared with the memory guard, whose restarts spend the same budget."""
     w = cfg.watchdog
     b = budget(name, persistent, now, cfg)
     if b.spent:
@@ -148,9 +161,6 @@ def _refusal(name, t, tracks, obs, persistent, now, cfg, restart_issued) -> tupl
         who = ", ".join(others) or "another replica"
         return (f"one-at-a-time:{who}", "error",
                 f"{who} is starting or being restarted; one restart at a time per box (replicas starting together race for memory)")
-    refusal = gates.unit_refusal(obs.unit, obs.port_owner)
-    if refusal is not None:
-        return (f"{refusal.gate}:{refusal.reason}", "error", refusal.text())
     return None
 
 

@@ -184,6 +184,22 @@ class Systemd:
             result[name] = tuple(_v(v))
         return result
 
+    async def largest_units(self, n: int = 3) -> list[tuple[str, int]]:
+        """The N running services with the most MemoryCurrent (cgroup memory: on GB10 a replica's
+        GPU memory is not in it, a database's is)."""
+        (units,) = await self._call(MANAGER, "ListUnitsByPatterns", "asas", [["active"], ["*.service"]])
+        sizes = []
+        for u in units:
+            name, path = u[0], u[6]
+            try:
+                (v,) = await self._call(PROPS, "Get", "ss", [SERVICE_IFACE, "MemoryCurrent"], path=path)
+            except SystemdError:
+                continue
+            value = int(_v(v))
+            if value < 2**64 - 1:  # UINT64_MAX: not known
+                sizes.append((name, value))
+        return sorted(sizes, key=lambda x: -x[1])[:n]
+
     async def restart(self, name: str, timeout_s: float) -> str:
         """RestartUnit(name, "replace") and wait for the job's JobRemoved result."""
         loop = asyncio.get_running_loop()

@@ -180,3 +180,11 @@ def test_failed_start_at_the_floor_gives_up_loudly():
     t, every, _ = run(cfg(), [(1010, v)], track=track)
     assert lowerings(every) == [] and t.pending is None
     assert "no lower fraction >= floor 0.5 fits" in msgs(every, "error")[0]
+
+
+def test_failed_unit_after_a_lowering_is_restarted_with_the_next_fraction():
+    track = MemTrack(pending=Pending("a", 0.78, 0.74, 1000.0))
+    v = view(30, rep("a", 0.74, state="stopped", failure="Free memory on device (0.74, 1 GiB)"), rep("b"))
+    _, every, _ = run(cfg(), [(1010, v)], track=track)
+    (low,) = lowerings(every)
+    assert low.restart and low.retry and low.new == 0.70

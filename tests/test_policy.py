@@ -433,3 +433,10 @@ def test_garbage_metrics_is_said_once_and_never_grounds_for_a_restart():
     errors = logs(sim.actions, "error")
     assert len(errors) == 1 and "/metrics unreadable" in errors[0] and "no restart" in errors[0]
     assert restarts(sim.actions) == [] and not any(isinstance(a, policy.StartCanary) for a in sim.actions)
+
+
+def test_failed_unit_is_restartable_only_for_the_memory_guards_retry():
+    failed = unit(active_state="failed")
+    assert gates.unit_refusal(failed, OWN).gate == "inactive"
+    assert gates.unit_refusal(failed, OWN, allow_failed=True) is None
+    assert gates.unit_refusal(unit(active_state="inactive"), OWN, allow_failed=True).gate == "inactive"

@@ -349,8 +349,9 @@ def startup_memory_check(args) -> str | None:
     """vLLM's check: desired = utilization x total must not exceed free memory at startup."""
     total = args.sim_total_memory_bytes or _meminfo_bytes("MemTotal")
     free = _meminfo_bytes("MemFree" if args.sim_free_source == "memfree" else "MemAvailable")
-    if args.sim_total_memory_bytes:
-        free = max(0, free - (_meminfo_bytes("MemTotal") - total))
+    if args.sim_free_bytes_file and os.path.exists(args.sim_free_bytes_file):
+        with open(args.sim_free_bytes_file) as f:
+            free = int(f.read().strip())
     desired = args.gpu_memory_utilization * total
     if desired > free:
         gib = 2**30
@@ -358,6 +359,13 @@ def startup_memory_check(args) -> str | None:
                 f"less than desired GPU memory utilization ({args.gpu_memory_utilization}, {desired / gib:.2f} GiB). "
                 "Decrease GPU memory utilization or reduce GPU memory used by other processes.")
     return None
+
+
+def allocate(n: int) -> bytearray:
+    """N bytes that are really resident: every page written."""
+    buf = bytearray(n)
+    buf[::4096] = b"\x01" * len(range(0, n, 4096))
+    return buf
 
 
 def parse_args(argv=None):
@@ -377,6 +385,10 @@ def parse_args(argv=None):
     p.add_argument("--check-memory", action="store_true", help="run vLLM's startup free-memory check")
     p.add_argument("--sim-total-memory-bytes", type=int, default=0, help="pretend total memory (0: MemTotal)")
     p.add_argument("--sim-free-source", choices=["memavailable", "memfree"], default="memavailable")
+    p.add_argument("--sim-free-bytes-file", default=None,
+                   help="if this file exists, its number is the free memory the startup check sees")
+    p.add_argument("--sim-allocate", action="store_true",
+                   help="really hold gpu_memory_utilization x total bytes, as vLLM's reservation does on GB10")
     return p.parse_args(argv)
 
 
@@ -393,6 +405,9 @@ def main(argv=None) -> int:
             print(f"ERROR [sim] EngineCore failed to start.\n{problem}", file=sys.stderr, flush=True)
             return 1
     time.sleep(args.load_time_s)  # loading weights: the port is not bound yet (connection refused)
+    if args.sim_allocate:
+        held = allocate(int(args.gpu_memory_utilization * (args.sim_total_memory_bytes or _meminfo_bytes("MemTotal"))))
+        log(f"holding {len(held) / 2**30:.2f} GiB (gpu_memory_utilization x total)")
     sim = Sim(args)
     server = ThreadingHTTPServer((args.host, args.port), make_handler(sim))
     server.daemon_threads = True
