@@ -16,10 +16,10 @@ Description=simulated vLLM replica {name}
 [Service]
 Type=simple
 Environment=GPU_MEMORY_UTILIZATION={fraction}
-EnvironmentFile=-/var/lib/guardian/replicas/{name}.env
-ExecStart=/usr/local/bin/vllm-sim serve --model {model} --port {port} --gpu-memory-utilization ${{GPU_MEMORY_UTILIZATION}} --load-time-s {load_time_s} {sim_args}
+{env_file}
+ExecStart=/usr/local/bin/vllm-sim serve --model {model} --port {port} --gpu-memory-utilization {fraction_arg} --load-time-s {load_time_s} {sim_args}
 Restart={restart}
-RestartSec=1
+RestartSec={restart_sec}
 {service_extra}
 [Install]
 WantedBy=multi-user.target
@@ -60,6 +60,8 @@ class Replica:
     service_extra: str = ""
     startup_grace_s: float = 20
     health_timeout_s: float = 1.0
+    wired: bool = True  # reads guardian's env file and passes ${GPU_MEMORY_UTILIZATION}
+    restart_sec: float = 1
 
     @property
     def unit(self) -> str:
@@ -75,6 +77,8 @@ def toml_value(v) -> str:
         return "true" if v else "false"
     if isinstance(v, str):
         return json.dumps(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
     return repr(v)
 
 
@@ -84,6 +88,7 @@ class World:
     replicas: list[Replica] = field(default_factory=lambda: [Replica("a", 8001), Replica("b", 8002)])
     watchdog: dict = field(default_factory=lambda: dict(FAST_WATCHDOG))
     top: dict = field(default_factory=lambda: {"interval_s": 0.5})
+    memory: dict = field(default_factory=dict)
     bystanders: tuple[str, ...] = ("db.service", "proxy.service")
     extra_units: list[str] = field(default_factory=list)
     since: float = 0.0
@@ -93,6 +98,9 @@ class World:
         lines = [f"{k} = {toml_value(v)}" for k, v in {**self.top, **top}.items()]
         lines.append("[watchdog]")
         lines += [f"{k} = {toml_value(v)}" for k, v in self.watchdog.items()]
+        if self.memory:
+            lines.append("[memory]")
+            lines += [f"{k} = {toml_value(v)}" for k, v in self.memory.items()]
         for r in replicas if replicas is not None else self.replicas:
             lines += ["[[replicas]]", f'name = "{r.name}"', f'unit = "{r.unit}"', f'url = "{r.url}"',
                       f'model = "{r.model}"', f"startup_grace_s = {r.startup_grace_s}",
@@ -106,7 +114,10 @@ class World:
         # Where a package puts units, so that `systemctl mask` (a symlink in /etc) can override it.
         self.box.write(f"/usr/lib/systemd/system/{r.unit}", REPLICA_UNIT.format(
             name=r.name, model=r.model, port=r.port, fraction=r.fraction, load_time_s=r.load_time_s,
-            sim_args=r.sim_args, restart=r.restart, unit_extra=r.unit_extra, service_extra=r.service_extra))
+            sim_args=r.sim_args, restart=r.restart, unit_extra=r.unit_extra, service_extra=r.service_extra,
+            restart_sec=r.restart_sec,
+            env_file=f"EnvironmentFile=-/var/lib/guardian/replicas/{r.name}.env" if r.wired else "",
+            fraction_arg="${GPU_MEMORY_UTILIZATION}" if r.wired else r.fraction))
 
     def install_plain(self, name: str, exec_start: str = "/bin/sleep infinity", unit_extra: str = "", description: str = "") -> None:
         self.box.write(f"/etc/systemd/system/{name}", PLAIN_UNIT.format(
@@ -142,7 +153,8 @@ class World:
         b.systemctl("unmask", *units, check=False)
         for u in units:
             b.run(["rm", "-f", f"/etc/systemd/system/{u}", f"/usr/lib/systemd/system/{u}"], check=False)
-        b.run("rm -rf /etc/systemd/system/guardian.service.d /var/lib/guardian /run/guardian /etc/guardian/guardian.toml", check=False)
+        b.run("rm -rf /etc/systemd/system/guardian.service.d /var/lib/guardian /run/guardian /etc/guardian/guardian.toml "
+              "/run/sim-free-*", check=False)
         b.daemon_reload()
         b.systemctl("reset-failed", check=False)
 

@@ -1,0 +1,169 @@
+"""Memory guard system tests (issue 4): a real squeeze made by a memory-hog unit, thresholds
+set relative to the machine's MemAvailable at the start of each test. The simulated replicas
+really hold gpu_memory_utilization x DEVICE_TOTAL bytes, as vLLM's reservation does on GB10."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from systemd_box import wait_for
+from world import World
+
+pytestmark = pytest.mark.system
+
+GiB = 2**30
+DEVICE_TOTAL = 1 * GiB  # what the fraction is of, for the simulated replicas and for guardian
+HOG = """#!/usr/bin/python3
+import sys, time
+n = int(sys.argv[1])
+b = bytearray(n)
+b[::4096] = b"\\x01" * len(range(0, n, 4096))
+print(f"holding {n} bytes", flush=True)
+time.sleep(1e9)
+"""
+
+
+def mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no MemAvailable")
+
+
+@pytest.fixture
+def world(box):
+    w = World(box)
+    for r in w.replicas:
+        r.fraction = 0.78
+        r.restart_sec = 3  # stays clear of systemd's start limit while a start is being refused
+        r.sim_args = (f"--sim-allocate --sim-total-memory-bytes {DEVICE_TOTAL} --check-memory "
+                      f"--sim-free-bytes-file /run/sim-free-{r.name}")
+    w.memory = dict(enabled=True, sustain_s=2, cooldown_s=600, step=0.04, floor=0.5, reserve_bytes=0,
+                    device_total_bytes=DEVICE_TOTAL, priority=["a"])
+    box.write("/usr/local/bin/hog", HOG, mode=0o755)
+    yield w
+    w.teardown()
+
+
+def start_with_thresholds(w: World, below_now_gib: float = 1.0, critical_below_now_gib: float = 6.0) -> int:
+    """Replicas up, then thresholds relative to what is available now; then guardian."""
+    w.setup(start_guardian=False)
+    avail0 = mem_available()
+    w.memory["min_headroom_bytes"] = avail0 - int(below_now_gib * GiB)
+    w.memory["critical_headroom_bytes"] = avail0 - int(critical_below_now_gib * GiB)
+    w.write_config()
+    w.start_guardian()
+    return avail0
+
+
+def hog(w: World, name: str, gib: float) -> None:
+    w.install_plain(name, exec_start=f"/usr/local/bin/hog {int(gib * GiB)}", description="stand-in build")
+    w.box.daemon_reload()
+    w.box.systemctl("start", name)
+
+
+def line_with(w: World, contains: str, *match: str, timeout_s: float = 40) -> dict:
+    return wait_for(lambda: next((e for e in w.guardian_lines(*match) if contains in e["MESSAGE"]), None),
+                    timeout_s, f"a guardian line containing {contains!r}")
+
+
+def sim_state(w: World, r) -> dict:
+    code, body = w.box.http(r.url + "/_sim/state")
+    return json.loads(body) if code == 200 else {}
+
+
+def lowerings(w: World) -> list[str]:
+    return [m for m in w.guardian_messages("GUARDIAN_DECISION=memory") if "restarting" in m]
+
+
+def test_squeeze_lowers_one_replica_and_restarts_it_alone(world):
+    a, b = world.replicas
+    start_with_thresholds(world)
+    before = world.identities([b.unit, "db.service", "proxy.service"])
+    hog(world, "build.service", 3)
+    line = line_with(world, "0.78 -> 0.74", "GUARDIAN_REPLICA=a", "GUARDIAN_DECISION=memory")
+    assert "restarting vllm-a.service alone; b serving" in line["MESSAGE"] and line["PRIORITY"] == "4"
+    assert "headroom" in line["MESSAGE"] and "largest:" in line["MESSAGE"]
+    hog_identity = world.box.identity("build.service")
+    line_with(world, "serving again with gpu_memory_utilization 0.74", "GUARDIAN_REPLICA=a")
+    assert "GPU_MEMORY_UTILIZATION=0.74" in world.box.run(["cat", "/var/lib/guardian/replicas/a.env"]).stdout
+    assert sim_state(world, a)["gpu_memory_utilization"] == 0.74  # it started with the new fraction
+    assert sim_state(world, b)["gpu_memory_utilization"] == 0.78
+    # cooldown: still squeezed, but no second lowering
+    line_with(world, "cooldown", "SYSLOG_IDENTIFIER=guardian")
+    assert len(lowerings(world)) == 1
+    assert world.identities(list(before)) == before and world.box.identity("build.service") == hog_identity
+    out = world.box.run(["guardian", "status"]).stdout
+    assert "memory guard: on" in out and "below it for" in out and "PSI" in out
+    assert "fraction 0.74" in out and "fraction 0.78" in out
+
+
+def test_no_serving_peer_defers_then_critical_acts_anyway(world):
+    a, b = world.replicas
+    start_with_thresholds(world, below_now_gib=1.0, critical_below_now_gib=5.0)
+    world.box.systemctl("stop", b.unit)
+    world.wait_states({"b": "stopped"}, timeout_s=15)
+    hog(world, "build.service", 2.5)
+    line = line_with(world, "no other replica of sim-model is serving", "GUARDIAN_REPLICA=a")
+    assert line["PRIORITY"] == "3" and "deferring" in line["MESSAGE"]
+    time.sleep(3)
+    assert lowerings(world) == []
+    hog(world, "build2.service", 4)  # now below the critical line
+    line = line_with(world, "0.78 -> 0.74", "GUARDIAN_DECISION=memory")
+    assert "CRITICAL" in line["MESSAGE"] and "NO other replica serving" in line["MESSAGE"]
+    line_with(world, "serving again with gpu_memory_utilization 0.74", "GUARDIAN_REPLICA=a")
+    assert world.box.prop(b.unit, "ActiveState") == "inactive"  # never started by guardian
+
+
+def test_floor_is_respected(world):
+    a, b = world.replicas
+    a.fraction, b.fraction = 0.52, 0.5
+    world.memory["cooldown_s"] = 0
+    start_with_thresholds(world)
+    hog(world, "build.service", 3)
+    line_with(world, "0.52 -> 0.5", "GUARDIAN_DECISION=memory")
+    line_with(world, "serving again with gpu_memory_utilization 0.5", "GUARDIAN_REPLICA=a")
+    line = line_with(world, "at its floor 0.5", "PRIORITY=3")
+    assert "nothing left to give" in line["MESSAGE"]
+    assert len(lowerings(world)) == 1
+
+
+def test_unwired_unit_is_refused_with_the_exact_fix(world):
+    a, b = world.replicas
+    a.wired = False
+    start_with_thresholds(world)
+    r = world.box.run(["guardian", "check"], check=False)
+    assert r.returncode == 1
+    assert "replica a: NOT wired" in r.stdout and "EnvironmentFile=-/var/lib/guardian/replicas/a.env" in r.stdout
+    assert "--gpu-memory-utilization ${GPU_MEMORY_UTILIZATION} in ExecStart=" in r.stdout
+    assert "replica b: wired" in r.stdout
+    world.memory["priority"] = ["a"]
+    b.fraction = 0.5  # b has nothing to give, so a is the only candidate
+    world.install_replica(b)
+    world.box.daemon_reload()
+    world.box.systemctl("restart", b.unit)
+    world.wait_states({"b": "healthy"}, timeout_s=20)
+    old = world.box.identity(a.unit)
+    hog(world, "build.service", 3)
+    line = line_with(world, "not wired for the memory guard", "GUARDIAN_REPLICA=a")
+    assert line["PRIORITY"] == "3" and "EnvironmentFile=-/var/lib/guardian/replicas/a.env" in line["MESSAGE"]
+    time.sleep(3)
+    assert world.box.identity(a.unit) == old and lowerings(world) == []
+
+
+def test_start_refused_for_lack_of_memory_is_logged_and_the_next_step_tried(world):
+    a, b = world.replicas
+    start_with_thresholds(world)
+    # From now on the "device" has 0.72 x total free at startup: 0.74 will be refused, 0.70 fits.
+    world.box.write("/run/sim-free-a", str(int(0.72 * DEVICE_TOTAL)))
+    hog(world, "build.service", 3)
+    line_with(world, "0.78 -> 0.74", "GUARDIAN_DECISION=memory")
+    err = line_with(world, "start with gpu_memory_utilization 0.74 failed", "GUARDIAN_REPLICA=a", timeout_s=60)
+    assert "Free memory on device" in err["MESSAGE"] and "trying 0.7" in err["MESSAGE"] and err["PRIORITY"] == "3"
+    line_with(world, "serving again with gpu_memory_utilization 0.7", "GUARDIAN_REPLICA=a", timeout_s=60)
+    assert sim_state(world, a)["gpu_memory_utilization"] == 0.7
+    assert "GPU_MEMORY_UTILIZATION=0.7" in world.box.run(["cat", "/var/lib/guardian/replicas/a.env"]).stdout
