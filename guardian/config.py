@@ -91,15 +91,14 @@ class MemoryConfig(_Strict):
     peer_urls: list[str] = Field(default_factory=list)
     peer_timeout_s: float = Field(default=2.0, gt=0)
     restore: bool = False
-    restore_headroom_bytes: int = Field(default=16 * 2**30, ge=0)
-    restore_after_s: float = Field(default=3600.0, gt=0)
 
     @model_validator(mode="after")
     def _consistent(self) -> "MemoryConfig":
         if self.critical_headroom_bytes > self.min_headroom_bytes:
             raise ValueError("critical_headroom_bytes must be <= min_headroom_bytes")
-        if self.restore and self.restore_headroom_bytes <= self.min_headroom_bytes:
-            raise ValueError("restore_headroom_bytes must be > min_headroom_bytes, or lowering and raising would alternate")
+        if self.restore:
+            raise ValueError("restore (raising a fraction back when headroom returns) is not built yet; "
+                             "raise it by hand: edit /var/lib/guardian/replicas/NAME.env and restart that replica")
         for url in self.peer_urls:
             parts = urlsplit(url)
             if parts.scheme not in ("http", "https") or not parts.hostname:

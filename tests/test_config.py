@@ -44,6 +44,10 @@ def test_minimal_config_gets_documented_defaults(tmp_path):
     (GOOD_REPLICA + "colour = 1\n", "replicas.0.colour", "unknown key"),
     ("[memory]\nmin_headroom_bytes = 1\ncritical_headroom_bytes = 2\n", "memory", "critical_headroom_bytes must be <="),
     ("interval_s = \n", "", "invalid TOML"),
+    ("[memory]\nrestore = true\n", "memory", "not built yet"),
+    ("[memory]\npeer_urls = [\"box2:8000\"]\n", "memory", "peer_urls"),
+    ("[memory]\npriority = [\"z\"]\n" + GOOD_REPLICA, "", "memory.priority names no configured replica: z"),
+    ("[memory]\nfloor = 1.2\n", "memory.floor", "less than 1"),
 ])
 def test_config_errors_name_key_and_reason(tmp_path, text, key, reason):
     path = write(tmp_path, text)
