@@ -8,7 +8,8 @@ import pytest
 
 from guardian.metrics import MetricsError, parse_vllm_metrics
 
-SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "vllm-0.32-metrics-sample.txt"
+# A complete /metrics page from a real vLLM 0.32 server (copied from shared/).
+SAMPLE = Path(__file__).resolve().parent / "data" / "vllm-0.32-metrics-sample.txt"
 
 
 def test_real_vllm_page():

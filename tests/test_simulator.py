@@ -15,7 +15,8 @@ import pytest
 from guardian.metrics import parse_vllm_metrics
 from systemd_box import wait_for
 
-SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "vllm-0.32-metrics-sample.txt"
+# A complete /metrics page from a real vLLM 0.32 server (copied from shared/).
+SAMPLE = Path(__file__).resolve().parent / "data" / "vllm-0.32-metrics-sample.txt"
 
 
 def free_port() -> int:
