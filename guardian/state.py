@@ -85,12 +85,14 @@ class StateStore:
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
         self.dir.mkdir(parents=True, exist_ok=True)
-        with open(self.lock_path, "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
+        # Read-only is enough for flock, and works whichever user (root's CLI, the daemon's
+        # own user) created the lock file.
+        fd = os.open(self.lock_path, os.O_RDONLY | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
 
     def _read_unlocked(self) -> dict:
         try:

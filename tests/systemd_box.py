@@ -98,10 +98,23 @@ exec python3 -m {module} "$@"
 """
 
 
+def build_deb(out_dir: Path, version: str | None = None, target: str = "amd64-bookworm") -> Path:
+    """guardian's .deb, built from this working tree by the packaging script."""
+    cmd = [sys.executable, str(REPO / "packaging" / "build_deb.py"), "--target", target, "--out", str(out_dir)]
+    if version:
+        cmd += ["--version", version]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise BoxError(f"building the .deb failed: {r.stdout[-2000:]}{r.stderr[-2000:]}")
+    return Path(r.stdout.strip().splitlines()[-1])
+
+
 class SystemdBox:
     def __init__(self, rootfs: Path, deps: Path, name: str | None = None) -> None:
         self.rootfs = rootfs
         self.deps = deps
+        self.dist = Path(tempfile.mkdtemp(prefix="guardian-dist-"))
+        self.deb = build_deb(self.dist)
         self.name = name or f"gtest{os.getpid()}"
         self.proc: subprocess.Popen | None = None
         self.leader: int | None = None
@@ -115,7 +128,8 @@ class SystemdBox:
             subprocess.run(["mount", "-t", "tmpfs", "tmpfs", "/run/systemd/nspawn"], check=True)
         cmd = [nspawn, "--register=no", "--keep-unit", "-D", str(self.rootfs), "-M", self.name, "--boot",
                "--console=pipe", "--volatile=overlay", "--private-network",
-               f"--bind-ro={REPO}:/opt/guardian/src", f"--bind-ro={self.deps}:/opt/guardian/deps"]
+               f"--bind-ro={REPO}:/opt/guardian/src", f"--bind-ro={self.deps}:/opt/guardian/deps",
+               f"--bind-ro={self.dist}:/opt/guardian/dist"]
         log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout_s
@@ -142,14 +156,20 @@ class SystemdBox:
         self._install_guardian()
 
     def _install_guardian(self) -> None:
-        self.write("/usr/bin/guardian", WRAPPER.format(module="guardian"), mode=0o755)
+        """guardian as users get it: apt installs the .deb (it runs as user guardian, through polkit)."""
+        self.install_deb(self.deb)
+        self.systemctl("stop", "guardian.service")  # each test starts it with its own config
         self.write("/usr/local/bin/vllm-sim", WRAPPER.format(module="vllm_sim"), mode=0o755)
         self.write("/usr/local/bin/vllm-sim-ctl", WRAPPER.format(module="vllm_sim.ctl"), mode=0o755)
-        self.run(["cp", "/opt/guardian/src/units/guardian.service", "/etc/systemd/system/guardian.service"])
-        self.run(["mkdir", "-p", "/etc/guardian"])
-        self.daemon_reload()
+
+    def install_deb(self, deb: Path) -> subprocess.CompletedProcess:
+        if deb.parent != self.dist:
+            shutil.copy(deb, self.dist / deb.name)
+        return self.run(["apt-get", "install", "-y", "-q", f"/opt/guardian/dist/{deb.name}"],
+                        timeout=120)
 
     def halt(self) -> None:
+        shutil.rmtree(self.dist, ignore_errors=True)
         if self.proc is None or self.proc.poll() is not None:
             return
         self.proc.terminate()

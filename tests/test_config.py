@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from pathlib import Path
+
 from guardian.config import ConfigError, load_config
 
 GOOD_REPLICA = '[[replicas]]\nname = "a"\nunit = "vllm-a.service"\nurl = "http://127.0.0.1:8001"\nmodel = "m"\n'
@@ -79,7 +81,23 @@ def test_environment_overrides_the_file_and_is_named_when_wrong(tmp_path, monkey
 
 
 def test_shipped_example_config_is_valid():
-    from pathlib import Path
 
-    cfg = load_config(Path(__file__).resolve().parent.parent / "packaging" / "guardian.toml")
-    assert cfg.replicas and cfg.replicas[0].unit.endswith(".service")
+    path = Path(__file__).resolve().parent.parent / "packaging" / "guardian.toml"
+    assert load_config(path).replicas == []
+    # and the commented replica is valid once uncommented
+    uncommented = path.read_text().replace("# [[replicas]]", "[[replicas]]").replace("# name", "name").replace(
+        "# unit", "unit").replace("# url", "url").replace("# model", "model").replace("# startup", "startup")
+    head, _, tail = uncommented.partition("[memory]")
+    cfg = load_config_text(path.parent, head)
+    assert cfg.replicas[0].unit == "vllm-replica@a.service"
+
+
+def load_config_text(tmp, text):
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
+        f.write(text)
+    try:
+        return load_config(Path(f.name))
+    finally:
+        Path(f.name).unlink()

@@ -142,7 +142,7 @@ class World:
         return self
 
     def start_guardian(self) -> None:
-        self.box.systemctl("start", "guardian.service")
+        self.box.systemctl("restart", "guardian.service")  # the package started it with its own config
         self.wait_states({r.name: "healthy" for r in self.replicas}, timeout_s=30)
 
     def teardown(self) -> None:
