@@ -200,7 +200,10 @@ class World:
         return int(self.box.prop(unit, "MainPID"))
 
     def kill(self, unit: str, sig: str) -> None:
-        self.box.run(["kill", f"-{sig}", str(self.main_pid(unit))])
+        pid = self.main_pid(unit)
+        # `kill -STOP 0` would stop our own process group (pytest included): never send to 0.
+        assert pid > 0, f"{unit} has no main process to signal ({self.box.prop(unit, 'ActiveState')})"
+        self.box.run(["kill", f"-{sig}", str(pid)])
 
     def restarts_of(self, r: Replica) -> list[dict]:
         return [e for e in self.guardian_lines(f"GUARDIAN_REPLICA={r.name}", "GUARDIAN_DECISION=restart")]
