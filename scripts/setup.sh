@@ -9,6 +9,8 @@ command -v systemd-nspawn >/dev/null || need_apt+=(systemd-container)
 command -v debootstrap >/dev/null || [ -x /usr/sbin/debootstrap ] || need_apt+=(debootstrap)
 command -v nsenter >/dev/null || need_apt+=(util-linux)
 python3 -c 'import venv, ensurepip' 2>/dev/null || need_apt+=(python3-venv)
+command -v lintian >/dev/null || need_apt+=(lintian)
+command -v dpkg-deb >/dev/null || need_apt+=(dpkg-dev)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" != 0 ]; then
     echo "setup: need root to install ${need_apt[*]} (run with sudo)" >&2
