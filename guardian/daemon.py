@@ -118,12 +118,9 @@ class Daemon:
 
     # --- memory guard ---------------------------------------------------------------------
     async def memory_step(self, now: float, observations: dict) -> None:
-        p = self.memtrack.pending
-        if p is not None:
-            outcome = observations[p.replica].restart_outcome if p.replica in observations else None
-            if outcome is not None and outcome.result != "done" and outcome.result.startswith(("refused", "error")):
-                self.journal.send("error", f"replica {p.replica}: lowering to {p.new:g} abandoned: {outcome.result}", p.replica)
-                self.memtrack = replace(self.memtrack, pending=None)
+        if self.nvml is None:  # turned on by a reload
+            self.nvml = Nvml()
+            self.journal.send("info", f"memory guard: {self.nvml.note}")
         mv = await self.memory_view(now, observations)
         self.memtrack, actions = memguard.decide(self.memtrack, mv, now, self.cfg)
         for a in actions:
@@ -167,7 +164,8 @@ class Daemon:
             b = policy.restart_blocker(r.name, self.tracks, pv, now, self.cfg, in_flight)
             if b is not None:
                 blocked[r.name] = b[2]
-        return memguard.MemoryView(sample, total, tuple(replicas), peers, consumers, blocked)
+        results = {n: o.restart_outcome.result for n, o in observations.items() if o.restart_outcome is not None}
+        return memguard.MemoryView(sample, total, tuple(replicas), peers, consumers, blocked, results)
 
     async def _largest_consumers(self) -> str:
         try:

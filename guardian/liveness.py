@@ -114,7 +114,7 @@ def _fresh_start(track: Track, start_ts: float | None) -> Track:
 
 
 def _ago(now: float, t: float | None) -> str:
-    return "never" if t is None else f"{now - t:.0f} s ago"
+    return "none seen yet" if t is None else f"{now - t:.0f} s ago"
 
 
 def step(

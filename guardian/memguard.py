@@ -65,6 +65,7 @@ class MemoryView:
     peers_serving: tuple[str, ...] = ()  # peer URLs that answered healthy with the model
     consumers: str = ""  # "db.service 22.1 GiB, make 9.3 GiB"
     restart_blocked: dict[str, str] | None = None  # replica -> why the watchdog would not restart it now
+    restart_results: dict[str, str] | None = None  # replica -> result of a restart job that ended this tick
 
 
 @dataclass(frozen=True)
@@ -150,6 +151,10 @@ def decide(track: MemTrack, view: MemoryView, now: float, cfg: Config) -> tuple[
         p = t.pending
         r = by_name.get(p.replica)
         if r is None:
+            return replace(t, pending=None), actions
+        result = (view.restart_results or {}).get(p.replica)
+        if result is not None and result.startswith(("refused", "error")):
+            actions.append(MemLog("error", f"replica {r.name}: lowering to {p.new:g} abandoned: {result}", r.name, r.unit))
             return replace(t, pending=None), actions
         restarted = r.started_at is not None and r.started_at >= p.issued_at
         runs_new = (abs(r.running_fraction - p.new) < 1e-6) if r.running_fraction is not None else restarted

@@ -188,3 +188,11 @@ def test_failed_unit_after_a_lowering_is_restarted_with_the_next_fraction():
     _, every, _ = run(cfg(), [(1010, v)], track=track)
     (low,) = lowerings(every)
     assert low.restart and low.retry and low.new == 0.70
+
+
+def test_a_refused_lowering_restart_is_abandoned_and_said():
+    track = MemTrack(pending=Pending("a", 0.78, 0.74, 1000.0), last_change_at=1000.0)
+    v = replace(view(5), restart_results={"a": "refused: vllm-a.service is disabled"})
+    t, every, _ = run(cfg(), [(1001, v)], track=track)
+    assert t.pending is None and "abandoned: refused: vllm-a.service is disabled" in msgs(every, "error")[0]
+    assert lowerings(every) == []
