@@ -47,7 +47,7 @@ def cmd_check(args) -> int:
 
 
 async def _check_live(cfg: Config, no_systemd: bool) -> int:
-    from .observe import observe_all, port_owners, unit_or_error
+    from .observe import port_owners, unit_or_error
     from .probes import make_client
     from .systemd import Systemd, SystemdError
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from systemd_box import BoxError, SystemdBox, ensure_deps, ensure_rootfs
+from world import World
 
 
 @pytest.fixture(scope="session")
@@ -23,3 +24,11 @@ def box():
         pytest.fail(f"cannot boot the real-systemd test container: {e}", pytrace=False)
     yield b
     b.halt()
+
+
+@pytest.fixture
+def world(box):
+    """Two replicas, a database and a proxy in the box; everything is taken down afterwards."""
+    w = World(box)
+    yield w
+    w.teardown()

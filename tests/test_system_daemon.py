@@ -8,16 +8,9 @@ import time
 import pytest
 
 from systemd_box import wait_for
-from world import Replica, World
+from world import Replica
 
 pytestmark = pytest.mark.system
-
-
-@pytest.fixture
-def world(box):
-    w = World(box)
-    yield w
-    w.teardown()
 
 
 def test_active_only_after_ready(world):

@@ -8,22 +8,13 @@ import json
 import re
 import shutil
 import subprocess
-import tempfile
-from pathlib import Path
 
 import pytest
 
 from systemd_box import build_deb, wait_for
-from world import Replica, World
+from world import Replica
 
 pytestmark = pytest.mark.system
-
-
-@pytest.fixture
-def world(box):
-    w = World(box)
-    yield w
-    w.teardown()
 
 
 def test_runs_as_user_guardian_and_restarts_through_polkit_only_what_the_rule_allows(world):

@@ -19,13 +19,6 @@ pytestmark = pytest.mark.system
 BUSY_FOR_S = float(os.environ.get("GUARDIAN_TEST_BUSY_S", "150"))
 
 
-@pytest.fixture
-def world(box):
-    w = World(box)
-    yield w
-    w.teardown()
-
-
 def untouched(world: World, before: dict) -> None:
     after = world.identities(list(before))
     assert after == before, f"bystanders changed: {before} -> {after}"
@@ -84,7 +77,6 @@ def test_frozen_process_is_restarted(world):
 
 def test_engine_dead_with_health_200_is_restarted(world):
     world.setup()
-    a = world.replicas[0]
 
     def inject(a):
         world.fault(a, "engine-dead")
