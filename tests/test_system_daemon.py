@@ -97,6 +97,18 @@ def test_status_shows_each_replica_from_the_running_daemon(world):
     assert r.returncode == 3 and "not running" in r.stderr
 
 
+def test_sigterm_stops_cleanly_and_quickly(world):
+    world.setup()
+    t0 = time.monotonic()
+    world.box.systemctl("stop", "guardian.service")  # SIGTERM; TimeoutStopSec=20s would SIGKILL
+    assert time.monotonic() - t0 < 15
+    assert world.box.prop("guardian.service", "Result") == "success"
+    assert world.box.prop("guardian.service", "ExecMainStatus") == "0"
+    assert "guardian stopped" in world.guardian_messages()[-1]
+    # the runtime status went with it (RuntimeDirectory), so `status` cannot show stale data as live
+    assert world.box.run(["guardian", "status"], check=False).returncode == 3
+
+
 def test_corrupt_state_file_is_moved_aside_and_the_daemon_runs(world):
     world.setup(start_guardian=False)
     world.box.write("/var/lib/guardian/state.json", '{"version": 1, "restarts": {"a": [1, 2')

@@ -269,3 +269,11 @@ def test_enabled_conflicting_unit_is_reported_with_the_remedy(world):
     line = wait_line(world, "GUARDIAN_HAZARD=conflict:vllm-split.service:vllm-a.service")
     assert "systemctl disable --now vllm-split.service" in line["MESSAGE"] and line["PRIORITY"] == "3"
     assert world.box.prop("vllm-split.service", "ActiveState") == "inactive"
+    # A conflicting unit enabled while guardian runs is reported too (systemd's UnitFilesChanged).
+    pid = world.box.prop("guardian.service", "MainPID")
+    world.install_plain("vllm-split-b.service", unit_extra="Conflicts=vllm-b.service")
+    world.box.daemon_reload()
+    world.box.systemctl("enable", "vllm-split-b.service")
+    line = wait_line(world, "GUARDIAN_HAZARD=conflict:vllm-split-b.service:vllm-b.service")
+    assert "systemctl disable --now vllm-split-b.service" in line["MESSAGE"]
+    assert world.box.prop("guardian.service", "MainPID") == pid
