@@ -11,6 +11,7 @@ import asyncio
 import os
 import signal
 import time
+from collections import deque
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable
@@ -58,6 +59,9 @@ class Daemon:
         self.reload_requested = False
         self.wake = asyncio.Event()
         self.ticks = 0
+        self.tick_durations_s: deque[float] = deque(maxlen=1000)
+        self.last_ping_mono: float | None = None
+        self.max_ping_gap_s = 0.0
         self.memtrack = memguard.MemTrack()
         self.nvml: Nvml | None = None
         self.wiring: dict[str, str | None] = {}
@@ -100,6 +104,13 @@ class Daemon:
 
     # --- one tick ---------------------------------------------------------------------
     async def tick(self) -> None:
+        started = time.monotonic()
+        try:
+            await self._tick()
+        finally:
+            self.tick_durations_s.append(time.monotonic() - started)
+
+    async def _tick(self) -> None:
         now = self.clock()
         self._load_persistent()
         if self.rescan_hazards:
@@ -270,8 +281,13 @@ class Daemon:
                 "memory_wiring": self.wiring.get(r.name, "not checked (memory guard off)"),
             }
         mem = self.memory
+        ticks = sorted(self.tick_durations_s)
         return {
             "pid": os.getpid(), "updated_at": now, "interval_s": self.cfg.interval_s, "dry_run": self.cfg.dry_run,
+            "ticks": {  # over the last (up to) 1000 ticks
+                "count": self.ticks, "p50_s": _pct(ticks, 0.50), "p99_s": _pct(ticks, 0.99),
+                "max_s": ticks[-1] if ticks else None, "max_watchdog_ping_gap_s": self.max_ping_gap_s,
+            },
             "config": str(self.config_path), "status": self.status_line(), "replicas": replicas,
             "memory": None if mem is None else {
                 "total_bytes": mem.total_bytes, "available_bytes": mem.available_bytes, "free_bytes": mem.free_bytes,
@@ -324,6 +340,10 @@ class Daemon:
                 self.reload()
             await self.tick()
             self.notifier.watchdog(self.status_line())
+            mono = time.monotonic()
+            if self.last_ping_mono is not None:
+                self.max_ping_gap_s = max(self.max_ping_gap_s, mono - self.last_ping_mono)
+            self.last_ping_mono = mono
 
     async def shutdown(self) -> None:
         self.notifier.stopping()
@@ -346,6 +366,12 @@ class Daemon:
         finally:
             await self.shutdown()
         return 0
+
+
+def _pct(sorted_values: list[float], q: float) -> float | None:
+    if not sorted_values:
+        return None
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
 
 
 def _first(*values):

@@ -92,6 +92,7 @@ def test_status_shows_each_replica_from_the_running_daemon(world):
     data = json.loads(world.box.run(["guardian", "status", "--json"]).stdout)
     assert data["pid"] == int(world.box.prop("guardian.service", "MainPID"))
     assert data["stale"] is False
+    assert data["ticks"]["count"] > 0 and 0 < data["ticks"]["p50_s"] <= data["ticks"]["max_s"]
     world.box.systemctl("stop", "guardian.service")
     r = world.box.run(["guardian", "status"], check=False)
     assert r.returncode == 3 and "not running" in r.stderr

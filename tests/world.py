@@ -89,6 +89,7 @@ class World:
     watchdog: dict = field(default_factory=lambda: dict(FAST_WATCHDOG))
     top: dict = field(default_factory=lambda: {"interval_s": 0.5})
     memory: dict = field(default_factory=dict)
+    replica_defaults: bool = False  # True: guardian's own per-replica defaults (the benchmark)
     bystanders: tuple[str, ...] = ("db.service", "proxy.service")
     extra_units: list[str] = field(default_factory=list)
     since: float = 0.0
@@ -96,15 +97,17 @@ class World:
     # --- set-up ----------------------------------------------------------------------------
     def config_text(self, replicas: list[Replica] | None = None, **top) -> str:
         lines = [f"{k} = {toml_value(v)}" for k, v in {**self.top, **top}.items()]
-        lines.append("[watchdog]")
-        lines += [f"{k} = {toml_value(v)}" for k, v in self.watchdog.items()]
+        if self.watchdog:
+            lines.append("[watchdog]")
+            lines += [f"{k} = {toml_value(v)}" for k, v in self.watchdog.items()]
         if self.memory:
             lines.append("[memory]")
             lines += [f"{k} = {toml_value(v)}" for k, v in self.memory.items()]
         for r in replicas if replicas is not None else self.replicas:
-            lines += ["[[replicas]]", f'name = "{r.name}"', f'unit = "{r.unit}"', f'url = "{r.url}"',
-                      f'model = "{r.model}"', f"startup_grace_s = {r.startup_grace_s}",
-                      f"health_timeout_s = {r.health_timeout_s}", "metrics_timeout_s = 1.0", "canary_timeout_s = 2.0"]
+            lines += ["[[replicas]]", f'name = "{r.name}"', f'unit = "{r.unit}"', f'url = "{r.url}"', f'model = "{r.model}"']
+            if not self.replica_defaults:
+                lines += [f"startup_grace_s = {r.startup_grace_s}", f"health_timeout_s = {r.health_timeout_s}",
+                          "metrics_timeout_s = 1.0", "canary_timeout_s = 2.0"]
         return "\n".join(lines) + "\n"
 
     def write_config(self, text: str | None = None, path: str = "/etc/guardian/guardian.toml") -> None:
