@@ -47,6 +47,7 @@ def cmd_check(args) -> int:
 
 
 async def _check_live(cfg: Config, no_systemd: bool) -> int:
+    from . import probes
     from .observe import port_owners, unit_or_error
     from .probes import make_client
     from .systemd import Systemd, SystemdError
@@ -87,8 +88,6 @@ async def _check_live(cfg: Config, no_systemd: bool) -> int:
                     print(f"memory guard: replica {r.name}: wired ({cfg.env_dir / f'{r.name}.env'})")
     async with make_client() as client:
         for r in cfg.replicas:
-            from . import probes
-
             health = await probes.probe_health(client, r)
             mprobe, sample = await probes.probe_metrics(client, r)
             models_probe, models = await probes.probe_models(client, r)
@@ -178,9 +177,8 @@ def _update_state(cfg: Config, change) -> None:
     store = StateStore(cfg.state_dir)
     try:
         store.update(change)
-    except CorruptState as e:
+    except CorruptState as e:  # the change was applied to fresh defaults and written
         print(f"warning: {e}", file=sys.stderr)
-        store.update(change)
 
 
 def cmd_pause(args) -> int:

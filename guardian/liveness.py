@@ -65,8 +65,6 @@ IDLE_DEAD = "idle-dead"
 DEGRADED = "degraded"
 
 NO_OBSERVATION = "no observation yet"
-
-ALL_STATES = (PAUSED, UNKNOWN, STOPPED, STARTING, WRONG_MODEL, UNRESPONSIVE, BUSY, HEALTHY, STALLED, IDLE_DEAD, DEGRADED)
 RESTART_STATES = frozenset({STALLED, UNRESPONSIVE, IDLE_DEAD})
 # States that mean "this replica is not serving yet": a second restart on the box waits for them.
 STARTING_STATES = frozenset({STARTING})
@@ -135,11 +133,7 @@ def step(
 
     # --- bookkeeping that every rule may read -------------------------------------------
     sample = obs.metrics
-    progressed = _progressed(t.last_sample, sample)
-    if t.last_sample is not None and sample is not None and any(
-        c < p for c, p in zip(sample.progress_counters(), t.last_sample.progress_counters())
-    ):
-        progressed = True  # counters reset: a new engine, which is progress of a kind
+    progressed = _progressed(t.last_sample, sample)  # a counter that went down (new engine) counts too
     canary = obs.canary
     canary_failed = False
     if canary is not None:

@@ -15,9 +15,6 @@ class Notifier:
     def watchdog(self, status: str) -> None:
         self._n.notify(f"WATCHDOG=1\nSTATUS={status}")
 
-    def status(self, status: str) -> None:
-        self._n.notify(f"STATUS={status}")
-
     def reloading(self) -> None:
         self._n.notify("RELOADING=1")
 

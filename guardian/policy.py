@@ -93,7 +93,7 @@ def decide(
         new, want_canary = liveness.step(old, obs, now, r, cfg.watchdog, persistent.pauses.get(r.name))
         if new.state not in RESTART_STATES:
             new = replace(new, last_notice=None)
-        _log_transition(d, r.name, r.unit, old, new, obs, now)
+        _log_transition(d, r.name, r.unit, old, new, now)
         new = _note_unreadable_metrics(d, r.name, r.unit, new, obs)
         if new.state == liveness.HEALTHY and new.restart_issued_at is not None:
             new = replace(new, restart_issued_at=None)
@@ -106,7 +106,7 @@ def decide(
         t = d.tracks[r.name]
         if t.state not in RESTART_STATES:
             continue
-        refusal = _refusal(r.name, t, d.tracks, observations[r.name], persistent, now, cfg, restart_issued)
+        refusal = _refusal(r.name, d.tracks, observations[r.name], persistent, now, cfg, restart_issued)
         if refusal is not None:
             key, priority, text = refusal
             if t.last_notice != key:
@@ -130,7 +130,7 @@ def decide(
     return d.tracks, d.actions
 
 
-def _refusal(name, t, tracks, obs, persistent, now, cfg, restart_issued) -> tuple[str, str, str] | None:
+def _refusal(name, tracks, obs, persistent, now, cfg, restart_issued) -> tuple[str, str, str] | None:
     blocker = restart_blocker(name, tracks, persistent, now, cfg, restart_issued)
     if blocker is not None:
         return blocker
@@ -178,7 +178,7 @@ def _note_unreadable_metrics(d: _Decision, name: str, unit: str, t: Track, obs: 
 _TRANSITION_PRIORITY = {liveness.WRONG_MODEL: "error", liveness.UNKNOWN: "error"}
 
 
-def _log_transition(d: _Decision, name: str, unit: str, old: Track, new: Track, obs: ReplicaObservation, now: float) -> None:
+def _log_transition(d: _Decision, name: str, unit: str, old: Track, new: Track, now: float) -> None:
     if new.state == old.state and old.evidence != liveness.NO_OBSERVATION:
         return
     msg = f"replica {name}: {old.state} -> {new.state} ({new.evidence})"

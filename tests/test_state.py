@@ -50,3 +50,12 @@ def test_atomic_write_failure_keeps_the_old_file(tmp_path, monkeypatch):
         atomic_write_json(path, {"new": True})
     assert json.loads(path.read_text()) == {"old": True}
     assert [p.name for p in tmp_path.iterdir()] == ["status.json"]
+
+
+def test_update_over_a_corrupt_file_applies_the_change_once_and_says_so(tmp_path):
+    (tmp_path / "state.json").write_text("{garbage")
+    store = StateStore(tmp_path)
+    with pytest.raises(CorruptState):
+        store.update(lambda d: record_restart(d, "a", 1000.0, keep_s=600))
+    assert store.read()["restarts"] == {"a": [1000.0]}
+    assert any(p.name.startswith("state.json.corrupt-") for p in tmp_path.iterdir())

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import time
-import shlex
 from dataclasses import dataclass, field
 
 from systemd_box import SystemdBox, wait_for
@@ -211,6 +210,3 @@ class World:
     def restarts_of(self, r: Replica) -> list[dict]:
         return [e for e in self.guardian_lines(f"GUARDIAN_REPLICA={r.name}", "GUARDIAN_DECISION=restart")]
 
-
-def shq(s: str) -> str:
-    return shlex.quote(s)
