@@ -5,9 +5,11 @@
 
 guardian runs at its default settings. The baseline (bench/baseline_prober.py, for the benchmark
 only) does what a Kubernetes liveness probe does by default: GET /health every 10 s with a 1 s
-timeout, and restarts the unit after 3 consecutive failures. The two are measured one at a time
-on the same faults (while one acts, the other is paused), except in the false-restart run, where
-both watch the same loaded replica.
+timeout, and restarts the unit after 3 consecutive failures. In the detection runs each watches its
+own replica (guardian replica a, with b paused in guardian; the baseline replica b) and every fault
+is injected into both at the same moment. In the false-restart run both watch the same loaded replica.
+
+Raw results go to docs/benchmarks.json after each part; `--report-only` renders the table from it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -54,7 +56,7 @@ class Bench:
         self.trials = trials
         self.quick = quick
         self.world = World(box, top={}, watchdog={}, replica_defaults=True)  # guardian's defaults
-        self.a = self.world.replicas[0]
+        self.a, self.b = self.world.replicas  # a: guardian's, b: the baseline's (paused in guardian)
         self.log: list[str] = []
 
     # --- helpers --------------------------------------------------------------------------
@@ -70,87 +72,89 @@ class Bench:
             entries = [e for e in self.box.journal(f"SYSLOG_IDENTIFIER={BASELINE}", since=t0) if "restarting" in e["MESSAGE"]]
         return [int(e["__REALTIME_TIMESTAMP"]) / 1e6 for e in entries if int(e["__REALTIME_TIMESTAMP"]) / 1e6 >= t0]
 
-    def serving(self) -> bool:
-        return self.box.http(self.a.url + "/health", timeout_s=2)[0] == 200
+    def serving(self, r: Replica | None = None) -> bool:
+        return self.box.http((r or self.a).url + "/health", timeout_s=2)[0] == 200
 
-    def clean(self) -> None:
-        """Replica a serving with no fault and no load, guardian acting on it with a fresh budget."""
+    def clean(self, both: bool = False) -> None:
+        """Replica a (and b) serving with no fault and no load, guardian acting on a with a fresh budget."""
         w = self.world
-        if not self.serving():
-            self.box.systemctl("restart", self.a.unit)
-        wait_for(self.serving, 60, "replica a to serve")
-        w.sim(self.a, "clear")
-        w.sim(self.a, "load", "0")
+        for r in (self.a, self.b) if both else (self.a,):
+            if not self.serving(r):
+                if w.main_pid(r.unit) > 0:
+                    w.kill(r.unit, "CONT")  # a frozen one would sit out its stop timeout
+                self.box.systemctl("restart", r.unit)
+            wait_for(lambda: self.serving(r), 60, f"replica {r.name} to serve")
+            w.sim(r, "clear")
+            w.sim(r, "load", "0")
         self.box.run(["guardian", "resume", self.a.name])
         wait_for(lambda: w.states().get(self.a.name) == "healthy", 120, "guardian to see a healthy")
 
-    def baseline(self, on: bool) -> None:
+    def baseline(self, on: bool, r: Replica | None = None) -> None:
+        r = r or self.b
         if on:
-            self.box.run(["guardian", "pause", self.a.name])
             self.box.run(["systemd-run", f"--unit={BASELINE}", "-p", "Restart=no", "-p", f"SyslogIdentifier={BASELINE}", "/usr/bin/python3",
-                          "/opt/guardian/src/bench/baseline_prober.py", self.a.url, self.a.unit])
+                          "/opt/guardian/src/bench/baseline_prober.py", r.url, r.unit])
         else:
             self.box.systemctl("stop", f"{BASELINE}.service", check=False)
             self.box.systemctl("reset-failed", f"{BASELINE}.service", check=False)
-            self.box.run(["guardian", "resume", self.a.name])
 
     # --- faults -------------------------------------------------------------------------------
     def inject(self, fault: str) -> None:
-        w, a = self.world, self.a
-        if fault == "frozen":
-            w.kill(a.unit, "STOP")
-        elif fault == "dead-200":
-            w.fault(a, "engine-dead")
-        elif fault == "stalled":
-            w.fault(a, "engine-dead")
-        elif fault == "idle-dead":
-            w.fault(a, "engine-dead")
+        w = self.world
+        for r in (self.a, self.b):
+            if fault == "frozen":
+                w.kill(r.unit, "STOP")
+            else:  # dead-200, stalled, idle-dead: the engine dies, /health stays 200; they differ in the load
+                w.fault(r, "engine-dead")
 
     def prepare(self, fault: str) -> None:
-        w, a = self.world, self.a
-        if fault == "dead-200":
-            w.sim(a, "load", "2", json.dumps({"max_tokens": 100000}))
-        elif fault == "stalled":
-            w.sim(a, "load", "16", json.dumps({"max_tokens": 100000}))  # 12 running, 4 waiting
+        w = self.world
+        for r in (self.a, self.b):
+            if fault == "dead-200":
+                w.sim(r, "load", "2", json.dumps({"max_tokens": 100000}))
+            elif fault == "stalled":
+                w.sim(r, "load", "16", json.dumps({"max_tokens": 100000}))  # 12 running, 4 waiting
         if fault in ("dead-200", "stalled"):
-            wait_for(lambda: w.states().get(a.name) == "healthy" and self.running() > 0, 30, "load to run")
+            wait_for(lambda: w.states().get(self.a.name) == "healthy" and self.running(self.a) > 0
+                     and self.running(self.b) > 0, 30, "load to run")
 
-    def running(self) -> int:
-        code, body = self.box.http(self.a.url + "/_sim/state")
+    def running(self, r: Replica) -> int:
+        code, body = self.box.http(r.url + "/_sim/state")
         return json.loads(body).get("running", 0) if code == 200 else 0
 
-    def detection(self, fault: str, who: str, trials: int, window_s: float) -> tuple[Series, Series]:
-        """Time from injection to the restart being issued; and, for guardian, from serving to healthy."""
-        det, rec = Series(window_s=window_s), Series(window_s=60)
+    def detection(self, fault: str, trials: int, window_s: float, base_window_s: float) -> tuple[Series, Series, Series]:
+        """Per trial, the same fault at the same moment in a (guardian's) and b (the baseline's):
+        injection -> restart issued, for each; and, for guardian, replica serving -> reported healthy."""
+        g, k, rec = Series(window_s=window_s), Series(window_s=base_window_s), Series(window_s=60)
         for i in range(trials):
-            self.clean()
-            if who == "baseline":
-                self.baseline(True)
+            self.clean(both=True)
+            self.baseline(True)
             self.prepare(fault)
-            t0 = time.time()
+            t0, start = time.time(), time.monotonic()
             self.inject(fault)
-            found = None
-            deadline = time.monotonic() + window_s
-            while time.monotonic() < deadline and found is None:
-                times = self.restart_lines_after(who, t0)
-                found = times[0] if times else None
+            g_at = k_at = None
+            while ((g_at is None and time.monotonic() < start + window_s)
+                   or (k_at is None and time.monotonic() < start + base_window_s)):
+                if g_at is None:
+                    g_at = next(iter(self.restart_lines_after("guardian", t0)), None)
+                if k_at is None:
+                    k_at = next(iter(self.restart_lines_after("baseline", t0)), None)
                 time.sleep(0.2)
-            if found is None:
-                det.missed += 1
-                self.say(f"  {fault} / {who} trial {i + 1}: not detected in {window_s:.0f} s")
-                if fault == "frozen":
-                    self.world.kill(self.a.unit, "CONT")
-                self.box.systemctl("restart", self.a.unit)
-            else:
-                det.values.append(found - t0)
-                self.say(f"  {fault} / {who} trial {i + 1}: restart issued after {found - t0:.1f} s")
-                if who == "guardian":
-                    rec_s = self.recovery_after(found)
-                    if rec_s is not None:
-                        rec.values.append(rec_s)
-            if who == "baseline":
-                self.baseline(False)
-        return det, rec
+            self.baseline(False)
+            text = []
+            for who, at, series, win in (("guardian", g_at, g, window_s), ("baseline", k_at, k, base_window_s)):
+                if at is None:
+                    series.missed += 1
+                    text.append(f"{who} not in {win:.0f} s")
+                else:
+                    series.values.append(at - t0)
+                    text.append(f"{who} {at - t0:.1f} s")
+            self.say(f"  {fault} trial {i + 1}: " + ", ".join(text))
+            if g_at is not None:
+                rec_s = self.recovery_after(g_at)
+                if rec_s is not None:
+                    rec.values.append(rec_s)
+        return g, k, rec
 
     def recovery_after(self, t_restart: float) -> float | None:
         """From the replica serving again (its 'Application startup complete.') to guardian saying healthy."""
@@ -302,7 +306,15 @@ def main() -> int:
     p.add_argument("--trials", type=int, default=10)
     p.add_argument("--quick", action="store_true", help="1 trial each and short windows: checks the harness, not a result")
     p.add_argument("--out", default=str(REPO / "docs" / "benchmarks.md"))
+    p.add_argument("--report-only", action="store_true", help="render --out from the raw results of the last run")
     args = p.parse_args()
+    raw = Path(args.out).with_suffix(".json")
+    if args.report_only:
+        data = json.loads(raw.read_text())
+        results = {k: _unjson(v) for k, v in data["results"].items()}
+        write_report(Path(args.out), results, data["quick"], data["took_s"], data["date"])
+        print(f"wrote {args.out}")
+        return 0
     trials = 1 if args.quick else args.trials
     load_s, cost_s, many_s = (30, 20, 20) if args.quick else (600, 300, 120)
     box = SystemdBox(ensure_rootfs(), ensure_deps(), name="guardian-bench")
@@ -312,30 +324,58 @@ def main() -> int:
     started = time.time()
     try:
         b.world.setup()
+        b.box.run(["guardian", "pause", b.b.name])  # b is the baseline's during detection
+        # The baseline restarts a failing /health within 3 periods + its timeout (31 s at worst):
+        # 75 s gives it more than twice that.
         for fault, window in (("frozen", 90), ("dead-200", 150), ("stalled", 150), ("idle-dead", 150)):
             b.say(f"detection: {fault}")
-            g, rec = b.detection(fault, "guardian", trials, window)
-            # the baseline cannot see faults behind a /health 200: a few trials show it
-            base_trials = trials if fault == "frozen" else min(trials, 2)
-            k, _ = b.detection(fault, "baseline", base_trials, 60 if args.quick else window)
-            results[fault] = (g, k, rec)
+            results[fault] = b.detection(fault, trials, window, 75)
+            save(raw, results, args, started)
+        b.box.run(["guardian", "resume", b.b.name])
         b.say("false restarts under load")
         results["false"] = b.false_restarts(load_s)
         b.say("cost at 2 replicas")
         results["cost"] = b.cost(cost_s)
         b.say("32 replicas")
         results["many"] = b.many_replicas(32, many_s)
+        save(raw, results, args, started)
         b.say("memory guard")
-        results["memory"] = b.memory(min(trials, 3))
+        results["memory"] = b.memory(trials)
+        save(raw, results, args, started)
     finally:
         b.world.teardown()
         box.halt()
-    write_report(Path(args.out), results, args, time.time() - started, trials)
+    write_report(Path(args.out), results, args.quick, time.time() - started)
     print(f"wrote {args.out}")
     return 0
 
 
-def write_report(path: Path, r: dict, args, took_s: float, trials: int) -> None:
+def save(raw: Path, results: dict, args, started: float) -> None:
+    """The raw results so far: a run cut short still leaves what it measured."""
+    data = {"date": time.strftime("%Y-%m-%d"), "quick": args.quick, "took_s": time.time() - started,
+            "results": {k: _json(v) for k, v in results.items()}}
+    tmp = raw.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(raw)
+
+
+def _json(v):
+    if isinstance(v, Series):
+        return {"series": asdict(v)}
+    if isinstance(v, (tuple, list)):
+        return [_json(x) for x in v]
+    return v
+
+
+def _unjson(v):
+    if isinstance(v, dict) and set(v) == {"series"}:
+        return Series(**v["series"])
+    if isinstance(v, list):
+        return tuple(_unjson(x) for x in v)
+    return v
+
+
+def write_report(path: Path, r: dict, quick: bool, took_s: float, date: str | None = None) -> None:
     cost, many = r["cost"], r["many"]
     mem_action, mem_headroom = r["memory"]
     rows = []
@@ -349,15 +389,15 @@ def write_report(path: Path, r: dict, args, took_s: float, trials: int) -> None:
     lines = [
         "# Benchmarks",
         "",
-        f"Run on {time.strftime('%Y-%m-%d')}, {platform.machine()}, {_cpus()} cores, Linux {platform.release()}, "
-        f"with `bench/run.py{' --quick' if args.quick else ''}` (took {took_s / 60:.0f} min). guardian at its default "
+        f"Run on {date or time.strftime('%Y-%m-%d')}, {platform.machine()}, {_cpus()} cores, Linux {platform.release()}, "
+        f"with `bench/run.py{' --quick' if quick else ''}` (took {took_s / 60:.0f} min). guardian at its default "
         "settings (interval 2 s, stall window 60 s, unresponsive after 10 s, canary every 30 s when idle, "
         "15 s canary timeout, 2 canary failures); the baseline probes `/health` every 10 s with a 1 s timeout "
         "and restarts after 3 consecutive failures (Kubernetes' defaults). Replicas are the simulator in a "
         "real systemd (systemd-nspawn, Debian 12), guardian installed from its .deb.",
         "",
     ]
-    if args.quick:
+    if quick:
         lines += ["**A smoke run (`--quick`: 1 trial each, short windows): it shows the harness works; it is not "
                   "a result.**", ""]
     lines += [
@@ -372,7 +412,7 @@ def write_report(path: Path, r: dict, args, took_s: float, trials: int) -> None:
         "",
         "## False restarts",
         "",
-        f"{load_s_text(args)} of 8 streams of load with `/health` taking 2.5 s (slower than both probes' timeouts) "
+        f"{'30 s' if quick else '10 minutes'} of 8 streams of load with `/health` taking 2.5 s (slower than both probes' timeouts) "
         f"while tokens flow: **guardian {g_false}**, baseline {k_false} restarts. Target: 0 for guardian.",
         "",
         "## Cost",
@@ -395,10 +435,6 @@ def write_report(path: Path, r: dict, args, took_s: float, trials: int) -> None:
     ]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines))
-
-
-def load_s_text(args) -> str:
-    return "30 s" if args.quick else "10 minutes"
 
 
 def _s(x) -> str:

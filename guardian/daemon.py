@@ -27,7 +27,7 @@ from .memory import MemorySample, gib, sample_memory
 from .notify import Notifier
 from .nvml import Nvml
 from .wiring import read_env_fraction, wiring_problem
-from .observe import observe_all, unit_or_error
+from .observe import PortOwnerCache, observe_all, unit_or_error
 from .probes import make_client
 from .state import STATUS_FILE, CorruptState, StateStore, atomic_write_json, view
 from .systemd import Systemd, SystemdError
@@ -60,11 +60,13 @@ class Daemon:
         self.wake = asyncio.Event()
         self.ticks = 0
         self.tick_durations_s: deque[float] = deque(maxlen=1000)
+        self.last_tick_started_mono = time.monotonic()
         self.last_ping_mono: float | None = None
         self.max_ping_gap_s = 0.0
         self.memtrack = memguard.MemTrack()
         self.nvml: Nvml | None = None
         self.wiring: dict[str, str | None] = {}
+        self.port_cache = PortOwnerCache()
 
     # --- signals: flags only ------------------------------------------------------------
     def install_signal_handlers(self) -> None:
@@ -105,6 +107,7 @@ class Daemon:
     # --- one tick ---------------------------------------------------------------------
     async def tick(self) -> None:
         started = time.monotonic()
+        self.last_tick_started_mono = started
         try:
             await self._tick()
         finally:
@@ -118,7 +121,11 @@ class Daemon:
             await self.scan_hazards()
             if self.cfg.memory.enabled:
                 await self.scan_wiring()
-        observations = await observe_all(self.cfg, self.sd, self.client, now, self.executor.canaries, self.executor.outcomes)
+        observations = await observe_all(self.cfg, self.sd, self.client, now, self.executor.canaries, self.executor.outcomes,
+                                         self.port_cache)
+        # Judge as of when the answers were in: a probe that hung for its whole timeout has
+        # shown no answer for that long, and the tick started before it was sent.
+        now = self.clock()
         self.memory = await asyncio.to_thread(sample_memory)
         self.tracks, actions = policy.decide(self.tracks, observations, view(self.persistent), now, self.cfg)
         self.executor.perform(actions)
@@ -330,10 +337,14 @@ class Daemon:
     async def main_loop(self) -> None:
         while not self.stop_requested.is_set():
             self.wake.clear()
-            try:
-                await asyncio.wait_for(self.wake.wait(), self.cfg.interval_s)
-            except asyncio.TimeoutError:
-                pass
+            # Ticks start every interval_s, not interval_s after the last one ended: a replica
+            # that hangs every probe for its timeout would otherwise stretch the cadence.
+            delay_s = self.last_tick_started_mono + self.cfg.interval_s - time.monotonic()
+            if delay_s > 0:
+                try:
+                    await asyncio.wait_for(self.wake.wait(), delay_s)
+                except asyncio.TimeoutError:
+                    pass
             if self.stop_requested.is_set():
                 break
             if self.reload_requested:

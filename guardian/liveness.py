@@ -16,7 +16,7 @@ Rules, first match wins (``W`` = watchdog config, ``R`` = replica config, times 
   5     starting        unit active, not healthy once since it last started, and
                         now - start < R.startup_grace_s  (start = systemd's InactiveExitTimestamp)
   6     wrong-model     /v1/models answered and does not list R.model
-  7     unresponsive    no probe got any HTTP answer for >= W.unresponsive_after_s
+  7     unresponsive    no probe got any HTTP answer for >= W.unresponsive_after_s (from the last answer)
                         AND no progress for >= W.unresponsive_after_s
   8     unresponsive    /health answered 503 (vLLM: engine dead) for >= W.unresponsive_after_s
                         AND no progress for >= W.unresponsive_after_s
@@ -80,7 +80,8 @@ class Track:
     last_sample: VllmSample | None = None
     last_progress_at: float | None = None
     work_since: float | None = None
-    failing_since: float | None = None
+    last_answer_at: float | None = None  # last tick where any probe got an HTTP answer
+    failing_since: float | None = None  # no answer since then (the last answer, else the first failure)
     dead_503_since: float | None = None
     canary_in_flight_since: float | None = None
     last_canary_at: float | None = None
@@ -153,9 +154,12 @@ def step(
             t = replace(t, work_since=None)
         t = replace(t, last_sample=sample)
     if obs.all_probes_failed:
-        t = replace(t, failing_since=t.failing_since if t.failing_since is not None else now)
+        # Counted from the last answer, not from the first failed tick: a hung probe takes its
+        # whole timeout, and counting from its end would add that timeout to every detection.
+        since = t.failing_since if t.failing_since is not None else t.last_answer_at
+        t = replace(t, failing_since=since if since is not None else now)
     else:
-        t = replace(t, failing_since=None)
+        t = replace(t, failing_since=None, last_answer_at=now)
     if obs.health.status == 503:
         t = replace(t, dead_503_since=t.dead_503_since if t.dead_503_since is not None else now)
     else:

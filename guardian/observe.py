@@ -12,7 +12,7 @@ import httpx
 from . import probes
 from .config import Config, ReplicaConfig
 from .observations import CanaryResult, PortOwner, ReplicaObservation, RestartOutcome, UnitInfo
-from .proc import listeners
+from .proc import listening_inodes, listeners
 from .systemd import Systemd, SystemdError
 
 
@@ -43,6 +43,32 @@ async def port_owners(sd: Systemd, ports: set[int]) -> dict[int, PortOwner]:
     return out
 
 
+class PortOwnerCache:
+    """Who holds each replica's port, found again only when the listening sockets change.
+
+    Finding a socket's process means reading every process's /proc/PID/fd, the costliest part
+    of a tick (more so on a box with many processes); the socket table itself is cheap to read.
+    """
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._owners: dict[int, PortOwner] = {}
+
+    async def get(self, sd: Systemd, ports: set[int]) -> dict[int, PortOwner]:
+        before = await asyncio.to_thread(listening_inodes, ports)
+        key = (frozenset(ports), tuple(sorted(before.items())) if before is not None else None)
+        if before is not None and key == self._key:
+            return self._owners
+        owners = await port_owners(sd, ports)
+        after = await asyncio.to_thread(listening_inodes, ports)
+        # Kept only when the sockets did not change during the scan and every holder was named
+        # (a failed D-Bus lookup must not stick).
+        complete = all(o.pid is None or o.unit not in (None, "?") for o in owners.values())
+        self._key = key if after == before and complete else None
+        self._owners = owners
+        return owners
+
+
 async def observe_replica(
     sd: Systemd, client: httpx.AsyncClient, r: ReplicaConfig, at: float, owner: PortOwner | None,
     canary: CanaryResult | None, outcome: RestartOutcome | None,
@@ -62,9 +88,9 @@ async def observe_replica(
 
 async def observe_all(
     cfg: Config, sd: Systemd, client: httpx.AsyncClient, at: float,
-    canaries: dict[str, CanaryResult], outcomes: dict[str, RestartOutcome],
+    canaries: dict[str, CanaryResult], outcomes: dict[str, RestartOutcome], port_cache: PortOwnerCache,
 ) -> dict[str, ReplicaObservation]:
-    owners = await port_owners(sd, {r.port for r in cfg.replicas})
+    owners = await port_cache.get(sd, {r.port for r in cfg.replicas})
     results = await asyncio.gather(*(
         observe_replica(sd, client, r, at, owners.get(r.port), canaries.pop(r.name, None), outcomes.pop(r.name, None))
         for r in cfg.replicas

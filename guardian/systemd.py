@@ -22,6 +22,9 @@ MANAGER = "org.freedesktop.systemd1.Manager"
 UNIT_IFACE = "org.freedesktop.systemd1.Unit"
 SERVICE_IFACE = "org.freedesktop.systemd1.Service"
 PROPS = "org.freedesktop.DBus.Properties"
+UNIT_PROPS = ("LoadState", "ActiveState", "SubState", "UnitFileState", "InactiveExitTimestamp", "InvocationID",
+              "Conflicts", "ConflictedBy", "FragmentPath", "Job")
+SERVICE_PROPS = ("MainPID", "Restart", "NRestarts")
 
 
 class SystemdError(Exception):
@@ -102,10 +105,6 @@ class Systemd:
             raise SystemdError(f"{member}: {reply.error_name}: {detail}")
         return reply.body
 
-    async def _props(self, path: str, interface: str) -> dict:
-        (props,) = await self._call(PROPS, "GetAll", "s", [interface], path=path)
-        return {k: _v(v) for k, v in props.items()}
-
     async def unit_path(self, name: str) -> str:
         (path,) = await self._call(MANAGER, "LoadUnit", "s", [name])
         return path
@@ -120,12 +119,18 @@ class Systemd:
         (v,) = await self._call(PROPS, "Get", "ss", [UNIT_IFACE, "ActiveState"], path=path)
         return _v(v)
 
+    async def _some_props(self, path: str, interface: str, names: tuple[str, ...]) -> dict:
+        values = await asyncio.gather(*(self._call(PROPS, "Get", "ss", [interface, n], path=path) for n in names))
+        return {n: _v(v) for n, (v,) in zip(names, values)}
+
     async def unit_info(self, name: str) -> UnitInfo:
+        # Asked for by name, not GetAll: a service's GetAll carries some 300 properties, and
+        # unmarshalling them every tick was most of guardian's CPU time (bench/, docs/benchmarks.md).
         path = await self.unit_path(name)
-        u = await self._props(path, UNIT_IFACE)
+        u = await self._some_props(path, UNIT_IFACE, UNIT_PROPS)
         svc: dict = {}
         if u.get("LoadState") == "loaded" and name.endswith(".service"):
-            svc = await self._props(path, SERVICE_IFACE)
+            svc = await self._some_props(path, SERVICE_IFACE, SERVICE_PROPS)
         others = sorted(set(u.get("Conflicts", [])) | set(u.get("ConflictedBy", [])))
         conflicts = []
         for other in others:
@@ -150,7 +155,7 @@ class Systemd:
 
     async def service_details(self, name: str) -> ServiceDetails:
         path = await self.unit_path(name)
-        svc = await self._props(path, SERVICE_IFACE)
+        svc = await self._some_props(path, SERVICE_IFACE, ("EnvironmentFiles", "ExecStart"))
         env_files = tuple(p for p, _optional in svc.get("EnvironmentFiles", []))
         exec_start = svc.get("ExecStart", [])
         argv = tuple(exec_start[0][1]) if exec_start else ()

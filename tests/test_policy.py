@@ -141,9 +141,11 @@ def test_busy_with_slow_or_timed_out_health_is_never_restarted(health):
 
 @pytest.mark.parametrize("dt, state", [(9.5, liveness.DEGRADED), (10.0, liveness.UNRESPONSIVE), (10.5, liveness.UNRESPONSIVE)])
 def test_unresponsive_window_boundary(dt, state):
+    """The window runs from the last answer, not from the first failed tick (which ends a whole
+    probe timeout after the process hung)."""
     sim = Sim(cfg(1, unresponsive_after_s=10))
-    healthy_start(sim)
-    sim.tick(200, a=obs(t=200, health=TIMEOUT))  # first failure
+    healthy_start(sim, t0=200.0)  # the last answer
+    sim.tick(205, a=obs(t=205, health=TIMEOUT))  # first failure
     actions = sim.tick(200 + dt, a=obs(t=200 + dt, health=TIMEOUT))
     assert sim.state() == state
     assert bool(restarts(actions)) == (state == liveness.UNRESPONSIVE)
