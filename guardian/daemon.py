@@ -27,7 +27,7 @@ from .memory import MemorySample, gib, sample_memory
 from .notify import Notifier
 from .nvml import Nvml
 from .wiring import read_env_fraction, wiring_problem
-from .observe import PortOwnerCache, observe_all, unit_or_error
+from .observe import PortOwnerCache, UnitInfoCache, observe_all, unit_or_error
 from .probes import make_client
 from .state import STATUS_FILE, CorruptState, StateStore, atomic_write_json, view
 from .systemd import Systemd, SystemdError
@@ -67,6 +67,7 @@ class Daemon:
         self.nvml: Nvml | None = None
         self.wiring: dict[str, str | None] = {}
         self.port_cache = PortOwnerCache()
+        self.unit_cache = UnitInfoCache()
 
     # --- signals: flags only ------------------------------------------------------------
     def install_signal_handlers(self) -> None:
@@ -85,6 +86,7 @@ class Daemon:
 
     def _on_units_changed(self, reason: str) -> None:
         self.rescan_hazards = True
+        self.unit_cache.invalidate()  # enablement, masks and Conflicts= may have changed
 
     # --- startup ------------------------------------------------------------------------
     async def startup(self) -> None:
@@ -122,7 +124,7 @@ class Daemon:
             if self.cfg.memory.enabled:
                 await self.scan_wiring()
         observations = await observe_all(self.cfg, self.sd, self.client, now, self.executor.canaries, self.executor.outcomes,
-                                         self.port_cache)
+                                         self.port_cache, self.unit_cache)
         # Judge as of when the answers were in: a probe that hung for its whole timeout has
         # shown no answer for that long, and the tick started before it was sent.
         now = self.clock()
@@ -278,7 +280,7 @@ class Daemon:
             b = policy.budget(r.name, pv, now, self.cfg)
             replicas[r.name] = {
                 "unit": r.unit, "url": r.url, "model": r.model, "state": t.state,
-                "since": t.state_since, "evidence": t.evidence,
+                "since": t.state_since, "evidence": t.evidence, "unit_started_at": t.start_ts,
                 "restarts_in_window": b.used, "restart_budget": b.limit, "gave_up": b.spent,
                 "paused_until": (pv.pauses[r.name].until if r.name in pv.pauses else None),
                 "paused": r.name in pv.pauses,
@@ -327,6 +329,7 @@ class Daemon:
         self.executor.store = self.store
         self.tracks = {k: v for k, v in self.tracks.items() if new.replica(k) is not None}
         self.rescan_hazards = True
+        self.unit_cache.invalidate()
         self.journal.send("info", f"configuration reloaded from {self.config_path}")
         for line in thresholds.describe(new):
             self.journal.send("info", f"limits in effect: {line}")

@@ -6,6 +6,7 @@ Every call is bounded; a hung replica or a slow bus yields an observation that s
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 
@@ -43,6 +44,47 @@ async def port_owners(sd: Systemd, ports: set[int]) -> dict[int, PortOwner]:
     return out
 
 
+class UnitInfoCache:
+    """systemd's view of each replica's unit, asked for in full only when it may have changed.
+
+    A unit's full view takes 13 D-Bus calls; its fingerprint (states, job, invocation id) is
+    cheap. The full view is asked again when the fingerprint changes, after a daemon-reload or a
+    change of unit files (invalidate()), and at least every max_age_s. Restarts re-check the
+    unit gates on a fresh, uncached view anyway (executor.checked_restart).
+    """
+
+    def __init__(self, max_age_s: float = 30.0) -> None:
+        self.max_age_s = max_age_s
+        self._entries: dict[str, tuple[tuple, float, UnitInfo]] = {}
+
+    def invalidate(self) -> None:
+        self._entries.clear()
+
+    async def get(self, sd: Systemd, names: list[str], mono_now: float) -> dict[str, tuple[UnitInfo | None, str | None]]:
+        try:
+            prints = await sd.unit_fingerprints(names)
+        except (SystemdError, OSError, asyncio.TimeoutError) as e:
+            self.invalidate()
+            return {n: (None, str(e)) for n in names}
+        out: dict[str, tuple[UnitInfo | None, str | None]] = {}
+
+        async def one(name: str) -> None:
+            cached = self._entries.get(name)
+            fp = prints.get(name)
+            if cached is not None and fp is not None and cached[0] == fp and mono_now - cached[1] < self.max_age_s:
+                out[name] = (cached[2], None)
+                return
+            info, err = await unit_or_error(sd, name)
+            if info is None or fp is None:
+                self._entries.pop(name, None)
+            else:
+                self._entries[name] = (fp, mono_now, info)
+            out[name] = (info, err)
+
+        await asyncio.gather(*(one(n) for n in names))
+        return out
+
+
 class PortOwnerCache:
     """Who holds each replica's port, found again only when the listening sockets change.
 
@@ -70,11 +112,11 @@ class PortOwnerCache:
 
 
 async def observe_replica(
-    sd: Systemd, client: httpx.AsyncClient, r: ReplicaConfig, at: float, owner: PortOwner | None,
-    canary: CanaryResult | None, outcome: RestartOutcome | None,
+    client: httpx.AsyncClient, r: ReplicaConfig, at: float, unit_view: tuple[UnitInfo | None, str | None],
+    owner: PortOwner | None, canary: CanaryResult | None, outcome: RestartOutcome | None,
 ) -> ReplicaObservation:
-    (unit, unit_error), health, (mprobe, sample), (models_probe, models) = await asyncio.gather(
-        unit_or_error(sd, r.unit),
+    unit, unit_error = unit_view
+    health, (mprobe, sample), (models_probe, models) = await asyncio.gather(
         probes.probe_health(client, r),
         probes.probe_metrics(client, r),
         probes.probe_models(client, r),
@@ -89,10 +131,15 @@ async def observe_replica(
 async def observe_all(
     cfg: Config, sd: Systemd, client: httpx.AsyncClient, at: float,
     canaries: dict[str, CanaryResult], outcomes: dict[str, RestartOutcome], port_cache: PortOwnerCache,
+    unit_cache: UnitInfoCache,
 ) -> dict[str, ReplicaObservation]:
-    owners = await port_cache.get(sd, {r.port for r in cfg.replicas})
+    owners, units = await asyncio.gather(
+        port_cache.get(sd, {r.port for r in cfg.replicas}),
+        unit_cache.get(sd, [r.unit for r in cfg.replicas], time.monotonic()),
+    )
     results = await asyncio.gather(*(
-        observe_replica(sd, client, r, at, owners.get(r.port), canaries.pop(r.name, None), outcomes.pop(r.name, None))
+        observe_replica(client, r, at, units[r.unit], owners.get(r.port), canaries.pop(r.name, None),
+                        outcomes.pop(r.name, None))
         for r in cfg.replicas
     ))
     return {o.name: o for o in results}

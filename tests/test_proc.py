@@ -54,3 +54,16 @@ def test_connected_sockets_and_other_ports_are_not_listeners():
     finally:
         for s in (client, accepted, server):
             s.close()
+
+
+def test_netlink_and_proc_net_agree():
+    """sock_diag is the normal path; /proc/net/tcp is the fallback where netlink is refused."""
+    from guardian.proc import _proc_net_listening_inodes
+
+    v4, v6 = _listener(), _listener(socket.AF_INET6, "::1")
+    try:
+        ports = {v4.getsockname()[1], v6.getsockname()[1]}
+        assert listening_inodes(ports) == _proc_net_listening_inodes(ports) != {}
+    finally:
+        v4.close()
+        v6.close()

@@ -98,6 +98,19 @@ def test_status_shows_each_replica_from_the_running_daemon(world):
     assert r.returncode == 3 and "not running" in r.stderr
 
 
+def test_a_restart_by_someone_else_is_seen_on_the_next_ticks(world):
+    """guardian keeps systemd's full view of a unit between ticks; a restart must still show at once
+    (not when that view ages out after 30 s), or a new engine would be judged by the old one's past."""
+    world.setup()
+    a = world.replicas[0]
+    before = time.time()
+    world.box.systemctl("restart", a.unit)
+    started = wait_for(lambda: (world.status()["replicas"]["a"]["unit_started_at"] or 0) >= before and
+                       world.status()["replicas"]["a"]["unit_started_at"], 5, "guardian to see vllm-a's new start")
+    assert started <= time.time()
+    world.wait_states({"a": "healthy"}, timeout_s=20)
+
+
 def test_sigterm_stops_cleanly_and_quickly(world):
     world.setup()
     t0 = time.monotonic()
