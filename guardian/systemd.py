@@ -27,6 +27,9 @@ UNIT_PROPS = ("LoadState", "ActiveState", "SubState", "UnitFileState", "Inactive
 SERVICE_PROPS = ("MainPID", "Restart", "NRestarts")
 
 
+MAX_CALLS_IN_FLIGHT = 16
+
+
 class SystemdError(Exception):
     pass
 
@@ -50,6 +53,9 @@ class Systemd:
         self._jobs: dict[str, asyncio.Future[str]] = {}
         self._finished: dict[str, str] = {}
         self._listeners: list[Callable[[str], None]] = []
+        # dbus-next fails a send with EAGAIN, and leaves the stream unusable, once its socket's
+        # buffer is full: with 32 replicas a tick's unit views were some 450 calls at once.
+        self._in_flight = asyncio.Semaphore(MAX_CALLS_IN_FLIGHT)
 
     async def connect(self) -> None:
         address = os.environ.get("GUARDIAN_DBUS_ADDRESS")  # tests may point elsewhere
@@ -97,7 +103,8 @@ class Systemd:
         msg = Message(destination=destination, path=path, interface=interface, member=member,
                       signature=signature, body=body)
         try:
-            reply = await asyncio.wait_for(self.bus.call(msg), timeout_s or self.call_timeout_s)
+            async with self._in_flight:
+                reply = await asyncio.wait_for(self.bus.call(msg), timeout_s or self.call_timeout_s)
         except asyncio.TimeoutError:
             raise SystemdError(f"D-Bus {member} timed out after {timeout_s or self.call_timeout_s:.0f} s") from None
         if reply.message_type == MessageType.ERROR:
