@@ -111,6 +111,29 @@ def test_a_restart_by_someone_else_is_seen_on_the_next_ticks(world):
     world.wait_states({"a": "healthy"}, timeout_s=20)
 
 
+MANY_CALLS = """
+import asyncio
+from guardian.systemd import Systemd
+async def main():
+    sd = Systemd()
+    await sd.connect()
+    names = ["vllm-a.service", "vllm-b.service", "db.service", "proxy.service"] * 40
+    views = await asyncio.gather(*(sd.unit_info(n) for n in names), return_exceptions=True)
+    bad = [repr(v) for v in views if isinstance(v, BaseException)]
+    print(len(views) - len(bad), "ok;", bad[:3])
+asyncio.run(main())
+"""
+
+
+def test_many_unit_views_at_once_all_succeed(world):
+    """160 unit views at once are some 2,000 D-Bus calls: dbus-next fails a send with EAGAIN, and
+    the connection with it, when too many are written at once (32 replicas did that)."""
+    world.setup(start_guardian=False)
+    world.box.write("/tmp/many_calls.py", MANY_CALLS)
+    r = world.box.run("PYTHONPATH=/usr/lib/guardian python3 -s /tmp/many_calls.py", timeout=120)
+    assert r.stdout.startswith("160 ok;"), r.stdout + r.stderr
+
+
 def test_sigterm_stops_cleanly_and_quickly(world):
     world.setup()
     t0 = time.monotonic()
