@@ -254,6 +254,8 @@ class Bench:
                         "device_total_bytes": total}
             w.write_config()
             self.box.systemctl("restart", "guardian.service")
+            for r in w.replicas:  # each trial with a fresh budget: the last trial's lowering would hold it back
+                self.box.run(["guardian", "resume", r.name])
             w.wait_states({r.name: "healthy" for r in w.replicas}, timeout_s=60)
             # a hog that leaves headroom 0.1 GiB under the line; one step (0.04 x 4 GiB) gives it back
             w.install_plain("bench-hog.service", exec_start=f"/usr/local/bin/hog {int(1.1 * GiB)}")
