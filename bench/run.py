@@ -52,18 +52,14 @@ class Series:
 
 
 class Bench:
-    def __init__(self, box: SystemdBox, trials: int, quick: bool) -> None:
+    def __init__(self, box: SystemdBox) -> None:
         self.box = box
-        self.trials = trials
-        self.quick = quick
         self.world = World(box, top={}, watchdog={}, replica_defaults=True)  # guardian's defaults
         self.a, self.b = self.world.replicas  # a: guardian's, b: the baseline's (paused in guardian)
-        self.log: list[str] = []
 
     # --- helpers --------------------------------------------------------------------------
     def say(self, text: str) -> None:
         print(text, flush=True)
-        self.log.append(text)
 
     def restart_lines_after(self, who: str, t0: float) -> list[float]:
         if who == "guardian":
@@ -324,7 +320,7 @@ def main() -> int:
     load_s, cost_s, many_s = (30, 20, 20) if args.quick else (600, 300, 120)
     box = SystemdBox(ensure_rootfs(), ensure_deps(), name="guardian-bench")
     box.boot()
-    b = Bench(box, trials, args.quick)
+    b = Bench(box)
     parts = args.parts.split(",")
     results: dict = {}
     started = time.time()

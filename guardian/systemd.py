@@ -132,15 +132,14 @@ class Systemd:
 
     async def unit_fingerprints(self, names: list[str]) -> dict[str, tuple]:
         """Per unit (load, active, sub state, job id, invocation id): what changes when it starts,
-        stops, restarts or gets a job. Two calls for all units, where unit_info makes 13 each."""
+        stops, restarts or gets a job. One call for all units plus one per unit, where unit_info
+        makes 13 per unit."""
         (rows,) = await self._call(MANAGER, "ListUnitsByNames", "as", [list(names)])
-        by_name = {row[0]: row for row in rows}
-        paths = [by_name[n][6] for n in names if n in by_name]
-        invocations = await asyncio.gather(*(self._call(PROPS, "Get", "ss", [UNIT_IFACE, "InvocationID"], path=p)
-                                             for p in paths))
+        invocations = await asyncio.gather(*(self._call(PROPS, "Get", "ss", [UNIT_IFACE, "InvocationID"], path=row[6])
+                                             for row in rows))
         out: dict[str, tuple] = {}
-        for name, (inv,) in zip([n for n in names if n in by_name], invocations):
-            _n, _desc, load, active, sub, _following, _path, job_id, _jt, _jp = by_name[name]
+        for row, (inv,) in zip(rows, invocations):
+            name, _desc, load, active, sub, _following, _path, job_id, _jt, _jp = row
             out[name] = (load, active, sub, job_id, bytes(_v(inv)).hex())
         return out
 

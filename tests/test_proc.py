@@ -57,13 +57,20 @@ def test_connected_sockets_and_other_ports_are_not_listeners():
 
 
 def test_netlink_and_proc_net_agree():
-    """sock_diag is the normal path; /proc/net/tcp is the fallback where netlink is refused."""
-    from guardian.proc import _proc_net_listening_inodes
+    """sock_diag is the normal path; /proc/net/tcp is the fallback where netlink is refused.
+    Netlink is asked directly: through listening_inodes a failing netlink would hide behind the
+    fallback and the two sides would trivially agree."""
+    from guardian.proc import _proc_net_listening_inodes, _sock_diag_listeners
 
     v4, v6 = _listener(), _listener(socket.AF_INET6, "::1")
     try:
         ports = {v4.getsockname()[1], v6.getsockname()[1]}
-        assert listening_inodes(ports) == _proc_net_listening_inodes(ports) != {}
+        netlink = {}
+        for family in (socket.AF_INET, socket.AF_INET6):
+            for port, inode in _sock_diag_listeners(family):
+                if port in ports:
+                    netlink.setdefault(port, inode)
+        assert netlink == _proc_net_listening_inodes(ports) == listening_inodes(ports) != {}
     finally:
         v4.close()
         v6.close()
