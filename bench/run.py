@@ -25,9 +25,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO))
 
 from systemd_box import SystemdBox, ensure_deps, ensure_rootfs, wait_for  # noqa: E402
 from world import Replica, World  # noqa: E402
+
+from guardian.observe.meminfo import sample_memory  # noqa: E402  (the one MemAvailable reader)
 
 GiB = 2**30
 PARTS = ("detection", "false", "cost", "many", "memory")
@@ -293,11 +296,7 @@ n = int(sys.argv[1]); b = bytearray(n); b[::4096] = b"\\x01" * len(range(0, n, 4
 
 
 def _mem_available() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    return sample_memory().available_bytes
 
 
 def main() -> int:

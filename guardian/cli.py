@@ -5,15 +5,30 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import re
 import sys
 import time
+import uuid
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
-from . import __version__, gates, hazards, thresholds
+from . import __version__
+from .act.executor import checked_restart
+from .act.journal import Journal
+from .act.state import STATUS_FILE, CorruptState, State, StateStore, view
 from .config import Config, ConfigError, config_path, load_config
-from .journal import Journal
-from .state import STATUS_FILE, CorruptState, StateStore
+from .core import gates, hazards, thresholds, tick
+from .core.actions import AnswerRequest, LogLine, RestartUnit
+from .core.observations import RestartRequest, TickObservation
+from .core.vocab import Decision, Priority
+from .observe import probes
+from .observe.memory import env_path, wiring_of
+from .observe.nvml import Nvml
+from .observe.probes import make_client
+from .observe.replicas import PortOwnerCache, UnitInfoCache, observe_all, port_owners, unit_or_error
+from .observe.systemd import Systemd, SystemdError
 
 EXIT_CONFIG = 2
 
@@ -26,11 +41,11 @@ def parse_duration(text: str) -> float:
     return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
 
 
-def _load(args) -> Config:
+def _load(args: argparse.Namespace) -> Config:
     return load_config(config_path(args.config))
 
 
-def cmd_run(args) -> int:
+def cmd_run(args: argparse.Namespace) -> int:
     from .daemon import Daemon
 
     path = config_path(args.config)
@@ -38,7 +53,7 @@ def cmd_run(args) -> int:
     return asyncio.run(Daemon(cfg, path).run())
 
 
-def cmd_check(args) -> int:
+def cmd_check(args: argparse.Namespace) -> int:
     cfg = _load(args)
     print(f"config {config_path(args.config)}: valid")
     for line in thresholds.describe(cfg):
@@ -47,17 +62,13 @@ def cmd_check(args) -> int:
 
 
 async def _check_live(cfg: Config, no_systemd: bool) -> int:
-    from . import probes
-    from .observe import port_owners, unit_or_error
-    from .probes import make_client
-    from .systemd import Systemd, SystemdError
-
     problems = 0
     sd = Systemd()
+    units = {}
     if not no_systemd:
         try:
             await sd.connect()
-        except (SystemdError, OSError, asyncio.TimeoutError) as e:
+        except SystemdError as e:
             print(f"problem: cannot talk to systemd over the system bus: {e}")
             return 1
         units = {r.unit: (await unit_or_error(sd, r.unit))[0] for r in cfg.replicas}
@@ -71,21 +82,16 @@ async def _check_live(cfg: Config, no_systemd: bool) -> int:
             print(f"hazard: {h.message}")
         problems += len(found)
         if cfg.memory.enabled:
-            from .nvml import Nvml
-            from .wiring import wiring_problem
-
             print(f"memory guard: {Nvml().note}")
             for r in cfg.replicas:
-                try:
-                    d = await sd.service_details(r.unit)
-                    problem = wiring_problem(r.unit, d.environment_files, d.exec_start, cfg.env_dir / f"{r.name}.env")
-                except SystemdError as e:
-                    problem = f"cannot ask systemd: {e}"
+                problem = await wiring_of(sd, cfg, r)
                 if problem:
                     problems += 1
-                    print(f"memory guard: replica {r.name}: NOT wired, it will never be restarted to lower its fraction: {problem}")
+                    print(f"memory guard: replica {r.name}: NOT wired, it will never be restarted to lower its "
+                          f"fraction: {problem}")
                 else:
-                    print(f"memory guard: replica {r.name}: wired ({cfg.env_dir / f'{r.name}.env'})")
+                    print(f"memory guard: replica {r.name}: wired ({env_path(cfg, r.name)} is the last "
+                          "EnvironmentFile= that sets GPU_MEMORY_UTILIZATION)")
     async with make_client() as client:
         for r in cfg.replicas:
             health = await probes.probe_health(client, r)
@@ -93,7 +99,8 @@ async def _check_live(cfg: Config, no_systemd: bool) -> int:
             models_probe, models = await probes.probe_models(client, r)
             line = f"replica {r.name} ({r.url}): /health {health.status or health.error} in {health.latency_s:.2f} s"
             if sample is not None:
-                line += f"; {sample.running:.0f} running, {sample.waiting:.0f} waiting, {sample.generation_tokens:.0f} tokens so far"
+                line += (f"; {sample.running:.0f} running, {sample.waiting:.0f} waiting, "
+                         f"{sample.generation_tokens:.0f} tokens so far")
                 if sample.gpu_memory_utilization is not None:
                     line += f", gpu_memory_utilization {sample.gpu_memory_utilization:g}"
             else:
@@ -107,24 +114,24 @@ async def _check_live(cfg: Config, no_systemd: bool) -> int:
             if not health.ok:
                 problems += 1
             if not no_systemd:
-                unit = units[r.unit]
                 owner = (await port_owners(sd, {r.port}))[r.port]
-                refusal = gates.unit_refusal(unit, owner)
-                line += f"; {r.unit}: " + (f"guardian could NOT restart it: {refusal.text()}" if refusal else "restartable")
+                refusal = gates.unit_refusal(units[r.unit], owner)
+                line += f"; {r.unit}: " + (f"guardian could NOT restart it: {refusal.text()}" if refusal
+                                           else "restartable")
             print(line)
     sd.close()
     print("ok" if problems == 0 else f"{problems} problem(s)")
     return 0 if problems == 0 else 1
 
 
-def _runtime_dir(args) -> Path:
+def _runtime_dir(args: argparse.Namespace) -> Path:
     try:
         return _load(args).runtime_dir
     except ConfigError:
-        return Config.model_fields["runtime_dir"].default
+        return Path(str(Config.model_fields["runtime_dir"].default))
 
 
-def cmd_status(args) -> int:
+def cmd_status(args: argparse.Namespace) -> int:
     path = _runtime_dir(args) / STATUS_FILE
     try:
         data = json.loads(path.read_text())
@@ -142,7 +149,8 @@ def cmd_status(args) -> int:
         print(json.dumps(data, indent=1, sort_keys=True))
         return 0 if not stale else 3
     print(f"guardian pid {data['pid']}, updated {age:.1f} s ago{' (STALE: is it running?)' if stale else ''}"
-          f"{', DRY-RUN' if data.get('dry_run') else ''}")
+          f"{', DRY-RUN' if data.get('dry_run') else ''}"
+          f"{', SYSTEM BUS LOST' if data.get('system_bus') == 'LOST' else ''}")
     mem = data.get("memory")
     if mem:
         psi = mem.get("psi_some_avg10")
@@ -162,8 +170,8 @@ def cmd_status(args) -> int:
         extra = " GAVE UP (restart budget spent)" if r.get("gave_up") else ""
         frac = r.get("gpu_memory_utilization")
         frac_text = f"fraction {frac:g}" if frac is not None else "fraction ?"
-        print(f"  {name:<12} {r['state']:<13} {r['unit']:<28} {frac_text:<14} restarts {r['restarts_in_window']}/{r['restart_budget']}"
-              f"{extra}  {r['evidence']}")
+        print(f"  {name:<12} {r['state']:<13} {r['unit']:<28} {frac_text:<14} "
+              f"restarts {r['restarts_in_window']}/{r['restart_budget']}{extra}  {r['evidence']}")
     return 0 if not stale else 3
 
 
@@ -173,7 +181,7 @@ def _need_replica(cfg: Config, name: str) -> None:
         raise SystemExit(f"guardian: no replica named {name!r} in the config (known: {known})")
 
 
-def _update_state(cfg: Config, change) -> None:
+def _update_state(cfg: Config, change: Callable[[State], None]) -> None:
     store = StateStore(cfg.state_dir)
     try:
         store.update(change)
@@ -181,50 +189,111 @@ def _update_state(cfg: Config, change) -> None:
         print(f"warning: {e}", file=sys.stderr)
 
 
-def cmd_pause(args) -> int:
+def _unit_of(cfg: Config, name: str) -> str:
+    r = cfg.replica(name)
+    return r.unit if r is not None else ""
+
+
+def cmd_pause(args: argparse.Namespace) -> int:
     cfg = _load(args)
     _need_replica(cfg, args.name)
     until = time.time() + args.for_ if args.for_ else None
 
-    def change(d):
+    def change(d: State) -> None:
         d["pauses"][args.name] = {"until": until, "reason": "operator"}
 
     _update_state(cfg, change)
     how = f"for {args.for_:g} s" if until else "until `guardian resume`"
-    Journal().send("warning", f"replica {args.name}: paused by an operator {how}", args.name, cfg.replica(args.name).unit)
+    Journal().send(Priority.WARNING, f"replica {args.name}: paused by an operator {how}", Decision.REQUEST, args.name,
+                   _unit_of(cfg, args.name))
     print(f"replica {args.name} paused {how}")
     return 0
 
 
-def cmd_resume(args) -> int:
+def cmd_resume(args: argparse.Namespace) -> int:
     cfg = _load(args)
     _need_replica(cfg, args.name)
 
-    def change(d):
+    def change(d: State) -> None:
         d["pauses"].pop(args.name, None)
         d["resumed_at"][args.name] = time.time()
 
     _update_state(cfg, change)
-    Journal().send("warning", f"replica {args.name}: resumed by an operator (restart budget starts afresh)",
-                   args.name, cfg.replica(args.name).unit)
+    Journal().send(Priority.WARNING, f"replica {args.name}: resumed by an operator (restart budget starts afresh)",
+                   Decision.REQUEST, args.name, _unit_of(cfg, args.name))
     print(f"replica {args.name} resumed")
     return 0
 
 
-def cmd_restart(args) -> int:
+def cmd_restart(args: argparse.Namespace) -> int:
     cfg = _load(args)
     _need_replica(cfg, args.name)
-    return asyncio.run(_manual_restart(cfg, args.name))
+    pid = _running_daemon(cfg)
+    if pid is not None:
+        return _ask_daemon_to_restart(cfg, args.name, pid, args.wait)
+    return asyncio.run(_restart_without_daemon(cfg, args.name))
 
 
-async def _manual_restart(cfg: Config, name: str) -> int:
-    from . import policy
-    from .executor import checked_restart
-    from .observe import unit_or_error
-    from .state import view
-    from .systemd import Systemd, SystemdError
+def _running_daemon(cfg: Config) -> int | None:
+    """The PID of the daemon that serves this config's state, if it runs and ticks."""
+    try:
+        data = json.loads((cfg.runtime_dir / STATUS_FILE).read_text())
+        pid = int(data["pid"])
+        fresh = time.time() - float(data["updated_at"]) <= max(30.0, 5 * float(data.get("interval_s", 2.0)))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not fresh:
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass  # it runs, as another user
+    return pid
 
+
+def _ask_daemon_to_restart(cfg: Config, name: str, pid: int, wait_s: float | None) -> int:
+    """Record the request for the daemon, which admits it like any restart (core/tick.py), and
+    wait for its answer."""
+    rid = uuid.uuid4().hex[:16]
+    store = StateStore(cfg.state_dir)
+
+    def ask(d: State) -> None:
+        d["requests"][rid] = {"replica": name, "at": time.time()}
+
+    _update_state(cfg, ask)
+    print(f"asked the running guardian (pid {pid}) to restart replica {name}; waiting for its answer")
+    deadline = time.monotonic() + (wait_s if wait_s is not None
+                                   else cfg.watchdog.restart_job_timeout_s + 10 * cfg.interval_s + 10)
+    while time.monotonic() < deadline:
+        try:
+            answer = store.read()["answers"].get(rid)
+        except CorruptState as e:
+            print(f"guardian: {e}", file=sys.stderr)
+            return 1
+        if answer is not None:
+            def forget(d: State) -> None:
+                d["answers"].pop(rid, None)
+
+            _update_state(cfg, forget)
+            print(answer["message"], file=sys.stdout if answer["ok"] else sys.stderr)
+            return 0 if answer["ok"] else 1
+        time.sleep(0.2)
+
+    def withdraw(d: State) -> None:
+        d["requests"].pop(rid, None)
+
+    _update_state(cfg, withdraw)
+    print(f"guardian: no answer from the running daemon within the wait; request withdrawn "
+          f"(see journalctl -u guardian GUARDIAN_REPLICA={name})", file=sys.stderr)
+    return 1
+
+
+async def _restart_without_daemon(cfg: Config, name: str) -> int:
+    """No daemon runs: observe once and put the request through the same pure tick."""
     r = cfg.replica(name)
+    assert r is not None
     journal = Journal()
     store = StateStore(cfg.state_dir)
     try:
@@ -232,38 +301,35 @@ async def _manual_restart(cfg: Config, name: str) -> int:
     except CorruptState as e:
         print(f"warning: {e}", file=sys.stderr)
         pv = view(store.update(lambda d: None))
-    b = policy.budget(name, pv, time.time(), cfg)
-    if b.spent:
-        msg = f"replica {name}: manual restart of {r.unit} refused: restart budget spent ({b.used} in {cfg.watchdog.restart_window_s:g} s); `guardian resume {name}` resets it"
-        journal.send("error", msg, name, r.unit, {"GUARDIAN_DECISION": "refused", "GUARDIAN_GATE": "budget"})
-        print(msg, file=sys.stderr)
-        return 1
     sd = Systemd()
     try:
         await sd.connect()
-    except (SystemdError, OSError, asyncio.TimeoutError) as e:
-        print(f"cannot talk to systemd: {e}", file=sys.stderr)
+    except SystemdError as e:
+        print(f"guardian: cannot talk to systemd: {e}", file=sys.stderr)
         return 1
-    others = []
-    for o in cfg.replicas:
-        if o.name != name:
-            u, _ = await unit_or_error(sd, o.unit)
-            if u is not None and u.active_state in ("activating", "deactivating"):
-                others.append(o.name)
-    if others:
-        msg = f"replica {name}: manual restart of {r.unit} refused: {', '.join(others)} is starting; one restart at a time per box"
-        journal.send("error", msg, name, r.unit, {"GUARDIAN_DECISION": "refused", "GUARDIAN_GATE": "one-at-a-time"})
-        print(msg, file=sys.stderr)
+    rid = "cli"
+    try:
+        async with make_client() as client:
+            replicas = await observe_all(cfg, sd, client, time.time(), {}, {}, PortOwnerCache(), UnitInfoCache())
+        persistent = replace(pv, requests=(RestartRequest(rid, name, time.time()),))
+        _state, actions = tick.decide(tick.TickState(), TickObservation(replicas, persistent), time.time(), cfg)
+        for a in actions:
+            if isinstance(a, LogLine) and a.replica == name and a.decision in _REQUEST_DECISIONS:
+                journal.line(a)
+            elif isinstance(a, AnswerRequest) and a.request_id == rid:
+                print(a.message, file=sys.stdout if a.ok else sys.stderr)
+                return 0 if a.ok else 1
+            elif isinstance(a, RestartUnit) and a.request_id == rid:
+                outcome = await checked_restart(sd, store, journal, cfg, r, "requested by an operator")
+                print(f"{r.unit}: {outcome.result}")
+                return 0 if outcome.ok else 1
+        print(f"guardian: the request for {name} got no answer (a bug)", file=sys.stderr)
         return 1
-    if cfg.dry_run:
-        print(f"DRY-RUN: would restart {r.unit}")
-        return 0
-    journal.send("warning", f"replica {name}: manual restart of {r.unit} requested by an operator", name, r.unit,
-                 {"GUARDIAN_DECISION": "restart"})
-    outcome = await checked_restart(sd, store, journal, cfg, r, "requested by an operator")
-    sd.close()
-    print(f"{r.unit}: {outcome.result}")
-    return 0 if outcome.result == "done" else 1
+    finally:
+        sd.close()
+
+
+_REQUEST_DECISIONS = frozenset({Decision.REFUSED, Decision.RESTART, Decision.DRY_RUN})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -285,8 +351,11 @@ def build_parser() -> argparse.ArgumentParser:
     re_ = sub.add_parser("resume", help="act on a paused replica again; also resets its restart budget")
     re_.add_argument("name")
     re_.set_defaults(func=cmd_resume)
-    rs = sub.add_parser("restart", help="restart a replica's unit through guardian's gates")
+    rs = sub.add_parser("restart", help="restart a replica's unit through guardian's admission and gates "
+                        "(asks the running daemon, which acts on its next tick)")
     rs.add_argument("name")
+    rs.add_argument("--wait", type=parse_duration, default=None,
+                    help="how long to wait for the daemon's answer (default: the restart job timeout + 10 ticks)")
     rs.set_defaults(func=cmd_restart)
     for sp in sub.choices.values():
         sp.add_argument("--config", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
@@ -296,7 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        return int(args.func(args))
     except ConfigError as e:
         # Under systemd, stderr is the journal; exit 2 is RestartPreventExitStatus= in the unit.
         print(f"guardian: {e}", file=sys.stderr)

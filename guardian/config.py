@@ -130,6 +130,9 @@ class Config(BaseSettings):
     state_dir: Path = Path("/var/lib/guardian")
     runtime_dir: Path = Path("/run/guardian")
     shutdown_timeout_s: float = Field(default=10.0, gt=0)
+    # With the system bus gone this long, guardian stops pinging systemd's watchdog (it is blind:
+    # no unit view, no restart) so that systemd restarts it; it reconnects on its own before that.
+    bus_lost_restart_s: float = Field(default=60.0, gt=0)
     watchdog: WatchdogConfig = WatchdogConfig()
     memory: MemoryConfig = MemoryConfig()
     replicas: list[ReplicaConfig] = Field(default_factory=list)

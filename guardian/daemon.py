@@ -1,36 +1,41 @@
-"""The daemon: startup, main loop and shutdown as separate steps (uvicorn's shape).
+"""The daemon's lifecycle: startup, main loop, reload and shutdown as separate steps (uvicorn's
+``Server``). Signal handlers only set flags; the loop acts on them between ticks.
 
-Signal handlers only set flags; the loop acts on them between ticks. Each tick observes,
-decides (policy, pure), acts (executor), writes the status file, then pings systemd's watchdog:
-a tick that never completes means no WATCHDOG=1, and systemd restarts guardian.
+A tick is observe -> decide -> act:
+
+    observation = await observer.observe(...)             # guardian/observe: the world as values
+    state, actions = tick.decide(state, observation, now, cfg)   # guardian/core: pure
+    executor.perform(actions)                             # guardian/act: journal, restarts, files
+
+then the status file, then systemd's watchdog ping: a tick that never completes means no
+WATCHDOG=1, and systemd restarts guardian. So does a system bus that stays gone for
+``bus_lost_restart_s``: guardian is blind without it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import time
-from collections import deque
-from dataclasses import replace
+import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
-import psutil
-
-from . import hazards, memguard, policy, probes, thresholds, unitlog
-from .config import Config, ConfigError, ReplicaConfig, load_config
-from .executor import Executor
-from .journal import Journal
-from .liveness import Track
-from .memory import MemorySample, gib, sample_memory
-from .notify import Notifier
-from .nvml import Nvml
-from .wiring import read_env_fraction, wiring_problem
-from .observe import PortOwnerCache, UnitInfoCache, observe_all, unit_or_error
-from .probes import make_client
-from .state import STATUS_FILE, CorruptState, StateStore, atomic_write_json, view
-from .systemd import Systemd, SystemdError
+from . import __version__
+from .act.executor import Executor
+from .act.journal import Journal
+from .act.notify import Notifier
+from .act.state import STATUS_FILE, StateCache, StateStore, atomic_write_json
+from .config import Config, ConfigError, load_config
+from .core import hazards, thresholds, tick
+from .core.actions import LogLine
+from .core.observations import MemorySample, TickObservation
+from .core.vocab import Decision, Priority
+from .observe.meminfo import sample_memory
+from .observe.probes import make_client
+from .observe.replicas import WorldObserver, unit_or_error
+from .observe.systemd import Systemd, SystemdError
+from .status import LoopStats, status_dict, status_line
 
 
 class StartupError(Exception):
@@ -48,28 +53,24 @@ class Daemon:
         self.sd = Systemd()
         self.client = make_client()
         self.store = StateStore(cfg.state_dir)
+        self.persistent = StateCache(self.store)
         self.executor = Executor(cfg, self.sd, self.client, self.store, self.journal, clock)
-        self.tracks: dict[str, Track] = {}
-        self.persistent: dict = {}
-        self.state_mtime: float | None = None
+        self.observer = WorldObserver(self.sd, self.client)
+        self.state = tick.TickState()
         self.memory: MemorySample | None = None
+        self.last_observation: TickObservation | None = None
         self.hazards_logged: set[str] = set()
-        self.rescan_hazards = True
+        self.rescan = True
         self.stop_requested = asyncio.Event()
         self.reload_requested = False
         self.wake = asyncio.Event()
-        self.ticks = 0
-        self.tick_durations_s: deque[float] = deque(maxlen=1000)
+        self.stats = LoopStats()
         self.last_tick_started_mono = time.monotonic()
         self.last_ping_mono: float | None = None
-        self.max_ping_gap_s = 0.0
-        self.memtrack = memguard.MemTrack()
-        self.nvml: Nvml | None = None
-        self.wiring: dict[str, str | None] = {}
-        self.port_cache = PortOwnerCache()
-        self.unit_cache = UnitInfoCache()
+        self.bus_events: list[str] = []
+        self.blind_said = False
 
-    # --- signals: flags only ------------------------------------------------------------
+    # --- signals and bus events: flags only ------------------------------------------------
     def install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self._on_stop)
@@ -85,254 +86,138 @@ class Daemon:
         self.wake.set()
 
     def _on_units_changed(self, reason: str) -> None:
-        self.rescan_hazards = True
-        self.unit_cache.invalidate()  # enablement, masks and Conflicts= may have changed
+        self.rescan = True  # enablement, masks, Conflicts= and wiring may have changed
+        self.observer.invalidate()
+        if reason in ("bus-lost", "bus-back"):
+            self.bus_events.append(reason)
 
-    # --- startup ------------------------------------------------------------------------
+    # --- startup ---------------------------------------------------------------------------
     async def startup(self) -> None:
-        self.journal.send("info", f"guardian {_version()} starting with {self.config_path}")
-        for line in thresholds.describe(self.cfg):
-            self.journal.send("info", f"limits in effect: {line}")
+        self.journal.send(Priority.INFO, f"guardian {__version__} starting with {self.config_path}")
+        self._log_limits()
         self._load_persistent(force=True)
         try:
             await self.sd.connect()
-        except (SystemdError, OSError, asyncio.TimeoutError) as e:
+        except SystemdError as e:
             raise StartupError(f"cannot talk to systemd over the system bus: {e}") from None
         self.sd.on_units_changed(self._on_units_changed)
         if self.cfg.memory.enabled:
-            self.nvml = Nvml()
-            self.journal.send("info", f"memory guard: {self.nvml.note}")
+            self.journal.send(Priority.INFO, f"memory guard: {self.observer.memory.start()}")
         await self.tick()
-        self.journal.send("info", f"guardian ready: {self.status_line()}")
+        self.journal.send(Priority.INFO, f"guardian ready: {self.status_line()}")
         self.notifier.ready(self.status_line())
 
-    # --- one tick ---------------------------------------------------------------------
+    def _log_limits(self) -> None:
+        for line in thresholds.describe(self.cfg):
+            self.journal.send(Priority.INFO, f"limits in effect: {line}")
+
+    # --- one tick --------------------------------------------------------------------------
     async def tick(self) -> None:
         started = time.monotonic()
         self.last_tick_started_mono = started
         try:
             await self._tick()
+        except Exception as e:  # noqa: BLE001 - a bug or a surprise must not kill the watchdog of every replica
+            self.journal.line(LogLine(Priority.CRITICAL, f"tick abandoned without acting: {type(e).__name__}: {e}",
+                                      Decision.NOTE), {"GUARDIAN_TRACEBACK": traceback.format_exc()})
         finally:
-            self.tick_durations_s.append(time.monotonic() - started)
+            self.stats.add(time.monotonic() - started)
 
     async def _tick(self) -> None:
-        now = self.clock()
         self._load_persistent()
-        if self.rescan_hazards:
-            self.rescan_hazards = False
-            await self.scan_hazards()
-            if self.cfg.memory.enabled:
-                await self.scan_wiring()
-        observations = await observe_all(self.cfg, self.sd, self.client, now, self.executor.canaries, self.executor.outcomes,
-                                         self.port_cache, self.unit_cache)
+        self._say_bus_events()
+        if self.rescan:
+            self.rescan = False
+            await self.scan()
+        obs = await self.observer.observe(self.cfg, self.persistent.view(), self.executor.canaries,
+                                          self.executor.outcomes, self.state.mem.pending, self.clock)
         # Judge as of when the answers were in: a probe that hung for its whole timeout has
         # shown no answer for that long, and the tick started before it was sent.
         now = self.clock()
-        self.memory = await asyncio.to_thread(sample_memory)
-        self.tracks, actions = policy.decide(self.tracks, observations, view(self.persistent), now, self.cfg)
+        self.state, actions = tick.decide(self.state, obs, now, self.cfg)
         self.executor.perform(actions)
-        if self.cfg.memory.enabled:
-            await self.memory_step(now, observations)
+        self.last_observation = obs
+        self.memory = obs.memory.sample if obs.memory else await asyncio.to_thread(sample_memory)
         self.write_status(now)
-        self.ticks += 1
 
-    # --- memory guard ---------------------------------------------------------------------
-    async def memory_step(self, now: float, observations: dict) -> None:
-        if self.nvml is None:  # turned on by a reload
-            self.nvml = Nvml()
-            self.journal.send("info", f"memory guard: {self.nvml.note}")
-        mv = await self.memory_view(now, observations)
-        self.memtrack, actions = memguard.decide(self.memtrack, mv, now, self.cfg)
-        for a in actions:
-            if isinstance(a, memguard.LowerFraction) and a.restart and a.replica in self.tracks:
-                # The watchdog keeps out of it, and no other restart starts, until the job is done.
-                self.tracks[a.replica] = replace(self.tracks[a.replica], restart_in_flight=True, restart_issued_at=now)
-        self.executor.perform(actions)
+    def _say_bus_events(self) -> None:
+        for event in self.bus_events:
+            if event == "bus-lost":
+                self.journal.send(Priority.ERROR, "lost the system bus: every replica is 'unknown' and nothing is "
+                                  "restarted until guardian reconnects (it retries with back-off); systemd's watchdog "
+                                  f"restarts guardian if the bus stays gone for {self.cfg.bus_lost_restart_s:g} s")
+            else:
+                self.journal.send(Priority.INFO, "system bus back: reconnected and subscribed to systemd's signals "
+                                  "again; unit views are taken afresh")
+                self.blind_said = False
+        self.bus_events.clear()
 
-    async def memory_view(self, now: float, observations: dict) -> memguard.MemoryView:
-        m = self.cfg.memory
-        sample = self.memory
-        total = m.device_total_bytes or (self.nvml.device_total_bytes() if self.nvml else None) or sample.total_bytes
-        gpu_by_pid = await asyncio.to_thread(self.nvml.process_memory) if self.nvml else None
-        pv = view(self.persistent)
-        in_flight = any(t.restart_in_flight for t in self.tracks.values())
-        replicas = []
-        for r in self.cfg.replicas:
-            t = self.tracks.get(r.name, Track())
-            obs = observations.get(r.name)
-            unit = obs.unit if obs else None
-            running = t.last_sample.gpu_memory_utilization if t.last_sample else None
-            configured = read_env_fraction(self.executor.env_path(r.name))
-            usage = None
-            if gpu_by_pid and unit is not None and unit.main_pid:
-                usage = sum(gpu_by_pid.get(pid, 0) for pid in _process_tree(unit.main_pid)) or None
-            failure = None
-            p = self.memtrack.pending
-            if p is not None and p.replica == r.name and t.state not in memguard.SERVING:
-                failure = await unitlog.start_error(r.unit, p.issued_at, p.new)
-            replicas.append(memguard.ReplicaMemory(
-                name=r.name, unit=r.unit, model=r.model, fraction=configured if configured is not None else running,
-                running_fraction=running, started_at=unit.inactive_exit_ts if unit else None,
-                wiring_problem=self.wiring.get(r.name, "wiring not checked yet"), state=t.state, usage_bytes=usage,
-                start_failure=failure, startup_grace_s=r.startup_grace_s))
-        consumers, peers = "", ()
-        if sample.available_bytes < m.min_headroom_bytes:
-            consumers = await self._largest_consumers()
-            peers = tuple(await self._serving_peers())
-        blocked = {}
-        for r in self.cfg.replicas:
-            b = policy.restart_blocker(r.name, self.tracks, pv, now, self.cfg, in_flight)
-            if b is not None:
-                blocked[r.name] = b[2]
-        results = {n: o.restart_outcome.result for n, o in observations.items() if o.restart_outcome is not None}
-        return memguard.MemoryView(sample, total, tuple(replicas), peers, consumers, blocked, results)
-
-    async def _largest_consumers(self) -> str:
-        try:
-            units = await self.sd.largest_units(3)
-        except SystemdError:
-            units = []
-        procs = await asyncio.to_thread(_largest_processes, 2)
-        return ", ".join([f"{n} {gib(b)}" for n, b in units] + [f"{n} (pid {pid}) {gib(b)}" for n, pid, b in procs])
-
-    async def _serving_peers(self) -> list[str]:
-        m = self.cfg.memory
-        models = {r.model for r in self.cfg.replicas}
-
-        async def serving(url: str) -> str | None:
-            peer = ReplicaConfig(name="peer", unit="peer.service", url=url, model="?", health_timeout_s=m.peer_timeout_s)
-            health, (_p, served) = await asyncio.gather(probes.probe_health(self.client, peer), probes.probe_models(self.client, peer))
-            return url if health.ok and served and models & set(served) else None
-
-        found = await asyncio.gather(*(serving(u) for u in m.peer_urls))
-        return [u for u in found if u]
-
-    def check_wiring_details(self, details: dict) -> None:
-        for r in self.cfg.replicas:
-            d = details.get(r.name)
-            self.wiring[r.name] = (wiring_problem(r.unit, d.environment_files, d.exec_start, self.executor.env_path(r.name))
-                                   if d is not None else f"systemd could not be asked about {r.unit}")
-
-    async def scan_wiring(self) -> None:
-        details = {}
-        for r in self.cfg.replicas:
-            try:
-                details[r.name] = await self.sd.service_details(r.unit)
-            except SystemdError:
-                details[r.name] = None
-        self.check_wiring_details(details)
-
-    async def scan_hazards(self) -> list[hazards.Hazard]:
+    # --- scans: hazards and wiring, when units may have changed ------------------------------
+    async def scan(self) -> None:
         units = {}
         for r in self.cfg.replicas:
             units[r.unit], _ = await unit_or_error(self.sd, r.unit)
         try:
             enabled = await self.sd.enabled_service_conflicts()
         except SystemdError as e:
-            self.journal.send("error", f"cannot list enabled unit files for the Conflicts= scan: {e}")
+            self.journal.send(Priority.ERROR, f"cannot list enabled unit files for the Conflicts= scan: {e}")
             enabled = {}
         found = hazards.find_hazards(self.cfg, units, enabled)
         for h in found:
             if h.key not in self.hazards_logged:
-                self.journal.send("error", f"hazard: {h.message}", h.replica, h.unit, {"GUARDIAN_HAZARD": h.key})
+                self.journal.line(LogLine(Priority.ERROR, f"hazard: {h.message}", Decision.HAZARD, h.replica, h.unit,
+                                          hazard=h.key))
         self.hazards_logged = {h.key for h in found}
-        return found
+        if self.cfg.memory.enabled:
+            await self.observer.memory.scan_wiring(self.cfg)
 
     def _load_persistent(self, force: bool = False) -> None:
-        try:
-            mtime = self.store.path.stat().st_mtime
-        except FileNotFoundError:
-            mtime = None
-        if not force and mtime == self.state_mtime and self.persistent:
-            return
-        try:
-            self.persistent = self.store.read()
-        except CorruptState as e:
-            self.journal.send("error", str(e))
-            self.persistent = self.store.update(lambda d: None)
-        except OSError as e:
-            self.journal.send("error", f"cannot read state in {self.store.dir}: {e}; keeping what was loaded")
-            self.persistent = self.persistent or {"version": 1, "restarts": {}, "pauses": {}, "resumed_at": {}}
-        try:
-            self.state_mtime = self.store.path.stat().st_mtime
-        except FileNotFoundError:
-            self.state_mtime = None
+        for problem in self.persistent.load(force):
+            self.journal.send(Priority.ERROR, problem)
 
-    # --- status ------------------------------------------------------------------------
+    # --- status ----------------------------------------------------------------------------
     def status_line(self) -> str:
-        parts = []
-        now = self.clock()
-        pv = view(self.persistent) if self.persistent else None
-        for r in self.cfg.replicas:
-            t = self.tracks.get(r.name)
-            state = t.state if t else "unknown"
-            if pv is not None and policy.budget(r.name, pv, now, self.cfg).spent:
-                state += " (gave up: restart budget spent)"
-            parts.append(f"{r.name} {state}")
-        mem = f"headroom {gib(self.memory.available_bytes)}" if self.memory else "headroom ?"
-        return ", ".join(parts + [mem]) if parts else f"no replicas; {mem}"
-
-    def status_dict(self, now: float) -> dict:
-        pv = view(self.persistent)
-        replicas = {}
-        for r in self.cfg.replicas:
-            t = self.tracks.get(r.name, Track())
-            b = policy.budget(r.name, pv, now, self.cfg)
-            replicas[r.name] = {
-                "unit": r.unit, "url": r.url, "model": r.model, "state": t.state,
-                "since": t.state_since, "evidence": t.evidence, "unit_started_at": t.start_ts,
-                "restarts_in_window": b.used, "restart_budget": b.limit, "gave_up": b.spent,
-                "paused_until": (pv.pauses[r.name].until if r.name in pv.pauses else None),
-                "paused": r.name in pv.pauses,
-                "last_progress_at": t.last_progress_at,
-                "gpu_memory_utilization": _first(read_env_fraction(self.executor.env_path(r.name)),
-                                                 t.last_sample.gpu_memory_utilization if t.last_sample else None),
-                "memory_wiring": self.wiring.get(r.name, "not checked (memory guard off)"),
-            }
-        mem = self.memory
-        ticks = sorted(self.tick_durations_s)
-        return {
-            "pid": os.getpid(), "updated_at": now, "interval_s": self.cfg.interval_s, "dry_run": self.cfg.dry_run,
-            "ticks": {  # over the last (up to) 1000 ticks
-                "count": self.ticks, "p50_s": _pct(ticks, 0.50), "p99_s": _pct(ticks, 0.99),
-                "max_s": ticks[-1] if ticks else None, "max_watchdog_ping_gap_s": self.max_ping_gap_s,
-            },
-            "config": str(self.config_path), "status": self.status_line(), "replicas": replicas,
-            "memory": None if mem is None else {
-                "total_bytes": mem.total_bytes, "available_bytes": mem.available_bytes, "free_bytes": mem.free_bytes,
-                "psi_some_avg10": mem.psi_some_avg10, "psi_full_avg10": mem.psi_full_avg10,
-                "guard": self.cfg.memory.enabled, "min_headroom_bytes": self.cfg.memory.min_headroom_bytes,
-                "below_min_since": self.memtrack.below_since,
-                "pending": None if self.memtrack.pending is None else vars(self.memtrack.pending),
-            },
-        }
+        return status_line(self.cfg, self.state, self.persistent.view(), self.memory, self.clock())
 
     def write_status(self, now: float) -> None:
+        fractions: dict[str, float | None] = {}
+        for r in self.cfg.replicas:
+            t = self.state.tracks.get(r.name)
+            mo = self.last_observation.memory.replicas.get(r.name) if self.last_observation and \
+                self.last_observation.memory else None
+            fractions[r.name] = next((f for f in (mo.configured_fraction if mo else None,
+                                                  t.last_sample.gpu_memory_utilization if t and t.last_sample else None)
+                                      if f is not None), None)
+        data = status_dict(self.cfg, str(self.config_path), self.state, self.persistent.view(), self.memory, fractions,
+                           self.observer.memory.wiring, self.stats, self.sd.connected, now)
         try:
-            atomic_write_json(self.cfg.runtime_dir / STATUS_FILE, self.status_dict(now))
+            atomic_write_json(self.cfg.runtime_dir / STATUS_FILE, data)
         except OSError as e:
-            self.journal.send("error", f"cannot write {self.cfg.runtime_dir / STATUS_FILE}: {e}")
+            self.journal.send(Priority.ERROR, f"cannot write {self.cfg.runtime_dir / STATUS_FILE}: {e}")
 
-    # --- reload --------------------------------------------------------------------------
+    # --- reload ----------------------------------------------------------------------------
     def reload(self) -> None:
         self.reload_requested = False
         self.notifier.reloading()
         try:
             new = load_config(self.config_path)
         except ConfigError as e:
-            self.journal.send("error", f"reload refused, keeping the running config: {e}")
+            self.journal.send(Priority.ERROR, f"reload refused, keeping the running config: {e}")
             self.notifier.reloaded(self.status_line())
             return
         self.cfg = new
         self.executor.cfg = new
         self.store = StateStore(new.state_dir)
         self.executor.store = self.store
-        self.tracks = {k: v for k, v in self.tracks.items() if new.replica(k) is not None}
-        self.rescan_hazards = True
-        self.unit_cache.invalidate()
-        self.journal.send("info", f"configuration reloaded from {self.config_path}")
-        for line in thresholds.describe(new):
-            self.journal.send("info", f"limits in effect: {line}")
+        self.persistent = StateCache(self.store)
+        self.state = tick.TickState({k: v for k, v in self.state.tracks.items() if new.replica(k) is not None},
+                                    self.state.mem, self.state.requests_taken)
+        self.rescan = True
+        self.observer.invalidate()
+        self.journal.send(Priority.INFO, f"configuration reloaded from {self.config_path}")
+        self._log_limits()
+        if new.memory.enabled:
+            self.journal.send(Priority.INFO, f"memory guard: {self.observer.memory.start()}")
         self._load_persistent(force=True)
         self.notifier.reloaded(self.status_line())
 
@@ -353,27 +238,38 @@ class Daemon:
             if self.reload_requested:
                 self.reload()
             await self.tick()
-            self.notifier.watchdog(self.status_line())
-            mono = time.monotonic()
-            if self.last_ping_mono is not None:
-                self.max_ping_gap_s = max(self.max_ping_gap_s, mono - self.last_ping_mono)
-            self.last_ping_mono = mono
+            self.ping_watchdog()
+
+    def ping_watchdog(self) -> None:
+        mono = time.monotonic()
+        lost_s = self.sd.lost_for_s(mono)
+        if lost_s >= self.cfg.bus_lost_restart_s:
+            if not self.blind_said:
+                self.journal.send(Priority.CRITICAL, f"the system bus has been gone for {lost_s:.0f} s: guardian is "
+                                  "blind, so it stops pinging systemd's watchdog and systemd will restart it")
+                self.blind_said = True
+            return
+        self.notifier.watchdog(self.status_line())
+        if self.last_ping_mono is not None:
+            self.stats.max_watchdog_ping_gap_s = max(self.stats.max_watchdog_ping_gap_s, mono - self.last_ping_mono)
+        self.last_ping_mono = mono
 
     async def shutdown(self) -> None:
         self.notifier.stopping()
         left = await self.executor.drain(self.cfg.shutdown_timeout_s)
         if left:
-            self.journal.send("warning", f"stopping with {left} task(s) cut short after {self.cfg.shutdown_timeout_s:g} s")
+            self.journal.send(Priority.WARNING,
+                              f"stopping with {left} task(s) cut short after {self.cfg.shutdown_timeout_s:g} s")
         await self.client.aclose()
         self.sd.close()
-        self.journal.send("info", "guardian stopped")
+        self.journal.send(Priority.INFO, "guardian stopped")
 
     async def run(self) -> int:
         self.install_signal_handlers()
         try:
             await self.startup()
         except StartupError as e:
-            self.journal.send("critical", f"guardian cannot start: {e}")
+            self.journal.send(Priority.CRITICAL, f"guardian cannot start: {e}")
             return 1
         try:
             await self.main_loop()
@@ -381,35 +277,3 @@ class Daemon:
             await self.shutdown()
         return 0
 
-
-def _pct(sorted_values: list[float], q: float) -> float | None:
-    if not sorted_values:
-        return None
-    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
-
-
-def _first(*values):
-    return next((v for v in values if v is not None), None)
-
-
-def _process_tree(pid: int) -> list[int]:
-    try:
-        p = psutil.Process(pid)
-        return [pid] + [c.pid for c in p.children(recursive=True)]
-    except psutil.Error:
-        return [pid]
-
-
-def _largest_processes(n: int) -> list[tuple[str, int, int]]:
-    procs = []
-    for p in psutil.process_iter(["name", "memory_info"]):
-        mi = p.info.get("memory_info")
-        if mi is not None:
-            procs.append((p.info.get("name") or "?", p.pid, mi.rss))
-    return sorted(procs, key=lambda x: -x[2])[:n]
-
-
-def _version() -> str:
-    from . import __version__
-
-    return __version__

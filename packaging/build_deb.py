@@ -32,9 +32,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 CACHE = Path(os.environ.get("GUARDIAN_BUILD_CACHE", "/var/cache/guardian-build"))
-BINARY_DEPS = ["psutil>=5.9", "nvidia-ml-py>=12", "dbus-next>=0.2.3", "pydantic-settings>=2.2", "httpx>=0.25",
-               "prometheus_client>=0.17"]
-SDIST_DEPS = ["sdnotify>=0.3.2"]  # published as an sdist only; pure Python
+sys.path.insert(0, str(HERE))
+from deps import runtime_deps  # noqa: E402  (the one dependency list: pyproject.toml)
+
+BINARY_DEPS, SDIST_DEPS = runtime_deps()
 
 
 @dataclass(frozen=True)

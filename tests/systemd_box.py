@@ -26,9 +26,10 @@ REPO = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("GUARDIAN_TEST_CACHE", "/var/cache/guardian-test"))
 SUITE = "bookworm"
 PACKAGES = ["systemd", "systemd-sysv", "dbus", "python3", "libpam-systemd", "polkitd", "procps"]
-PY_DEPS = ["psutil>=5.9", "nvidia-ml-py>=12", "dbus-next>=0.2.3", "pydantic-settings>=2.2", "httpx>=0.25",
-           "prometheus_client>=0.17"]
-PURE_SDIST_DEPS = ["sdnotify>=0.3.2"]  # published as an sdist only
+sys.path.insert(0, str(REPO / "packaging"))
+from deps import runtime_deps  # noqa: E402  (the one dependency list: pyproject.toml)
+
+PY_DEPS, PURE_SDIST_DEPS = runtime_deps()
 GUEST_PYTHON = "3.11"  # Debian 12's python3
 
 

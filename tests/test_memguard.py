@@ -6,10 +6,14 @@ from dataclasses import replace
 
 import pytest
 
-from guardian import memguard
+from guardian.core import memguard
 from guardian.config import Config, MemoryConfig, ReplicaConfig
-from guardian.memguard import LowerFraction, MemLog, MemoryView, MemTrack, Pending, ReplicaMemory, choose_fraction
-from guardian.memory import MemorySample
+from guardian.core.admission import Blocker
+from guardian.core.observations import RestartOutcome
+from guardian.core.vocab import Gate, MemVerdict, Priority, State
+from guardian.core.actions import LogLine, LowerFraction
+from guardian.core.memguard import MemoryView, MemTrack, Pending, ReplicaMemory, choose_fraction
+from guardian.core.observations import MemorySample
 
 GiB = 2**30
 TOTAL = 128 * GiB
@@ -27,7 +31,7 @@ def cfg(**memory) -> Config:
 def rep(name="a", fraction=0.78, state="healthy", wiring=None, running=None, started_at=0.0, failure=None, model="m"):
     return ReplicaMemory(name=name, unit=f"vllm-{name}.service", model=model, fraction=fraction,
                          running_fraction=running if running is not None else fraction, started_at=started_at,
-                         wiring_problem=wiring, state=state, start_failure=failure)
+                         wiring_problem=wiring, state=State(state), start_failure=failure)
 
 
 def view(headroom_gib: float, *replicas, psi=None, blocked=None, peers=()) -> MemoryView:
@@ -52,7 +56,11 @@ def lowerings(actions):
 
 
 def msgs(actions, priority=None):
-    return [a.message for a in actions if isinstance(a, MemLog) and (priority is None or a.priority == priority)]
+    return [a.message for a in actions if isinstance(a, LogLine) and (priority is None or a.priority == priority)]
+
+
+def rules(actions):
+    return [a.rule for a in actions if isinstance(a, LogLine)]
 
 
 @pytest.mark.parametrize("dt, acts", [(29.0, False), (30.0, True), (31.0, True)])
@@ -142,7 +150,8 @@ def test_unwired_replica_is_refused_with_the_fix():
 
 
 def test_watchdog_blocks_are_respected():
-    v = view(5, blocked={"a": "b is starting; one restart at a time per box"})
+    v = view(5, blocked={"a": Blocker(Gate.ONE_AT_A_TIME, "A3", Priority.ERROR, (Gate.ONE_AT_A_TIME, "b"),
+                                      "b is starting; one restart at a time per box")})
     _, every, _ = run(cfg(), [(100, v), (130, v)])
     assert lowerings(every) == [] and "one restart at a time" in msgs(every, "error")[0]
 
@@ -161,6 +170,20 @@ def test_pending_lowering_succeeds_when_the_replica_serves_with_the_new_fraction
     done = view(5, rep("a", 0.74, running=0.74, started_at=1002.0), rep("b"))
     t, every, _ = run(cfg(), [(1010, done)], track=t)
     assert t.pending is None and "serving again with gpu_memory_utilization 0.74" in msgs(every, "info")[0]
+    assert rules(every) == ["M4"] and t.verdict is MemVerdict.DONE
+
+
+def test_a_replica_serving_with_another_fraction_than_written_is_an_error_not_a_retry():
+    """Something overrides guardian's env file: say so; never walk the fraction down again."""
+    track = MemTrack(pending=Pending("a", 0.78, 0.74, 1000.0), last_change_at=1000.0)
+    overridden = view(5, rep("a", 0.74, running=0.78, started_at=1002.0), rep("b", 0.5))
+    t, every, _ = run(cfg(), [(1010, overridden)], track=track)
+    assert t.pending is None and lowerings(every) == [] and rules(every) == ["M5"]
+    (err,) = msgs(every, "error")
+    assert "with gpu_memory_utilization 0.78, not the 0.74 guardian wrote" in err
+    # past the startup grace nothing counts it as a failed start (no retry one step lower)
+    t, every, _ = run(cfg(), [(1010 + 1300, overridden)], track=t)
+    assert not {"M7", "M8"} & set(rules(every))
 
 
 def test_failed_start_logs_the_cause_and_tries_one_step_lower():
@@ -192,7 +215,8 @@ def test_failed_unit_after_a_lowering_is_restarted_with_the_next_fraction():
 
 def test_a_refused_lowering_restart_is_abandoned_and_said():
     track = MemTrack(pending=Pending("a", 0.78, 0.74, 1000.0), last_change_at=1000.0)
-    v = replace(view(5), restart_results={"a": "refused: vllm-a.service is disabled"})
+    v = replace(view(5), restart_results={"a": RestartOutcome("vllm-a.service", "refused: vllm-a.service is disabled",
+                                                              1001.0)})
     t, every, _ = run(cfg(), [(1001, v)], track=track)
     assert t.pending is None and "abandoned: refused: vllm-a.service is disabled" in msgs(every, "error")[0]
     assert lowerings(every) == []

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from guardian.metrics import MetricsError, parse_vllm_metrics
+from guardian.observe.metrics import MetricsError, parse_vllm_metrics
 
 # A complete /metrics page from a real vLLM 0.32 server (copied from shared/).
 SAMPLE = Path(__file__).resolve().parent / "data" / "vllm-0.32-metrics-sample.txt"

@@ -1,4 +1,5 @@
-"""The pure watchdog policy, driven in memory with a fake clock, table by table.
+"""The pure core's watchdog side (liveness, admission, gates), driven through the tick's one
+decide() call in memory with a fake clock, table by table.
 
 Every threshold is tested at the boundary: one tick before, exactly at, one tick after.
 """
@@ -9,17 +10,21 @@ from dataclasses import replace
 
 import pytest
 
-from guardian import gates, liveness, policy
 from guardian.config import Config, ReplicaConfig, WatchdogConfig
-from guardian.hazards import find_hazards
-from guardian.observations import (
-    CanaryResult, Pause, PersistentView, PortOwner, Probe, ReplicaObservation, RestartOutcome, UnitInfo, VllmSample,
+from guardian.core import gates, tick
+from guardian.core.actions import LogLine, RestartUnit, StartCanary
+from guardian.core.hazards import find_hazards
+from guardian.core.observations import (
+    CanaryResult, Pause, PersistentView, Probe, ReplicaObservation, RestartOutcome, TickObservation, UnitInfo,
+    VllmSample,
 )
+from guardian.core.vocab import ActiveState, HeldBy, Hidden, LoadState, Nobody, State, UnitFileState
 
 OK = Probe(True, 200, 0.01)
 SLOW = Probe(True, 200, 2.5)  # answered, but slower than health_timeout_s = 2
 TIMEOUT = Probe(False, None, 2.0, "timeout")
 DEAD_503 = Probe(False, 503, 0.01, "HTTP 503")
+SLOW_FAIL = Probe(False, None, 2.0, "timeout")  # /health timed out while /metrics still answers
 
 
 def cfg(n=2, **watchdog) -> Config:
@@ -32,6 +37,10 @@ def unit(name="vllm-a.service", **kw) -> UnitInfo:
     base = dict(name=name, load_state="loaded", active_state="active", unit_file_state="enabled",
                 inactive_exit_ts=0.0, main_pid=100, restart="always")
     base.update(kw)
+    base["load_state"] = LoadState.parse(base["load_state"])
+    base["active_state"] = ActiveState.parse(base["active_state"])
+    base["unit_file_state"] = UnitFileState.parse(base["unit_file_state"])
+    base["conflicts"] = tuple((n, ActiveState.parse(st)) for n, st in base.get("conflicts", ()))
     return UnitInfo(**base)
 
 
@@ -48,50 +57,61 @@ def obs(name="a", t=0.0, health=OK, s=None, models=("m",), u=None, canary=None, 
     else:
         mprobe, s2 = OK, s
     models_probe, m = (TIMEOUT, None) if health is TIMEOUT else (OK, models)
-    owner = port if port is not None else PortOwner(8001, 100, unit_info.name)
+    owner = port if port is not None else HeldBy(8001, 100, unit_info.name)
     return ReplicaObservation(name=name, at=t, unit=unit_info, health=health, metrics_probe=mprobe, metrics=s2,
                               models_probe=models_probe, models=m, port_owner=owner, canary=canary, restart_outcome=outcome)
 
 
 class Sim:
-    """Feeds observations to policy.decide at fake times; remembers tracks and actions."""
+    """Feeds observations to tick.decide at fake times; remembers the state and the actions."""
 
     def __init__(self, config: Config, persistent: PersistentView | None = None):
         self.cfg = config
-        self.tracks: dict = {}
+        self.core = tick.TickState()
         self.persistent = persistent or PersistentView()
         self.actions: list = []
+
+    @property
+    def tracks(self) -> dict:
+        return self.core.tracks
 
     def tick(self, t: float, **per_replica) -> list:
         observations = {}
         for r in self.cfg.replicas:
             o = per_replica.get(r.name) or obs(r.name, t)
             observations[r.name] = replace(o, at=t)
-        self.tracks, actions = policy.decide(self.tracks, observations, self.persistent, t, self.cfg)
+        self.core, actions = tick.decide(self.core, TickObservation(observations, self.persistent), t, self.cfg)
         self.actions += actions
         return actions
 
-    def state(self, name="a") -> str:
+    def state(self, name="a") -> State:
         return self.tracks[name].state
+
+    def rule(self, name="a") -> str:
+        return self.tracks[name].rule
 
 
 def restarts(actions) -> list:
-    return [a for a in actions if isinstance(a, policy.RestartUnit)]
+    return [a for a in actions if isinstance(a, RestartUnit)]
 
 
 def logs(actions, priority=None) -> list[str]:
-    return [a.message for a in actions if isinstance(a, policy.LogLine) and (priority is None or a.priority == priority)]
+    return [a.message for a in actions if isinstance(a, LogLine) and (priority is None or a.priority == priority)]
+
+
+def lines(actions, priority=None) -> list[LogLine]:
+    return [a for a in actions if isinstance(a, LogLine) and (priority is None or a.priority == priority)]
 
 
 def healthy_start(sim: Sim, t0=100.0, **kw):
     """A replica that was started at 0 and is serving at t0 (grace over by being healthy once)."""
     sim.tick(t0, **kw)
-    assert sim.state() == liveness.HEALTHY
+    assert sim.state() == State.HEALTHY
 
 
 # --- stalled --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dt, state", [(59.0, liveness.HEALTHY), (60.0, liveness.STALLED), (61.0, liveness.STALLED)])
+@pytest.mark.parametrize("dt, state", [(59.0, State.HEALTHY), (60.0, State.STALLED), (61.0, State.STALLED)])
 def test_stall_window_boundary(dt, state):
     sim = Sim(cfg(1, stall_window_s=60))
     healthy_start(sim)
@@ -99,7 +119,7 @@ def test_stall_window_boundary(dt, state):
     sim.tick(200, a=obs(t=200, s=flat))  # work first seen queued here
     actions = sim.tick(200 + dt, a=obs(t=200 + dt, s=flat))
     assert sim.state() == state
-    assert bool(restarts(actions)) == (state == liveness.STALLED)
+    assert bool(restarts(actions)) == (state == State.STALLED)
 
 
 def test_stall_counts_from_last_progress_not_from_when_work_appeared():
@@ -108,9 +128,9 @@ def test_stall_counts_from_last_progress_not_from_when_work_appeared():
     sim.tick(200, a=obs(t=200, s=sample(gen=1, running=2)))
     sim.tick(250, a=obs(t=250, s=sample(gen=9, running=2)))  # progress at 250
     sim.tick(309, a=obs(t=309, s=sample(gen=9, running=2)))
-    assert sim.state() != liveness.STALLED
+    assert sim.state() != State.STALLED
     sim.tick(310, a=obs(t=310, s=sample(gen=9, running=2)))
-    assert sim.state() == liveness.STALLED
+    assert sim.state() == State.STALLED
 
 
 def test_long_prefill_moves_kv_usage_only_and_is_not_a_stall():
@@ -118,7 +138,7 @@ def test_long_prefill_moves_kv_usage_only_and_is_not_a_stall():
     healthy_start(sim)
     for i, t in enumerate(range(200, 500, 10)):
         sim.tick(t, a=obs(t=t, s=sample(gen=10, running=1, kv=0.01 * i)))  # token counters flat for 300 s
-        assert sim.state() == liveness.HEALTHY, t
+        assert sim.state() == State.HEALTHY, t
     assert restarts(sim.actions) == []
 
 
@@ -132,14 +152,14 @@ def test_busy_with_slow_or_timed_out_health_is_never_restarted(health):
         o = obs(t=t, s=sample(gen=100 + i * 7, running=12, waiting=3))
         o = replace(o, health=health)  # /health slow or failing; /metrics still answers
         sim.tick(t, a=o)
-        assert sim.state() in (liveness.BUSY, liveness.HEALTHY)
-    assert sim.state() == liveness.BUSY
+        assert sim.state() in (State.BUSY, State.HEALTHY)
+    assert sim.state() == State.BUSY
     assert restarts(sim.actions) == []
 
 
 # --- unresponsive ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dt, state", [(9.5, liveness.DEGRADED), (10.0, liveness.UNRESPONSIVE), (10.5, liveness.UNRESPONSIVE)])
+@pytest.mark.parametrize("dt, state", [(9.5, State.DEGRADED), (10.0, State.UNRESPONSIVE), (10.5, State.UNRESPONSIVE)])
 def test_unresponsive_window_boundary(dt, state):
     """The window runs from the last answer, not from the first failed tick (which ends a whole
     probe timeout after the process hung)."""
@@ -148,10 +168,10 @@ def test_unresponsive_window_boundary(dt, state):
     sim.tick(205, a=obs(t=205, health=TIMEOUT))  # first failure
     actions = sim.tick(200 + dt, a=obs(t=200 + dt, health=TIMEOUT))
     assert sim.state() == state
-    assert bool(restarts(actions)) == (state == liveness.UNRESPONSIVE)
+    assert bool(restarts(actions)) == (state == State.UNRESPONSIVE)
 
 
-@pytest.mark.parametrize("dt, state", [(9.5, liveness.DEGRADED), (10.0, liveness.UNRESPONSIVE)])
+@pytest.mark.parametrize("dt, state", [(9.5, State.DEGRADED), (10.0, State.UNRESPONSIVE)])
 def test_health_503_means_engine_dead_after_the_window(dt, state):
     sim = Sim(cfg(1, unresponsive_after_s=10))
     healthy_start(sim)
@@ -162,7 +182,7 @@ def test_health_503_means_engine_dead_after_the_window(dt, state):
 
 # --- starting and its grace ---------------------------------------------------------------------
 
-@pytest.mark.parametrize("t, state", [(1199.0, liveness.STARTING), (1200.0, liveness.UNRESPONSIVE)])
+@pytest.mark.parametrize("t, state", [(1199.0, State.STARTING), (1200.0, State.UNRESPONSIVE)])
 def test_startup_grace_is_measured_from_the_units_own_start(t, state):
     sim = Sim(cfg(1, unresponsive_after_s=10))
     u = unit(inactive_exit_ts=0.0)
@@ -176,19 +196,19 @@ def test_guardian_restart_does_not_reset_grace():
     sim = Sim(cfg(1))
     u = unit(inactive_exit_ts=0.0)
     sim.tick(1199.0, a=obs(t=1199.0, health=TIMEOUT, u=u))
-    assert sim.state() == liveness.STARTING
+    assert sim.state() == State.STARTING
     sim.tick(1200.0, a=obs(t=1200.0, health=TIMEOUT, u=u))
-    assert sim.state() == liveness.DEGRADED  # grace over; failures counted from first seen
+    assert sim.state() == State.DEGRADED  # grace over; failures counted from first seen
     sim.tick(1209.0, a=obs(t=1209.0, health=TIMEOUT, u=u))
-    assert sim.state() == liveness.UNRESPONSIVE
+    assert sim.state() == State.UNRESPONSIVE
 
 
 def test_activating_unit_is_starting_and_healthy_once_ends_grace():
     sim = Sim(cfg(1))
     sim.tick(10, a=obs(t=10, health=TIMEOUT, u=unit(active_state="activating")))
-    assert sim.state() == liveness.STARTING
+    assert sim.state() == State.STARTING
     sim.tick(20, a=obs(t=20))
-    assert sim.state() == liveness.HEALTHY
+    assert sim.state() == State.HEALTHY
     assert any("starting -> healthy" in m for m in logs(sim.actions, "info"))
 
 
@@ -196,7 +216,7 @@ def test_unit_restarted_by_anyone_starts_a_new_grace():
     sim = Sim(cfg(1))
     healthy_start(sim)
     sim.tick(300, a=obs(t=300, health=TIMEOUT, u=unit(inactive_exit_ts=295.0)))
-    assert sim.state() == liveness.STARTING
+    assert sim.state() == State.STARTING
 
 
 # --- idle-dead and canaries ---------------------------------------------------------------------
@@ -204,18 +224,18 @@ def test_unit_restarted_by_anyone_starts_a_new_grace():
 def test_canary_only_when_idle_and_due():
     sim = Sim(cfg(1, canary_interval_s=30))
     healthy_start(sim, t0=100.0)  # start_ts 0: the first canary is due at once
-    assert any(isinstance(a, policy.StartCanary) for a in sim.actions)
+    assert any(isinstance(a, StartCanary) for a in sim.actions)
     sim.actions.clear()
     sim.tick(110, a=obs(t=110, canary=CanaryResult(True, 100.0, 0.1)))
     sim.tick(139, a=obs(t=139))
-    assert not any(isinstance(a, policy.StartCanary) for a in sim.actions)
+    assert not any(isinstance(a, StartCanary) for a in sim.actions)
     sim.tick(140.1, a=obs(t=140.1, s=sample(running=3)))  # busy: no canary, even though due
-    assert not any(isinstance(a, policy.StartCanary) for a in sim.actions)
+    assert not any(isinstance(a, StartCanary) for a in sim.actions)
     sim.tick(141, a=obs(t=141))
-    assert any(isinstance(a, policy.StartCanary) for a in sim.actions)
+    assert any(isinstance(a, StartCanary) for a in sim.actions)
 
 
-@pytest.mark.parametrize("failures, state", [(1, liveness.DEGRADED), (2, liveness.IDLE_DEAD)])
+@pytest.mark.parametrize("failures, state", [(1, State.DEGRADED), (2, State.IDLE_DEAD)])
 def test_idle_dead_after_consecutive_canary_failures(failures, state):
     sim = Sim(cfg(1, canary_failures=2, canary_retry_s=5))
     healthy_start(sim)
@@ -224,7 +244,7 @@ def test_idle_dead_after_consecutive_canary_failures(failures, state):
         t += 10
         sim.tick(t, a=obs(t=t, canary=CanaryResult(False, t - 10, 10.0, "timeout")))
     assert sim.state() == state
-    assert bool(restarts(sim.actions)) == (state == liveness.IDLE_DEAD)
+    assert bool(restarts(sim.actions)) == (state == State.IDLE_DEAD)
 
 
 def test_canary_failure_during_real_progress_does_not_count():
@@ -232,7 +252,7 @@ def test_canary_failure_during_real_progress_does_not_count():
     healthy_start(sim)
     sim.tick(105, a=obs(t=105, s=sample(gen=50)))  # traffic moved the counters while the canary ran
     sim.tick(110, a=obs(t=110, s=sample(gen=50), canary=CanaryResult(False, 100.0, 10.0, "timeout")))
-    assert sim.state() == liveness.HEALTHY and restarts(sim.actions) == []
+    assert sim.state() == State.HEALTHY and restarts(sim.actions) == []
 
 
 # --- wrong model, stopped, paused -------------------------------------------------------------------
@@ -242,7 +262,7 @@ def test_wrong_model_is_an_error_and_never_restarted():
     healthy_start(sim)
     for t in range(200, 400, 5):
         sim.tick(t, a=obs(t=t, models=("old-split",), s=sample(running=2)))
-    assert sim.state() == liveness.WRONG_MODEL
+    assert sim.state() == State.WRONG_MODEL
     errors = logs(sim.actions, "error")
     assert len(errors) == 1 and "old-split" in errors[0] and "expected m" in errors[0]
     assert restarts(sim.actions) == []
@@ -254,11 +274,11 @@ def test_stopped_units_are_reported_not_started(u):
     healthy_start(sim)
     for t in range(200, 300, 5):
         sim.tick(t, a=obs(t=t, health=TIMEOUT, u=u))
-    assert sim.state() == liveness.STOPPED and restarts(sim.actions) == []
+    assert sim.state() == State.STOPPED and restarts(sim.actions) == []
 
 
-@pytest.mark.parametrize("until, now, state", [(None, 500, liveness.PAUSED), (600, 599, liveness.PAUSED),
-                                               (600, 600, liveness.UNRESPONSIVE)])
+@pytest.mark.parametrize("until, now, state", [(None, 500, State.PAUSED), (600, 599, State.PAUSED),
+                                               (600, 600, State.UNRESPONSIVE)])
 def test_pause_boundary(until, now, state):
     sim = Sim(cfg(1))
     healthy_start(sim, t0=1.0)
@@ -275,7 +295,7 @@ def stalled_sim(config, persistent=None, t=1000.0) -> tuple[Sim, list]:
     sim.tick(t - 200, a=obs(t=t - 200))
     sim.tick(t - 100, a=obs(t=t - 100, s=sample(gen=5, running=2)))
     actions = sim.tick(t, a=obs(t=t, s=sample(gen=5, running=2)))
-    assert sim.state() == liveness.STALLED
+    assert sim.state() == State.STALLED
     return sim, actions
 
 
@@ -326,16 +346,16 @@ def test_one_restart_at_a_time_per_box():
     assert any("one restart at a time" in m for m in logs(actions, "error"))
     # while a is starting again, b still waits
     actions = sim.tick(t + 5, a=obs("a", t + 5, u=unit(active_state="activating")), b=obs("b", t + 5, s=flat))
-    assert restarts(actions) == [] and sim.state("a") == liveness.STARTING
+    assert restarts(actions) == [] and sim.state("a") == State.STARTING
 
 
 def test_restart_outcome_clears_in_flight():
     sim, actions = stalled_sim(cfg(1))
     assert restarts(actions) and sim.tracks["a"].restart_in_flight
     sim.tick(1001, a=obs(t=1001, health=TIMEOUT))
-    assert sim.state() == liveness.STARTING
+    assert sim.state() == State.STARTING
     sim.tick(1010, a=obs(t=1010, u=unit(inactive_exit_ts=1005.0), outcome=RestartOutcome("vllm-a.service", "done", 1009)))
-    assert not sim.tracks["a"].restart_in_flight and sim.state() == liveness.HEALTHY
+    assert not sim.tracks["a"].restart_in_flight and sim.state() == State.HEALTHY
     assert any("serving again 10.0 s after guardian's restart" in m for m in logs(sim.actions, "info"))
 
 
@@ -363,14 +383,14 @@ def test_unit_gate_refusal_is_logged_once_with_reason():
 
 # --- gates ------------------------------------------------------------------------------------
 
-OWN = PortOwner(8001, 100, "vllm-a.service")
+OWN = HeldBy(8001, 100, "vllm-a.service")
 
 
 @pytest.mark.parametrize("u, owner, gate", [
     (unit(), OWN, None),
     (unit(unit_file_state="static"), OWN, None),
     (unit(active_state="activating"), OWN, None),
-    (unit(), PortOwner(8001, None, None), None),  # nobody listens: this unit's problem
+    (unit(), Nobody(8001), None),  # nobody listens: this unit's problem
     (unit(conflicts=(("old.service", "inactive"),)), OWN, None),
     (unit(load_state="masked", unit_file_state="masked"), OWN, "masked"),
     (unit(load_state="not-found", unit_file_state=""), OWN, "not-loaded"),
@@ -378,8 +398,8 @@ OWN = PortOwner(8001, 100, "vllm-a.service")
     (unit(active_state="inactive"), OWN, "inactive"),
     (unit(active_state="failed"), OWN, "inactive"),
     (unit(job_pending=True), OWN, "job-pending"),
-    (unit(), PortOwner(8001, 4242, "impostor.service"), "port-owner"),
-    (unit(), PortOwner(8001, None, "?"), "port-unknown"),
+    (unit(), HeldBy(8001, 4242, "impostor.service"), "port-owner"),
+    (unit(), Hidden(8001), "port-unknown"),
     (unit(conflicts=(("old.service", "active"),)), OWN, "conflicts"),
     (unit(conflicts=(("old.service", "deactivating"),)), OWN, "conflicts"),
     (None, OWN, "dbus"),
@@ -394,7 +414,7 @@ def test_unit_gates(u, owner, gate):
 def test_refusals_name_what_would_be_hurt():
     r = gates.unit_refusal(unit(conflicts=(("legacy.service", "active"),)), OWN)
     assert "would stop legacy.service (active)" in r.reason
-    r = gates.unit_refusal(unit(), PortOwner(8001, 4242, "impostor.service"))
+    r = gates.unit_refusal(unit(), HeldBy(8001, 4242, "impostor.service"))
     assert "impostor.service (pid 4242)" in r.reason
 
 
@@ -431,10 +451,10 @@ def test_garbage_metrics_is_said_once_and_never_grounds_for_a_restart():
     for t in range(200, 500, 5):
         o = replace(obs(t=t), metrics_probe=garbage, metrics=None)
         sim.tick(t, a=o)
-        assert sim.state() == liveness.DEGRADED
+        assert sim.state() == State.DEGRADED
     errors = logs(sim.actions, "error")
     assert len(errors) == 1 and "/metrics unreadable" in errors[0] and "no restart" in errors[0]
-    assert restarts(sim.actions) == [] and not any(isinstance(a, policy.StartCanary) for a in sim.actions)
+    assert restarts(sim.actions) == [] and not any(isinstance(a, StartCanary) for a in sim.actions)
 
 
 def test_failed_unit_is_restartable_only_for_the_memory_guards_retry():
@@ -442,3 +462,59 @@ def test_failed_unit_is_restartable_only_for_the_memory_guards_retry():
     assert gates.unit_refusal(failed, OWN).gate == "inactive"
     assert gates.unit_refusal(failed, OWN, allow_failed=True) is None
     assert gates.unit_refusal(unit(active_state="inactive"), OWN, allow_failed=True).gate == "inactive"
+
+
+# --- every liveness rule, by id ---------------------------------------------------------------
+
+def _after_healthy(*steps):
+    """A replica healthy at t=100, then STEPS as (t, observation kwargs)."""
+    def run():
+        sim = Sim(cfg(1, stall_window_s=60, unresponsive_after_s=10, canary_failures=2))
+        healthy_start(sim)
+        for t, kw in steps:
+            o = kw.pop("_obs", None) or obs(t=t, **kw)
+            sim.tick(t, a=o)
+        return sim
+    return run
+
+
+def _paused():
+    sim = Sim(cfg(1), PersistentView(pauses={"a": Pause(None)}))
+    sim.tick(100)
+    return sim
+
+
+def _fresh(**kw):
+    def run():
+        sim = Sim(cfg(1))
+        sim.tick(100, a=obs(t=100, **kw))
+        return sim
+    return run
+
+
+FLAT = sample(gen=5, running=2)
+
+
+@pytest.mark.parametrize("scenario, state, rule", [
+    (_paused, State.PAUSED, "L1"),
+    (_after_healthy((110, {"_obs": replace(obs(t=110), unit=None, unit_error="D-Bus GetUnit timed out")})),
+     State.UNKNOWN, "L2"),
+    (_after_healthy((110, {"u": unit(active_state="failed"), "health": TIMEOUT})), State.STOPPED, "L3"),
+    (_after_healthy((110, {"u": unit(active_state="deactivating")})), State.STARTING, "L4"),
+    (_fresh(health=TIMEOUT, u=unit(inactive_exit_ts=50.0)), State.STARTING, "L5"),
+    (_after_healthy((110, {"models": ("other",)})), State.WRONG_MODEL, "L6"),
+    (_after_healthy((105, {"health": TIMEOUT}), (110, {"health": TIMEOUT})), State.UNRESPONSIVE, "L7"),
+    (_after_healthy((105, {"health": DEAD_503}), (115, {"health": DEAD_503})), State.UNRESPONSIVE, "L8"),
+    (_after_healthy((110, {"s": sample(gen=9, running=2), "health": SLOW})), State.BUSY, "L9"),
+    (_after_healthy((110, {"s": sample(gen=9, running=2)})), State.HEALTHY, "L10"),
+    (_after_healthy((110, {"s": FLAT}), (170, {"s": FLAT})), State.STALLED, "L11"),
+    (_after_healthy((110, {"canary": CanaryResult(False, 105, 2, "timeout")}),
+                    (120, {"canary": CanaryResult(False, 115, 2, "timeout")})), State.IDLE_DEAD, "L12"),
+    (_after_healthy((110, {"s": FLAT}), (120, {"s": FLAT, "health": SLOW_FAIL})), State.BUSY, "L13"),
+    (_after_healthy((110, {"metrics_down": True})), State.DEGRADED, "L14"),
+    (_after_healthy((110, {})), State.HEALTHY, "L15"),
+])
+def test_each_liveness_rule_by_id(scenario, state, rule):
+    sim = scenario()
+    assert (sim.state(), sim.rule()) == (state, rule)
+    assert sim.tracks["a"].evidence  # every verdict says why

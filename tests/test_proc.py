@@ -3,7 +3,7 @@
 import os
 import socket
 
-from guardian.proc import listening_inodes, listeners
+from guardian.observe.sockets import listening_inodes, listeners
 
 
 def _listener(family=socket.AF_INET, host="127.0.0.1"):
@@ -60,7 +60,7 @@ def test_netlink_and_proc_net_agree():
     """sock_diag is the normal path; /proc/net/tcp is the fallback where netlink is refused.
     Netlink is asked directly: through listening_inodes a failing netlink would hide behind the
     fallback and the two sides would trivially agree."""
-    from guardian.proc import _proc_net_listening_inodes, _sock_diag_listeners
+    from guardian.observe.sockets import _proc_net_listening_inodes, _sock_diag_listeners
 
     v4, v6 = _listener(), _listener(socket.AF_INET6, "::1")
     try:

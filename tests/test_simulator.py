@@ -12,7 +12,7 @@ import httpx
 import psutil
 import pytest
 
-from guardian.metrics import parse_vllm_metrics
+from guardian.observe.metrics import parse_vllm_metrics
 from systemd_box import wait_for
 
 # A complete /metrics page from a real vLLM 0.32 server (copied from shared/).

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from guardian.state import CorruptState, StateStore, atomic_write_json, record_restart, view
+from guardian.act.state import CorruptState, StateStore, atomic_write_json, record_restart, view
 
 
 def test_update_round_trips_and_leaves_no_temporary_files(tmp_path):

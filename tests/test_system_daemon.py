@@ -113,7 +113,7 @@ def test_a_restart_by_someone_else_is_seen_on_the_next_ticks(world):
 
 MANY_CALLS = """
 import asyncio
-from guardian.systemd import Systemd
+from guardian.observe.systemd import Systemd
 async def main():
     sd = Systemd()
     await sd.connect()

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from guardian.observe.meminfo import sample_memory
 from systemd_box import wait_for
 from world import World
 
@@ -27,11 +28,7 @@ time.sleep(1e9)
 
 
 def mem_available() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no MemAvailable")
+    return sample_memory().available_bytes
 
 
 @pytest.fixture

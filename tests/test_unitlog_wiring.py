@@ -4,32 +4,63 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from guardian.unitlog import find_start_error
-from guardian.wiring import read_env_fraction, wiring_problem
+import pytest
+
+from guardian.observe.unitlog import find_start_error
+from guardian.core.wiring import EnvFile, wiring_problem
+from guardian.observe.memory import read_env_fraction
 
 MEM_074 = ("ValueError: Free memory on device cuda:0 (1.40/2.00 GiB) on startup is less than desired GPU memory "
            "utilization (0.74, 1.48 GiB). Decrease GPU memory utilization or reduce GPU memory used by other processes.")
+
+
+ULIMIT = ("(APIServer pid=4242) WARNING 11-30 10:01:02 [system_utils.py:255] Found ulimit of 1024 and failed to "
+          "automatically increase with error current limit exceeds maximum limit. This can cause fd limit errors")
 
 
 def test_memory_refusal_is_found_and_matched_to_its_fraction():
     lines = ["INFO starting", "ERROR [sim] EngineCore failed to start.", MEM_074, "INFO Started"]
     assert find_start_error(lines) == MEM_074
     assert find_start_error(lines, 0.74) == MEM_074
-    assert find_start_error(lines, 0.7) == "ERROR [sim] EngineCore failed to start."
+    assert find_start_error(lines, 0.7) is None  # a refusal of another fraction is not this start's
     assert find_start_error(["INFO all good"]) is None
 
 
-ENV = Path("/var/lib/guardian/replicas/a.env")
+def test_a_warning_that_says_error_is_not_a_failed_start():
+    assert find_start_error([ULIMIT, "ERROR something else", "INFO Application startup complete."], 0.74) is None
+
+
+ENV = "/var/lib/guardian/replicas/a.env"
+GOOD = ("/usr/bin/vllm", "serve", "m", "--gpu-memory-utilization", "${GPU_MEMORY_UTILIZATION}")
+
+
+def files(*entries) -> tuple[EnvFile, ...]:
+    return tuple(e if isinstance(e, EnvFile) else EnvFile(e, "") for e in entries)
 
 
 def test_wiring():
-    good = ("/usr/bin/vllm", "serve", "m", "--gpu-memory-utilization", "${GPU_MEMORY_UTILIZATION}")
-    assert wiring_problem("u.service", (str(ENV),), good, ENV) is None
-    assert wiring_problem("u.service", (str(ENV),), ("vllm", "--gpu-memory-utilization=$GPU_MEMORY_UTILIZATION"), ENV) is None
-    p = wiring_problem("u.service", (), good, ENV)
-    assert "EnvironmentFile=-/var/lib/guardian/replicas/a.env" in p and "ExecStart" not in p.split(" to ")[0]
-    p = wiring_problem("u.service", (str(ENV),), ("vllm", "--gpu-memory-utilization", "0.78"), ENV)
-    assert "--gpu-memory-utilization ${GPU_MEMORY_UTILIZATION} in ExecStart=" in p
+    assert wiring_problem("u.service", files(ENV), GOOD, ENV) is None
+    assert wiring_problem("u.service", files(ENV), ("vllm", "--gpu-memory-utilization=$GPU_MEMORY_UTILIZATION"),
+                          ENV) is None
+    p = wiring_problem("u.service", (), GOOD, ENV)
+    assert "add EnvironmentFile=-/var/lib/guardian/replicas/a.env" in p and "ExecStart" not in p
+    p = wiring_problem("u.service", files(ENV), ("vllm", "--gpu-memory-utilization", "0.78"), ENV)
+    assert "pass --gpu-memory-utilization ${GPU_MEMORY_UTILIZATION} in ExecStart=" in p
+
+
+@pytest.mark.parametrize("later, problem", [
+    (EnvFile("/etc/vllm/a.env", "MODEL=m\nGPU_MEMORY_UTILIZATION=0.9\n"), "/etc/vllm/a.env comes after"),
+    (EnvFile("/etc/vllm/a.env", 'export_not=1\nGPU_MEMORY_UTILIZATION="0.9"\n'), "sets GPU_MEMORY_UTILIZATION"),
+    (EnvFile("/etc/vllm/a.env", None, "Permission denied"), "cannot be read"),
+    (EnvFile("/etc/vllm/a.env", "MODEL=m\n# GPU_MEMORY_UTILIZATION=0.9\n"), None),  # does not set it
+    (EnvFile("/etc/vllm/a.env", None), None),  # optional and absent
+])
+def test_a_later_environment_file_that_sets_the_fraction_overrides_guardians(later, problem):
+    """systemd reads EnvironmentFile= in order and the later file wins (systemd.exec(5))."""
+    p = wiring_problem("u.service", files(ENV, later), GOOD, ENV)
+    assert (p is None) if problem is None else (problem in p)
+    # the same file listed before guardian's is harmless
+    assert wiring_problem("u.service", files(later, ENV), GOOD, ENV) is None
 
 
 def test_env_file_reading(tmp_path):
@@ -41,3 +72,14 @@ def test_env_file_reading(tmp_path):
     assert read_env_fraction(f) is None
     f.write_text("GPU_MEMORY_UTILIZATION=7.4\n")
     assert read_env_fraction(f) is None
+
+
+def test_the_shipped_example_unit_is_wired_even_with_the_operators_file_setting_the_fraction():
+    """units/vllm-replica@.service lists guardian's file last, so /etc/vllm/a.env cannot override it."""
+    text = (Path(__file__).resolve().parent.parent / "units" / "vllm-replica@.service").read_text()
+    entries = [line.split("=", 1)[1].lstrip("-").replace("%i", "a") for line in text.splitlines()
+               if line.startswith("EnvironmentFile=")]
+    exec_start = next(line.split("=", 1)[1] for line in text.splitlines() if line.startswith("ExecStart="))
+    found = tuple(EnvFile(e, "GPU_MEMORY_UTILIZATION=0.9\n" if e.startswith("/etc/") else None) for e in entries)
+    assert wiring_problem("vllm-replica@a.service", found, tuple(exec_start.split()), ENV) is None
+    assert "LimitNOFILE=65536" in text

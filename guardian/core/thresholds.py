@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from .config import Config
-from .memory import gib
+from ..config import Config
+from .observations import gib
 
 
 def describe(cfg: Config) -> list[str]:

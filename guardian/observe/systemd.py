@@ -1,20 +1,31 @@
-"""All of guardian's D-Bus talk with systemd, in one thin module.
+"""All of guardian's D-Bus talk with systemd, in one thin module, on dbus-fast.
 
-Only dbus_next imports live here, and only its aio MessageBus and Message API, which the
-maintained fork dbus-fast has too: switching is a change of imports. Every call has a timeout.
+dbus-fast is the maintained fork of dbus-next (same aio API). Every call has a timeout, and at
+most MAX_CALLS_IN_FLIGHT are in flight: dbus-next died on EAGAIN with 32 replicas' views at once
+(python-dbus-next #153), and dbus-fast still finalizes the bus on a send error.
+
+When the system bus connection drops (``systemctl restart dbus``, a send error), every call fails
+at once with SystemdError (so views are "unknown" and nothing is restarted on them), restart jobs
+waiting for their JobRemoved signal end as "bus lost", and a task reconnects with back-off
+(RECONNECT_FIRST_S doubling to RECONNECT_MAX_S), subscribes to systemd's signals again, and tells
+the listeners. ``lost_for_s`` says how long the bus has been gone; the daemon stops pinging
+systemd's watchdog past ``bus_lost_restart_s`` so that systemd restarts it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any
 
-from dbus_next import BusType, Message, MessageType, Variant
-from dbus_next.aio import MessageBus
+from dbus_fast import BusType, Message, MessageType, Variant
+from dbus_fast.aio import MessageBus
 
-from .observations import UnitInfo
+from ..core.observations import UnitInfo
+from ..core.vocab import ActiveState, LoadState, UnitFileState
 
 SD = "org.freedesktop.systemd1"
 SD_PATH = "/org/freedesktop/systemd1"
@@ -28,22 +39,26 @@ SERVICE_PROPS = ("MainPID", "Restart", "NRestarts")
 
 
 MAX_CALLS_IN_FLIGHT = 16
+RECONNECT_FIRST_S = 0.5
+RECONNECT_MAX_S = 30.0
+BUS_LOST = "bus lost before the job ended"
 
 
 class SystemdError(Exception):
     pass
 
 
-def _v(value):
+def _v(value: Any) -> Any:
     return value.value if isinstance(value, Variant) else value
 
 
 @dataclass(frozen=True)
 class ServiceDetails:
-    """Service properties the memory guard and hazard scan read."""
+    """Service properties the memory guard's wiring check reads."""
 
-    environment_files: tuple[str, ...]
+    environment_files: tuple[str, ...]  # in the unit's order: a later file overrides an earlier one
     exec_start: tuple[str, ...]  # argv of the first ExecStart=
+    invocation_id: str = ""
 
 
 class Systemd:
@@ -53,35 +68,102 @@ class Systemd:
         self._jobs: dict[str, asyncio.Future[str]] = {}
         self._finished: dict[str, str] = {}
         self._listeners: list[Callable[[str], None]] = []
-        # dbus-next fails a send with EAGAIN, and leaves the stream unusable, once its socket's
-        # buffer is full: with 32 replicas a tick's unit views were some 450 calls at once.
         self._in_flight = asyncio.Semaphore(MAX_CALLS_IN_FLIGHT)
+        self._lost_at_mono: float | None = None
+        self._closing = False
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.reconnects = 0
 
+    # --- connection -------------------------------------------------------------------------
     async def connect(self) -> None:
+        """Connect once; raises SystemdError. Later drops are handled by reconnecting."""
+        try:
+            await self._connect_once()
+        except (OSError, asyncio.TimeoutError, EOFError) as e:
+            raise SystemdError(f"cannot connect to the system bus: {e or type(e).__name__}") from None
+
+    async def _connect_once(self) -> None:
         address = os.environ.get("GUARDIAN_DBUS_ADDRESS")  # tests may point elsewhere
         bus = MessageBus(bus_address=address) if address else MessageBus(bus_type=BusType.SYSTEM)
-        self.bus = await asyncio.wait_for(bus.connect(), self.call_timeout_s)
-        self.bus.add_message_handler(self._on_message)
-        await self._call(MANAGER, "Subscribe", "", [], path=SD_PATH)
-        for member in ("JobRemoved", "Reloading", "UnitFilesChanged"):
-            await self._call(
-                "org.freedesktop.DBus", "AddMatch", "s",
-                [f"type='signal',sender='{SD}',interface='{MANAGER}',member='{member}'"],
-                path="/org/freedesktop/DBus", destination="org.freedesktop.DBus",
-            )
+        try:
+            await asyncio.wait_for(bus.connect(), self.call_timeout_s)
+            bus.add_message_handler(self._on_message)
+            self.bus = bus
+            await self._call(MANAGER, "Subscribe", "", [], path=SD_PATH)
+            for member in ("JobRemoved", "Reloading", "UnitFilesChanged"):
+                await self._call(
+                    "org.freedesktop.DBus", "AddMatch", "s",
+                    [f"type='signal',sender='{SD}',interface='{MANAGER}',member='{member}'"],
+                    path="/org/freedesktop/DBus", destination="org.freedesktop.DBus",
+                )
+        except BaseException:
+            self.bus = None
+            bus.disconnect()
+            raise
+        self._spawn(self._watch(bus))
+
+    def _spawn(self, coro: Any) -> None:
+        task: asyncio.Task[None] = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _watch(self, bus: MessageBus) -> None:
+        try:
+            await bus.wait_for_disconnect()
+        except Exception:  # noqa: BLE001 - the reason does not matter: the bus is gone
+            pass
+        if self._closing or self.bus is not bus:
+            return
+        self.bus = None
+        self._lost_at_mono = time.monotonic()
+        for job, fut in list(self._jobs.items()):
+            if not fut.done():
+                fut.set_result(BUS_LOST)
+            self._jobs.pop(job, None)
+        self._notify("bus-lost")
+        self._spawn(self._reconnect())
+
+    async def _reconnect(self) -> None:
+        delay_s = RECONNECT_FIRST_S
+        while not self._closing and self.bus is None:
+            await asyncio.sleep(delay_s)
+            try:
+                await self._connect_once()
+            except (OSError, asyncio.TimeoutError, EOFError, SystemdError):
+                delay_s = min(delay_s * 2, RECONNECT_MAX_S)
+                continue
+            self.reconnects += 1
+            self._notify("bus-back")
+            self._lost_at_mono = None
+
+    @property
+    def connected(self) -> bool:
+        return self.bus is not None
+
+    def lost_for_s(self, mono_now: float) -> float:
+        """Seconds since the bus connection dropped; 0 while connected."""
+        return 0.0 if self._lost_at_mono is None else mono_now - self._lost_at_mono
 
     def close(self) -> None:
+        self._closing = True
+        for task in list(self._tasks):
+            task.cancel()
         if self.bus is not None:
             self.bus.disconnect()
             self.bus = None
 
     def on_units_changed(self, listener: Callable[[str], None]) -> None:
-        """LISTENER(reason) is called when unit files change or systemd reloads."""
+        """LISTENER(reason) is called when unit files change, systemd reloads, or the bus is lost
+        ("bus-lost") or back ("bus-back"): any view kept from before may be stale."""
         self._listeners.append(listener)
 
-    def _on_message(self, msg: Message):
+    def _notify(self, reason: str) -> None:
+        for listener in self._listeners:
+            listener(reason)
+
+    def _on_message(self, msg: Message) -> None:
         if msg.message_type != MessageType.SIGNAL or msg.interface != MANAGER:
-            return None
+            return
         if msg.member == "JobRemoved":
             _id, job_path, _unit, result = msg.body
             fut = self._jobs.pop(job_path, None)
@@ -92,55 +174,60 @@ class Systemd:
                 self._finished[job_path] = result
                 while len(self._finished) > 64:
                     self._finished.pop(next(iter(self._finished)))
-        elif msg.member in ("UnitFilesChanged",) or (msg.member == "Reloading" and msg.body and not msg.body[0]):
-            for listener in self._listeners:
-                listener(msg.member)
-        return None
+        elif msg.member == "UnitFilesChanged" or (msg.member == "Reloading" and msg.body and not msg.body[0]):
+            self._notify(msg.member)
 
-    async def _call(self, interface, member, signature, body, path=SD_PATH, destination=SD, timeout_s=None):
-        if self.bus is None:
+    async def _call(self, interface: str, member: str, signature: str, body: list[Any], path: str = SD_PATH,
+                    destination: str = SD, timeout_s: float | None = None) -> list[Any]:
+        bus = self.bus
+        if bus is None:
             raise SystemdError("not connected to the system bus")
         msg = Message(destination=destination, path=path, interface=interface, member=member,
                       signature=signature, body=body)
+        limit_s = timeout_s or self.call_timeout_s
         try:
             async with self._in_flight:
-                reply = await asyncio.wait_for(self.bus.call(msg), timeout_s or self.call_timeout_s)
+                reply = await asyncio.wait_for(bus.call(msg), limit_s)
         except asyncio.TimeoutError:
-            raise SystemdError(f"D-Bus {member} timed out after {timeout_s or self.call_timeout_s:.0f} s") from None
+            raise SystemdError(f"D-Bus {member} timed out after {limit_s:.0f} s") from None
+        except (OSError, EOFError) as e:
+            raise SystemdError(f"D-Bus {member}: the bus connection failed: {e or type(e).__name__}") from None
+        if reply is None:
+            raise SystemdError(f"D-Bus {member}: no reply (the bus connection closed)")
         if reply.message_type == MessageType.ERROR:
             detail = reply.body[0] if reply.body else ""
             raise SystemdError(f"{member}: {reply.error_name}: {detail}")
-        return reply.body
+        return list(reply.body)
 
     async def unit_path(self, name: str) -> str:
         (path,) = await self._call(MANAGER, "LoadUnit", "s", [name])
         return path
 
-    async def active_state(self, name: str) -> str:
+    async def active_state(self, name: str) -> ActiveState:
         try:
             (path,) = await self._call(MANAGER, "GetUnit", "s", [name])
         except SystemdError as e:
             if "NoSuchUnit" in str(e):
-                return "inactive"  # not loaded means not running
+                return ActiveState.INACTIVE  # not loaded means not running
             raise
         (v,) = await self._call(PROPS, "Get", "ss", [UNIT_IFACE, "ActiveState"], path=path)
-        return _v(v)
+        return ActiveState.parse(str(_v(v)))
 
-    async def _some_props(self, path: str, interface: str, names: tuple[str, ...]) -> dict:
+    async def _some_props(self, path: str, interface: str, names: tuple[str, ...]) -> dict[str, Any]:
         values = await asyncio.gather(*(self._call(PROPS, "Get", "ss", [interface, n], path=path) for n in names))
         return {n: _v(v) for n, (v,) in zip(names, values)}
 
-    async def unit_fingerprints(self, names: list[str]) -> dict[str, tuple]:
+    async def unit_fingerprints(self, names: list[str]) -> dict[str, tuple[str, ...]]:
         """Per unit (load, active, sub state, job id, invocation id): what changes when it starts,
         stops, restarts or gets a job. One call for all units plus one per unit, where unit_info
-        makes 13 per unit."""
+        makes 14, plus 2 per Conflicts=/ConflictedBy= entry."""
         (rows,) = await self._call(MANAGER, "ListUnitsByNames", "as", [list(names)])
         invocations = await asyncio.gather(*(self._call(PROPS, "Get", "ss", [UNIT_IFACE, "InvocationID"], path=row[6])
                                              for row in rows))
-        out: dict[str, tuple] = {}
+        out: dict[str, tuple[str, ...]] = {}
         for row, (inv,) in zip(rows, invocations):
             name, _desc, load, active, sub, _following, _path, job_id, _jt, _jp = row
-            out[name] = (load, active, sub, job_id, bytes(_v(inv)).hex())
+            out[name] = (load, active, sub, str(job_id), bytes(_v(inv)).hex())
         return out
 
     async def unit_info(self, name: str) -> UnitInfo:
@@ -148,7 +235,7 @@ class Systemd:
         # unmarshalling them every tick was most of guardian's CPU time (bench/, docs/benchmarks.md).
         path = await self.unit_path(name)
         u = await self._some_props(path, UNIT_IFACE, UNIT_PROPS)
-        svc: dict = {}
+        svc: dict[str, Any] = {}
         if u.get("LoadState") == "loaded" and name.endswith(".service"):
             svc = await self._some_props(path, SERVICE_IFACE, SERVICE_PROPS)
         others = sorted(set(u.get("Conflicts", [])) | set(u.get("ConflictedBy", [])))
@@ -159,10 +246,10 @@ class Systemd:
         job = u.get("Job") or (0, "/")
         return UnitInfo(
             name=name,
-            load_state=u.get("LoadState", ""),
-            active_state=u.get("ActiveState", ""),
+            load_state=LoadState.parse(u.get("LoadState", "")),
+            active_state=ActiveState.parse(u.get("ActiveState", "")),
             sub_state=u.get("SubState", ""),
-            unit_file_state=u.get("UnitFileState", ""),
+            unit_file_state=UnitFileState.parse(u.get("UnitFileState", "")),
             inactive_exit_ts=exit_us / 1e6 if exit_us else None,
             main_pid=int(svc.get("MainPID", 0)),
             invocation_id=bytes(u.get("InvocationID", b"")).hex(),
@@ -176,10 +263,15 @@ class Systemd:
     async def service_details(self, name: str) -> ServiceDetails:
         path = await self.unit_path(name)
         svc = await self._some_props(path, SERVICE_IFACE, ("EnvironmentFiles", "ExecStart"))
-        env_files = tuple(p for p, _optional in svc.get("EnvironmentFiles", []))
+        env_files = tuple(str(p) for p, _optional in svc.get("EnvironmentFiles", []))
         exec_start = svc.get("ExecStart", [])
-        argv = tuple(exec_start[0][1]) if exec_start else ()
+        argv = tuple(str(a) for a in exec_start[0][1]) if exec_start else ()
         return ServiceDetails(env_files, argv)
+
+    async def invocation_id(self, name: str) -> str:
+        path = await self.unit_path(name)
+        (v,) = await self._call(PROPS, "Get", "ss", [UNIT_IFACE, "InvocationID"], path=path)
+        return bytes(_v(v)).hex()
 
     async def unit_by_pid(self, pid: int) -> str | None:
         try:
@@ -187,7 +279,7 @@ class Systemd:
         except SystemdError:
             return None
         (v,) = await self._call(PROPS, "Get", "ss", [UNIT_IFACE, "Id"], path=path)
-        return _v(v)
+        return str(_v(v))
 
     async def enabled_service_conflicts(self) -> dict[str, tuple[str, ...]]:
         """Every enabled service unit file -> the units it conflicts with.
@@ -206,7 +298,7 @@ class Systemd:
                 (v,) = await self._call(PROPS, "Get", "ss", [UNIT_IFACE, "Conflicts"], path=path)
             except SystemdError:
                 continue
-            result[name] = tuple(_v(v))
+            result[name] = tuple(str(x) for x in _v(v))
         return result
 
     async def largest_units(self, n: int = 3) -> list[tuple[str, int]]:
@@ -222,13 +314,14 @@ class Systemd:
                 continue
             value = int(_v(v))
             if value < 2**64 - 1:  # UINT64_MAX: not known
-                sizes.append((name, value))
+                sizes.append((str(name), value))
         return sorted(sizes, key=lambda x: -x[1])[:n]
 
     async def restart(self, name: str, timeout_s: float) -> str:
         """RestartUnit(name, "replace") and wait for the job's JobRemoved result."""
         loop = asyncio.get_running_loop()
         (job_path,) = await self._call(MANAGER, "RestartUnit", "ss", [name, "replace"])
+        job_path = str(job_path)
         if job_path in self._finished:
             return self._finished.pop(job_path)
         fut: asyncio.Future[str] = loop.create_future()

@@ -8,9 +8,9 @@ import time
 
 import httpx
 
-from .config import ReplicaConfig
+from ..config import ReplicaConfig
+from ..core.observations import CanaryResult, Probe, VllmSample
 from .metrics import MetricsError, parse_vllm_metrics
-from .observations import CanaryResult, Probe, VllmSample
 
 # Never more than this much of a page is read: a broken replica must not fill our memory.
 MAX_BODY_BYTES = 4 * 2**20
@@ -47,12 +47,16 @@ async def _get(client: httpx.AsyncClient, url: str, timeout_s: float) -> tuple[P
     return Probe(ok, resp.status_code, latency, None if ok else f"HTTP {resp.status_code}"), bytes(body)
 
 
-async def probe_health(client, r: ReplicaConfig) -> Probe:
-    probe, _ = await _get(client, r.url + "/health", r.health_timeout_s)
+async def health_at(client: httpx.AsyncClient, base_url: str, timeout_s: float) -> Probe:
+    probe, _ = await _get(client, base_url + "/health", timeout_s)
     return probe
 
 
-async def probe_metrics(client, r: ReplicaConfig) -> tuple[Probe, VllmSample | None]:
+async def probe_health(client: httpx.AsyncClient, r: ReplicaConfig) -> Probe:
+    return await health_at(client, r.url, r.health_timeout_s)
+
+
+async def probe_metrics(client: httpx.AsyncClient, r: ReplicaConfig) -> tuple[Probe, VllmSample | None]:
     probe, body = await _get(client, r.url + "/metrics", r.metrics_timeout_s)
     if not probe.ok:
         return probe, None
@@ -62,8 +66,8 @@ async def probe_metrics(client, r: ReplicaConfig) -> tuple[Probe, VllmSample | N
         return Probe(False, probe.status, probe.latency_s, f"unreadable: {e}"), None
 
 
-async def probe_models(client, r: ReplicaConfig) -> tuple[Probe, tuple[str, ...] | None]:
-    probe, body = await _get(client, r.url + "/v1/models", r.health_timeout_s)
+async def models_at(client: httpx.AsyncClient, base_url: str, timeout_s: float) -> tuple[Probe, tuple[str, ...] | None]:
+    probe, body = await _get(client, base_url + "/v1/models", timeout_s)
     if not probe.ok:
         return probe, None
     try:
@@ -74,7 +78,11 @@ async def probe_models(client, r: ReplicaConfig) -> tuple[Probe, tuple[str, ...]
     return probe, ids
 
 
-async def canary(client, r: ReplicaConfig, started_at: float) -> CanaryResult:
+async def probe_models(client: httpx.AsyncClient, r: ReplicaConfig) -> tuple[Probe, tuple[str, ...] | None]:
+    return await models_at(client, r.url, r.health_timeout_s)
+
+
+async def canary(client: httpx.AsyncClient, r: ReplicaConfig, started_at: float) -> CanaryResult:
     """A one-token completion: proves the engine, not just the API server, is alive."""
     start = time.monotonic()
     try:

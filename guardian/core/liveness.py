@@ -3,33 +3,8 @@
 Pure: a Track (what guardian remembers about one replica) plus one ReplicaObservation plus
 ``now`` give the next Track, whose ``state`` is the verdict. No clock, no I/O, no sleeping.
 
-Rules, first match wins (``W`` = watchdog config, ``R`` = replica config, times in seconds):
-
-=====  ==============  ==============================================================================
- rule   state           condition
-=====  ==============  ==============================================================================
-  1     paused          an operator pause is in force (``guardian pause``; until <= now ends it)
-  2     unknown         systemd could not be asked about the unit (D-Bus error)
-  3     stopped         unit not found, inactive or failed (a masked unit still running is judged,
-                        and the restart gates refuse it)
-  4     starting        unit activating or deactivating, or a restart by guardian is in flight
-  5     starting        unit active, not healthy once since it last started, and
-                        now - start < R.startup_grace_s  (start = systemd's InactiveExitTimestamp)
-  6     wrong-model     /v1/models answered and does not list R.model
-  7     unresponsive    no probe got any HTTP answer for >= W.unresponsive_after_s (from the last answer)
-                        AND no progress for >= W.unresponsive_after_s
-  8     unresponsive    /health answered 503 (vLLM: engine dead) for >= W.unresponsive_after_s
-                        AND no progress for >= W.unresponsive_after_s
-  9     busy            progress this tick AND (/health failed or took >= R.health_timeout_s)
- 10     healthy         progress this tick AND /health answered 2xx in time
- 11     stalled         /metrics readable AND running + waiting > 0 AND
-                        now - max(last progress, work first queued) >= W.stall_window_s
- 12     idle-dead       /metrics readable AND running + waiting == 0 AND
-                        consecutive failed canaries >= W.canary_failures
- 13     busy            /health failed, AND progress within W.stall_window_s
- 14     degraded        some probe failed or /metrics unreadable (no grounds to restart yet)
- 15     healthy         otherwise
-=====  ==============  ==============================================================================
+Rules, first match wins: the rows of RULES below (ids L1-L15), rendered into the README.
+``W`` = watchdog config, ``R`` = replica config, times in seconds.
 
 Progress means: any of generation_tokens_total, prompt_tokens_total,
 iteration_tokens_total_count/_sum, request_success_total went up, or kv_cache_usage_perc changed
@@ -49,32 +24,45 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .config import ReplicaConfig, WatchdogConfig
-from .observations import Pause, ReplicaObservation, VllmSample
+from ..config import ReplicaConfig, WatchdogConfig
+from .observations import Pause, Probe, ReplicaObservation, VllmSample
+from .rules import Rule
+from .vocab import ActiveState, State
 
-PAUSED = "paused"
-UNKNOWN = "unknown"
-STOPPED = "stopped"
-STARTING = "starting"
-WRONG_MODEL = "wrong-model"
-UNRESPONSIVE = "unresponsive"
-BUSY = "busy"
-HEALTHY = "healthy"
-STALLED = "stalled"
-IDLE_DEAD = "idle-dead"
-DEGRADED = "degraded"
-
-NO_OBSERVATION = "no observation yet"
-RESTART_STATES = frozenset({STALLED, UNRESPONSIVE, IDLE_DEAD})
-# States that mean "this replica is not serving yet": a second restart on the box waits for them.
-STARTING_STATES = frozenset({STARTING})
+S = State
+RULES = (
+    Rule("L1", S.PAUSED, "an operator pause is in force (`guardian pause`; until <= now ends it)"),
+    Rule("L2", S.UNKNOWN, "systemd could not be asked about the unit (D-Bus error, or the bus is not connected)"),
+    Rule("L3", S.STOPPED, "unit not found, inactive or failed (a masked unit still running is judged, and the "
+         "restart gates refuse it)"),
+    Rule("L4", S.STARTING, "unit activating, deactivating or in maintenance, or a restart by guardian is in flight"),
+    Rule("L5", S.STARTING, "unit active, not healthy once since it last started, AND now - start < R.startup_grace_s "
+         "(start = systemd's InactiveExitTimestamp)"),
+    Rule("L6", S.WRONG_MODEL, "/v1/models answered AND does not list R.model"),
+    Rule("L7", S.UNRESPONSIVE, "no probe got any HTTP answer for >= W.unresponsive_after_s (counted from the last "
+         "answer) AND no progress for >= W.unresponsive_after_s"),
+    Rule("L8", S.UNRESPONSIVE, "/health answered 503 (vLLM: engine dead) for >= W.unresponsive_after_s AND no "
+         "progress for >= W.unresponsive_after_s"),
+    Rule("L9", S.BUSY, "progress this tick AND (/health failed OR took >= R.health_timeout_s)"),
+    Rule("L10", S.HEALTHY, "progress this tick AND /health answered 2xx in < R.health_timeout_s"),
+    Rule("L11", S.STALLED, "/metrics readable AND running + waiting > 0 AND now - max(last progress, work first "
+         "queued) >= W.stall_window_s"),
+    Rule("L12", S.IDLE_DEAD, "/metrics readable AND running + waiting == 0 AND consecutive failed canaries >= "
+         "W.canary_failures"),
+    Rule("L13", S.BUSY, "/health failed AND last progress < W.stall_window_s ago"),
+    Rule("L14", S.DEGRADED, "some probe failed, or /metrics unreadable, or a canary failed (no grounds to restart yet)"),
+    Rule("L15", S.HEALTHY, "otherwise"),
+)
+del S
 
 
 @dataclass(frozen=True)
 class Track:
-    state: str = STARTING
+    state: State = State.STARTING
+    rule: str = "L4"  # the id of the rule behind the verdict
     state_since: float = 0.0
-    evidence: str = "no observation yet"  # == NO_OBSERVATION
+    observed: bool = False  # False until the first observation has been folded in
+    evidence: str = "no observation yet"
     start_ts: float | None = None
     healthy_since_start: bool = False
     last_sample: VllmSample | None = None
@@ -88,7 +76,7 @@ class Track:
     canary_failures: int = 0
     restart_in_flight: bool = False
     restart_issued_at: float | None = None
-    last_notice: str | None = None  # dedup key of the last refusal / notice logged
+    last_notice: tuple[str, ...] | None = None  # stable key of the last refusal or notice logged
     metrics_error: str | None = None
 
 
@@ -103,7 +91,9 @@ def _progressed(prev: VllmSample | None, cur: VllmSample | None) -> bool:
 def _fresh_start(track: Track, start_ts: float | None) -> Track:
     return Track(
         state=track.state,
+        rule=track.rule,
         state_since=track.state_since,
+        observed=track.observed,
         evidence=track.evidence,
         start_ts=start_ts,
         restart_in_flight=track.restart_in_flight,
@@ -168,12 +158,12 @@ def step(
     if health_in_time and not t.healthy_since_start:
         t = replace(t, healthy_since_start=True)
 
-    state, evidence = _classify(t, obs, now, rcfg, wcfg, pause, progressed, health_in_time, canary_failed)
+    state, rule, evidence = _classify(t, obs, now, rcfg, wcfg, pause, progressed, health_in_time, canary_failed)
 
     # --- canary scheduling ----------------------------------------------------------------
     want_canary = False
     if (
-        state in (HEALTHY, DEGRADED)
+        state in (State.HEALTHY, State.DEGRADED)
         and sample is not None
         and sample.queued == 0
         and obs.health.answered
@@ -186,69 +176,67 @@ def step(
             t = replace(t, canary_in_flight_since=now)
 
     if state != t.state:
-        t = replace(t, state=state, state_since=now, evidence=evidence)
-    else:
-        t = replace(t, evidence=evidence)
-    return t, want_canary
+        t = replace(t, state=state, state_since=now)
+    return replace(t, rule=rule, evidence=evidence, observed=True), want_canary
 
 
-def _classify(t, obs, now, rcfg, wcfg, pause, progressed, health_in_time, canary_failed) -> tuple[str, str]:
+def _classify(t: Track, obs: ReplicaObservation, now: float, rcfg: ReplicaConfig, wcfg: WatchdogConfig,
+              pause: Pause | None, progressed: bool, health_in_time: bool,
+              canary_failed: bool) -> tuple[State, str, str]:
     unit = obs.unit
     if pause is not None and (pause.until is None or now < pause.until):
         until = "until resumed" if pause.until is None else f"for {pause.until - now:.0f} s more"
-        return PAUSED, f"paused by {pause.reason} {until}"
+        return State.PAUSED, "L1", f"paused by {pause.reason} {until}"
     if unit is None:
-        return UNKNOWN, f"systemd not reachable: {obs.unit_error or 'D-Bus error'}"
-    if not unit.exists or unit.active_state in ("inactive", "failed"):
+        return State.UNKNOWN, "L2", f"systemd not reachable: {obs.unit_error or 'D-Bus error'}"
+    if not unit.exists or unit.active_state.down:
         what = unit.load_state if not unit.exists else unit.active_state
-        return STOPPED, f"unit {unit.name} is {what}"
-    if unit.active_state in ("activating", "deactivating") or t.restart_in_flight:
+        return State.STOPPED, "L3", f"unit {unit.name} is {what}"
+    if unit.active_state.transitional or unit.active_state is ActiveState.OTHER or t.restart_in_flight:
         why = "restart by guardian in flight" if t.restart_in_flight else f"unit {unit.active_state}"
-        return STARTING, why
+        return State.STARTING, "L4", why
     since = now - t.start_ts if t.start_ts is not None else None
     if not t.healthy_since_start and (since is None or since < rcfg.startup_grace_s):
         shown = "unknown time" if since is None else f"{since:.0f} s"
-        return STARTING, f"loading for {shown} of {rcfg.startup_grace_s:.0f} s grace"
+        return State.STARTING, "L5", f"loading for {shown} of {rcfg.startup_grace_s:.0f} s grace"
     if obs.models is not None and rcfg.model not in obs.models:
         served = ", ".join(obs.models) or "nothing"
-        return WRONG_MODEL, f"/v1/models lists {served}, expected {rcfg.model}"
+        return State.WRONG_MODEL, "L6", f"/v1/models lists {served}, expected {rcfg.model}"
     quiet_for = now - t.last_progress_at if t.last_progress_at is not None else float("inf")
     if t.failing_since is not None and now - t.failing_since >= wcfg.unresponsive_after_s and quiet_for >= wcfg.unresponsive_after_s:
-        return UNRESPONSIVE, (
+        return State.UNRESPONSIVE, "L7", (
             f"no HTTP answer for {now - t.failing_since:.0f} s (/health: {obs.health.error}), "
             f"last progress {_ago(now, t.last_progress_at)}"
         )
     if t.dead_503_since is not None and now - t.dead_503_since >= wcfg.unresponsive_after_s and quiet_for >= wcfg.unresponsive_after_s:
-        return UNRESPONSIVE, f"/health 503 (engine dead) for {now - t.dead_503_since:.0f} s, last progress {_ago(now, t.last_progress_at)}"
+        return State.UNRESPONSIVE, "L8", f"/health 503 (engine dead) for {now - t.dead_503_since:.0f} s, last progress {_ago(now, t.last_progress_at)}"
     sample = obs.metrics
     if progressed:
         if health_in_time:
-            return HEALTHY, _work(sample) + ", tokens flowing"
-        return BUSY, f"/health {obs.health.error or f'took {obs.health.latency_s:.1f} s'}, but counters advance ({_work(sample)})"
+            return State.HEALTHY, "L10", _work(sample) + ", tokens flowing"
+        return State.BUSY, "L9", f"/health {obs.health.error or f'took {obs.health.latency_s:.1f} s'}, but counters advance ({_work(sample)})"
     if sample is not None and sample.queued > 0:
         ref = max(x for x in (t.last_progress_at, t.work_since) if x is not None)
         if now - ref >= wcfg.stall_window_s:
-            return STALLED, (
+            return State.STALLED, "L11", (
                 f"{_work(sample)} and no counter progress for {now - ref:.0f} s "
                 f"(/health {'200' if obs.health.ok else obs.health.error})"
             )
     if sample is not None and sample.queued == 0 and t.canary_failures >= wcfg.canary_failures:
-        return IDLE_DEAD, (
+        return State.IDLE_DEAD, "L12", (
             f"idle, and {t.canary_failures} canary completions failed in a row "
             f"(/health {'200' if obs.health.ok else obs.health.error})"
         )
     if not obs.health.ok and quiet_for < wcfg.stall_window_s:
-        return BUSY, f"/health {obs.health.error}, progress {_ago(now, t.last_progress_at)}"
-    problems = [
-        f"{label}: {p.error}"
-        for label, p in (("/health", obs.health), ("/metrics", obs.metrics_probe), ("/v1/models", obs.models_probe))
-        if not p.ok
-    ]
+        return State.BUSY, "L13", f"/health {obs.health.error}, progress {_ago(now, t.last_progress_at)}"
+    probes: tuple[tuple[str, Probe], ...] = (("/health", obs.health), ("/metrics", obs.metrics_probe),
+                                             ("/v1/models", obs.models_probe))
+    problems = [f"{label}: {p.error}" for label, p in probes if not p.ok]
     if canary_failed or t.canary_failures:
         problems.append(f"{t.canary_failures} canary failure(s)")
     if problems:
-        return DEGRADED, "; ".join(problems)
-    return HEALTHY, _work(sample) if sample is not None else "answering"
+        return State.DEGRADED, "L14", "; ".join(problems)
+    return State.HEALTHY, "L15", _work(sample) if sample is not None else "answering"
 
 
 def _work(sample: VllmSample | None) -> str:

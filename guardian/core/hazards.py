@@ -9,8 +9,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Mapping
 
-from .config import Config
-from .gates import ENABLED_STATES
+from ..config import Config
 from .observations import UnitInfo
 
 CRASH_SAFE_RESTART = frozenset({"always"})
@@ -46,10 +45,10 @@ def find_hazards(
             out.append(Hazard(f"missing:{r.unit}", f"replica {r.name}: unit {r.unit} does not exist "
                               "(check replicas[].unit, or install the unit file and run systemctl daemon-reload)", r.name, r.unit))
             continue
-        if u.load_state == "masked" or u.unit_file_state.startswith("masked"):
+        if u.masked:
             out.append(Hazard(f"masked:{r.unit}", f"replica {r.name}: unit {r.unit} is masked: guardian will not restart it", r.name, r.unit))
-        elif u.unit_file_state not in ENABLED_STATES:
-            out.append(Hazard(f"disabled:{r.unit}", f"replica {r.name}: unit {r.unit} is {u.unit_file_state or 'not enabled'}: "
+        elif not u.unit_file_state.enabled:
+            out.append(Hazard(f"disabled:{r.unit}", f"replica {r.name}: unit {r.unit} is {u.unit_file_state}: "
                               f"guardian will not restart it (systemctl enable {r.unit} if it should)", r.name, r.unit))
         if u.restart not in CRASH_SAFE_RESTART:
             out.append(Hazard(f"restart:{r.unit}", f"replica {r.name}: {r.unit} has Restart={u.restart or 'no'}: vLLM's API server "
@@ -70,7 +69,7 @@ def find_hazards(
     for other, target in sorted(seen):
         r = replica_units[target]
         u = units.get(target)
-        if u is None or not u.running:
+        if u is None or not u.active_state.running:
             continue
         out.append(Hazard(
             f"conflict:{other}:{target}",

@@ -7,17 +7,24 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import httpx
 
+from ..config import Config, ReplicaConfig
+from ..core.memguard import Pending
+from ..core.observations import (
+    CanaryResult, PersistentView, ReplicaObservation, RestartOutcome, TickObservation, UnitInfo,
+)
+from ..core.vocab import HeldBy, Hidden, Nobody, PortOwner, Unreadable
 from . import probes
-from .config import Config, ReplicaConfig
-from .observations import CanaryResult, PortOwner, ReplicaObservation, RestartOutcome, UnitInfo
-from .proc import listening_inodes, listeners
+from .sockets import listening_inodes, listeners
 from .systemd import Systemd, SystemdError
 
+UnitView = tuple[UnitInfo | None, str | None]  # the unit, or None and why systemd could not be asked
 
-async def unit_or_error(sd: Systemd, name: str) -> tuple[UnitInfo | None, str | None]:
+
+async def unit_or_error(sd: Systemd, name: str) -> UnitView:
     try:
         return await sd.unit_info(name), None
     except (SystemdError, OSError, asyncio.TimeoutError) as e:
@@ -27,46 +34,46 @@ async def unit_or_error(sd: Systemd, name: str) -> tuple[UnitInfo | None, str | 
 async def port_owners(sd: Systemd, ports: set[int]) -> dict[int, PortOwner]:
     table = await asyncio.to_thread(listeners, ports)
     if table is None:
-        return {p: PortOwner(p, None, "?") for p in ports}
+        return {p: Unreadable(p) for p in ports}
     out: dict[int, PortOwner] = {}
     for port in ports:
+        pid = table.get(port, 0)
         if port not in table:
-            out[port] = PortOwner(port, None, None)
-        elif table[port] is None:
-            out[port] = PortOwner(port, None, "?")
+            out[port] = Nobody(port)
+        elif pid is None:
+            out[port] = Hidden(port)
         else:
-            pid = table[port]
             try:
                 unit = await sd.unit_by_pid(pid)
             except SystemdError:
                 unit = None
-            out[port] = PortOwner(port, pid, unit)
+            out[port] = HeldBy(port, pid, unit)
     return out
 
 
 class UnitInfoCache:
     """systemd's view of each replica's unit, asked for in full only when it may have changed.
 
-    A unit's full view takes 13 D-Bus calls; its fingerprint (states, job, invocation id) is
-    cheap. The full view is asked again when the fingerprint changes, after a daemon-reload or a
+    A unit's full view takes 14 D-Bus calls, plus 2 per Conflicts=/ConflictedBy= entry; its
+    fingerprint (states, job, invocation id) is cheap. The full view is asked again when the fingerprint changes, after a daemon-reload or a
     change of unit files (invalidate()), and at least every max_age_s. Restarts re-check the
     unit gates on a fresh, uncached view anyway (executor.checked_restart).
     """
 
     def __init__(self, max_age_s: float = 30.0) -> None:
         self.max_age_s = max_age_s
-        self._entries: dict[str, tuple[tuple, float, UnitInfo]] = {}
+        self._entries: dict[str, tuple[tuple[str, ...], float, UnitInfo]] = {}
 
     def invalidate(self) -> None:
         self._entries.clear()
 
-    async def get(self, sd: Systemd, names: list[str], mono_now: float) -> dict[str, tuple[UnitInfo | None, str | None]]:
+    async def get(self, sd: Systemd, names: list[str], mono_now: float) -> dict[str, UnitView]:
         try:
             prints = await sd.unit_fingerprints(names)
         except (SystemdError, OSError, asyncio.TimeoutError) as e:
             self.invalidate()
             return {n: (None, str(e)) for n in names}
-        out: dict[str, tuple[UnitInfo | None, str | None]] = {}
+        out: dict[str, UnitView] = {}
 
         async def one(name: str) -> None:
             cached = self._entries.get(name)
@@ -93,7 +100,7 @@ class PortOwnerCache:
     """
 
     def __init__(self) -> None:
-        self._key: tuple | None = None
+        self._key: tuple[frozenset[int], tuple[tuple[int, int], ...] | None] | None = None
         self._owners: dict[int, PortOwner] = {}
 
     async def get(self, sd: Systemd, ports: set[int]) -> dict[int, PortOwner]:
@@ -105,14 +112,15 @@ class PortOwnerCache:
         after = await asyncio.to_thread(listening_inodes, ports)
         # Kept only when the sockets did not change during the scan and every holder was named
         # (a failed D-Bus lookup must not stick).
-        complete = all(o.pid is None or o.unit not in (None, "?") for o in owners.values())
+        complete = all(isinstance(o, Nobody) or (isinstance(o, HeldBy) and o.unit is not None)
+                       for o in owners.values())
         self._key = key if after == before and complete else None
         self._owners = owners
         return owners
 
 
 async def observe_replica(
-    client: httpx.AsyncClient, r: ReplicaConfig, at: float, unit_view: tuple[UnitInfo | None, str | None],
+    client: httpx.AsyncClient, r: ReplicaConfig, at: float, unit_view: UnitView,
     owner: PortOwner | None, canary: CanaryResult | None, outcome: RestartOutcome | None,
 ) -> ReplicaObservation:
     unit, unit_error = unit_view
@@ -143,3 +151,28 @@ async def observe_all(
         for r in cfg.replicas
     ))
     return {o.name: o for o in results}
+
+
+class WorldObserver:
+    """Everything a tick observes, as one frozen TickObservation; keeps only caches between ticks."""
+
+    def __init__(self, sd: Systemd, client: httpx.AsyncClient) -> None:
+        from .memory import MemoryObserver
+
+        self.sd = sd
+        self.client = client
+        self.port_cache = PortOwnerCache()
+        self.unit_cache = UnitInfoCache()
+        self.memory = MemoryObserver(sd, client)
+
+    def invalidate(self) -> None:
+        """systemd reloaded, unit files changed, or the bus dropped: no cached unit view is trusted."""
+        self.unit_cache.invalidate()
+
+    async def observe(self, cfg: Config, persistent: PersistentView, canaries: dict[str, CanaryResult],
+                      outcomes: dict[str, RestartOutcome], pending: Pending | None,
+                      clock: Callable[[], float] = time.time) -> TickObservation:
+        replicas = await observe_all(cfg, self.sd, self.client, clock(), canaries, outcomes, self.port_cache,
+                                     self.unit_cache)
+        memory = await self.memory.observe(cfg, replicas, pending) if cfg.memory.enabled else None
+        return TickObservation(replicas, persistent, memory)

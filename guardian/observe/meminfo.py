@@ -2,17 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
-
-@dataclass(frozen=True)
-class MemorySample:
-    total_bytes: int
-    available_bytes: int  # MemAvailable: what everything else on the box can still get
-    free_bytes: int
-    psi_some_avg10: float | None  # percent of time some task stalled on memory, last 10 s
-    psi_full_avg10: float | None
+from ..core.observations import MemorySample
 
 
 def read_meminfo(path: Path = Path("/proc/meminfo")) -> dict[str, int]:
@@ -44,7 +36,3 @@ def sample_memory() -> MemorySample:
     info = read_meminfo()
     some, full = read_psi()
     return MemorySample(info["MemTotal"], info.get("MemAvailable", info["MemFree"]), info["MemFree"], some, full)
-
-
-def gib(n: float) -> str:
-    return f"{n / 2**30:.1f} GiB"

@@ -11,7 +11,8 @@ import math
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from .observations import VllmSample
+from ..core.observations import VllmSample
+from ..core.wiring import parse_fraction
 
 
 class MetricsError(ValueError):
@@ -47,11 +48,8 @@ def parse_vllm_metrics(text: str) -> VllmSample:
                     if "model_name" in sample.labels:
                         models.add(sample.labels["model_name"])
                 elif sample.name == "vllm:cache_config_info":
-                    raw = sample.labels.get("gpu_memory_utilization")
-                    try:
-                        gpu_util = float(raw) if raw is not None else None
-                    except ValueError:
-                        gpu_util = None
+                    # Anything but a finite number in (0, 1] is no fraction (never written to an env file).
+                    gpu_util = parse_fraction(sample.labels.get("gpu_memory_utilization"))
     except MetricsError:
         raise
     except Exception as e:  # the parser raises ValueError, IndexError, ... on garbage

@@ -4,6 +4,10 @@ Every write is atomic: a temporary file in the same directory, fsync, rename ove
 fsync of the directory. A reader sees the old file or the new one, never half of one.
 Read-modify-write of the persistent state holds an flock, because ``guardian pause`` and
 ``guardian restart`` (other processes) change it too.
+
+``guardian restart NAME`` records a request under "requests" while the daemon runs; the daemon
+acts on it on its next tick (core/tick.py) and moves it to "answers" with the outcome, which the
+command waits for and prints.
 """
 
 from __future__ import annotations
@@ -15,13 +19,15 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
-from .observations import Pause, PersistentView
+from ..core.observations import Pause, PersistentView, RestartRequest
 
 STATE_FILE = "state.json"
 STATUS_FILE = "status.json"
 STATE_VERSION = 1
+ANSWERS_KEPT_S = 600.0  # an answer nobody fetched is dropped after this
 
 
 def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
@@ -55,11 +61,14 @@ class CorruptState(Exception):
         self.moved_to = moved_to
 
 
-def _empty() -> dict:
-    return {"version": STATE_VERSION, "restarts": {}, "pauses": {}, "resumed_at": {}}
+State = dict[str, Any]
 
 
-def _validate(data: Any) -> dict:
+def _empty() -> State:
+    return {"version": STATE_VERSION, "restarts": {}, "pauses": {}, "resumed_at": {}, "requests": {}, "answers": {}}
+
+
+def _validate(data: Any) -> State:
     if not isinstance(data, dict) or data.get("version") != STATE_VERSION:
         raise ValueError("not a guardian state file of version 1")
     out = _empty()
@@ -70,6 +79,11 @@ def _validate(data: Any) -> dict:
         out["pauses"][str(name)] = {"until": None if until is None else float(until), "reason": str(p.get("reason", "operator"))}
     for name, t in dict(data.get("resumed_at", {})).items():
         out["resumed_at"][str(name)] = float(t)
+    for rid, q in dict(data.get("requests", {})).items():
+        out["requests"][str(rid)] = {"replica": str(q["replica"]), "at": float(q["at"])}
+    for rid, a in dict(data.get("answers", {})).items():
+        out["answers"][str(rid)] = {"replica": str(a["replica"]), "ok": bool(a["ok"]), "message": str(a["message"]),
+                                    "at": float(a["at"])}
     for k, v in data.items():
         if k not in out:
             out[k] = v  # sections owned by later features (memory guard) are kept as they are
@@ -87,30 +101,30 @@ class StateStore:
         self.dir.mkdir(parents=True, exist_ok=True)
         # Read-only is enough for flock, and works whichever user (root's CLI, the daemon's
         # own user) created the lock file.
-        fd = os.open(self.lock_path, os.O_RDONLY | os.O_CREAT, 0o644)
+        fd = os.open(self.lock_path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
         finally:
             os.close(fd)
 
-    def _read_unlocked(self) -> dict:
+    def _read_unlocked(self) -> State:
         try:
             raw = self.path.read_bytes()
         except FileNotFoundError:
             return _empty()
         try:
             return _validate(json.loads(raw))
-        except (ValueError, TypeError, AttributeError) as e:
+        except (ValueError, TypeError, AttributeError, KeyError) as e:
             moved = self.path.with_name(f"{STATE_FILE}.corrupt-{int(time.time())}")
             os.replace(self.path, moved)
             raise CorruptState(self.path, moved, str(e) or type(e).__name__) from None
 
-    def read(self) -> dict:
+    def read(self) -> State:
         with self._locked():
             return self._read_unlocked()
 
-    def update(self, change: Callable[[dict], None]) -> dict:
+    def update(self, change: Callable[[State], None]) -> State:
         """Apply CHANGE to the state under the lock and write it atomically; return the new state.
 
         A corrupt file is moved aside first (CorruptState is raised after the write, so the
@@ -128,14 +142,59 @@ class StateStore:
         return data
 
 
-def view(data: dict) -> PersistentView:
+def view(data: State) -> PersistentView:
     return PersistentView(
         restarts={k: tuple(v) for k, v in data["restarts"].items()},
         pauses={k: Pause(p["until"], p.get("reason", "operator")) for k, p in data["pauses"].items()},
         resumed_at=dict(data["resumed_at"]),
+        requests=tuple(sorted((RestartRequest(rid, q["replica"], q["at"]) for rid, q in data["requests"].items()),
+                              key=lambda q: (q.at, q.id))),
     )
 
 
-def record_restart(data: dict, replica: str, at: float, keep_s: float) -> None:
+def record_restart(data: State, replica: str, at: float, keep_s: float) -> None:
     times = [t for t in data["restarts"].get(replica, []) if t > at - keep_s]
     data["restarts"][replica] = times + [at]
+
+
+def record_answer(data: State, request_id: str, replica: str, ok: bool, message: str, at: float) -> None:
+    """Move a request to the answers (and forget answers nobody fetched for ANSWERS_KEPT_S)."""
+    data["requests"].pop(request_id, None)
+    data["answers"] = {k: a for k, a in data["answers"].items() if a["at"] > at - ANSWERS_KEPT_S}
+    data["answers"][request_id] = {"replica": replica, "ok": ok, "message": message, "at": at}
+
+
+class StateCache:
+    """The persistent state as the daemon last read it; read again only when the file changed
+    (the CLI writes pauses, resumes and restart requests). Problems come back as text to log."""
+
+    def __init__(self, store: StateStore) -> None:
+        self.store = store
+        self.data: State = _empty()
+        self._mtime: float | None = None
+        self._loaded = False
+
+    def _stat(self) -> float | None:
+        try:
+            return self.store.path.stat().st_mtime_ns / 1e9
+        except FileNotFoundError:
+            return None
+
+    def load(self, force: bool = False) -> list[str]:
+        mtime = self._stat()
+        if not force and self._loaded and mtime == self._mtime:
+            return []
+        problems: list[str] = []
+        try:
+            self.data = self.store.read()
+        except CorruptState as e:
+            problems.append(str(e))
+            self.data = self.store.update(lambda d: None)
+        except OSError as e:
+            problems.append(f"cannot read state in {self.store.dir}: {e}; keeping what was loaded")
+        self._loaded = True
+        self._mtime = self._stat()
+        return problems
+
+    def view(self) -> PersistentView:
+        return view(self.data)

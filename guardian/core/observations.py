@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .vocab import ActiveState, LoadState, PortOwner, UnitFileState
+
 
 @dataclass(frozen=True)
 class Probe:
@@ -58,36 +60,27 @@ class UnitInfo:
     """What systemd says about one unit (D-Bus properties)."""
 
     name: str
-    load_state: str  # loaded, not-found, masked, error, bad-setting
-    active_state: str  # active, activating, deactivating, inactive, failed, reloading
-    sub_state: str = ""
-    unit_file_state: str = ""  # enabled, disabled, masked, static, ...
+    load_state: LoadState
+    active_state: ActiveState
+    sub_state: str = ""  # shown only; depends on the unit type
+    unit_file_state: UnitFileState = UnitFileState.OTHER
     inactive_exit_ts: float | None = None  # when it last began starting (epoch s)
     main_pid: int = 0
     invocation_id: str = ""
     restart: str = ""  # Restart= setting: no, on-failure, always, ...
     n_restarts: int = 0
     # Units that starting this one would stop, with their ActiveState.
-    conflicts: tuple[tuple[str, str], ...] = ()
+    conflicts: tuple[tuple[str, ActiveState], ...] = ()
     fragment_path: str = ""
     job_pending: bool = False
 
     @property
     def exists(self) -> bool:
-        return self.load_state not in ("not-found", "")
+        return self.load_state is not LoadState.NOT_FOUND
 
     @property
-    def running(self) -> bool:
-        return self.active_state in ("active", "reloading")
-
-
-@dataclass(frozen=True)
-class PortOwner:
-    """Who listens on a replica's TCP port, as seen from /proc and systemd."""
-
-    port: int
-    pid: int | None  # None: nobody listens
-    unit: str | None  # the unit whose cgroup holds that PID
+    def masked(self) -> bool:
+        return self.load_state is LoadState.MASKED or self.unit_file_state.masked
 
 
 @dataclass(frozen=True)
@@ -103,8 +96,10 @@ class RestartOutcome:
     """The end of a restart job guardian issued."""
 
     unit: str
-    result: str  # systemd job result: done, failed, timeout, canceled, ... or "error: ..."
+    result: str  # systemd job result: done, failed, timeout, canceled, ...; or why none was made
     finished_at: float
+    issued: bool = False  # a job was made (False: refused on the re-check, or the call failed)
+    ok: bool = False  # the job ended "done"
 
 
 @dataclass(frozen=True)
@@ -128,6 +123,15 @@ class ReplicaObservation:
 
 
 @dataclass(frozen=True)
+class RestartRequest:
+    """An operator's `guardian restart NAME`, recorded in the state file for the daemon."""
+
+    id: str
+    replica: str
+    at: float
+
+
+@dataclass(frozen=True)
 class Pause:
     until: float | None  # None: until resumed
     reason: str = "operator"
@@ -140,3 +144,48 @@ class PersistentView:
     restarts: dict[str, tuple[float, ...]] = field(default_factory=dict)  # replica -> restart times
     pauses: dict[str, Pause] = field(default_factory=dict)
     resumed_at: dict[str, float] = field(default_factory=dict)  # budget counts restarts after this only
+    requests: tuple[RestartRequest, ...] = ()  # operators' restart requests not answered yet
+
+
+@dataclass(frozen=True)
+class MemorySample:
+    """The kernel's memory figures at one moment."""
+
+    total_bytes: int
+    available_bytes: int  # MemAvailable: what everything else on the box can still get
+    free_bytes: int
+    psi_some_avg10: float | None  # percent of time some task stalled on memory, last 10 s
+    psi_full_avg10: float | None
+
+
+@dataclass(frozen=True)
+class ReplicaMemoryObservation:
+    """What the memory observer found about one replica."""
+
+    configured_fraction: float | None  # GPU_MEMORY_UTILIZATION in guardian's env file for it
+    cmdline_fraction: float | None  # --gpu-memory-utilization on its main process's command line
+    usage_bytes: int | None  # NVML per-process memory of its process tree, when the driver says
+    wiring_problem: str | None  # None: wired for the memory guard
+    start_failure: str | None = None  # vLLM's refusal in this start's journal (asked only while a lowering is pending)
+
+
+@dataclass(frozen=True)
+class MemoryObservation:
+    sample: MemorySample
+    total_bytes: int  # what --gpu-memory-utilization is a fraction of
+    replicas: dict[str, ReplicaMemoryObservation]
+    peers_serving: tuple[str, ...] = ()  # peer URLs that answered healthy with a model of ours
+    consumers: str = ""  # "db.service 22.1 GiB, make (pid 9) 9.3 GiB": asked only when below the line
+
+
+@dataclass(frozen=True)
+class TickObservation:
+    """Everything one tick observed; the input of core.tick.decide."""
+
+    replicas: dict[str, ReplicaObservation]
+    persistent: PersistentView
+    memory: MemoryObservation | None = None  # None: the memory guard is off
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"

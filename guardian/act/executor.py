@@ -1,0 +1,166 @@
+"""Executors: perform the core's actions. Restarts and canaries run as tasks so that a long
+systemd job or a hanging canary never holds up the loop; their results come back as
+observations on a later tick. Nothing here decides: the one check it makes, the unit gates
+again on a fresh view right before the restart call, is the core's own pure function."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import httpx
+
+from ..config import Config, ReplicaConfig
+from ..core import gates
+from ..core.actions import Action, AnswerRequest, LogLine, LowerFraction, RestartUnit, StartCanary
+from ..core.observations import CanaryResult, RestartOutcome
+from ..core.vocab import Decision, Gate, Priority
+from ..observe import probes
+from ..observe.memory import env_path
+from ..observe.replicas import port_owners, unit_or_error
+from ..observe.systemd import Systemd, SystemdError
+from .journal import Journal
+from .state import CorruptState, StateStore, atomic_write, record_answer, record_restart
+
+
+async def checked_restart(
+    sd: Systemd, store: StateStore, journal: Journal, cfg: Config, r: ReplicaConfig, why: str,
+    clock: Callable[[], float] = time.time, before_restart: Callable[[], None] | None = None,
+    allow_failed: bool = False,
+) -> RestartOutcome:
+    """Re-check the unit gates on a fresh look, record the restart, then RestartUnit and wait.
+
+    BEFORE_RESTART (the memory guard's env file write) runs only once the gates have passed."""
+    unit, err = await unit_or_error(sd, r.unit)
+    owner = (await port_owners(sd, {r.port}))[r.port]
+    refusal = gates.unit_refusal(unit, owner, allow_failed, unit_error=err)
+    if refusal is not None:
+        journal.line(LogLine(Priority.ERROR, f"replica {r.name}: restart of {r.unit} refused on the re-check right "
+                             f"before acting: {refusal.text()}", Decision.REFUSED, r.name, r.unit, gate=refusal.gate,
+                             rule=refusal.rule))
+        return RestartOutcome(r.unit, f"refused: {refusal.reason}", clock())
+    if before_restart is not None:
+        try:
+            before_restart()
+        except OSError as e:
+            journal.line(LogLine(Priority.ERROR, f"replica {r.name}: not restarting {r.unit}: {e}", Decision.REFUSED,
+                                 r.name, r.unit, gate=Gate.ENV_FILE))
+            return RestartOutcome(r.unit, f"refused: {e}", clock())
+    issued = clock()
+    try:
+        store.update(lambda d: record_restart(d, r.name, issued, cfg.watchdog.restart_window_s * 4))
+    except CorruptState as e:
+        journal.send(Priority.ERROR, str(e))
+    try:
+        result = await sd.restart(r.unit, cfg.watchdog.restart_job_timeout_s)
+    except SystemdError as e:
+        journal.line(LogLine(Priority.ERROR, f"replica {r.name}: restart of {r.unit} could not be issued: {e}",
+                             Decision.RESTART_FAILED, r.name, r.unit))
+        return RestartOutcome(r.unit, f"error: {e}", clock())
+    elapsed = clock() - issued
+    if result == "done":
+        journal.line(LogLine(Priority.INFO, f"replica {r.name}: restart job of {r.unit} done in {elapsed:.1f} s "
+                             f"({why}); waiting for it to serve", Decision.RESTARTED, r.name, r.unit))
+    else:
+        journal.line(LogLine(Priority.ERROR, f"replica {r.name}: restart job of {r.unit} ended with '{result}' after "
+                             f"{elapsed:.1f} s; see journalctl -u {r.unit}", Decision.RESTART_FAILED, r.name, r.unit))
+    return RestartOutcome(r.unit, result, clock(), issued=True, ok=result == "done")
+
+
+class Executor:
+    def __init__(self, cfg: Config, sd: Systemd, client: httpx.AsyncClient, store: StateStore, journal: Journal,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.cfg = cfg
+        self.sd = sd
+        self.client = client
+        self.store = store
+        self.journal = journal
+        self.clock = clock
+        self.tasks: set[asyncio.Task[None]] = set()
+        # Results for the next tick's observation.
+        self.canaries: dict[str, CanaryResult] = {}
+        self.outcomes: dict[str, RestartOutcome] = {}
+
+    def perform(self, actions: list[Action]) -> None:
+        for a in actions:
+            if isinstance(a, LogLine):
+                self.journal.line(a)
+            elif isinstance(a, StartCanary):
+                self._spawn(self._canary(a.replica))
+            elif isinstance(a, RestartUnit):
+                self._spawn(self._restart(a))
+            elif isinstance(a, LowerFraction):
+                self._spawn(self._lower(a))
+            elif isinstance(a, AnswerRequest):
+                self.answer(a.request_id, a.replica, a.ok, a.message)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    def answer(self, request_id: str, replica: str, ok: bool, message: str) -> None:
+        try:
+            self.store.update(lambda d: record_answer(d, request_id, replica, ok, message, self.clock()))
+        except CorruptState as e:
+            self.journal.send(Priority.ERROR, str(e))
+        except OSError as e:
+            self.journal.send(Priority.ERROR, f"cannot record the answer to a restart request in {self.store.dir}: {e}")
+
+    async def _canary(self, name: str) -> None:
+        r = self.cfg.replica(name)
+        if r is not None:
+            self.canaries[name] = await probes.canary(self.client, r, self.clock())
+
+    async def _guarded(self, r: ReplicaConfig, what: str, run: Callable[[], Coroutine[Any, Any, RestartOutcome]]
+                       ) -> RestartOutcome:
+        try:
+            return await run()
+        except Exception as e:  # noqa: BLE001 - an executor bug must not kill the loop; say it and move on
+            self.journal.line(LogLine(Priority.ERROR, f"replica {r.name}: {what} of {r.unit} failed: "
+                                      f"{type(e).__name__}: {e}", Decision.RESTART_FAILED, r.name, r.unit))
+            return RestartOutcome(r.unit, f"error: {e}", self.clock())
+
+    async def _restart(self, a: RestartUnit) -> None:
+        r = self.cfg.replica(a.replica)
+        if r is None:
+            return
+        outcome = await self._guarded(r, "restart", lambda: checked_restart(
+            self.sd, self.store, self.journal, self.cfg, r, f"{a.kind}: {a.evidence}", self.clock))
+        self.outcomes[a.replica] = outcome
+        if a.request_id is not None:
+            self.answer(a.request_id, r.name, outcome.ok, f"{r.unit}: {outcome.result}")
+
+    async def _lower(self, a: LowerFraction) -> None:
+        r = self.cfg.replica(a.replica)
+        if r is None:
+            return
+        path = env_path(self.cfg, a.replica)
+
+        def write() -> None:
+            atomic_write(path, f"# written by guardian's memory guard\nGPU_MEMORY_UTILIZATION={a.new:g}\n".encode())
+
+        if not a.restart:
+            try:
+                write()
+                self.journal.line(LogLine(Priority.WARNING, f"replica {r.name}: wrote GPU_MEMORY_UTILIZATION={a.new:g} "
+                                          f"to {path}; systemd's next start of {r.unit} uses it", Decision.MEMORY,
+                                          r.name, r.unit))
+            except OSError as e:
+                self.journal.line(LogLine(Priority.ERROR, f"replica {r.name}: cannot write {path}: {e}",
+                                          Decision.REFUSED, r.name, r.unit, gate=Gate.ENV_FILE))
+            return
+        self.outcomes[a.replica] = await self._guarded(r, "lowering restart", lambda: checked_restart(
+            self.sd, self.store, self.journal, self.cfg, r, f"memory: {a.old:g} -> {a.new:g}", self.clock,
+            before_restart=write, allow_failed=a.retry))
+
+    async def drain(self, timeout_s: float) -> int:
+        """Wait up to TIMEOUT_S for running tasks (a restart job in flight), then cancel the rest."""
+        if not self.tasks:
+            return 0
+        _done, pending = await asyncio.wait(set(self.tasks), timeout=timeout_s)
+        for t in pending:
+            t.cancel()
+        return len(pending)

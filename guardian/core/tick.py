@@ -1,0 +1,194 @@
+"""One tick's decision: ``decide(state, observation, now, cfg) -> (state, actions)``. Pure.
+
+This is the whole of guardian's judgement; the daemon observes, calls this once, and performs
+the actions. In order:
+
+1. liveness: each replica's observation is folded into its track (core/liveness.py, L1-L15);
+   state changes and unreadable /metrics are logged once; canaries are asked for;
+2. unplanned restarts: a replica whose verdict asks for one (stalled, unresponsive, idle-dead)
+   is restarted if admission allows (core/admission.py, A1-A3 then G1-G9), at most one per tick;
+3. operators' restart requests (`guardian restart NAME`, recorded in the state file) pass the
+   same admission; each is answered, refused or done, exactly once;
+4. the memory guard (core/memguard.py, M1-M15) sees the tracks and what admission would say, and
+   a lowering it starts marks that replica's restart in flight, as any other restart does.
+
+The coupling lives here and nowhere else: a restart issued in step 2 or 3 blocks the others
+(one at a time per box); a lowering's restart counts against the same budget and back-off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from ..config import Config, ReplicaConfig
+from . import admission, liveness, memguard
+from .actions import Action, AnswerRequest, LogLine, LowerFraction, RestartUnit, StartCanary
+from .liveness import Track
+from .observations import MemoryObservation, ReplicaObservation, TickObservation
+from .vocab import RESTART_STATES, SERVING_STATES, Decision, Priority, RestartKind, State
+
+
+@dataclass(frozen=True)
+class TickState:
+    tracks: dict[str, Track] = field(default_factory=dict)
+    mem: memguard.MemTrack = field(default_factory=memguard.MemTrack)
+    requests_taken: frozenset[str] = frozenset()  # operators' requests acted on, answer not yet recorded
+
+
+@dataclass
+class _Out:
+    tracks: dict[str, Track]
+    actions: list[Action] = field(default_factory=list)
+
+    def log(self, line: LogLine) -> None:
+        self.actions.append(line)
+
+
+def decide(state: TickState, obs: TickObservation, now: float, cfg: Config) -> tuple[TickState, list[Action]]:
+    out = _Out(tracks={})
+    for r in cfg.replicas:
+        _liveness(out, r, state.tracks.get(r.name, Track(state_since=now)), obs.replicas[r.name], obs, now, cfg)
+    issued = any(t.restart_in_flight for t in out.tracks.values())
+    for r in cfg.replicas:
+        issued = _unplanned(out, r, obs, now, cfg, issued) or issued
+    taken, issued = _requests(out, state.requests_taken, obs, now, cfg, issued)
+    mem = state.mem
+    if obs.memory is not None:
+        mem = _memory(out, state.mem, obs.memory, obs, now, cfg, issued)
+    return TickState(out.tracks, mem, taken), out.actions
+
+
+# --- 1. liveness ------------------------------------------------------------------------------
+
+def _liveness(out: _Out, r: ReplicaConfig, old: Track, o: ReplicaObservation, obs: TickObservation, now: float,
+              cfg: Config) -> None:
+    new, want_canary = liveness.step(old, o, now, r, cfg.watchdog, obs.persistent.pauses.get(r.name))
+    if new.state not in RESTART_STATES:
+        new = replace(new, last_notice=None)
+    if new.state != old.state or not old.observed:
+        msg = f"replica {r.name}: {old.state} -> {new.state} ({new.evidence})"
+        if new.state is State.HEALTHY and old.restart_issued_at is not None:
+            msg += f"; serving again {now - old.restart_issued_at:.1f} s after guardian's restart"
+        if new.state is State.WRONG_MODEL:
+            msg += "; not restarting: a wrong model is a wiring or cutover fault, fix the unit or the config"
+        priority = Priority.ERROR if new.state in (State.WRONG_MODEL, State.UNKNOWN) else Priority.INFO
+        out.log(LogLine(priority, msg, Decision.STATE, r.name, r.unit, state=new.state, rule=new.rule))
+    # Garbage on /metrics is bad input: say so once, and base no restart on it.
+    err = o.metrics_probe.error if o.metrics_probe.answered and o.metrics is None else None
+    if err != new.metrics_error:
+        if err is not None:
+            out.log(LogLine(Priority.ERROR, f"replica {r.name}: /metrics {err}; progress cannot be judged, so no "
+                            "stall or idle verdict (and no restart) will be based on it until it reads again",
+                            Decision.NOTE, r.name, r.unit))
+        new = replace(new, metrics_error=err)
+    if new.state is State.HEALTHY and new.restart_issued_at is not None:
+        new = replace(new, restart_issued_at=None)
+    if want_canary:
+        out.actions.append(StartCanary(r.name))
+    out.tracks[r.name] = new
+
+
+# --- 2. unplanned restarts --------------------------------------------------------------------
+
+def _unplanned(out: _Out, r: ReplicaConfig, obs: TickObservation, now: float, cfg: Config, issued: bool) -> bool:
+    """Restart R if its verdict asks for it and admission allows; True when a restart was issued."""
+    t = out.tracks[r.name]
+    if t.state not in RESTART_STATES:
+        return False
+    head = f"replica {r.name}: {t.state} ({t.evidence})"
+    no = admission.refusal(r.name, out.tracks, obs.replicas[r.name], obs.persistent, now, cfg, issued)
+    if no is not None:
+        if t.last_notice != no.key:
+            out.log(LogLine(no.priority, f"{head}; restart of {r.unit} refused: {no.text}", Decision.REFUSED,
+                            r.name, r.unit, state=t.state, gate=no.gate, rule=no.rule))
+            out.tracks[r.name] = replace(t, last_notice=no.key)
+        return False
+    if cfg.dry_run:
+        if t.last_notice != (Decision.DRY_RUN,):
+            out.log(LogLine(Priority.WARNING, f"{head}; DRY-RUN: would restart {r.unit} now", Decision.DRY_RUN,
+                            r.name, r.unit, state=t.state, rule=t.rule))
+            out.tracks[r.name] = replace(t, last_notice=(Decision.DRY_RUN,))
+        return False
+    b = admission.budget(r.name, obs.persistent, now, cfg)
+    out.log(LogLine(Priority.WARNING, f"{head}; restarting {r.unit} (restart {b.used + 1} of {b.limit} in "
+                    f"{cfg.watchdog.restart_window_s:.0f} s)", Decision.RESTART, r.name, r.unit, state=t.state,
+                    rule=t.rule))
+    out.actions.append(RestartUnit(r.name, r.unit, RestartKind.HANG, f"{t.state}: {t.evidence}"))
+    out.tracks[r.name] = replace(t, restart_in_flight=True, restart_issued_at=now, last_notice=(Decision.RESTART,))
+    return True
+
+
+# --- 3. operators' requests -------------------------------------------------------------------
+
+def _requests(out: _Out, taken: frozenset[str], obs: TickObservation, now: float, cfg: Config,
+              issued: bool) -> tuple[frozenset[str], bool]:
+    pending = {q.id for q in obs.persistent.requests}
+    still = set(taken & pending)  # answered ones have left the state file
+    for q in obs.persistent.requests:
+        if q.id in still:
+            continue
+        still.add(q.id)
+        r = cfg.replica(q.replica)
+        if r is None:
+            out.actions.append(AnswerRequest(q.id, q.replica, False, f"no replica named {q.replica!r} in the config"))
+            continue
+        t = out.tracks[r.name]
+        head = f"replica {r.name}: restart of {r.unit} requested by an operator"
+        no = admission.refusal(r.name, out.tracks, obs.replicas[r.name], obs.persistent, now, cfg, issued)
+        if no is not None:
+            out.log(LogLine(Priority.ERROR, f"{head}; refused: {no.text}", Decision.REFUSED, r.name, r.unit,
+                            state=t.state, gate=no.gate, rule=no.rule))
+            out.actions.append(AnswerRequest(q.id, r.name, False, f"refused ({no.gate}): {no.text}"))
+            continue
+        if cfg.dry_run:
+            out.log(LogLine(Priority.WARNING, f"{head}; DRY-RUN: would restart {r.unit} now", Decision.DRY_RUN,
+                            r.name, r.unit, state=t.state))
+            out.actions.append(AnswerRequest(q.id, r.name, True, f"DRY-RUN: would restart {r.unit}"))
+            continue
+        out.log(LogLine(Priority.WARNING, f"{head}; restarting it (it was {t.state})", Decision.RESTART, r.name,
+                        r.unit, state=t.state))
+        out.actions.append(RestartUnit(r.name, r.unit, RestartKind.OPERATOR, "requested by an operator", q.id))
+        out.tracks[r.name] = replace(t, restart_in_flight=True, restart_issued_at=now)
+        issued = True
+    return frozenset(still), issued
+
+
+# --- 4. the memory guard ----------------------------------------------------------------------
+
+def _memory(out: _Out, track: memguard.MemTrack, mobs: MemoryObservation, obs: TickObservation, now: float,
+            cfg: Config, issued: bool) -> memguard.MemTrack:
+    pending = track.pending
+    replicas = []
+    blocked: dict[str, admission.Blocker] = {}
+    for r in cfg.replicas:
+        t = out.tracks[r.name]
+        o = obs.replicas[r.name]
+        mo = mobs.replicas.get(r.name)
+        reported = t.last_sample.gpu_memory_utilization if t.last_sample is not None else None
+        if reported is None and mo is not None:
+            reported = mo.cmdline_fraction
+        configured = mo.configured_fraction if mo is not None else None
+        wiring = mo.wiring_problem if mo is not None else "not observed"
+        lowering = pending is not None and pending.replica == r.name
+        if (wiring is None and not lowering and t.state in SERVING_STATES and configured is not None
+                and reported is not None and abs(configured - reported) > 1e-6):
+            wiring = (f"it serves with gpu_memory_utilization {reported:g} while guardian's env file says "
+                      f"{configured:g}: something overrides that file (a later EnvironmentFile= or an ExecStart= drop-in)")
+        replicas.append(memguard.ReplicaMemory(
+            name=r.name, unit=r.unit, model=r.model, fraction=configured if configured is not None else reported,
+            running_fraction=reported, started_at=o.unit.inactive_exit_ts if o.unit else None, wiring_problem=wiring,
+            state=t.state, usage_bytes=mo.usage_bytes if mo else None,
+            start_failure=mo.start_failure if mo and lowering else None, startup_grace_s=r.startup_grace_s))
+        b = admission.blocker(r.name, out.tracks, obs.persistent, now, cfg, issued)
+        if b is not None:
+            blocked[r.name] = b
+    results = {n: o.restart_outcome for n, o in obs.replicas.items() if o.restart_outcome is not None}
+    view = memguard.MemoryView(mobs.sample, mobs.total_bytes, tuple(replicas), mobs.peers_serving, mobs.consumers,
+                               blocked, results)
+    new, actions = memguard.decide(track, view, now, cfg)
+    for a in actions:
+        if isinstance(a, LowerFraction) and a.restart and a.replica in out.tracks:
+            # The watchdog keeps out of it, and no other restart starts, until the job is done.
+            out.tracks[a.replica] = replace(out.tracks[a.replica], restart_in_flight=True, restart_issued_at=now)
+    out.actions.extend(actions)
+    return new

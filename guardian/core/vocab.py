@@ -1,0 +1,243 @@
+"""guardian's vocabulary: every state, verdict, gate and decision is one of these values.
+
+Strings appear only where text leaves guardian (journal lines, status.json, the CLI); inside,
+these enums and the port-owner union are what modules compare. systemd's own state names are
+parsed into enums at the D-Bus edge, so "which ActiveStates count as running" is said once, here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class State(StrEnum):
+    """A replica's liveness verdict (rules in core/liveness.py)."""
+
+    PAUSED = "paused"
+    UNKNOWN = "unknown"
+    STOPPED = "stopped"
+    STARTING = "starting"
+    WRONG_MODEL = "wrong-model"
+    UNRESPONSIVE = "unresponsive"
+    BUSY = "busy"
+    HEALTHY = "healthy"
+    STALLED = "stalled"
+    IDLE_DEAD = "idle-dead"
+    DEGRADED = "degraded"
+
+
+# Verdicts that ask for a restart.
+RESTART_STATES = frozenset({State.STALLED, State.UNRESPONSIVE, State.IDLE_DEAD})
+# A replica in one of these is serving: it can carry the load while another restarts.
+SERVING_STATES = frozenset({State.HEALTHY, State.BUSY})
+# Not serving yet after a start: another restart on the box waits for it (vLLM #35920).
+LOADING_STATES = frozenset({State.STARTING})
+
+
+class Priority(StrEnum):
+    """Journal priority, as the guide assigns them: info a state change, warning an action
+    taken, error an action refused or failed, critical giving up."""
+
+    INFO = "info"
+    WARNING = "warning"
+    ERROR = "error"
+    CRITICAL = "critical"
+
+    @property
+    def syslog(self) -> int:
+        return {"info": 6, "warning": 4, "error": 3, "critical": 2}[self.value]
+
+
+class Decision(StrEnum):
+    """The GUARDIAN_DECISION field of a journal line."""
+
+    STATE = "state"  # a replica's verdict changed
+    RESTART = "restart"  # a restart was issued
+    REFUSED = "refused"  # a restart was refused (GUARDIAN_GATE says which gate)
+    DRY_RUN = "dry-run"  # a restart or lowering that dry-run mode did not perform
+    RESTARTED = "restarted"  # a restart job ended well
+    RESTART_FAILED = "restart-failed"  # a restart job ended badly
+    MEMORY = "memory"  # the memory guard lowered a fraction (an action taken)
+    MEMORY_NOTE = "memory-note"  # the memory guard's state, deferrals and results
+    HAZARD = "hazard"  # a set-up that makes a restart hurt something
+    REQUEST = "request"  # an operator's request (pause, resume, restart)
+    NOTE = "note"  # anything else: start, limits, bus, reload
+
+
+class Gate(StrEnum):
+    """Why a restart may not happen now. Admission gates first, then the unit gates."""
+
+    BUDGET = "budget"
+    BACKOFF = "backoff"
+    ONE_AT_A_TIME = "one-at-a-time"
+    DBUS = "dbus"
+    MASKED = "masked"
+    NOT_LOADED = "not-loaded"
+    DISABLED = "disabled"
+    INACTIVE = "inactive"
+    JOB_PENDING = "job-pending"
+    PORT_OWNER = "port-owner"
+    PORT_UNKNOWN = "port-unknown"
+    CONFLICTS = "conflicts"
+    ENV_FILE = "env-file"  # the memory guard could not write the replica's env file
+
+
+class MemVerdict(StrEnum):
+    """What the memory guard concluded on a tick (rules in core/memguard.py)."""
+
+    NOT_SQUEEZED = "not-squeezed"
+    PENDING = "pending"
+    DONE = "done"
+    MISMATCH = "mismatch"
+    ABANDONED = "abandoned"
+    RETRY = "retry"
+    GAVE_UP = "gave-up"
+    COOLDOWN = "cooldown"
+    UNWIRED = "unwired"
+    FLOOR = "floor"
+    NO_FIT = "no-fit"
+    NO_PEER = "no-peer"
+    DEFERRED = "deferred"
+    DRY_RUN = "dry-run"
+    LOWER = "lower"
+
+
+class ActiveState(StrEnum):
+    """systemd's ActiveState. Unknown values (a newer systemd) parse to OTHER."""
+
+    ACTIVE = "active"
+    RELOADING = "reloading"
+    INACTIVE = "inactive"
+    FAILED = "failed"
+    ACTIVATING = "activating"
+    DEACTIVATING = "deactivating"
+    MAINTENANCE = "maintenance"
+    REFRESHING = "refreshing"
+    OTHER = "other"
+
+    @classmethod
+    def parse(cls, value: str) -> ActiveState:
+        try:
+            return cls(value)
+        except ValueError:
+            return cls.OTHER
+
+    @property
+    def running(self) -> bool:
+        """Up, and serving as far as systemd knows."""
+        return self in _RUNNING
+
+    @property
+    def transitional(self) -> bool:
+        """On its way up or down: a restart now would race with it."""
+        return self in _TRANSITIONAL
+
+    @property
+    def down(self) -> bool:
+        """Not running and not on its way: an operator's stop, or a failure."""
+        return self in (ActiveState.INACTIVE, ActiveState.FAILED)
+
+
+_RUNNING = frozenset({ActiveState.ACTIVE, ActiveState.RELOADING, ActiveState.REFRESHING})
+_TRANSITIONAL = frozenset({ActiveState.ACTIVATING, ActiveState.DEACTIVATING, ActiveState.MAINTENANCE})
+
+
+class LoadState(StrEnum):
+    LOADED = "loaded"
+    NOT_FOUND = "not-found"
+    BAD_SETTING = "bad-setting"
+    ERROR = "error"
+    MASKED = "masked"
+    STUB = "stub"
+    MERGED = "merged"
+    OTHER = "other"
+
+    @classmethod
+    def parse(cls, value: str) -> LoadState:
+        try:
+            return cls(value)
+        except ValueError:
+            return cls.OTHER
+
+
+class UnitFileState(StrEnum):
+    ENABLED = "enabled"
+    ENABLED_RUNTIME = "enabled-runtime"
+    LINKED = "linked"
+    LINKED_RUNTIME = "linked-runtime"
+    ALIAS = "alias"
+    MASKED = "masked"
+    MASKED_RUNTIME = "masked-runtime"
+    STATIC = "static"
+    DISABLED = "disabled"
+    INDIRECT = "indirect"
+    GENERATED = "generated"
+    TRANSIENT = "transient"
+    BAD = "bad"
+    OTHER = "other"
+
+    @classmethod
+    def parse(cls, value: str) -> UnitFileState:
+        try:
+            return cls(value)
+        except ValueError:
+            return cls.OTHER
+
+    @property
+    def enabled(self) -> bool:
+        """Started at boot, or has no [Install] section to enable: guardian may look after it."""
+        return self in _ENABLED
+
+    @property
+    def masked(self) -> bool:
+        return self in (UnitFileState.MASKED, UnitFileState.MASKED_RUNTIME)
+
+
+_ENABLED = frozenset({UnitFileState.ENABLED, UnitFileState.ENABLED_RUNTIME, UnitFileState.STATIC,
+                      UnitFileState.GENERATED, UnitFileState.TRANSIENT})
+
+
+class RestartKind(StrEnum):
+    """Why a restart is made. A planned one is asked for (an operator, the memory guard); an
+    unplanned one is the watchdog's answer to a hang."""
+
+    HANG = "hang"
+    OPERATOR = "operator"
+    MEMORY = "memory"
+
+
+# --- who holds a replica's port: a tagged union ---------------------------------------------
+
+@dataclass(frozen=True)
+class Nobody:
+    """Nobody listens on the port."""
+
+    port: int
+
+
+@dataclass(frozen=True)
+class HeldBy:
+    """PID listens on the port; UNIT is the unit whose cgroup holds it (None: in no unit, or
+    systemd could not say)."""
+
+    port: int
+    pid: int
+    unit: str | None
+
+
+@dataclass(frozen=True)
+class Hidden:
+    """Someone listens, but which process is hidden from guardian (no permission for /proc)."""
+
+    port: int
+
+
+@dataclass(frozen=True)
+class Unreadable:
+    """The kernel's socket table could not be read at all."""
+
+    port: int
+
+
+PortOwner = Nobody | HeldBy | Hidden | Unreadable

@@ -1,0 +1,93 @@
+"""Is a replica's unit wired for the memory guard? Pure: judges what systemd reports and what
+the unit's environment files say (the observer reads them).
+
+Wired means, by systemd's semantics (systemd.exec(5): files are read in the order listed, a
+later file overrides an earlier one, and every EnvironmentFile= overrides Environment=):
+
+1. guardian's file for the replica is one of the unit's EnvironmentFile= entries;
+2. no EnvironmentFile= listed after it sets GPU_MEMORY_UTILIZATION (a later file that does
+   would win, and silently cancel every lowering), and each later file can be read to tell;
+3. its ExecStart= passes ``--gpu-memory-utilization ${GPU_MEMORY_UTILIZATION}`` (or
+   ``$GPU_MEMORY_UTILIZATION``, or the ``--gpu-memory-utilization=...`` form).
+
+Otherwise a restart would start it with the same fraction and free nothing. What the restarted
+replica really runs with is confirmed afterwards (core/memguard.py, M4/M5).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+VAR = "GPU_MEMORY_UTILIZATION"
+VAR_FORMS = ("${GPU_MEMORY_UTILIZATION}", "$GPU_MEMORY_UTILIZATION")
+
+
+@dataclass(frozen=True)
+class EnvFile:
+    """One EnvironmentFile= entry of a unit, in the unit's order, with what the observer read."""
+
+    path: str
+    text: str | None  # None: the file does not exist (fine for an optional "-" entry)
+    error: str | None = None  # it exists but could not be read
+
+
+def env_value(text: str, key: str = VAR) -> str | None:
+    """The last assignment of KEY in an environment file's text (systemd's KEY=VALUE format)."""
+    found = None
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        k, sep, value = line.partition("=")
+        if sep and k.strip() == key:
+            found = value.strip().strip("\"'")
+    return found
+
+
+def parse_fraction(value: str | None) -> float | None:
+    """A gpu-memory-utilization value, or None when it is not a finite number in (0, 1]."""
+    if value is None:
+        return None
+    try:
+        f = float(value)
+    except ValueError:
+        return None
+    return f if math.isfinite(f) and 0 < f <= 1 else None
+
+
+def wiring_problem(unit: str, env_files: tuple[EnvFile, ...], exec_start: tuple[str, ...], env_path: str) -> str | None:
+    problems = []
+    paths = [e.path for e in env_files]
+    if env_path not in paths:
+        problems.append(f"add EnvironmentFile=-{env_path} to {unit}, after every other EnvironmentFile= line")
+    else:
+        later = env_files[len(paths) - paths[::-1].index(env_path):]
+        for e in later:
+            if e.error is not None:
+                problems.append(f"{e.path} comes after guardian's {env_path} in {unit} and cannot be read to check "
+                                f"that it does not set {VAR} ({e.error})")
+            elif e.text is not None and env_value(e.text) is not None:
+                problems.append(f"{e.path} comes after guardian's {env_path} in {unit} and sets {VAR}: it overrides "
+                                f"every lowering; remove {VAR} from it, or list guardian's file last")
+    argv = list(exec_start)
+    passes = any(
+        (a == "--gpu-memory-utilization" and i + 1 < len(argv) and argv[i + 1] in VAR_FORMS)
+        or a in tuple(f"--gpu-memory-utilization={v}" for v in VAR_FORMS)
+        for i, a in enumerate(argv)
+    )
+    if not passes:
+        problems.append(f"pass --gpu-memory-utilization ${{{VAR}}} in ExecStart= of {unit}")
+    if not problems:
+        return None
+    return "; ".join(problems) + (f" (systemctl edit --full {unit}; keep a default with Environment={VAR}=0.78)")
+
+
+def cmdline_fraction(argv: tuple[str, ...]) -> float | None:
+    """--gpu-memory-utilization from a process's command line (what a running vLLM was given)."""
+    for i, a in enumerate(argv):
+        if a == "--gpu-memory-utilization" and i + 1 < len(argv):
+            return parse_fraction(argv[i + 1])
+        if a.startswith("--gpu-memory-utilization="):
+            return parse_fraction(a.partition("=")[2])
+    return None

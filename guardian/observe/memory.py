@@ -1,0 +1,145 @@
+"""The memory guard's observer: turns /proc, NVML, env files, unit journals and peer replicas
+into one frozen MemoryObservation per tick. Reads only; the core decides."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+import psutil
+
+from ..config import Config, ReplicaConfig
+from ..core.memguard import Pending
+from ..core.observations import MemoryObservation, ReplicaMemoryObservation, ReplicaObservation, gib
+from ..core.wiring import EnvFile, cmdline_fraction, env_value, parse_fraction, wiring_problem
+from . import probes, unitlog
+from .meminfo import sample_memory
+from .nvml import Nvml
+from .systemd import Systemd, SystemdError
+
+
+def env_path(cfg: Config, replica: str) -> Path:
+    """guardian's env file for a replica: the one file the memory guard writes."""
+    return cfg.env_dir / f"{replica}.env"
+
+
+def read_env_fraction(path: Path) -> float | None:
+    """GPU_MEMORY_UTILIZATION from an env file; None if absent, unreadable or not a fraction."""
+    try:
+        return parse_fraction(env_value(path.read_text()))
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def read_env_file(path: str) -> EnvFile:
+    try:
+        return EnvFile(path, Path(path).read_text())
+    except FileNotFoundError:
+        return EnvFile(path, None)
+    except (OSError, UnicodeDecodeError) as e:
+        return EnvFile(path, None, str(e))
+
+
+async def wiring_of(sd: Systemd, cfg: Config, r: ReplicaConfig) -> str | None:
+    """The wiring problem of R's unit (core/wiring.py), or None when wired."""
+    try:
+        d = await sd.service_details(r.unit)
+    except SystemdError as e:
+        return f"systemd could not be asked about {r.unit}: {e}"
+    files = await asyncio.to_thread(lambda: tuple(read_env_file(p) for p in d.environment_files))
+    return wiring_problem(r.unit, files, d.exec_start, str(env_path(cfg, r.name)))
+
+
+def _process_tree(pid: int) -> list[int]:
+    try:
+        return [pid] + [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return [pid]
+
+
+def _cmdline(pid: int) -> tuple[str, ...]:
+    try:
+        return tuple(psutil.Process(pid).cmdline())
+    except psutil.Error:
+        return ()
+
+
+def _largest_processes(n: int) -> list[tuple[str, int, int]]:
+    procs = []
+    for p in psutil.process_iter(["name", "memory_info"]):
+        mi = p.info.get("memory_info")
+        if mi is not None:
+            procs.append((p.info.get("name") or "(unnamed)", p.pid, int(mi.rss)))
+    return sorted(procs, key=lambda x: -x[2])[:n]
+
+
+class MemoryObserver:
+    def __init__(self, sd: Systemd, client: httpx.AsyncClient) -> None:
+        self.sd = sd
+        self.client = client
+        self.nvml: Nvml | None = None
+        self.wiring: dict[str, str | None] = {}
+
+    def start(self) -> str:
+        """Open NVML (once); the note says what it can tell on this box."""
+        if self.nvml is None:
+            self.nvml = Nvml()
+        return self.nvml.note
+
+    async def scan_wiring(self, cfg: Config) -> None:
+        found = await asyncio.gather(*(wiring_of(self.sd, cfg, r) for r in cfg.replicas))
+        self.wiring = {r.name: w for r, w in zip(cfg.replicas, found)}
+
+    async def observe(self, cfg: Config, replicas: dict[str, ReplicaObservation],
+                      pending: Pending | None) -> MemoryObservation:
+        m = cfg.memory
+        nvml = self.nvml
+        sample = await asyncio.to_thread(sample_memory)
+        total = m.device_total_bytes or (nvml.device_total_bytes() if nvml else None) or sample.total_bytes
+        gpu_by_pid = await asyncio.to_thread(nvml.process_memory) if nvml else None
+
+        async def one(r: ReplicaConfig) -> ReplicaMemoryObservation:
+            o = replicas.get(r.name)
+            pid = o.unit.main_pid if o is not None and o.unit is not None else 0
+            usage = None
+            argv: tuple[str, ...] = ()
+            if pid:
+                tree = await asyncio.to_thread(_process_tree, pid)
+                if gpu_by_pid:
+                    usage = sum(gpu_by_pid.get(p, 0) for p in tree) or None
+                argv = await asyncio.to_thread(_cmdline, pid)
+            failure = None
+            if pending is not None and pending.replica == r.name:
+                failure = await unitlog.start_error(r.unit, pending.issued_at, pending.new)
+            return ReplicaMemoryObservation(
+                configured_fraction=read_env_fraction(env_path(cfg, r.name)), cmdline_fraction=cmdline_fraction(argv),
+                usage_bytes=usage, wiring_problem=self.wiring.get(r.name, "wiring not checked yet"),
+                start_failure=failure)
+
+        per_replica = await asyncio.gather(*(one(r) for r in cfg.replicas))
+        consumers, peers = "", ()
+        if sample.available_bytes < m.min_headroom_bytes:
+            consumers, peers = await asyncio.gather(self._largest_consumers(), self._serving_peers(cfg))
+        return MemoryObservation(sample, total, {r.name: x for r, x in zip(cfg.replicas, per_replica)},
+                                 tuple(peers), consumers)
+
+    async def _largest_consumers(self) -> str:
+        try:
+            units = await self.sd.largest_units(3)
+        except SystemdError:
+            units = []
+        procs = await asyncio.to_thread(_largest_processes, 2)
+        return ", ".join([f"{n} {gib(b)}" for n, b in units] + [f"{n} (pid {pid}) {gib(b)}" for n, pid, b in procs])
+
+    async def _serving_peers(self, cfg: Config) -> tuple[str, ...]:
+        models = {r.model for r in cfg.replicas}
+        timeout_s = cfg.memory.peer_timeout_s
+
+        async def serving(url: str) -> str | None:
+            health, (_p, served) = await asyncio.gather(probes.health_at(self.client, url, timeout_s),
+                                                        probes.models_at(self.client, url, timeout_s))
+            return url if health.ok and served and models & set(served) else None
+
+        found = await asyncio.gather(*(serving(u) for u in cfg.memory.peer_urls))
+        return tuple(u for u in found if u)

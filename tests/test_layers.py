@@ -1,0 +1,112 @@
+"""The layout is the architecture: imports only point down, the README's rule tables are the
+code's rows, and every rule id exists once."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+from guardian.core import admission, gates, liveness, memguard
+from guardian.core.rules import render_into, tables
+
+PKG = Path(__file__).resolve().parent.parent / "guardian"
+README = PKG.parent / "README.md"
+
+# What each layer may import from guardian. The core is pure: the vocabulary, values, rules and
+# the tick's decision, and the typed config it reads.
+ALLOWED = {
+    "core": {"core", "config"},
+    "observe": {"core", "config", "observe"},
+    "act": {"core", "config", "observe", "act"},
+}
+# I/O the pure core must not touch (the clock included: `now` is an argument).
+FORBIDDEN_IN_CORE = {"os", "time", "asyncio", "socket", "subprocess", "httpx", "psutil", "pynvml", "dbus_fast",
+                     "pathlib", "open"}
+
+
+def _guardian_imports(path: Path) -> set[str]:
+    """The guardian sub-packages or top modules PATH imports (absolute or relative)."""
+    tree = ast.parse(path.read_text())
+    rel = path.relative_to(PKG.parent).with_suffix("").parts  # ('guardian', 'core', 'tick')
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = list(rel[: len(rel) - node.level])
+                parts = base + (node.module.split(".") if node.module else [])
+                if not node.module:  # from . import x, y
+                    found |= {(parts + [a.name])[1] if len(parts) == 1 else parts[1] for a in node.names}
+                    continue
+            else:
+                parts = (node.module or "").split(".")
+            if parts and parts[0] == "guardian" and len(parts) > 1:
+                found.add(parts[1])
+            elif parts == ["guardian"]:
+                found |= {a.name for a in node.names}
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                parts = a.name.split(".")
+                if parts[0] == "guardian" and len(parts) > 1:
+                    found.add(parts[1])
+    return found
+
+
+def _third_party_and_stdlib(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "open":
+            names.add("open")
+    return names
+
+
+@pytest.mark.parametrize("layer", sorted(ALLOWED))
+def test_imports_only_point_down(layer):
+    bad = {}
+    for path in sorted((PKG / layer).glob("*.py")):
+        wrong = {m.removesuffix(".py") for m in _guardian_imports(path)} - ALLOWED[layer]
+        if wrong:
+            bad[path.name] = sorted(wrong)
+    assert bad == {}, f"guardian/{layer} imports from layers above it: {bad}"
+
+
+def test_the_core_does_no_io_and_reads_no_clock():
+    bad = {p.name: sorted(_third_party_and_stdlib(p) & FORBIDDEN_IN_CORE) for p in (PKG / "core").glob("*.py")}
+    assert {k: v for k, v in bad.items() if v} == {}
+
+
+def test_the_import_checker_sees_a_violation(tmp_path):
+    """The checker itself must be able to fail."""
+    fake = PKG / "core" / "_probe_for_test.py"
+    fake.write_text("from ..observe import probes\nfrom ..act.journal import Journal\nimport time\n")
+    try:
+        assert _guardian_imports(fake) == {"observe", "act"}
+        assert "time" in _third_party_and_stdlib(fake)
+    finally:
+        fake.unlink()
+
+
+def test_every_rule_id_is_unique_and_well_formed():
+    ids = [r.id for rows in (liveness.RULES, admission.RULES, gates.RULES, memguard.RULES) for r in rows]
+    assert len(ids) == len(set(ids))
+    assert all(re.fullmatch(r"[LAGM]\d+", i) for i in ids)
+
+
+def test_the_readme_rule_tables_are_the_codes_rows():
+    text = README.read_text()
+    assert render_into(text) == text, "README rule tables are stale: run scripts/render-rules"
+    for name, table in tables().items():
+        assert f"<!-- rules:{name} -->\n{table}\n<!-- /rules:{name} -->" in text
+
+
+def test_every_liveness_rule_is_reachable_in_the_table_tests():
+    """Each L-rule id is produced by at least one pure test row (tests/test_policy.py asserts them)."""
+    used = set(re.findall(r'"(L\d+)"', (Path(__file__).parent / "test_policy.py").read_text()))
+    assert {r.id for r in liveness.RULES} <= used
