@@ -1,5 +1,5 @@
 # The two commands of the README. Both need root (they boot a container with systemd-nspawn).
-.PHONY: demo test unit deb
+.PHONY: demo test unit lint deb
 
 demo:
 	scripts/setup.sh
@@ -7,10 +7,17 @@ demo:
 
 test:
 	scripts/setup.sh
+	$(MAKE) lint
 	scripts/run-tests
 
-# The pure tests only (no container, no root): quick feedback while editing.
-unit:
+# Static checks on guardian/: ruff (lint and format) and mypy --strict (settings in pyproject.toml).
+lint:
+	.venv/bin/ruff check guardian
+	.venv/bin/ruff format --check guardian
+	.venv/bin/mypy
+
+# The static checks and the pure tests only (no container, no root): quick feedback while editing.
+unit: lint
 	.venv/bin/python -m pytest -q -m "not system"
 
 # guardian_<version>_arm64.deb (DGX OS: Ubuntu 24.04, Python 3.12) and _amd64.deb (Debian 12) in dist/

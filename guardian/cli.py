@@ -87,11 +87,15 @@ async def _check_live(cfg: Config, no_systemd: bool) -> int:
                 problem = await wiring_of(sd, cfg, r)
                 if problem:
                     problems += 1
-                    print(f"memory guard: replica {r.name}: NOT wired, it will never be restarted to lower its "
-                          f"fraction: {problem}")
+                    print(
+                        f"memory guard: replica {r.name}: NOT wired, it will never be restarted to lower its "
+                        f"fraction: {problem}"
+                    )
                 else:
-                    print(f"memory guard: replica {r.name}: wired ({env_path(cfg, r.name)} is the last "
-                          "EnvironmentFile= that sets GPU_MEMORY_UTILIZATION)")
+                    print(
+                        f"memory guard: replica {r.name}: wired ({env_path(cfg, r.name)} is the last "
+                        "EnvironmentFile= that sets GPU_MEMORY_UTILIZATION)"
+                    )
     async with make_client() as client:
         for r in cfg.replicas:
             health = await probes.probe_health(client, r)
@@ -99,8 +103,10 @@ async def _check_live(cfg: Config, no_systemd: bool) -> int:
             models_probe, models = await probes.probe_models(client, r)
             line = f"replica {r.name} ({r.url}): /health {health.status or health.error} in {health.latency_s:.2f} s"
             if sample is not None:
-                line += (f"; {sample.running:.0f} running, {sample.waiting:.0f} waiting, "
-                         f"{sample.generation_tokens:.0f} tokens so far")
+                line += (
+                    f"; {sample.running:.0f} running, {sample.waiting:.0f} waiting, "
+                    f"{sample.generation_tokens:.0f} tokens so far"
+                )
                 if sample.gpu_memory_utilization is not None:
                     line += f", gpu_memory_utilization {sample.gpu_memory_utilization:g}"
             else:
@@ -116,8 +122,9 @@ async def _check_live(cfg: Config, no_systemd: bool) -> int:
             if not no_systemd:
                 owner = (await port_owners(sd, {r.port}))[r.port]
                 refusal = gates.unit_refusal(units[r.unit], owner)
-                line += f"; {r.unit}: " + (f"guardian could NOT restart it: {refusal.text()}" if refusal
-                                           else "restartable")
+                line += f"; {r.unit}: " + (
+                    f"guardian could NOT restart it: {refusal.text()}" if refusal else "restartable"
+                )
             print(line)
     sd.close()
     print("ok" if problems == 0 else f"{problems} problem(s)")
@@ -148,14 +155,18 @@ def cmd_status(args: argparse.Namespace) -> int:
         data["stale"] = stale
         print(json.dumps(data, indent=1, sort_keys=True))
         return 0 if not stale else 3
-    print(f"guardian pid {data['pid']}, updated {age:.1f} s ago{' (STALE: is it running?)' if stale else ''}"
-          f"{', DRY-RUN' if data.get('dry_run') else ''}"
-          f"{', SYSTEM BUS LOST' if data.get('system_bus') == 'LOST' else ''}")
+    print(
+        f"guardian pid {data['pid']}, updated {age:.1f} s ago{' (STALE: is it running?)' if stale else ''}"
+        f"{', DRY-RUN' if data.get('dry_run') else ''}"
+        f"{', SYSTEM BUS LOST' if data.get('system_bus') == 'LOST' else ''}"
+    )
     mem = data.get("memory")
     if mem:
         psi = mem.get("psi_some_avg10")
-        print(f"memory: {mem['available_bytes'] / 2**30:.1f} GiB available of {mem['total_bytes'] / 2**30:.1f} GiB"
-              + (f", PSI some avg10 {psi:.2f}%" if psi is not None else ", PSI not available"))
+        print(
+            f"memory: {mem['available_bytes'] / 2**30:.1f} GiB available of {mem['total_bytes'] / 2**30:.1f} GiB"
+            + (f", PSI some avg10 {psi:.2f}%" if psi is not None else ", PSI not available")
+        )
         if mem.get("guard"):
             below = mem.get("below_min_since")
             line = f"memory guard: on, min headroom {mem['min_headroom_bytes'] / 2**30:.1f} GiB"
@@ -170,8 +181,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         extra = " GAVE UP (restart budget spent)" if r.get("gave_up") else ""
         frac = r.get("gpu_memory_utilization")
         frac_text = f"fraction {frac:g}" if frac is not None else "fraction ?"
-        print(f"  {name:<12} {r['state']:<13} {r['unit']:<28} {frac_text:<14} "
-              f"restarts {r['restarts_in_window']}/{r['restart_budget']}{extra}  {r['evidence']}")
+        print(
+            f"  {name:<12} {r['state']:<13} {r['unit']:<28} {frac_text:<14} "
+            f"restarts {r['restarts_in_window']}/{r['restart_budget']}{extra}  {r['evidence']}"
+        )
     return 0 if not stale else 3
 
 
@@ -204,8 +217,13 @@ def cmd_pause(args: argparse.Namespace) -> int:
 
     _update_state(cfg, change)
     how = f"for {args.for_:g} s" if until else "until `guardian resume`"
-    Journal().send(Priority.WARNING, f"replica {args.name}: paused by an operator {how}", Decision.REQUEST, args.name,
-                   _unit_of(cfg, args.name))
+    Journal().send(
+        Priority.WARNING,
+        f"replica {args.name}: paused by an operator {how}",
+        Decision.REQUEST,
+        args.name,
+        _unit_of(cfg, args.name),
+    )
     print(f"replica {args.name} paused {how}")
     return 0
 
@@ -219,8 +237,13 @@ def cmd_resume(args: argparse.Namespace) -> int:
         d["resumed_at"][args.name] = time.time()
 
     _update_state(cfg, change)
-    Journal().send(Priority.WARNING, f"replica {args.name}: resumed by an operator (restart budget starts afresh)",
-                   Decision.REQUEST, args.name, _unit_of(cfg, args.name))
+    Journal().send(
+        Priority.WARNING,
+        f"replica {args.name}: resumed by an operator (restart budget starts afresh)",
+        Decision.REQUEST,
+        args.name,
+        _unit_of(cfg, args.name),
+    )
     print(f"replica {args.name} resumed")
     return 0
 
@@ -264,8 +287,9 @@ def _ask_daemon_to_restart(cfg: Config, name: str, pid: int, wait_s: float | Non
 
     _update_state(cfg, ask)
     print(f"asked the running guardian (pid {pid}) to restart replica {name}; waiting for its answer")
-    deadline = time.monotonic() + (wait_s if wait_s is not None
-                                   else cfg.watchdog.restart_job_timeout_s + 10 * cfg.interval_s + 10)
+    deadline = time.monotonic() + (
+        wait_s if wait_s is not None else cfg.watchdog.restart_job_timeout_s + 10 * cfg.interval_s + 10
+    )
     while time.monotonic() < deadline:
         try:
             answer = store.read()["answers"].get(rid)
@@ -273,6 +297,7 @@ def _ask_daemon_to_restart(cfg: Config, name: str, pid: int, wait_s: float | Non
             print(f"guardian: {e}", file=sys.stderr)
             return 1
         if answer is not None:
+
             def forget(d: State) -> None:
                 d["answers"].pop(rid, None)
 
@@ -285,8 +310,11 @@ def _ask_daemon_to_restart(cfg: Config, name: str, pid: int, wait_s: float | Non
         d["requests"].pop(rid, None)
 
     _update_state(cfg, withdraw)
-    print(f"guardian: no answer from the running daemon within the wait; request withdrawn "
-          f"(see journalctl -u guardian GUARDIAN_REPLICA={name})", file=sys.stderr)
+    print(
+        f"guardian: no answer from the running daemon within the wait; request withdrawn "
+        f"(see journalctl -u guardian GUARDIAN_REPLICA={name})",
+        file=sys.stderr,
+    )
     return 1
 
 
@@ -351,11 +379,18 @@ def build_parser() -> argparse.ArgumentParser:
     re_ = sub.add_parser("resume", help="act on a paused replica again; also resets its restart budget")
     re_.add_argument("name")
     re_.set_defaults(func=cmd_resume)
-    rs = sub.add_parser("restart", help="restart a replica's unit through guardian's admission and gates "
-                        "(asks the running daemon, which acts on its next tick)")
+    rs = sub.add_parser(
+        "restart",
+        help="restart a replica's unit through guardian's admission and gates "
+        "(asks the running daemon, which acts on its next tick)",
+    )
     rs.add_argument("name")
-    rs.add_argument("--wait", type=parse_duration, default=None,
-                    help="how long to wait for the daemon's answer (default: the restart job timeout + 10 ticks)")
+    rs.add_argument(
+        "--wait",
+        type=parse_duration,
+        default=None,
+        help="how long to wait for the daemon's answer (default: the restart job timeout + 10 ticks)",
+    )
     rs.set_defaults(func=cmd_restart)
     for sp in sub.choices.values():
         sp.add_argument("--config", default=argparse.SUPPRESS, help=argparse.SUPPRESS)

@@ -15,6 +15,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.fields import FieldInfo
+from pydantic_core import ErrorDetails
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 DEFAULT_CONFIG_PATH = Path("/etc/guardian/guardian.toml")
@@ -53,7 +55,7 @@ class ReplicaConfig(_Strict):
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"must be an http:// or https:// URL with a host, e.g. http://127.0.0.1:8000 (got {v!r})")
         try:
-            parts.port
+            _ = parts.port  # urlsplit checks the port only when asked
         except ValueError as e:
             raise ValueError(f"has an invalid port ({v!r})") from e
         return v.rstrip("/")
@@ -93,12 +95,14 @@ class MemoryConfig(_Strict):
     restore: bool = False
 
     @model_validator(mode="after")
-    def _consistent(self) -> "MemoryConfig":
+    def _consistent(self) -> MemoryConfig:
         if self.critical_headroom_bytes > self.min_headroom_bytes:
             raise ValueError("critical_headroom_bytes must be <= min_headroom_bytes")
         if self.restore:
-            raise ValueError("restore (raising a fraction back when headroom returns) is not built yet; "
-                             "raise it by hand: edit /var/lib/guardian/replicas/NAME.env and restart that replica")
+            raise ValueError(
+                "restore (raising a fraction back when headroom returns) is not built yet; "
+                "raise it by hand: edit /var/lib/guardian/replicas/NAME.env and restart that replica"
+            )
         for url in self.peer_urls:
             parts = urlsplit(url)
             if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -106,15 +110,15 @@ class MemoryConfig(_Strict):
         return self
 
 
-_toml_data: ContextVar[dict[str, Any]] = ContextVar("_toml_data", default={})
+_toml_data: ContextVar[dict[str, Any]] = ContextVar("_toml_data")
 
 
 class _DictSource(PydanticBaseSettingsSource):
-    def get_field_value(self, field, field_name):  # pragma: no cover - unused by __call__
-        return None, field_name, False
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:  # pragma: no cover
+        return None, field_name, False  # unused: __call__ gives the whole table
 
     def __call__(self) -> dict[str, Any]:
-        return _toml_data.get()
+        return _toml_data.get({})
 
 
 class Config(BaseSettings):
@@ -138,7 +142,14 @@ class Config(BaseSettings):
     replicas: list[ReplicaConfig] = Field(default_factory=list)
 
     @classmethod
-    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings):
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
         return (init_settings, env_settings, _DictSource(settings_cls))
 
     @field_validator("replicas")
@@ -154,7 +165,7 @@ class Config(BaseSettings):
         return replicas
 
     @model_validator(mode="after")
-    def _priority_names_replicas(self) -> "Config":
+    def _priority_names_replicas(self) -> Config:
         names = {r.name for r in self.replicas}
         unknown = [n for n in self.memory.priority if n not in names]
         if unknown:
@@ -176,7 +187,7 @@ def config_path(cli_path: str | None) -> Path:
     return Path(os.environ.get(CONFIG_ENV) or DEFAULT_CONFIG_PATH)
 
 
-def _describe(err: dict[str, Any]) -> str:
+def _describe(err: ErrorDetails) -> str:
     key = ".".join(str(p) for p in err.get("loc", ())) or "(top level)"
     msg = err.get("msg", "invalid")
     if err.get("type") == "extra_forbidden":

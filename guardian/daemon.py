@@ -34,7 +34,7 @@ from .core.vocab import Decision, Priority
 from .observe.meminfo import sample_memory
 from .observe.probes import make_client
 from .observe.replicas import WorldObserver, unit_or_error
-from .observe.systemd import Systemd, SystemdError
+from .observe.systemd import Systemd, SystemdError, SystemdEvent
 from .status import LoopStats, status_dict, status_line
 
 
@@ -43,8 +43,14 @@ class StartupError(Exception):
 
 
 class Daemon:
-    def __init__(self, cfg: Config, config_path: Path, journal: Journal | None = None,
-                 notifier: Notifier | None = None, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        config_path: Path,
+        journal: Journal | None = None,
+        notifier: Notifier | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.cfg = cfg
         self.config_path = config_path
         self.journal = journal or Journal()
@@ -67,7 +73,7 @@ class Daemon:
         self.stats = LoopStats()
         self.last_tick_started_mono = time.monotonic()
         self.last_ping_mono: float | None = None
-        self.bus_events: list[str] = []
+        self.bus_events: list[SystemdEvent] = []
         self.blind_said = False
 
     # --- signals and bus events: flags only ------------------------------------------------
@@ -85,10 +91,10 @@ class Daemon:
         self.reload_requested = True
         self.wake.set()
 
-    def _on_units_changed(self, reason: str) -> None:
+    def _on_units_changed(self, reason: SystemdEvent) -> None:
         self.rescan = True  # enablement, masks, Conflicts= and wiring may have changed
         self.observer.invalidate()
-        if reason in ("bus-lost", "bus-back"):
+        if reason in (SystemdEvent.BUS_LOST, SystemdEvent.BUS_BACK):
             self.bus_events.append(reason)
 
     # --- startup ---------------------------------------------------------------------------
@@ -118,8 +124,10 @@ class Daemon:
         try:
             await self._tick()
         except Exception as e:  # noqa: BLE001 - a bug or a surprise must not kill the watchdog of every replica
-            self.journal.line(LogLine(Priority.CRITICAL, f"tick abandoned without acting: {type(e).__name__}: {e}",
-                                      Decision.NOTE), {"GUARDIAN_TRACEBACK": traceback.format_exc()})
+            self.journal.line(
+                LogLine(Priority.CRITICAL, f"tick abandoned without acting: {type(e).__name__}: {e}", Decision.NOTE),
+                {"GUARDIAN_TRACEBACK": traceback.format_exc()},
+            )
         finally:
             self.stats.add(time.monotonic() - started)
 
@@ -129,8 +137,14 @@ class Daemon:
         if self.rescan:
             self.rescan = False
             await self.scan()
-        obs = await self.observer.observe(self.cfg, self.persistent.view(), self.executor.canaries,
-                                          self.executor.outcomes, self.state.mem.pending, self.clock)
+        obs = await self.observer.observe(
+            self.cfg,
+            self.persistent.view(),
+            self.executor.canaries,
+            self.executor.outcomes,
+            self.state.mem.pending,
+            self.clock,
+        )
         # Judge as of when the answers were in: a probe that hung for its whole timeout has
         # shown no answer for that long, and the tick started before it was sent.
         now = self.clock()
@@ -142,13 +156,19 @@ class Daemon:
 
     def _say_bus_events(self) -> None:
         for event in self.bus_events:
-            if event == "bus-lost":
-                self.journal.send(Priority.ERROR, "lost the system bus: every replica is 'unknown' and nothing is "
-                                  "restarted until guardian reconnects (it retries with back-off); systemd's watchdog "
-                                  f"restarts guardian if the bus stays gone for {self.cfg.bus_lost_restart_s:g} s")
+            if event is SystemdEvent.BUS_LOST:
+                self.journal.send(
+                    Priority.ERROR,
+                    "lost the system bus: every replica is 'unknown' and nothing is "
+                    "restarted until guardian reconnects (it retries with back-off); systemd's watchdog "
+                    f"restarts guardian if the bus stays gone for {self.cfg.bus_lost_restart_s:g} s",
+                )
             else:
-                self.journal.send(Priority.INFO, "system bus back: reconnected and subscribed to systemd's signals "
-                                  "again; unit views are taken afresh")
+                self.journal.send(
+                    Priority.INFO,
+                    "system bus back: reconnected and subscribed to systemd's signals "
+                    "again; unit views are taken afresh",
+                )
                 self.blind_said = False
         self.bus_events.clear()
 
@@ -165,8 +185,9 @@ class Daemon:
         found = hazards.find_hazards(self.cfg, units, enabled)
         for h in found:
             if h.key not in self.hazards_logged:
-                self.journal.line(LogLine(Priority.ERROR, f"hazard: {h.message}", Decision.HAZARD, h.replica, h.unit,
-                                          hazard=h.key))
+                self.journal.line(
+                    LogLine(Priority.ERROR, f"hazard: {h.message}", Decision.HAZARD, h.replica, h.unit, hazard=h.key)
+                )
         self.hazards_logged = {h.key for h in found}
         if self.cfg.memory.enabled:
             await self.observer.memory.scan_wiring(self.cfg)
@@ -183,13 +204,34 @@ class Daemon:
         fractions: dict[str, float | None] = {}
         for r in self.cfg.replicas:
             t = self.state.tracks.get(r.name)
-            mo = self.last_observation.memory.replicas.get(r.name) if self.last_observation and \
-                self.last_observation.memory else None
-            fractions[r.name] = next((f for f in (mo.configured_fraction if mo else None,
-                                                  t.last_sample.gpu_memory_utilization if t and t.last_sample else None)
-                                      if f is not None), None)
-        data = status_dict(self.cfg, str(self.config_path), self.state, self.persistent.view(), self.memory, fractions,
-                           self.observer.memory.wiring, self.stats, self.sd.connected, now)
+            mo = (
+                self.last_observation.memory.replicas.get(r.name)
+                if self.last_observation and self.last_observation.memory
+                else None
+            )
+            fractions[r.name] = next(
+                (
+                    f
+                    for f in (
+                        mo.configured_fraction if mo else None,
+                        t.last_sample.gpu_memory_utilization if t and t.last_sample else None,
+                    )
+                    if f is not None
+                ),
+                None,
+            )
+        data = status_dict(
+            self.cfg,
+            str(self.config_path),
+            self.state,
+            self.persistent.view(),
+            self.memory,
+            fractions,
+            self.observer.memory.wiring,
+            self.stats,
+            self.sd.connected,
+            now,
+        )
         try:
             atomic_write_json(self.cfg.runtime_dir / STATUS_FILE, data)
         except OSError as e:
@@ -210,8 +252,11 @@ class Daemon:
         self.store = StateStore(new.state_dir)
         self.executor.store = self.store
         self.persistent = StateCache(self.store)
-        self.state = tick.TickState({k: v for k, v in self.state.tracks.items() if new.replica(k) is not None},
-                                    self.state.mem, self.state.requests_taken)
+        self.state = tick.TickState(
+            {k: v for k, v in self.state.tracks.items() if new.replica(k) is not None},
+            self.state.mem,
+            self.state.requests_taken,
+        )
         self.rescan = True
         self.observer.invalidate()
         self.journal.send(Priority.INFO, f"configuration reloaded from {self.config_path}")
@@ -231,7 +276,7 @@ class Daemon:
             if delay_s > 0:
                 try:
                     await asyncio.wait_for(self.wake.wait(), delay_s)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
             if self.stop_requested.is_set():
                 break
@@ -245,8 +290,11 @@ class Daemon:
         lost_s = self.sd.lost_for_s(mono)
         if lost_s >= self.cfg.bus_lost_restart_s:
             if not self.blind_said:
-                self.journal.send(Priority.CRITICAL, f"the system bus has been gone for {lost_s:.0f} s: guardian is "
-                                  "blind, so it stops pinging systemd's watchdog and systemd will restart it")
+                self.journal.send(
+                    Priority.CRITICAL,
+                    f"the system bus has been gone for {lost_s:.0f} s: guardian is "
+                    "blind, so it stops pinging systemd's watchdog and systemd will restart it",
+                )
                 self.blind_said = True
             return
         self.notifier.watchdog(self.status_line())
@@ -258,8 +306,9 @@ class Daemon:
         self.notifier.stopping()
         left = await self.executor.drain(self.cfg.shutdown_timeout_s)
         if left:
-            self.journal.send(Priority.WARNING,
-                              f"stopping with {left} task(s) cut short after {self.cfg.shutdown_timeout_s:g} s")
+            self.journal.send(
+                Priority.WARNING, f"stopping with {left} task(s) cut short after {self.cfg.shutdown_timeout_s:g} s"
+            )
         await self.client.aclose()
         self.sd.close()
         self.journal.send(Priority.INFO, "guardian stopped")
@@ -276,4 +325,3 @@ class Daemon:
         finally:
             await self.shutdown()
         return 0
-

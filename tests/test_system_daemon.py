@@ -194,3 +194,68 @@ def test_manual_restart_goes_through_the_gates(world):
     assert any("refused" in m and "disabled" in m for m in world.guardian_messages("GUARDIAN_REPLICA=a"))
     r = world.box.run(["guardian", "restart", "nosuch"], check=False)
     assert r.returncode != 0 and "no replica named 'nosuch'" in r.stderr
+
+
+def test_manual_restart_waits_while_another_replica_loads_with_or_without_the_daemon(world):
+    """A Type=simple vLLM is "active" for minutes while it loads: `guardian restart a` must not start
+    a second load next to it (vLLM #35920), whether the daemon answers or the CLI acts alone."""
+    world.replicas = [Replica("a", 8001), Replica("b", 8002, load_time_s=8)]
+    world.setup()
+    a, b = world.replicas
+    old = world.box.identity(a.unit)
+    world.box.systemctl("restart", b.unit)  # b is active, loading, not serving
+    r = world.box.run(["guardian", "restart", "a"], check=False)
+    assert r.returncode == 1 and "one-at-a-time" in r.stderr and "asked the running guardian" in r.stdout, r
+    assert world.box.identity(a.unit) == old
+    line = world.guardian_lines("GUARDIAN_REPLICA=a", "GUARDIAN_DECISION=refused")[-1]
+    assert line["GUARDIAN_GATE"] == "one-at-a-time" and line["GUARDIAN_RULE"] == "A3"
+    world.wait_serving(b)
+
+    world.box.systemctl("stop", "guardian.service")
+    world.box.systemctl("restart", b.unit)
+    r = world.box.run(["guardian", "restart", "a"], check=False)
+    assert r.returncode == 1 and "one-at-a-time" in r.stderr and "asked the running" not in r.stdout, r
+    assert world.box.identity(a.unit) == old
+    world.wait_serving(b)
+    r = world.box.run(["guardian", "restart", "a"], check=False)  # b serves now: admitted
+    assert r.returncode == 0 and "vllm-a.service: done" in r.stdout, r
+    assert world.box.identity(a.unit) != old
+
+
+def test_guardian_reconnects_after_the_system_bus_restarts(world):
+    """After `systemctl restart dbus`, guardian used to stay blind ("D-Bus ListUnitsByNames timed
+    out") for as long as it ran. It reconnects, subscribes again, says so once, and acts again."""
+    world.setup()
+    a = world.replicas[0]
+    world.box.systemctl("restart", "dbus.service")
+    wait_for(lambda: any(m.startswith("system bus back: reconnected") for m in world.guardian_messages()), 30,
+             "guardian to reconnect")
+    lost = [m for m in world.guardian_messages() if m.startswith("lost the system bus")]
+    assert len(lost) == 1
+    world.wait_states({"a": "healthy", "b": "healthy"}, timeout_s=30)
+    # it acts again, and hears the job's JobRemoved signal on the new connection
+    old = world.box.identity(a.unit)
+    world.kill(a.unit, "STOP")
+    wait_for(lambda: world.box.identity(a.unit) != old, 30, "the frozen replica to be restarted")
+    wait_for(lambda: any("restart job of vllm-a.service done" in m for m in world.guardian_messages()), 30,
+             "the restart job's result")
+    assert world.box.prop("guardian.service", "NRestarts") == "0"
+
+
+def test_a_bus_that_stays_gone_gets_guardian_restarted_by_systemds_watchdog(world):
+    world.setup(start_guardian=False)
+    world.top["bus_lost_restart_s"] = 3
+    world.write_config()
+    world.box.write("/etc/systemd/system/guardian.service.d/watchdog.conf", "[Service]\nWatchdogSec=6s\nRestartSec=1s\n")
+    world.box.daemon_reload()
+    world.start_guardian()
+    try:
+        world.box.systemctl("stop", "dbus.socket", "dbus.service")
+        wait_for(lambda: any("stops pinging systemd's watchdog" in m for m in world.guardian_messages("PRIORITY=2")),
+                 30, "guardian to give up on the bus")
+        wait_for(lambda: int(world.box.prop("guardian.service", "NRestarts")) >= 1, 30, "systemd to restart guardian")
+        assert any("Watchdog timeout" in m for m in world.box.messages(since=world.since, unit="guardian.service"))
+    finally:
+        world.box.systemctl("start", "dbus.socket", "dbus.service")
+    wait_for(lambda: world.box.prop("guardian.service", "ActiveState") == "active", 60, "guardian active again")
+    world.wait_states({"a": "healthy", "b": "healthy"}, timeout_s=30)

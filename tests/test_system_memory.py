@@ -37,6 +37,9 @@ def world(box):
     for r in w.replicas:
         r.fraction = 0.78
         r.restart_sec = 3  # stays clear of systemd's start limit while a start is being refused
+        # As on the field's boxes: every start prints vLLM's "Found ulimit of 1024 and failed to
+        # automatically increase with error ..." warning, which must never count as a failed start.
+        r.service_extra = "LimitNOFILE=1024"
         r.sim_args = (f"--sim-allocate --sim-total-memory-bytes {DEVICE_TOTAL} --check-memory "
                       f"--sim-free-bytes-file /run/sim-free-{r.name}")
     w.memory = dict(enabled=True, sustain_s=2, cooldown_s=600, step=0.04, floor=0.5, reserve_bytes=0,
@@ -87,6 +90,9 @@ def test_squeeze_lowers_one_replica_and_restarts_it_alone(world):
     assert "headroom" in line["MESSAGE"] and "largest:" in line["MESSAGE"]
     hog_identity = world.box.identity("build.service")
     line_with(world, "serving again with gpu_memory_utilization 0.74", "GUARDIAN_REPLICA=a")
+    assert any("Found ulimit of 1024 and failed to automatically increase with error" in m
+               for m in world.box.messages(since=world.since, unit=a.unit))
+    assert not any("failed" in m for m in world.guardian_messages("GUARDIAN_REPLICA=a"))
     assert "GPU_MEMORY_UTILIZATION=0.74" in world.box.run(["cat", "/var/lib/guardian/replicas/a.env"]).stdout
     assert sim_state(world, a)["gpu_memory_utilization"] == 0.74  # it started with the new fraction
     assert sim_state(world, b)["gpu_memory_utilization"] == 0.78
@@ -164,3 +170,40 @@ def test_start_refused_for_lack_of_memory_is_logged_and_the_next_step_tried(worl
     line_with(world, "serving again with gpu_memory_utilization 0.7", "GUARDIAN_REPLICA=a", timeout_s=60)
     assert sim_state(world, a)["gpu_memory_utilization"] == 0.7
     assert "GPU_MEMORY_UTILIZATION=0.7" in world.box.run(["cat", "/var/lib/guardian/replicas/a.env"]).stdout
+
+
+def test_an_environment_file_listed_after_guardians_that_sets_the_fraction_is_named(world):
+    a, b = world.replicas
+    a.env_after = True  # EnvironmentFile=-/etc/vllm/a.env after guardian's: a later file wins
+    start_with_thresholds(world)
+    r = world.box.run(["guardian", "check"], check=False)
+    assert r.returncode == 0 and "replica a: wired" in r.stdout, r.stdout  # the file does not exist: harmless
+    world.box.write("/etc/vllm/a.env", "GPU_MEMORY_UTILIZATION=0.78\n")
+    r = world.box.run(["guardian", "check"], check=False)
+    assert r.returncode == 1 and "replica a: NOT wired" in r.stdout
+    assert "/etc/vllm/a.env comes after guardian's /var/lib/guardian/replicas/a.env" in r.stdout
+    assert "replica b: wired" in r.stdout
+
+
+def test_a_lowering_that_something_overrides_is_caught_from_what_the_replica_reports(world):
+    """Wired when guardian last looked; then an operator's later env file pins the fraction. The
+    replica serves again with 0.78, not 0.74: guardian says so, and does not walk it down."""
+    a, b = world.replicas
+    a.env_after = True
+    start_with_thresholds(world)
+    # The hog's unit is installed first: its daemon-reload makes guardian check the wiring again,
+    # and it must do so before the operator's file appears (which it would then refuse, as above).
+    world.install_plain("build.service", exec_start=f"/usr/local/bin/hog {3 * GiB}", description="stand-in build")
+    ticks = world.status()["ticks"]["count"]
+    world.box.daemon_reload()
+    wait_for(lambda: world.status()["ticks"]["count"] >= ticks + 3, 10, "guardian to tick after the reload")
+    world.box.write("/etc/vllm/a.env", "GPU_MEMORY_UTILIZATION=0.78\n")
+    world.box.systemctl("start", "build.service")
+    line_with(world, "0.78 -> 0.74", "GUARDIAN_DECISION=memory", "GUARDIAN_REPLICA=a")
+    err = line_with(world, "not the 0.74 guardian wrote", "GUARDIAN_REPLICA=a", timeout_s=60)
+    assert err["PRIORITY"] == "3" and err["GUARDIAN_RULE"] == "M5"
+    assert "serving again, but with gpu_memory_utilization 0.78" in err["MESSAGE"]
+    assert sim_state(world, a)["gpu_memory_utilization"] == 0.78
+    time.sleep(3)
+    assert not any("trying" in m for m in world.guardian_messages("GUARDIAN_REPLICA=a"))
+    assert len(lowerings(world)) == 1

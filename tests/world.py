@@ -61,6 +61,7 @@ class Replica:
     health_timeout_s: float = 1.0
     wired: bool = True  # reads guardian's env file and passes ${GPU_MEMORY_UTILIZATION}
     restart_sec: float = 1
+    env_after: bool = False  # the unit also reads /etc/vllm/NAME.env, listed after guardian's file
 
     @property
     def unit(self) -> str:
@@ -118,7 +119,8 @@ class World:
             name=r.name, model=r.model, port=r.port, fraction=r.fraction, load_time_s=r.load_time_s,
             sim_args=r.sim_args, restart=r.restart, unit_extra=r.unit_extra, service_extra=r.service_extra,
             restart_sec=r.restart_sec,
-            env_file=f"EnvironmentFile=-/var/lib/guardian/replicas/{r.name}.env" if r.wired else "",
+            env_file=(f"EnvironmentFile=-/var/lib/guardian/replicas/{r.name}.env" if r.wired else "")
+            + (f"\nEnvironmentFile=-/etc/vllm/{r.name}.env" if r.env_after else ""),
             fraction_arg="${GPU_MEMORY_UTILIZATION}" if r.wired else r.fraction))
 
     def install_plain(self, name: str, exec_start: str = "/bin/sleep infinity", unit_extra: str = "", description: str = "") -> None:
@@ -156,7 +158,7 @@ class World:
         for u in units:
             b.run(["rm", "-f", f"/etc/systemd/system/{u}", f"/usr/lib/systemd/system/{u}"], check=False)
         b.run("rm -rf /etc/systemd/system/guardian.service.d /var/lib/guardian /run/guardian /etc/guardian/guardian.toml "
-              "/run/sim-free-*", check=False)
+              "/run/sim-free-* /etc/vllm", check=False)
         b.daemon_reload()
         b.systemctl("reset-failed", check=False)
 

@@ -392,10 +392,28 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def raise_fd_limit(target: int = 65536) -> None:
+    """What vLLM does at start (vllm/utils/system_utils.py): raise the soft open-file limit, and
+    warn, with a line that says "error", when the hard limit is too low. The start goes on."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft >= target:
+        return
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except ValueError as e:
+        print(f"(APIServer pid={os.getpid()}) WARNING {time.strftime('%m-%d %H:%M:%S')} [system_utils.py:255] "
+              f"Found ulimit of {soft} and failed to automatically increase with error {e}. This can cause fd limit "
+              "errors like `OSError: [Errno 24] Too many open files`. Consider increasing with ulimit -n",
+              file=sys.stderr, flush=True)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     model = args.served_model_name or args.model
     log(f"vLLM API server version {VERSION}; model={model} gpu_memory_utilization={args.gpu_memory_utilization} pid={os.getpid()}")
+    raise_fd_limit()
     if args.fault == "fail-startup":
         print("ERROR [sim] EngineCore failed to start: RuntimeError: simulated startup failure", file=sys.stderr, flush=True)
         return 1

@@ -20,14 +20,20 @@ from ..core.vocab import Decision, Gate, Priority
 from ..observe import probes
 from ..observe.memory import env_path
 from ..observe.replicas import port_owners, unit_or_error
-from ..observe.systemd import Systemd, SystemdError
+from ..observe.systemd import JOB_DONE, Systemd, SystemdError
 from .journal import Journal
 from .state import CorruptState, StateStore, atomic_write, record_answer, record_restart
 
 
 async def checked_restart(
-    sd: Systemd, store: StateStore, journal: Journal, cfg: Config, r: ReplicaConfig, why: str,
-    clock: Callable[[], float] = time.time, before_restart: Callable[[], None] | None = None,
+    sd: Systemd,
+    store: StateStore,
+    journal: Journal,
+    cfg: Config,
+    r: ReplicaConfig,
+    why: str,
+    clock: Callable[[], float] = time.time,
+    before_restart: Callable[[], None] | None = None,
     allow_failed: bool = False,
 ) -> RestartOutcome:
     """Re-check the unit gates on a fresh look, record the restart, then RestartUnit and wait.
@@ -37,16 +43,32 @@ async def checked_restart(
     owner = (await port_owners(sd, {r.port}))[r.port]
     refusal = gates.unit_refusal(unit, owner, allow_failed, unit_error=err)
     if refusal is not None:
-        journal.line(LogLine(Priority.ERROR, f"replica {r.name}: restart of {r.unit} refused on the re-check right "
-                             f"before acting: {refusal.text()}", Decision.REFUSED, r.name, r.unit, gate=refusal.gate,
-                             rule=refusal.rule))
+        journal.line(
+            LogLine(
+                Priority.ERROR,
+                f"replica {r.name}: restart of {r.unit} refused on the re-check right before acting: {refusal.text()}",
+                Decision.REFUSED,
+                r.name,
+                r.unit,
+                gate=refusal.gate,
+                rule=refusal.rule,
+            )
+        )
         return RestartOutcome(r.unit, f"refused: {refusal.reason}", clock())
     if before_restart is not None:
         try:
             before_restart()
         except OSError as e:
-            journal.line(LogLine(Priority.ERROR, f"replica {r.name}: not restarting {r.unit}: {e}", Decision.REFUSED,
-                                 r.name, r.unit, gate=Gate.ENV_FILE))
+            journal.line(
+                LogLine(
+                    Priority.ERROR,
+                    f"replica {r.name}: not restarting {r.unit}: {e}",
+                    Decision.REFUSED,
+                    r.name,
+                    r.unit,
+                    gate=Gate.ENV_FILE,
+                )
+            )
             return RestartOutcome(r.unit, f"refused: {e}", clock())
     issued = clock()
     try:
@@ -56,22 +78,51 @@ async def checked_restart(
     try:
         result = await sd.restart(r.unit, cfg.watchdog.restart_job_timeout_s)
     except SystemdError as e:
-        journal.line(LogLine(Priority.ERROR, f"replica {r.name}: restart of {r.unit} could not be issued: {e}",
-                             Decision.RESTART_FAILED, r.name, r.unit))
+        journal.line(
+            LogLine(
+                Priority.ERROR,
+                f"replica {r.name}: restart of {r.unit} could not be issued: {e}",
+                Decision.RESTART_FAILED,
+                r.name,
+                r.unit,
+            )
+        )
         return RestartOutcome(r.unit, f"error: {e}", clock())
     elapsed = clock() - issued
-    if result == "done":
-        journal.line(LogLine(Priority.INFO, f"replica {r.name}: restart job of {r.unit} done in {elapsed:.1f} s "
-                             f"({why}); waiting for it to serve", Decision.RESTARTED, r.name, r.unit))
+    if result == JOB_DONE:
+        journal.line(
+            LogLine(
+                Priority.INFO,
+                f"replica {r.name}: restart job of {r.unit} done in {elapsed:.1f} s ({why}); waiting for it to serve",
+                Decision.RESTARTED,
+                r.name,
+                r.unit,
+            )
+        )
     else:
-        journal.line(LogLine(Priority.ERROR, f"replica {r.name}: restart job of {r.unit} ended with '{result}' after "
-                             f"{elapsed:.1f} s; see journalctl -u {r.unit}", Decision.RESTART_FAILED, r.name, r.unit))
-    return RestartOutcome(r.unit, result, clock(), issued=True, ok=result == "done")
+        journal.line(
+            LogLine(
+                Priority.ERROR,
+                f"replica {r.name}: restart job of {r.unit} ended with '{result}' after "
+                f"{elapsed:.1f} s; see journalctl -u {r.unit}",
+                Decision.RESTART_FAILED,
+                r.name,
+                r.unit,
+            )
+        )
+    return RestartOutcome(r.unit, result, clock(), issued=True, ok=result == JOB_DONE)
 
 
 class Executor:
-    def __init__(self, cfg: Config, sd: Systemd, client: httpx.AsyncClient, store: StateStore, journal: Journal,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        sd: Systemd,
+        client: httpx.AsyncClient,
+        store: StateStore,
+        journal: Journal,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.cfg = cfg
         self.sd = sd
         self.client = client
@@ -114,21 +165,34 @@ class Executor:
         if r is not None:
             self.canaries[name] = await probes.canary(self.client, r, self.clock())
 
-    async def _guarded(self, r: ReplicaConfig, what: str, run: Callable[[], Coroutine[Any, Any, RestartOutcome]]
-                       ) -> RestartOutcome:
+    async def _guarded(
+        self, r: ReplicaConfig, what: str, run: Callable[[], Coroutine[Any, Any, RestartOutcome]]
+    ) -> RestartOutcome:
         try:
             return await run()
         except Exception as e:  # noqa: BLE001 - an executor bug must not kill the loop; say it and move on
-            self.journal.line(LogLine(Priority.ERROR, f"replica {r.name}: {what} of {r.unit} failed: "
-                                      f"{type(e).__name__}: {e}", Decision.RESTART_FAILED, r.name, r.unit))
+            self.journal.line(
+                LogLine(
+                    Priority.ERROR,
+                    f"replica {r.name}: {what} of {r.unit} failed: {type(e).__name__}: {e}",
+                    Decision.RESTART_FAILED,
+                    r.name,
+                    r.unit,
+                )
+            )
             return RestartOutcome(r.unit, f"error: {e}", self.clock())
 
     async def _restart(self, a: RestartUnit) -> None:
         r = self.cfg.replica(a.replica)
         if r is None:
             return
-        outcome = await self._guarded(r, "restart", lambda: checked_restart(
-            self.sd, self.store, self.journal, self.cfg, r, f"{a.kind}: {a.evidence}", self.clock))
+        outcome = await self._guarded(
+            r,
+            "restart",
+            lambda: checked_restart(
+                self.sd, self.store, self.journal, self.cfg, r, f"{a.kind}: {a.evidence}", self.clock
+            ),
+        )
         self.outcomes[a.replica] = outcome
         if a.request_id is not None:
             self.answer(a.request_id, r.name, outcome.ok, f"{r.unit}: {outcome.result}")
@@ -145,16 +209,43 @@ class Executor:
         if not a.restart:
             try:
                 write()
-                self.journal.line(LogLine(Priority.WARNING, f"replica {r.name}: wrote GPU_MEMORY_UTILIZATION={a.new:g} "
-                                          f"to {path}; systemd's next start of {r.unit} uses it", Decision.MEMORY,
-                                          r.name, r.unit))
+                self.journal.line(
+                    LogLine(
+                        Priority.WARNING,
+                        f"replica {r.name}: wrote GPU_MEMORY_UTILIZATION={a.new:g} "
+                        f"to {path}; systemd's next start of {r.unit} uses it",
+                        Decision.MEMORY,
+                        r.name,
+                        r.unit,
+                    )
+                )
             except OSError as e:
-                self.journal.line(LogLine(Priority.ERROR, f"replica {r.name}: cannot write {path}: {e}",
-                                          Decision.REFUSED, r.name, r.unit, gate=Gate.ENV_FILE))
+                self.journal.line(
+                    LogLine(
+                        Priority.ERROR,
+                        f"replica {r.name}: cannot write {path}: {e}",
+                        Decision.REFUSED,
+                        r.name,
+                        r.unit,
+                        gate=Gate.ENV_FILE,
+                    )
+                )
             return
-        self.outcomes[a.replica] = await self._guarded(r, "lowering restart", lambda: checked_restart(
-            self.sd, self.store, self.journal, self.cfg, r, f"memory: {a.old:g} -> {a.new:g}", self.clock,
-            before_restart=write, allow_failed=a.retry))
+        self.outcomes[a.replica] = await self._guarded(
+            r,
+            "lowering restart",
+            lambda: checked_restart(
+                self.sd,
+                self.store,
+                self.journal,
+                self.cfg,
+                r,
+                f"memory: {a.old:g} -> {a.new:g}",
+                self.clock,
+                before_restart=write,
+                allow_failed=a.retry,
+            ),
+        )
 
     async def drain(self, timeout_s: float) -> int:
         """Wait up to TIMEOUT_S for running tasks (a restart job in flight), then cancel the rest."""

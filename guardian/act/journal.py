@@ -51,23 +51,37 @@ class Journal:
 
     def line(self, line: LogLine, extra: dict[str, str] | None = None) -> None:
         fields = {"GUARDIAN_DECISION": line.decision.value}
-        for key, value in (("GUARDIAN_REPLICA", line.replica), ("GUARDIAN_UNIT", line.unit),
-                           ("GUARDIAN_STATE", line.state), ("GUARDIAN_GATE", line.gate),
-                           ("GUARDIAN_RULE", line.rule), ("GUARDIAN_HAZARD", line.hazard)):
+        for key, value in (
+            ("GUARDIAN_REPLICA", line.replica),
+            ("GUARDIAN_UNIT", line.unit),
+            ("GUARDIAN_STATE", line.state),
+            ("GUARDIAN_GATE", line.gate),
+            ("GUARDIAN_RULE", line.rule),
+            ("GUARDIAN_HAZARD", line.hazard),
+        ):
             if value is not None:
                 fields[key] = str(value)
         fields.update(extra or {})
         self._send(line.priority, _clip(line.message), fields)
 
-    def send(self, priority: Priority, message: str, decision: Decision = Decision.NOTE, replica: str | None = None,
-             unit: str | None = None) -> None:
+    def send(
+        self,
+        priority: Priority,
+        message: str,
+        decision: Decision = Decision.NOTE,
+        replica: str | None = None,
+        unit: str | None = None,
+    ) -> None:
         self.line(LogLine(priority, message, decision, replica, unit))
 
     def _send(self, priority: Priority, message: str, fields: dict[str, str]) -> None:
         if self._sock is not None:
             payload = b"".join(
-                [_field("MESSAGE", message), _field("PRIORITY", str(priority.syslog)),
-                 _field("SYSLOG_IDENTIFIER", self.identifier)]
+                [
+                    _field("MESSAGE", message),
+                    _field("PRIORITY", str(priority.syslog)),
+                    _field("SYSLOG_IDENTIFIER", self.identifier),
+                ]
                 + [_field(k, v) for k, v in fields.items()]
             )
             try:

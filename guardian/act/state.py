@@ -18,8 +18,8 @@ import json
 import os
 import tempfile
 import time
-from pathlib import Path
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from ..core.observations import Pause, PersistentView, RestartRequest
@@ -76,14 +76,21 @@ def _validate(data: Any) -> State:
         out["restarts"][str(name)] = [float(t) for t in times]
     for name, p in dict(data.get("pauses", {})).items():
         until = p.get("until")
-        out["pauses"][str(name)] = {"until": None if until is None else float(until), "reason": str(p.get("reason", "operator"))}
+        out["pauses"][str(name)] = {
+            "until": None if until is None else float(until),
+            "reason": str(p.get("reason", "operator")),
+        }
     for name, t in dict(data.get("resumed_at", {})).items():
         out["resumed_at"][str(name)] = float(t)
     for rid, q in dict(data.get("requests", {})).items():
         out["requests"][str(rid)] = {"replica": str(q["replica"]), "at": float(q["at"])}
     for rid, a in dict(data.get("answers", {})).items():
-        out["answers"][str(rid)] = {"replica": str(a["replica"]), "ok": bool(a["ok"]), "message": str(a["message"]),
-                                    "at": float(a["at"])}
+        out["answers"][str(rid)] = {
+            "replica": str(a["replica"]),
+            "ok": bool(a["ok"]),
+            "message": str(a["message"]),
+            "at": float(a["at"]),
+        }
     for k, v in data.items():
         if k not in out:
             out[k] = v  # sections owned by later features (memory guard) are kept as they are
@@ -147,14 +154,18 @@ def view(data: State) -> PersistentView:
         restarts={k: tuple(v) for k, v in data["restarts"].items()},
         pauses={k: Pause(p["until"], p.get("reason", "operator")) for k, p in data["pauses"].items()},
         resumed_at=dict(data["resumed_at"]),
-        requests=tuple(sorted((RestartRequest(rid, q["replica"], q["at"]) for rid, q in data["requests"].items()),
-                              key=lambda q: (q.at, q.id))),
+        requests=tuple(
+            sorted(
+                (RestartRequest(rid, q["replica"], q["at"]) for rid, q in data["requests"].items()),
+                key=lambda q: (q.at, q.id),
+            )
+        ),
     )
 
 
 def record_restart(data: State, replica: str, at: float, keep_s: float) -> None:
     times = [t for t in data["restarts"].get(replica, []) if t > at - keep_s]
-    data["restarts"][replica] = times + [at]
+    data["restarts"][replica] = [*times, at]
 
 
 def record_answer(data: State, request_id: str, replica: str, ok: bool, message: str, at: float) -> None:
@@ -171,6 +182,7 @@ class StateCache:
     def __init__(self, store: StateStore) -> None:
         self.store = store
         self.data: State = _empty()
+        self._view = view(self.data)
         self._mtime: float | None = None
         self._loaded = False
 
@@ -194,7 +206,8 @@ class StateCache:
             problems.append(f"cannot read state in {self.store.dir}: {e}; keeping what was loaded")
         self._loaded = True
         self._mtime = self._stat()
+        self._view = view(self.data)
         return problems
 
     def view(self) -> PersistentView:
-        return view(self.data)
+        return self._view

@@ -8,8 +8,8 @@ restart is logged as what would be done, and not issued.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from ..config import Config
 from . import gates
@@ -19,11 +19,19 @@ from .rules import Rule
 from .vocab import LOADING_STATES, Gate, Priority
 
 RULES = (
-    Rule("A1", Gate.BUDGET, "restarts of this replica in the last W.restart_window_s (and after its last "
-         "`guardian resume`) >= W.restart_budget: guardian gives up on it (critical) until the oldest leaves the window"),
+    Rule(
+        "A1",
+        Gate.BUDGET,
+        "restarts of this replica in the last W.restart_window_s (and after its last "
+        "`guardian resume`) >= W.restart_budget: guardian gives up on it (critical) until the oldest leaves the window",
+    ),
     Rule("A2", Gate.BACKOFF, "now - last restart < W.backoff_s x 2^(restarts in the window - 1)"),
-    Rule("A3", Gate.ONE_AT_A_TIME, "another replica on this box is loading (state starting) or has a restart in "
-         "flight, or a restart was already issued this tick (replicas starting together race for memory)"),
+    Rule(
+        "A3",
+        Gate.ONE_AT_A_TIME,
+        "another replica on this box is loading (state starting) or has a restart in "
+        "flight, or a restart was already issued this tick (replicas starting together race for memory)",
+    ),
 )
 _ID = {r.outcome: r.id for r in RULES}
 
@@ -58,39 +66,65 @@ class Blocker:
     text: str
 
 
-def blocker(name: str, tracks: Mapping[str, Track], persistent: PersistentView, now: float, cfg: Config,
-            issued_this_tick: bool = False) -> Blocker | None:
+def blocker(
+    name: str,
+    tracks: Mapping[str, Track],
+    persistent: PersistentView,
+    now: float,
+    cfg: Config,
+    issued_this_tick: bool = False,
+) -> Blocker | None:
     """A1-A3 for replica NAME: the first that refuses, or None."""
     w = cfg.watchdog
     b = budget(name, persistent, now, cfg)
     if b.spent:
         when = f"in {b.retry_at - now:.0f} s" if b.retry_at else "later"
-        return Blocker(Gate.BUDGET, _ID[Gate.BUDGET], Priority.CRITICAL, (Gate.BUDGET,),
-                       f"restart budget spent ({b.used} restarts in {w.restart_window_s:.0f} s); giving up on it; "
-                       f"guardian acts again {when} or after `guardian resume {name}`")
+        return Blocker(
+            Gate.BUDGET,
+            _ID[Gate.BUDGET],
+            Priority.CRITICAL,
+            (Gate.BUDGET,),
+            f"restart budget spent ({b.used} restarts in {w.restart_window_s:.0f} s); giving up on it; "
+            f"guardian acts again {when} or after `guardian resume {name}`",
+        )
     if b.last_at is not None:
         wait_s = w.backoff_s * 2 ** (b.used - 1)
         if now - b.last_at < wait_s:
-            return Blocker(Gate.BACKOFF, _ID[Gate.BACKOFF], Priority.ERROR, (Gate.BACKOFF, f"{b.last_at!r}"),
-                           f"back-off: last restart {now - b.last_at:.0f} s ago, next allowed {wait_s:.0f} s after it")
-    others = sorted(n for n, o in tracks.items()
-                    if n != name and (o.restart_in_flight or o.state in LOADING_STATES))
+            return Blocker(
+                Gate.BACKOFF,
+                _ID[Gate.BACKOFF],
+                Priority.ERROR,
+                (Gate.BACKOFF, f"{b.last_at!r}"),
+                f"back-off: last restart {now - b.last_at:.0f} s ago, next allowed {wait_s:.0f} s after it",
+            )
+    others = sorted(n for n, o in tracks.items() if n != name and (o.restart_in_flight or o.state in LOADING_STATES))
     if others or issued_this_tick:
         who = ", ".join(others) or "another replica"
-        return Blocker(Gate.ONE_AT_A_TIME, _ID[Gate.ONE_AT_A_TIME], Priority.ERROR, (Gate.ONE_AT_A_TIME, who),
-                       f"{who} is starting or being restarted; one restart at a time per box "
-                       "(replicas starting together race for memory)")
+        return Blocker(
+            Gate.ONE_AT_A_TIME,
+            _ID[Gate.ONE_AT_A_TIME],
+            Priority.ERROR,
+            (Gate.ONE_AT_A_TIME, who),
+            f"{who} is starting or being restarted; one restart at a time per box "
+            "(replicas starting together race for memory)",
+        )
     return None
 
 
-def refusal(name: str, tracks: Mapping[str, Track], obs: ReplicaObservation, persistent: PersistentView, now: float,
-            cfg: Config, issued_this_tick: bool = False) -> Blocker | None:
+def refusal(
+    name: str,
+    tracks: Mapping[str, Track],
+    obs: ReplicaObservation,
+    persistent: PersistentView,
+    now: float,
+    cfg: Config,
+    issued_this_tick: bool = False,
+) -> Blocker | None:
     """Admission (A1-A3), then the unit gates (G1-G9) on this tick's view of the unit."""
     found = blocker(name, tracks, persistent, now, cfg, issued_this_tick)
     if found is not None:
         return found
     r = gates.unit_refusal(obs.unit, obs.port_owner, unit_error=obs.unit_error)
     if r is not None:
-        return Blocker(r.gate, r.rule, Priority.ERROR, (r.gate, r.reason if r.gate is not Gate.DBUS else ""),
-                       r.text())
+        return Blocker(r.gate, r.rule, Priority.ERROR, (r.gate, r.reason if r.gate is not Gate.DBUS else ""), r.text())
     return None

@@ -17,16 +17,32 @@ RULES = (
     Rule("G1", Gate.DBUS, "systemd could not be asked about the unit (D-Bus error or bus not connected)"),
     Rule("G2", Gate.MASKED, "the unit is masked (LoadState or UnitFileState masked)"),
     Rule("G3", Gate.NOT_LOADED, "the unit does not exist or is not loaded"),
-    Rule("G4", Gate.DISABLED, "its unit file is not enabled, enabled-runtime, static, generated or transient "
-         "(a disabled unit is retired or handled by hand)"),
-    Rule("G5", Gate.INACTIVE, "it is not active, reloading or refreshing (guardian never starts a stopped unit; "
-         "the memory guard may restart a unit that failed after its own lowering)"),
+    Rule(
+        "G4",
+        Gate.DISABLED,
+        "its unit file is not enabled, enabled-runtime, static, generated or transient "
+        "(a disabled unit is retired or handled by hand)",
+    ),
+    Rule(
+        "G5",
+        Gate.INACTIVE,
+        "it is not active, reloading or refreshing (guardian never starts a stopped unit; "
+        "the memory guard may restart a unit that failed after its own lowering)",
+    ),
     Rule("G6", Gate.JOB_PENDING, "systemd has a job pending for it"),
     Rule("G7", Gate.PORT_OWNER, "a process listens on the replica's port and it is not in this unit's cgroup"),
-    Rule("G8", Gate.PORT_UNKNOWN, "something listens on the port, but guardian cannot tell which process "
-         "(no permission), or the socket table cannot be read"),
-    Rule("G9", Gate.CONFLICTS, "a unit in its Conflicts=/ConflictedBy= is active, activating, deactivating, "
-         "reloading, refreshing or in maintenance: starting the replica would stop it"),
+    Rule(
+        "G8",
+        Gate.PORT_UNKNOWN,
+        "something listens on the port, but guardian cannot tell which process "
+        "(no permission), or the socket table cannot be read",
+    ),
+    Rule(
+        "G9",
+        Gate.CONFLICTS,
+        "a unit in its Conflicts=/ConflictedBy= is active, activating, deactivating, "
+        "reloading, refreshing or in maintenance: starting the replica would stop it",
+    ),
 )
 _ID = {r.outcome: r.id for r in RULES}
 
@@ -45,43 +61,69 @@ class Refusal:
         return f"{self.reason}; {self.remedy}" if self.remedy else self.reason
 
 
-def unit_refusal(unit: UnitInfo | None, port_owner: PortOwner | None, allow_failed: bool = False,
-                 unit_error: str | None = None) -> Refusal | None:
+def unit_refusal(
+    unit: UnitInfo | None, port_owner: PortOwner | None, allow_failed: bool = False, unit_error: str | None = None
+) -> Refusal | None:
     """The first gate that refuses, or None. ALLOW_FAILED lets the memory guard restart a unit
     that failed to start after guardian's own lowering restart (its start, not the operator's stop)."""
     if unit is None:
-        return Refusal(Gate.DBUS, f"systemd could not be asked about the unit ({unit_error or 'D-Bus error'})",
-                       "guardian acts again once the system bus answers")
+        return Refusal(
+            Gate.DBUS,
+            f"systemd could not be asked about the unit ({unit_error or 'D-Bus error'})",
+            "guardian acts again once the system bus answers",
+        )
     n = unit.name
     if unit.masked:
         return Refusal(Gate.MASKED, f"{n} is masked", f"systemctl unmask {n} if it should run again")
     if not unit.exists or unit.load_state is not LoadState.LOADED:
-        return Refusal(Gate.NOT_LOADED, f"{n} is not loaded (load state {unit.load_state})",
-                       f"check replicas[].unit in the config and the unit file (systemctl status {n})")
+        return Refusal(
+            Gate.NOT_LOADED,
+            f"{n} is not loaded (load state {unit.load_state})",
+            f"check replicas[].unit in the config and the unit file (systemctl status {n})",
+        )
     if not unit.unit_file_state.enabled:
-        return Refusal(Gate.DISABLED,
-                       f"{n} is {unit.unit_file_state}: a disabled unit is retired or handled by hand",
-                       f"systemctl enable {n} if guardian should look after it")
-    if not (unit.active_state.running or unit.active_state is ActiveState.ACTIVATING
-            or (allow_failed and unit.active_state is ActiveState.FAILED)):
-        return Refusal(Gate.INACTIVE, f"{n} is {unit.active_state}: guardian never starts a stopped unit",
-                       f"systemctl start {n} when it should serve")
+        return Refusal(
+            Gate.DISABLED,
+            f"{n} is {unit.unit_file_state}: a disabled unit is retired or handled by hand",
+            f"systemctl enable {n} if guardian should look after it",
+        )
+    if not (
+        unit.active_state.running
+        or unit.active_state is ActiveState.ACTIVATING
+        or (allow_failed and unit.active_state is ActiveState.FAILED)
+    ):
+        return Refusal(
+            Gate.INACTIVE,
+            f"{n} is {unit.active_state}: guardian never starts a stopped unit",
+            f"systemctl start {n} when it should serve",
+        )
     if unit.job_pending:
         return Refusal(Gate.JOB_PENDING, f"{n} already has a systemd job pending", "wait for it to finish")
     if isinstance(port_owner, HeldBy) and port_owner.unit != n:
         holder = port_owner.unit or "a process guardian cannot map to a unit"
-        return Refusal(Gate.PORT_OWNER,
-                       f"port {port_owner.port} is held by {holder} (pid {port_owner.pid}), not by {n}: "
-                       f"restarting {n} would not help",
-                       f"fix replicas[].url or stop whatever else listens on {port_owner.port}")
+        return Refusal(
+            Gate.PORT_OWNER,
+            f"port {port_owner.port} is held by {holder} (pid {port_owner.pid}), not by {n}: "
+            f"restarting {n} would not help",
+            f"fix replicas[].url or stop whatever else listens on {port_owner.port}",
+        )
     if isinstance(port_owner, Hidden):
-        return Refusal(Gate.PORT_UNKNOWN, f"cannot tell who listens on port {port_owner.port} (no permission to read /proc)",
-                       "run guardian with CAP_SYS_PTRACE and CAP_DAC_READ_SEARCH")
+        return Refusal(
+            Gate.PORT_UNKNOWN,
+            f"cannot tell who listens on port {port_owner.port} (no permission to read /proc)",
+            "run guardian with CAP_SYS_PTRACE and CAP_DAC_READ_SEARCH",
+        )
     if isinstance(port_owner, Unreadable):
-        return Refusal(Gate.PORT_UNKNOWN, f"cannot read the kernel's socket table to see who holds port {port_owner.port}",
-                       "check that guardian may open netlink sockets or read /proc/net/tcp")
+        return Refusal(
+            Gate.PORT_UNKNOWN,
+            f"cannot read the kernel's socket table to see who holds port {port_owner.port}",
+            "check that guardian may open netlink sockets or read /proc/net/tcp",
+        )
     hurt = [f"{c} ({state})" for c, state in unit.conflicts if not state.down]
     if hurt:
-        return Refusal(Gate.CONFLICTS, f"restarting {n} would stop {', '.join(hurt)} (Conflicts=)",
-                       "remove the conflict or stop that unit first if it is retired (systemctl disable --now)")
+        return Refusal(
+            Gate.CONFLICTS,
+            f"restarting {n} would stop {', '.join(hurt)} (Conflicts=)",
+            "remove the conflict or stop that unit first if it is retired (systemctl disable --now)",
+        )
     return None

@@ -6,8 +6,8 @@ Reported by ``guardian check``, at daemon start, and whenever systemd reloads or
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from ..config import Config
 from .observations import UnitInfo
@@ -34,26 +34,59 @@ def find_hazards(
         by_port[r.port].append(r.name)
     for port, names in sorted(by_port.items()):
         if len(names) > 1:
-            out.append(Hazard(f"port:{port}", f"replicas {', '.join(names)} are configured on the same port {port}: "
-                              "guardian cannot tell them apart; give each replica its own URL"))
+            out.append(
+                Hazard(
+                    f"port:{port}",
+                    f"replicas {', '.join(names)} are configured on the same port {port}: "
+                    "guardian cannot tell them apart; give each replica its own URL",
+                )
+            )
     replica_units = {r.unit: r for r in cfg.replicas}
     for r in cfg.replicas:
         u = units.get(r.unit)
         if u is None:
             continue
         if not u.exists:
-            out.append(Hazard(f"missing:{r.unit}", f"replica {r.name}: unit {r.unit} does not exist "
-                              "(check replicas[].unit, or install the unit file and run systemctl daemon-reload)", r.name, r.unit))
+            out.append(
+                Hazard(
+                    f"missing:{r.unit}",
+                    f"replica {r.name}: unit {r.unit} does not exist "
+                    "(check replicas[].unit, or install the unit file and run systemctl daemon-reload)",
+                    r.name,
+                    r.unit,
+                )
+            )
             continue
         if u.masked:
-            out.append(Hazard(f"masked:{r.unit}", f"replica {r.name}: unit {r.unit} is masked: guardian will not restart it", r.name, r.unit))
+            out.append(
+                Hazard(
+                    f"masked:{r.unit}",
+                    f"replica {r.name}: unit {r.unit} is masked: guardian will not restart it",
+                    r.name,
+                    r.unit,
+                )
+            )
         elif not u.unit_file_state.enabled:
-            out.append(Hazard(f"disabled:{r.unit}", f"replica {r.name}: unit {r.unit} is {u.unit_file_state}: "
-                              f"guardian will not restart it (systemctl enable {r.unit} if it should)", r.name, r.unit))
+            out.append(
+                Hazard(
+                    f"disabled:{r.unit}",
+                    f"replica {r.name}: unit {r.unit} is {u.unit_file_state}: "
+                    f"guardian will not restart it (systemctl enable {r.unit} if it should)",
+                    r.name,
+                    r.unit,
+                )
+            )
         if u.restart not in CRASH_SAFE_RESTART:
-            out.append(Hazard(f"restart:{r.unit}", f"replica {r.name}: {r.unit} has Restart={u.restart or 'no'}: vLLM's API server "
-                              "exits with status 0 when its engine dies, which only Restart=always restarts; "
-                              f"add Restart=always to {r.unit} (systemctl stop is still respected)", r.name, r.unit))
+            out.append(
+                Hazard(
+                    f"restart:{r.unit}",
+                    f"replica {r.name}: {r.unit} has Restart={u.restart or 'no'}: vLLM's API server "
+                    "exits with status 0 when its engine dies, which only Restart=always restarts; "
+                    f"add Restart=always to {r.unit} (systemctl stop is still respected)",
+                    r.name,
+                    r.unit,
+                )
+            )
     seen: set[tuple[str, str]] = set()
     for other, conflicts in sorted(enabled_conflicts.items()):
         for target in conflicts:
@@ -71,11 +104,15 @@ def find_hazards(
         u = units.get(target)
         if u is None or not u.active_state.running:
             continue
-        out.append(Hazard(
-            f"conflict:{other}:{target}",
-            f"replica {r.name}: {other} is enabled and conflicts with {target} (Conflicts=): starting it would stop "
-            f"the replica. Remedy: systemctl disable --now {other}; stop alone is not enough, because an enabled unit "
-            "is started again at boot and by anything that starts enabled units that are not running",
-            r.name, target,
-        ))
+        out.append(
+            Hazard(
+                f"conflict:{other}:{target}",
+                f"replica {r.name}: {other} is enabled and conflicts with {target} (Conflicts=): starting it "
+                f"would stop the replica. Remedy: systemctl disable --now {other}; stop alone is not enough, "
+                "because an enabled unit is started again at boot and by anything that starts enabled units "
+                "that are not running",
+                r.name,
+                target,
+            )
+        )
     return out

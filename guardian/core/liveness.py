@@ -33,24 +33,48 @@ S = State
 RULES = (
     Rule("L1", S.PAUSED, "an operator pause is in force (`guardian pause`; until <= now ends it)"),
     Rule("L2", S.UNKNOWN, "systemd could not be asked about the unit (D-Bus error, or the bus is not connected)"),
-    Rule("L3", S.STOPPED, "unit not found, inactive or failed (a masked unit still running is judged, and the "
-         "restart gates refuse it)"),
+    Rule(
+        "L3",
+        S.STOPPED,
+        "unit not found, inactive or failed (a masked unit still running is judged, and the restart gates refuse it)",
+    ),
     Rule("L4", S.STARTING, "unit activating, deactivating or in maintenance, or a restart by guardian is in flight"),
-    Rule("L5", S.STARTING, "unit active, not healthy once since it last started, AND now - start < R.startup_grace_s "
-         "(start = systemd's InactiveExitTimestamp)"),
+    Rule(
+        "L5",
+        S.STARTING,
+        "unit active, not healthy once since it last started, AND now - start < R.startup_grace_s "
+        "(start = systemd's InactiveExitTimestamp)",
+    ),
     Rule("L6", S.WRONG_MODEL, "/v1/models answered AND does not list R.model"),
-    Rule("L7", S.UNRESPONSIVE, "no probe got any HTTP answer for >= W.unresponsive_after_s (counted from the last "
-         "answer) AND no progress for >= W.unresponsive_after_s"),
-    Rule("L8", S.UNRESPONSIVE, "/health answered 503 (vLLM: engine dead) for >= W.unresponsive_after_s AND no "
-         "progress for >= W.unresponsive_after_s"),
+    Rule(
+        "L7",
+        S.UNRESPONSIVE,
+        "no probe got any HTTP answer for >= W.unresponsive_after_s (counted from the last "
+        "answer) AND no progress for >= W.unresponsive_after_s",
+    ),
+    Rule(
+        "L8",
+        S.UNRESPONSIVE,
+        "/health answered 503 (vLLM: engine dead) for >= W.unresponsive_after_s AND no "
+        "progress for >= W.unresponsive_after_s",
+    ),
     Rule("L9", S.BUSY, "progress this tick AND (/health failed OR took >= R.health_timeout_s)"),
     Rule("L10", S.HEALTHY, "progress this tick AND /health answered 2xx in < R.health_timeout_s"),
-    Rule("L11", S.STALLED, "/metrics readable AND running + waiting > 0 AND now - max(last progress, work first "
-         "queued) >= W.stall_window_s"),
-    Rule("L12", S.IDLE_DEAD, "/metrics readable AND running + waiting == 0 AND consecutive failed canaries >= "
-         "W.canary_failures"),
+    Rule(
+        "L11",
+        S.STALLED,
+        "/metrics readable AND running + waiting > 0 AND now - max(last progress, work first "
+        "queued) >= W.stall_window_s",
+    ),
+    Rule(
+        "L12",
+        S.IDLE_DEAD,
+        "/metrics readable AND running + waiting == 0 AND consecutive failed canaries >= W.canary_failures",
+    ),
     Rule("L13", S.BUSY, "/health failed AND last progress < W.stall_window_s ago"),
-    Rule("L14", S.DEGRADED, "some probe failed, or /metrics unreadable, or a canary failed (no grounds to restart yet)"),
+    Rule(
+        "L14", S.DEGRADED, "some probe failed, or /metrics unreadable, or a canary failed (no grounds to restart yet)"
+    ),
     Rule("L15", S.HEALTHY, "otherwise"),
 )
 del S
@@ -85,7 +109,7 @@ def _progressed(prev: VllmSample | None, cur: VllmSample | None) -> bool:
         return False
     if cur.kv_cache_usage != prev.kv_cache_usage:
         return True
-    return any(c != p for c, p in zip(cur.progress_counters(), prev.progress_counters()))
+    return any(c != p for c, p in zip(cur.progress_counters(), prev.progress_counters(), strict=False))
 
 
 def _fresh_start(track: Track, start_ts: float | None) -> Track:
@@ -180,9 +204,17 @@ def step(
     return replace(t, rule=rule, evidence=evidence, observed=True), want_canary
 
 
-def _classify(t: Track, obs: ReplicaObservation, now: float, rcfg: ReplicaConfig, wcfg: WatchdogConfig,
-              pause: Pause | None, progressed: bool, health_in_time: bool,
-              canary_failed: bool) -> tuple[State, str, str]:
+def _classify(
+    t: Track,
+    obs: ReplicaObservation,
+    now: float,
+    rcfg: ReplicaConfig,
+    wcfg: WatchdogConfig,
+    pause: Pause | None,
+    progressed: bool,
+    health_in_time: bool,
+    canary_failed: bool,
+) -> tuple[State, str, str]:
     unit = obs.unit
     if pause is not None and (pause.until is None or now < pause.until):
         until = "until resumed" if pause.until is None else f"for {pause.until - now:.0f} s more"
@@ -203,34 +235,67 @@ def _classify(t: Track, obs: ReplicaObservation, now: float, rcfg: ReplicaConfig
         served = ", ".join(obs.models) or "nothing"
         return State.WRONG_MODEL, "L6", f"/v1/models lists {served}, expected {rcfg.model}"
     quiet_for = now - t.last_progress_at if t.last_progress_at is not None else float("inf")
-    if t.failing_since is not None and now - t.failing_since >= wcfg.unresponsive_after_s and quiet_for >= wcfg.unresponsive_after_s:
-        return State.UNRESPONSIVE, "L7", (
-            f"no HTTP answer for {now - t.failing_since:.0f} s (/health: {obs.health.error}), "
-            f"last progress {_ago(now, t.last_progress_at)}"
+    if (
+        t.failing_since is not None
+        and now - t.failing_since >= wcfg.unresponsive_after_s
+        and quiet_for >= wcfg.unresponsive_after_s
+    ):
+        return (
+            State.UNRESPONSIVE,
+            "L7",
+            (
+                f"no HTTP answer for {now - t.failing_since:.0f} s (/health: {obs.health.error}), "
+                f"last progress {_ago(now, t.last_progress_at)}"
+            ),
         )
-    if t.dead_503_since is not None and now - t.dead_503_since >= wcfg.unresponsive_after_s and quiet_for >= wcfg.unresponsive_after_s:
-        return State.UNRESPONSIVE, "L8", f"/health 503 (engine dead) for {now - t.dead_503_since:.0f} s, last progress {_ago(now, t.last_progress_at)}"
+    if (
+        t.dead_503_since is not None
+        and now - t.dead_503_since >= wcfg.unresponsive_after_s
+        and quiet_for >= wcfg.unresponsive_after_s
+    ):
+        return (
+            State.UNRESPONSIVE,
+            "L8",
+            f"/health 503 (engine dead) for {now - t.dead_503_since:.0f} s, "
+            f"last progress {_ago(now, t.last_progress_at)}",
+        )
     sample = obs.metrics
     if progressed:
         if health_in_time:
             return State.HEALTHY, "L10", _work(sample) + ", tokens flowing"
-        return State.BUSY, "L9", f"/health {obs.health.error or f'took {obs.health.latency_s:.1f} s'}, but counters advance ({_work(sample)})"
+        return (
+            State.BUSY,
+            "L9",
+            f"/health {obs.health.error or f'took {obs.health.latency_s:.1f} s'}, "
+            f"but counters advance ({_work(sample)})",
+        )
     if sample is not None and sample.queued > 0:
         ref = max(x for x in (t.last_progress_at, t.work_since) if x is not None)
         if now - ref >= wcfg.stall_window_s:
-            return State.STALLED, "L11", (
-                f"{_work(sample)} and no counter progress for {now - ref:.0f} s "
-                f"(/health {'200' if obs.health.ok else obs.health.error})"
+            return (
+                State.STALLED,
+                "L11",
+                (
+                    f"{_work(sample)} and no counter progress for {now - ref:.0f} s "
+                    f"(/health {'200' if obs.health.ok else obs.health.error})"
+                ),
             )
     if sample is not None and sample.queued == 0 and t.canary_failures >= wcfg.canary_failures:
-        return State.IDLE_DEAD, "L12", (
-            f"idle, and {t.canary_failures} canary completions failed in a row "
-            f"(/health {'200' if obs.health.ok else obs.health.error})"
+        return (
+            State.IDLE_DEAD,
+            "L12",
+            (
+                f"idle, and {t.canary_failures} canary completions failed in a row "
+                f"(/health {'200' if obs.health.ok else obs.health.error})"
+            ),
         )
     if not obs.health.ok and quiet_for < wcfg.stall_window_s:
         return State.BUSY, "L13", f"/health {obs.health.error}, progress {_ago(now, t.last_progress_at)}"
-    probes: tuple[tuple[str, Probe], ...] = (("/health", obs.health), ("/metrics", obs.metrics_probe),
-                                             ("/v1/models", obs.models_probe))
+    probes: tuple[tuple[str, Probe], ...] = (
+        ("/health", obs.health),
+        ("/metrics", obs.metrics_probe),
+        ("/v1/models", obs.models_probe),
+    )
     problems = [f"{label}: {p.error}" for label, p in probes if not p.ok]
     if canary_failed or t.canary_failures:
         problems.append(f"{t.canary_failures} canary failure(s)")

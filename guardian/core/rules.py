@@ -41,4 +41,3 @@ def render_into(text: str) -> str:
             raise ValueError(f"no {start} ... {end} block")
         text = text[: a + len(start)] + "\n" + table + "\n" + text[b:]
     return text
-

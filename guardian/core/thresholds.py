@@ -12,18 +12,21 @@ def describe(cfg: Config) -> list[str]:
         f"loop: every {cfg.interval_s:g} s; dry_run={'yes' if cfg.dry_run else 'no'}; "
         f"state in {cfg.state_dir}, status in {cfg.runtime_dir}",
         f"watchdog: stalled when running+waiting > 0 and no counter progress for >= {w.stall_window_s:g} s; "
-        f"unresponsive when no probe gets an answer (or /health 503) for >= {w.unresponsive_after_s:g} s and no progress as long; "
+        f"unresponsive when no probe gets an answer (or /health 503) for >= {w.unresponsive_after_s:g} s "
+        "and no progress as long; "
         f"idle-dead when idle and >= {w.canary_failures} canaries fail in a row (one every {w.canary_interval_s:g} s "
         f"when idle, {w.canary_retry_s:g} s after a failure)",
         f"restarts: at most {w.restart_budget} per replica in {w.restart_window_s:g} s, back-off {w.backoff_s:g} s "
         f"doubling per restart, job result awaited for {w.restart_job_timeout_s:g} s; one at a time per box",
-        f"memory guard: {'on' if cfg.memory.enabled else 'off'}; squeezed when MemAvailable < {gib(cfg.memory.min_headroom_bytes)} "
-        f"for >= {cfg.memory.sustain_s:g} s; critical below {gib(cfg.memory.critical_headroom_bytes)}",
+        f"memory guard: {'on' if cfg.memory.enabled else 'off'}; squeezed when MemAvailable < "
+        f"{gib(cfg.memory.min_headroom_bytes)} for >= {cfg.memory.sustain_s:g} s; "
+        f"critical below {gib(cfg.memory.critical_headroom_bytes)}",
     ]
     for r in cfg.replicas:
         lines.append(
             f"replica {r.name}: unit {r.unit}, {r.url}, model {r.model}; startup grace {r.startup_grace_s:g} s; "
-            f"timeouts /health {r.health_timeout_s:g} s, /metrics {r.metrics_timeout_s:g} s, canary {r.canary_timeout_s:g} s"
+            f"timeouts /health {r.health_timeout_s:g} s, /metrics {r.metrics_timeout_s:g} s, "
+            f"canary {r.canary_timeout_s:g} s"
         )
     if not cfg.replicas:
         lines.append("no replicas configured: guardian watches nothing")

@@ -60,8 +60,10 @@ def decide(state: TickState, obs: TickObservation, now: float, cfg: Config) -> t
 
 # --- 1. liveness ------------------------------------------------------------------------------
 
-def _liveness(out: _Out, r: ReplicaConfig, old: Track, o: ReplicaObservation, obs: TickObservation, now: float,
-              cfg: Config) -> None:
+
+def _liveness(
+    out: _Out, r: ReplicaConfig, old: Track, o: ReplicaObservation, obs: TickObservation, now: float, cfg: Config
+) -> None:
     new, want_canary = liveness.step(old, o, now, r, cfg.watchdog, obs.persistent.pauses.get(r.name))
     if new.state not in RESTART_STATES:
         new = replace(new, last_notice=None)
@@ -77,9 +79,16 @@ def _liveness(out: _Out, r: ReplicaConfig, old: Track, o: ReplicaObservation, ob
     err = o.metrics_probe.error if o.metrics_probe.answered and o.metrics is None else None
     if err != new.metrics_error:
         if err is not None:
-            out.log(LogLine(Priority.ERROR, f"replica {r.name}: /metrics {err}; progress cannot be judged, so no "
-                            "stall or idle verdict (and no restart) will be based on it until it reads again",
-                            Decision.NOTE, r.name, r.unit))
+            out.log(
+                LogLine(
+                    Priority.ERROR,
+                    f"replica {r.name}: /metrics {err}; progress cannot be judged, so no "
+                    "stall or idle verdict (and no restart) will be based on it until it reads again",
+                    Decision.NOTE,
+                    r.name,
+                    r.unit,
+                )
+            )
         new = replace(new, metrics_error=err)
     if new.state is State.HEALTHY and new.restart_issued_at is not None:
         new = replace(new, restart_issued_at=None)
@@ -90,6 +99,7 @@ def _liveness(out: _Out, r: ReplicaConfig, old: Track, o: ReplicaObservation, ob
 
 # --- 2. unplanned restarts --------------------------------------------------------------------
 
+
 def _unplanned(out: _Out, r: ReplicaConfig, obs: TickObservation, now: float, cfg: Config, issued: bool) -> bool:
     """Restart R if its verdict asks for it and admission allows; True when a restart was issued."""
     t = out.tracks[r.name]
@@ -99,20 +109,47 @@ def _unplanned(out: _Out, r: ReplicaConfig, obs: TickObservation, now: float, cf
     no = admission.refusal(r.name, out.tracks, obs.replicas[r.name], obs.persistent, now, cfg, issued)
     if no is not None:
         if t.last_notice != no.key:
-            out.log(LogLine(no.priority, f"{head}; restart of {r.unit} refused: {no.text}", Decision.REFUSED,
-                            r.name, r.unit, state=t.state, gate=no.gate, rule=no.rule))
+            out.log(
+                LogLine(
+                    no.priority,
+                    f"{head}; restart of {r.unit} refused: {no.text}",
+                    Decision.REFUSED,
+                    r.name,
+                    r.unit,
+                    state=t.state,
+                    gate=no.gate,
+                    rule=no.rule,
+                )
+            )
             out.tracks[r.name] = replace(t, last_notice=no.key)
         return False
     if cfg.dry_run:
         if t.last_notice != (Decision.DRY_RUN,):
-            out.log(LogLine(Priority.WARNING, f"{head}; DRY-RUN: would restart {r.unit} now", Decision.DRY_RUN,
-                            r.name, r.unit, state=t.state, rule=t.rule))
+            out.log(
+                LogLine(
+                    Priority.WARNING,
+                    f"{head}; DRY-RUN: would restart {r.unit} now",
+                    Decision.DRY_RUN,
+                    r.name,
+                    r.unit,
+                    state=t.state,
+                    rule=t.rule,
+                )
+            )
             out.tracks[r.name] = replace(t, last_notice=(Decision.DRY_RUN,))
         return False
     b = admission.budget(r.name, obs.persistent, now, cfg)
-    out.log(LogLine(Priority.WARNING, f"{head}; restarting {r.unit} (restart {b.used + 1} of {b.limit} in "
-                    f"{cfg.watchdog.restart_window_s:.0f} s)", Decision.RESTART, r.name, r.unit, state=t.state,
-                    rule=t.rule))
+    out.log(
+        LogLine(
+            Priority.WARNING,
+            f"{head}; restarting {r.unit} (restart {b.used + 1} of {b.limit} in {cfg.watchdog.restart_window_s:.0f} s)",
+            Decision.RESTART,
+            r.name,
+            r.unit,
+            state=t.state,
+            rule=t.rule,
+        )
+    )
     out.actions.append(RestartUnit(r.name, r.unit, RestartKind.HANG, f"{t.state}: {t.evidence}"))
     out.tracks[r.name] = replace(t, restart_in_flight=True, restart_issued_at=now, last_notice=(Decision.RESTART,))
     return True
@@ -120,8 +157,10 @@ def _unplanned(out: _Out, r: ReplicaConfig, obs: TickObservation, now: float, cf
 
 # --- 3. operators' requests -------------------------------------------------------------------
 
-def _requests(out: _Out, taken: frozenset[str], obs: TickObservation, now: float, cfg: Config,
-              issued: bool) -> tuple[frozenset[str], bool]:
+
+def _requests(
+    out: _Out, taken: frozenset[str], obs: TickObservation, now: float, cfg: Config, issued: bool
+) -> tuple[frozenset[str], bool]:
     pending = {q.id for q in obs.persistent.requests}
     still = set(taken & pending)  # answered ones have left the state file
     for q in obs.persistent.requests:
@@ -136,17 +175,43 @@ def _requests(out: _Out, taken: frozenset[str], obs: TickObservation, now: float
         head = f"replica {r.name}: restart of {r.unit} requested by an operator"
         no = admission.refusal(r.name, out.tracks, obs.replicas[r.name], obs.persistent, now, cfg, issued)
         if no is not None:
-            out.log(LogLine(Priority.ERROR, f"{head}; refused: {no.text}", Decision.REFUSED, r.name, r.unit,
-                            state=t.state, gate=no.gate, rule=no.rule))
+            out.log(
+                LogLine(
+                    Priority.ERROR,
+                    f"{head}; refused: {no.text}",
+                    Decision.REFUSED,
+                    r.name,
+                    r.unit,
+                    state=t.state,
+                    gate=no.gate,
+                    rule=no.rule,
+                )
+            )
             out.actions.append(AnswerRequest(q.id, r.name, False, f"refused ({no.gate}): {no.text}"))
             continue
         if cfg.dry_run:
-            out.log(LogLine(Priority.WARNING, f"{head}; DRY-RUN: would restart {r.unit} now", Decision.DRY_RUN,
-                            r.name, r.unit, state=t.state))
+            out.log(
+                LogLine(
+                    Priority.WARNING,
+                    f"{head}; DRY-RUN: would restart {r.unit} now",
+                    Decision.DRY_RUN,
+                    r.name,
+                    r.unit,
+                    state=t.state,
+                )
+            )
             out.actions.append(AnswerRequest(q.id, r.name, True, f"DRY-RUN: would restart {r.unit}"))
             continue
-        out.log(LogLine(Priority.WARNING, f"{head}; restarting it (it was {t.state})", Decision.RESTART, r.name,
-                        r.unit, state=t.state))
+        out.log(
+            LogLine(
+                Priority.WARNING,
+                f"{head}; restarting it (it was {t.state})",
+                Decision.RESTART,
+                r.name,
+                r.unit,
+                state=t.state,
+            )
+        )
         out.actions.append(RestartUnit(r.name, r.unit, RestartKind.OPERATOR, "requested by an operator", q.id))
         out.tracks[r.name] = replace(t, restart_in_flight=True, restart_issued_at=now)
         issued = True
@@ -155,8 +220,16 @@ def _requests(out: _Out, taken: frozenset[str], obs: TickObservation, now: float
 
 # --- 4. the memory guard ----------------------------------------------------------------------
 
-def _memory(out: _Out, track: memguard.MemTrack, mobs: MemoryObservation, obs: TickObservation, now: float,
-            cfg: Config, issued: bool) -> memguard.MemTrack:
+
+def _memory(
+    out: _Out,
+    track: memguard.MemTrack,
+    mobs: MemoryObservation,
+    obs: TickObservation,
+    now: float,
+    cfg: Config,
+    issued: bool,
+) -> memguard.MemTrack:
     pending = track.pending
     replicas = []
     blocked: dict[str, admission.Blocker] = {}
@@ -170,21 +243,40 @@ def _memory(out: _Out, track: memguard.MemTrack, mobs: MemoryObservation, obs: T
         configured = mo.configured_fraction if mo is not None else None
         wiring = mo.wiring_problem if mo is not None else "not observed"
         lowering = pending is not None and pending.replica == r.name
-        if (wiring is None and not lowering and t.state in SERVING_STATES and configured is not None
-                and reported is not None and abs(configured - reported) > 1e-6):
-            wiring = (f"it serves with gpu_memory_utilization {reported:g} while guardian's env file says "
-                      f"{configured:g}: something overrides that file (a later EnvironmentFile= or an ExecStart= drop-in)")
-        replicas.append(memguard.ReplicaMemory(
-            name=r.name, unit=r.unit, model=r.model, fraction=configured if configured is not None else reported,
-            running_fraction=reported, started_at=o.unit.inactive_exit_ts if o.unit else None, wiring_problem=wiring,
-            state=t.state, usage_bytes=mo.usage_bytes if mo else None,
-            start_failure=mo.start_failure if mo and lowering else None, startup_grace_s=r.startup_grace_s))
+        if (
+            wiring is None
+            and not lowering
+            and t.state in SERVING_STATES
+            and configured is not None
+            and reported is not None
+            and abs(configured - reported) > 1e-6
+        ):
+            wiring = (
+                f"it serves with gpu_memory_utilization {reported:g} while guardian's env file says "
+                f"{configured:g}: something overrides that file (a later EnvironmentFile= or an ExecStart= drop-in)"
+            )
+        replicas.append(
+            memguard.ReplicaMemory(
+                name=r.name,
+                unit=r.unit,
+                model=r.model,
+                fraction=configured if configured is not None else reported,
+                running_fraction=reported,
+                started_at=o.unit.inactive_exit_ts if o.unit else None,
+                wiring_problem=wiring,
+                state=t.state,
+                usage_bytes=mo.usage_bytes if mo else None,
+                start_failure=mo.start_failure if mo and lowering else None,
+                startup_grace_s=r.startup_grace_s,
+            )
+        )
         b = admission.blocker(r.name, out.tracks, obs.persistent, now, cfg, issued)
         if b is not None:
             blocked[r.name] = b
     results = {n: o.restart_outcome for n, o in obs.replicas.items() if o.restart_outcome is not None}
-    view = memguard.MemoryView(mobs.sample, mobs.total_bytes, tuple(replicas), mobs.peers_serving, mobs.consumers,
-                               blocked, results)
+    view = memguard.MemoryView(
+        mobs.sample, mobs.total_bytes, tuple(replicas), mobs.peers_serving, mobs.consumers, blocked, results
+    )
     new, actions = memguard.decide(track, view, now, cfg)
     for a in actions:
         if isinstance(a, LowerFraction) and a.restart and a.replica in out.tracks:

@@ -194,8 +194,15 @@ class UnitFileState(StrEnum):
         return self in (UnitFileState.MASKED, UnitFileState.MASKED_RUNTIME)
 
 
-_ENABLED = frozenset({UnitFileState.ENABLED, UnitFileState.ENABLED_RUNTIME, UnitFileState.STATIC,
-                      UnitFileState.GENERATED, UnitFileState.TRANSIENT})
+_ENABLED = frozenset(
+    {
+        UnitFileState.ENABLED,
+        UnitFileState.ENABLED_RUNTIME,
+        UnitFileState.STATIC,
+        UnitFileState.GENERATED,
+        UnitFileState.TRANSIENT,
+    }
+)
 
 
 class RestartKind(StrEnum):
@@ -208,6 +215,7 @@ class RestartKind(StrEnum):
 
 
 # --- who holds a replica's port: a tagged union ---------------------------------------------
+
 
 @dataclass(frozen=True)
 class Nobody:

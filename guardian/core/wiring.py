@@ -62,14 +62,18 @@ def wiring_problem(unit: str, env_files: tuple[EnvFile, ...], exec_start: tuple[
     if env_path not in paths:
         problems.append(f"add EnvironmentFile=-{env_path} to {unit}, after every other EnvironmentFile= line")
     else:
-        later = env_files[len(paths) - paths[::-1].index(env_path):]
+        later = env_files[len(paths) - paths[::-1].index(env_path) :]
         for e in later:
             if e.error is not None:
-                problems.append(f"{e.path} comes after guardian's {env_path} in {unit} and cannot be read to check "
-                                f"that it does not set {VAR} ({e.error})")
+                problems.append(
+                    f"{e.path} comes after guardian's {env_path} in {unit} and cannot be read to check "
+                    f"that it does not set {VAR} ({e.error})"
+                )
             elif e.text is not None and env_value(e.text) is not None:
-                problems.append(f"{e.path} comes after guardian's {env_path} in {unit} and sets {VAR}: it overrides "
-                                f"every lowering; remove {VAR} from it, or list guardian's file last")
+                problems.append(
+                    f"{e.path} comes after guardian's {env_path} in {unit} and sets {VAR}: it overrides "
+                    f"every lowering; remove {VAR} from it, or list guardian's file last"
+                )
     argv = list(exec_start)
     passes = any(
         (a == "--gpu-memory-utilization" and i + 1 < len(argv) and argv[i + 1] in VAR_FORMS)

@@ -89,10 +89,11 @@ class MemoryObserver:
 
     async def scan_wiring(self, cfg: Config) -> None:
         found = await asyncio.gather(*(wiring_of(self.sd, cfg, r) for r in cfg.replicas))
-        self.wiring = {r.name: w for r, w in zip(cfg.replicas, found)}
+        self.wiring = {r.name: w for r, w in zip(cfg.replicas, found, strict=False)}
 
-    async def observe(self, cfg: Config, replicas: dict[str, ReplicaObservation],
-                      pending: Pending | None) -> MemoryObservation:
+    async def observe(
+        self, cfg: Config, replicas: dict[str, ReplicaObservation], pending: Pending | None
+    ) -> MemoryObservation:
         m = cfg.memory
         nvml = self.nvml
         sample = await asyncio.to_thread(sample_memory)
@@ -113,16 +114,21 @@ class MemoryObserver:
             if pending is not None and pending.replica == r.name:
                 failure = await unitlog.start_error(r.unit, pending.issued_at, pending.new)
             return ReplicaMemoryObservation(
-                configured_fraction=read_env_fraction(env_path(cfg, r.name)), cmdline_fraction=cmdline_fraction(argv),
-                usage_bytes=usage, wiring_problem=self.wiring.get(r.name, "wiring not checked yet"),
-                start_failure=failure)
+                configured_fraction=read_env_fraction(env_path(cfg, r.name)),
+                cmdline_fraction=cmdline_fraction(argv),
+                usage_bytes=usage,
+                wiring_problem=self.wiring.get(r.name, "wiring not checked yet"),
+                start_failure=failure,
+            )
 
         per_replica = await asyncio.gather(*(one(r) for r in cfg.replicas))
-        consumers, peers = "", ()
+        consumers: str = ""
+        peers: tuple[str, ...] = ()
         if sample.available_bytes < m.min_headroom_bytes:
             consumers, peers = await asyncio.gather(self._largest_consumers(), self._serving_peers(cfg))
-        return MemoryObservation(sample, total, {r.name: x for r, x in zip(cfg.replicas, per_replica)},
-                                 tuple(peers), consumers)
+        return MemoryObservation(
+            sample, total, {r.name: x for r, x in zip(cfg.replicas, per_replica, strict=False)}, tuple(peers), consumers
+        )
 
     async def _largest_consumers(self) -> str:
         try:
@@ -137,8 +143,9 @@ class MemoryObserver:
         timeout_s = cfg.memory.peer_timeout_s
 
         async def serving(url: str) -> str | None:
-            health, (_p, served) = await asyncio.gather(probes.health_at(self.client, url, timeout_s),
-                                                        probes.models_at(self.client, url, timeout_s))
+            health, (_p, served) = await asyncio.gather(
+                probes.health_at(self.client, url, timeout_s), probes.models_at(self.client, url, timeout_s)
+            )
             return url if health.ok and served and models & set(served) else None
 
         found = await asyncio.gather(*(serving(u) for u in cfg.memory.peer_urls))

@@ -52,7 +52,7 @@ def parse_vllm_metrics(text: str) -> VllmSample:
                     gpu_util = parse_fraction(sample.labels.get("gpu_memory_utilization"))
     except MetricsError:
         raise
-    except Exception as e:  # the parser raises ValueError, IndexError, ... on garbage
+    except Exception as e:  # noqa: BLE001 - the parser raises ValueError, IndexError, ... on garbage
         raise MetricsError(f"not Prometheus text: {e}") from None
     missing = [f for f in _REQUIRED if f not in values]
     if missing:

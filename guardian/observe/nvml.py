@@ -16,7 +16,7 @@ class Nvml:
             self.count = pynvml.nvmlDeviceGetCount()
             self.available = True
             self.note = f"NVML: {self.count} device(s)"
-        except Exception as e:  # ImportError, NVMLError_LibraryNotFound, NVMLError_DriverNotLoaded, ...
+        except Exception as e:  # noqa: BLE001 - ImportError, NVMLError_LibraryNotFound, NVMLError_DriverNotLoaded, ...
             self.note = f"NVML not available ({type(e).__name__}: {e}): memory from /proc only"
 
     def device_total_bytes(self) -> int | None:
@@ -25,7 +25,7 @@ class Nvml:
             return None
         try:
             return int(self._n.nvmlDeviceGetMemoryInfo(self._n.nvmlDeviceGetHandleByIndex(0)).total)
-        except Exception:
+        except Exception:  # noqa: BLE001 - NVMLError_NotSupported (GB10) and its siblings: NVML cannot say
             return None
 
     def process_memory(self) -> dict[int, int] | None:
@@ -39,6 +39,6 @@ class Nvml:
                 for p in self._n.nvmlDeviceGetComputeRunningProcesses(h):
                     if p.usedGpuMemory is not None:
                         out[p.pid] = out.get(p.pid, 0) + int(p.usedGpuMemory)
-        except Exception:
+        except Exception:  # noqa: BLE001 - NVMLError_NotSupported (GB10) and its siblings: NVML cannot say
             return None
         return out

@@ -18,8 +18,9 @@ MAX_BODY_BYTES = 4 * 2**20
 
 def make_client() -> httpx.AsyncClient:
     # trust_env=False: an HTTP(S)_PROXY in the environment must not route probes via a proxy.
-    return httpx.AsyncClient(trust_env=False, follow_redirects=False,
-                             limits=httpx.Limits(max_connections=200, max_keepalive_connections=0))
+    return httpx.AsyncClient(
+        trust_env=False, follow_redirects=False, limits=httpx.Limits(max_connections=200, max_keepalive_connections=0)
+    )
 
 
 def _error_text(e: BaseException) -> str:
@@ -40,7 +41,7 @@ async def _get(client: httpx.AsyncClient, url: str, timeout_s: float) -> tuple[P
                     body += chunk
                     if len(body) > MAX_BODY_BYTES:
                         raise ValueError(f"body larger than {MAX_BODY_BYTES} bytes")
-    except Exception as e:  # every failure is an observation, not a crash
+    except Exception as e:  # noqa: BLE001 - every failure is an observation, not a crash
         return Probe(False, None, time.monotonic() - start, _error_text(e)), b""
     latency = time.monotonic() - start
     ok = 200 <= resp.status_code < 300
@@ -73,7 +74,7 @@ async def models_at(client: httpx.AsyncClient, base_url: str, timeout_s: float) 
     try:
         data = json.loads(body)
         ids = tuple(str(m["id"]) for m in data["data"])
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - any shape of garbage is "unreadable", not a crash
         return Probe(False, probe.status, probe.latency_s, f"unreadable: {type(e).__name__}"), None
     return probe, ids
 
@@ -98,5 +99,5 @@ async def canary(client: httpx.AsyncClient, r: ReplicaConfig, started_at: float)
         if not resp.json().get("choices"):
             return CanaryResult(False, started_at, latency, "no choices in the answer")
         return CanaryResult(True, started_at, latency)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - every failure is an observation, not a crash
         return CanaryResult(False, started_at, time.monotonic() - start, _error_text(e))

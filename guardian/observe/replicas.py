@@ -14,11 +14,16 @@ import httpx
 from ..config import Config, ReplicaConfig
 from ..core.memguard import Pending
 from ..core.observations import (
-    CanaryResult, PersistentView, ReplicaObservation, RestartOutcome, TickObservation, UnitInfo,
+    CanaryResult,
+    PersistentView,
+    ReplicaObservation,
+    RestartOutcome,
+    TickObservation,
+    UnitInfo,
 )
 from ..core.vocab import HeldBy, Hidden, Nobody, PortOwner, Unreadable
 from . import probes
-from .sockets import listening_inodes, listeners
+from .sockets import listeners, listening_inodes
 from .systemd import Systemd, SystemdError
 
 UnitView = tuple[UnitInfo | None, str | None]  # the unit, or None and why systemd could not be asked
@@ -27,7 +32,7 @@ UnitView = tuple[UnitInfo | None, str | None]  # the unit, or None and why syste
 async def unit_or_error(sd: Systemd, name: str) -> UnitView:
     try:
         return await sd.unit_info(name), None
-    except (SystemdError, OSError, asyncio.TimeoutError) as e:
+    except (TimeoutError, SystemdError, OSError) as e:
         return None, str(e)
 
 
@@ -55,8 +60,9 @@ class UnitInfoCache:
     """systemd's view of each replica's unit, asked for in full only when it may have changed.
 
     A unit's full view takes 14 D-Bus calls, plus 2 per Conflicts=/ConflictedBy= entry; its
-    fingerprint (states, job, invocation id) is cheap. The full view is asked again when the fingerprint changes, after a daemon-reload or a
-    change of unit files (invalidate()), and at least every max_age_s. Restarts re-check the
+    fingerprint (states, job, invocation id) is cheap. The full view is asked again when the
+    fingerprint changes, after a daemon-reload, a change of unit files or a bus reconnect
+    (invalidate()), and at least every max_age_s. Restarts re-check the
     unit gates on a fresh, uncached view anyway (executor.checked_restart).
     """
 
@@ -70,7 +76,7 @@ class UnitInfoCache:
     async def get(self, sd: Systemd, names: list[str], mono_now: float) -> dict[str, UnitView]:
         try:
             prints = await sd.unit_fingerprints(names)
-        except (SystemdError, OSError, asyncio.TimeoutError) as e:
+        except (TimeoutError, SystemdError, OSError) as e:
             self.invalidate()
             return {n: (None, str(e)) for n in names}
         out: dict[str, UnitView] = {}
@@ -112,16 +118,20 @@ class PortOwnerCache:
         after = await asyncio.to_thread(listening_inodes, ports)
         # Kept only when the sockets did not change during the scan and every holder was named
         # (a failed D-Bus lookup must not stick).
-        complete = all(isinstance(o, Nobody) or (isinstance(o, HeldBy) and o.unit is not None)
-                       for o in owners.values())
+        complete = all(isinstance(o, Nobody) or (isinstance(o, HeldBy) and o.unit is not None) for o in owners.values())
         self._key = key if after == before and complete else None
         self._owners = owners
         return owners
 
 
 async def observe_replica(
-    client: httpx.AsyncClient, r: ReplicaConfig, at: float, unit_view: UnitView,
-    owner: PortOwner | None, canary: CanaryResult | None, outcome: RestartOutcome | None,
+    client: httpx.AsyncClient,
+    r: ReplicaConfig,
+    at: float,
+    unit_view: UnitView,
+    owner: PortOwner | None,
+    canary: CanaryResult | None,
+    outcome: RestartOutcome | None,
 ) -> ReplicaObservation:
     unit, unit_error = unit_view
     health, (mprobe, sample), (models_probe, models) = await asyncio.gather(
@@ -130,26 +140,43 @@ async def observe_replica(
         probes.probe_models(client, r),
     )
     return ReplicaObservation(
-        name=r.name, at=at, unit=unit, unit_error=unit_error, health=health, metrics_probe=mprobe,
-        metrics=sample, models_probe=models_probe, models=models, port_owner=owner, canary=canary,
+        name=r.name,
+        at=at,
+        unit=unit,
+        unit_error=unit_error,
+        health=health,
+        metrics_probe=mprobe,
+        metrics=sample,
+        models_probe=models_probe,
+        models=models,
+        port_owner=owner,
+        canary=canary,
         restart_outcome=outcome,
     )
 
 
 async def observe_all(
-    cfg: Config, sd: Systemd, client: httpx.AsyncClient, at: float,
-    canaries: dict[str, CanaryResult], outcomes: dict[str, RestartOutcome], port_cache: PortOwnerCache,
+    cfg: Config,
+    sd: Systemd,
+    client: httpx.AsyncClient,
+    at: float,
+    canaries: dict[str, CanaryResult],
+    outcomes: dict[str, RestartOutcome],
+    port_cache: PortOwnerCache,
     unit_cache: UnitInfoCache,
 ) -> dict[str, ReplicaObservation]:
     owners, units = await asyncio.gather(
         port_cache.get(sd, {r.port for r in cfg.replicas}),
         unit_cache.get(sd, [r.unit for r in cfg.replicas], time.monotonic()),
     )
-    results = await asyncio.gather(*(
-        observe_replica(client, r, at, units[r.unit], owners.get(r.port), canaries.pop(r.name, None),
-                        outcomes.pop(r.name, None))
-        for r in cfg.replicas
-    ))
+    results = await asyncio.gather(
+        *(
+            observe_replica(
+                client, r, at, units[r.unit], owners.get(r.port), canaries.pop(r.name, None), outcomes.pop(r.name, None)
+            )
+            for r in cfg.replicas
+        )
+    )
     return {o.name: o for o in results}
 
 
@@ -169,10 +196,17 @@ class WorldObserver:
         """systemd reloaded, unit files changed, or the bus dropped: no cached unit view is trusted."""
         self.unit_cache.invalidate()
 
-    async def observe(self, cfg: Config, persistent: PersistentView, canaries: dict[str, CanaryResult],
-                      outcomes: dict[str, RestartOutcome], pending: Pending | None,
-                      clock: Callable[[], float] = time.time) -> TickObservation:
-        replicas = await observe_all(cfg, self.sd, self.client, clock(), canaries, outcomes, self.port_cache,
-                                     self.unit_cache)
+    async def observe(
+        self,
+        cfg: Config,
+        persistent: PersistentView,
+        canaries: dict[str, CanaryResult],
+        outcomes: dict[str, RestartOutcome],
+        pending: Pending | None,
+        clock: Callable[[], float] = time.time,
+    ) -> TickObservation:
+        replicas = await observe_all(
+            cfg, self.sd, self.client, clock(), canaries, outcomes, self.port_cache, self.unit_cache
+        )
         memory = await self.memory.observe(cfg, replicas, pending) if cfg.memory.enabled else None
         return TickObservation(replicas, persistent, memory)

@@ -19,6 +19,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 from dbus_fast import BusType, Message, MessageType, Variant
@@ -33,8 +34,18 @@ MANAGER = "org.freedesktop.systemd1.Manager"
 UNIT_IFACE = "org.freedesktop.systemd1.Unit"
 SERVICE_IFACE = "org.freedesktop.systemd1.Service"
 PROPS = "org.freedesktop.DBus.Properties"
-UNIT_PROPS = ("LoadState", "ActiveState", "SubState", "UnitFileState", "InactiveExitTimestamp", "InvocationID",
-              "Conflicts", "ConflictedBy", "FragmentPath", "Job")
+UNIT_PROPS = (
+    "LoadState",
+    "ActiveState",
+    "SubState",
+    "UnitFileState",
+    "InactiveExitTimestamp",
+    "InvocationID",
+    "Conflicts",
+    "ConflictedBy",
+    "FragmentPath",
+    "Job",
+)
 SERVICE_PROPS = ("MainPID", "Restart", "NRestarts")
 
 
@@ -42,6 +53,16 @@ MAX_CALLS_IN_FLIGHT = 16
 RECONNECT_FIRST_S = 0.5
 RECONNECT_MAX_S = 30.0
 BUS_LOST = "bus lost before the job ended"
+JOB_DONE = "done"  # systemd's job result for a job that succeeded
+
+
+class SystemdEvent(StrEnum):
+    """Why views kept from before may be stale."""
+
+    UNIT_FILES_CHANGED = "UnitFilesChanged"
+    RELOADED = "Reloading"
+    BUS_LOST = "bus-lost"
+    BUS_BACK = "bus-back"
 
 
 class SystemdError(Exception):
@@ -67,7 +88,7 @@ class Systemd:
         self.bus: MessageBus | None = None
         self._jobs: dict[str, asyncio.Future[str]] = {}
         self._finished: dict[str, str] = {}
-        self._listeners: list[Callable[[str], None]] = []
+        self._listeners: list[Callable[[SystemdEvent], None]] = []
         self._in_flight = asyncio.Semaphore(MAX_CALLS_IN_FLIGHT)
         self._lost_at_mono: float | None = None
         self._closing = False
@@ -79,7 +100,7 @@ class Systemd:
         """Connect once; raises SystemdError. Later drops are handled by reconnecting."""
         try:
             await self._connect_once()
-        except (OSError, asyncio.TimeoutError, EOFError) as e:
+        except (TimeoutError, OSError, EOFError) as e:
             raise SystemdError(f"cannot connect to the system bus: {e or type(e).__name__}") from None
 
     async def _connect_once(self) -> None:
@@ -92,9 +113,12 @@ class Systemd:
             await self._call(MANAGER, "Subscribe", "", [], path=SD_PATH)
             for member in ("JobRemoved", "Reloading", "UnitFilesChanged"):
                 await self._call(
-                    "org.freedesktop.DBus", "AddMatch", "s",
+                    "org.freedesktop.DBus",
+                    "AddMatch",
+                    "s",
                     [f"type='signal',sender='{SD}',interface='{MANAGER}',member='{member}'"],
-                    path="/org/freedesktop/DBus", destination="org.freedesktop.DBus",
+                    path="/org/freedesktop/DBus",
+                    destination="org.freedesktop.DBus",
                 )
         except BaseException:
             self.bus = None
@@ -109,7 +133,7 @@ class Systemd:
 
     async def _watch(self, bus: MessageBus) -> None:
         try:
-            await bus.wait_for_disconnect()
+            await bus.wait_for_disconnect()  # type: ignore[no-untyped-call]  # dbus-fast leaves it unannotated
         except Exception:  # noqa: BLE001 - the reason does not matter: the bus is gone
             pass
         if self._closing or self.bus is not bus:
@@ -120,7 +144,7 @@ class Systemd:
             if not fut.done():
                 fut.set_result(BUS_LOST)
             self._jobs.pop(job, None)
-        self._notify("bus-lost")
+        self._notify(SystemdEvent.BUS_LOST)
         self._spawn(self._reconnect())
 
     async def _reconnect(self) -> None:
@@ -129,11 +153,11 @@ class Systemd:
             await asyncio.sleep(delay_s)
             try:
                 await self._connect_once()
-            except (OSError, asyncio.TimeoutError, EOFError, SystemdError):
+            except (TimeoutError, OSError, EOFError, SystemdError):
                 delay_s = min(delay_s * 2, RECONNECT_MAX_S)
                 continue
             self.reconnects += 1
-            self._notify("bus-back")
+            self._notify(SystemdEvent.BUS_BACK)
             self._lost_at_mono = None
 
     @property
@@ -152,12 +176,12 @@ class Systemd:
             self.bus.disconnect()
             self.bus = None
 
-    def on_units_changed(self, listener: Callable[[str], None]) -> None:
+    def on_units_changed(self, listener: Callable[[SystemdEvent], None]) -> None:
         """LISTENER(reason) is called when unit files change, systemd reloads, or the bus is lost
         ("bus-lost") or back ("bus-back"): any view kept from before may be stale."""
         self._listeners.append(listener)
 
-    def _notify(self, reason: str) -> None:
+    def _notify(self, reason: SystemdEvent) -> None:
         for listener in self._listeners:
             listener(reason)
 
@@ -174,21 +198,32 @@ class Systemd:
                 self._finished[job_path] = result
                 while len(self._finished) > 64:
                     self._finished.pop(next(iter(self._finished)))
-        elif msg.member == "UnitFilesChanged" or (msg.member == "Reloading" and msg.body and not msg.body[0]):
-            self._notify(msg.member)
+        elif msg.member == "UnitFilesChanged":
+            self._notify(SystemdEvent.UNIT_FILES_CHANGED)
+        elif msg.member == "Reloading" and msg.body and not msg.body[0]:  # the end of a daemon-reload
+            self._notify(SystemdEvent.RELOADED)
 
-    async def _call(self, interface: str, member: str, signature: str, body: list[Any], path: str = SD_PATH,
-                    destination: str = SD, timeout_s: float | None = None) -> list[Any]:
+    async def _call(
+        self,
+        interface: str,
+        member: str,
+        signature: str,
+        body: list[Any],
+        path: str = SD_PATH,
+        destination: str = SD,
+        timeout_s: float | None = None,
+    ) -> list[Any]:
         bus = self.bus
         if bus is None:
             raise SystemdError("not connected to the system bus")
-        msg = Message(destination=destination, path=path, interface=interface, member=member,
-                      signature=signature, body=body)
+        msg = Message(
+            destination=destination, path=path, interface=interface, member=member, signature=signature, body=body
+        )
         limit_s = timeout_s or self.call_timeout_s
         try:
             async with self._in_flight:
                 reply = await asyncio.wait_for(bus.call(msg), limit_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise SystemdError(f"D-Bus {member} timed out after {limit_s:.0f} s") from None
         except (OSError, EOFError) as e:
             raise SystemdError(f"D-Bus {member}: the bus connection failed: {e or type(e).__name__}") from None
@@ -201,7 +236,7 @@ class Systemd:
 
     async def unit_path(self, name: str) -> str:
         (path,) = await self._call(MANAGER, "LoadUnit", "s", [name])
-        return path
+        return str(path)
 
     async def active_state(self, name: str) -> ActiveState:
         try:
@@ -215,17 +250,18 @@ class Systemd:
 
     async def _some_props(self, path: str, interface: str, names: tuple[str, ...]) -> dict[str, Any]:
         values = await asyncio.gather(*(self._call(PROPS, "Get", "ss", [interface, n], path=path) for n in names))
-        return {n: _v(v) for n, (v,) in zip(names, values)}
+        return {n: _v(v) for n, (v,) in zip(names, values, strict=False)}
 
     async def unit_fingerprints(self, names: list[str]) -> dict[str, tuple[str, ...]]:
         """Per unit (load, active, sub state, job id, invocation id): what changes when it starts,
         stops, restarts or gets a job. One call for all units plus one per unit, where unit_info
         makes 14, plus 2 per Conflicts=/ConflictedBy= entry."""
         (rows,) = await self._call(MANAGER, "ListUnitsByNames", "as", [list(names)])
-        invocations = await asyncio.gather(*(self._call(PROPS, "Get", "ss", [UNIT_IFACE, "InvocationID"], path=row[6])
-                                             for row in rows))
+        invocations = await asyncio.gather(
+            *(self._call(PROPS, "Get", "ss", [UNIT_IFACE, "InvocationID"], path=row[6]) for row in rows)
+        )
         out: dict[str, tuple[str, ...]] = {}
-        for row, (inv,) in zip(rows, invocations):
+        for row, (inv,) in zip(rows, invocations, strict=False):
             name, _desc, load, active, sub, _following, _path, job_id, _jt, _jp = row
             out[name] = (load, active, sub, str(job_id), bytes(_v(inv)).hex())
         return out
@@ -236,7 +272,7 @@ class Systemd:
         path = await self.unit_path(name)
         u = await self._some_props(path, UNIT_IFACE, UNIT_PROPS)
         svc: dict[str, Any] = {}
-        if u.get("LoadState") == "loaded" and name.endswith(".service"):
+        if LoadState.parse(u.get("LoadState", "")) is LoadState.LOADED and name.endswith(".service"):
             svc = await self._some_props(path, SERVICE_IFACE, SERVICE_PROPS)
         others = sorted(set(u.get("Conflicts", [])) | set(u.get("ConflictedBy", [])))
         conflicts = []
@@ -287,7 +323,9 @@ class Systemd:
         systemd loads units lazily, so a disabled-but-not-loaded or enabled-but-inactive unit's
         Conflicts= is invisible in the replica's ConflictedBy=; LoadUnit makes it visible.
         """
-        (files,) = await self._call(MANAGER, "ListUnitFilesByPatterns", "asas", [["enabled", "enabled-runtime"], ["*.service"]])
+        (files,) = await self._call(
+            MANAGER, "ListUnitFilesByPatterns", "asas", [["enabled", "enabled-runtime"], ["*.service"]]
+        )
         result: dict[str, tuple[str, ...]] = {}
         for file_path, _state in files:
             name = os.path.basename(file_path)
@@ -328,7 +366,7 @@ class Systemd:
         self._jobs[job_path] = fut
         try:
             return await asyncio.wait_for(fut, timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return f"no result within {timeout_s:.0f} s"
         finally:
             self._jobs.pop(job_path, None)

@@ -19,8 +19,12 @@ def find_start_error(lines: list[str], fraction: float | None = None) -> str | N
     for line in reversed(lines):
         if not any(m in line for m in REFUSAL_MARKERS):
             continue
-        if fraction is not None and "utilization (" in line and f"utilization ({fraction:g}," not in line \
-                and f"utilization ({fraction}," not in line:
+        if (
+            fraction is not None
+            and "utilization (" in line
+            and f"utilization ({fraction:g}," not in line
+            and f"utilization ({fraction}," not in line
+        ):
             continue
         return line.strip()[:400]
     return None
@@ -29,13 +33,24 @@ def find_start_error(lines: list[str], fraction: float | None = None) -> str | N
 async def start_error(unit: str, since_ts: float, fraction: float | None = None, timeout_s: float = 5.0) -> str | None:
     try:
         proc = await asyncio.create_subprocess_exec(
-            "journalctl", "--no-pager", "-o", "cat", "-u", unit, "--since", f"@{since_ts:.6f}", "-n", "300",
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+            "journalctl",
+            "--no-pager",
+            "-o",
+            "cat",
+            "-u",
+            unit,
+            "--since",
+            f"@{since_ts:.6f}",
+            "-n",
+            "300",
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
     except OSError:
         return None
     try:
         out, _ = await asyncio.wait_for(proc.communicate(), timeout_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         proc.kill()
         await proc.wait()
         return None
