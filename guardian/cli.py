@@ -18,7 +18,7 @@ from . import __version__
 from .act.executor import checked_restart
 from .act.journal import Journal
 from .act.state import STATUS_FILE, CorruptState, State, StateStore, view
-from .config import Config, ConfigError, config_path, load_config
+from .config import MAX_WINDOW_S, Config, ConfigError, config_path, load_config
 from .core import gates, hazards, thresholds, tick
 from .core.actions import AnswerRequest, LogLine, RestartUnit
 from .core.observations import RestartRequest, TickObservation
@@ -39,6 +39,16 @@ def parse_duration(text: str) -> float:
     if not m:
         raise argparse.ArgumentTypeError(f"not a duration: {text!r} (use e.g. 90s, 15m, 2h)")
     return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
+
+
+def pause_duration(text: str) -> float:
+    """A pause's length: more than 0 and at most 30 days (`guardian resume` ends any pause)."""
+    seconds = parse_duration(text)
+    if not 0 < seconds <= MAX_WINDOW_S:
+        raise argparse.ArgumentTypeError(
+            f"a pause lasts more than 0 s and at most 30 days (got {text!r}); leave --for out to pause until resumed"
+        )
+    return seconds
 
 
 def _load(args: argparse.Namespace) -> Config:
@@ -374,7 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_status)
     pa = sub.add_parser("pause", help="stop acting on a replica (survives guardian restarts)")
     pa.add_argument("name")
-    pa.add_argument("--for", dest="for_", type=parse_duration, default=None, help="e.g. 30m; default: until resumed")
+    pa.add_argument("--for", dest="for_", type=pause_duration, default=None, help="e.g. 30m; default: until resumed")
     pa.set_defaults(func=cmd_pause)
     re_ = sub.add_parser("resume", help="act on a paused replica again; also resets its restart budget")
     re_.add_argument("name")

@@ -2,13 +2,20 @@
 
 Precedence, highest first: ``GUARDIAN_*`` environment variables (nested keys with ``__``,
 e.g. ``GUARDIAN_WATCHDOG__STALL_WINDOW_S=90``), then the TOML file, then the defaults here.
-Unknown keys are errors: a typo must not silently leave a default in force.
+Unknown keys are errors: a typo must not silently leave a default in force. Numbers must be
+finite and within stated bounds; unit names follow systemd's grammar; a replica's URL is a plain
+base URL; ``interval_s`` and the probe timeouts stay well inside systemd's watchdog; and any
+failure to read or parse (deep nesting, bad JSON in an environment override) is a ConfigError,
+which the CLI turns into exit status 2 and a reload into "reload refused".
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import re
 import tomllib
+from collections.abc import Callable
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
@@ -21,6 +28,53 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 DEFAULT_CONFIG_PATH = Path("/etc/guardian/guardian.toml")
 CONFIG_ENV = "GUARDIAN_CONFIG"
+SHIPPED_WATCHDOG_S = 30.0  # WatchdogSec= of the shipped guardian.service
+MAX_WINDOW_S = 30 * 86400.0  # no window or timeout is longer than 30 days
+# systemd.unit(5): letters, digits, ":", "-", "_", ".", "\\"; "@" separates a template's instance.
+_UNIT_NAME = re.compile(r"[A-Za-z0-9:_.\\-]+(@[A-Za-z0-9:_.\\-]+)?\.service")
+
+
+def watchdog_s() -> float:
+    """systemd's watchdog period for guardian: $WATCHDOG_USEC where systemd runs it with one
+    (WatchdogSec=), else the shipped unit's 30 s (for `guardian check` and the like)."""
+    try:
+        usec = int(os.environ.get("WATCHDOG_USEC", ""))
+    except ValueError:
+        return SHIPPED_WATCHDOG_S
+    return usec / 1e6 if usec > 0 else SHIPPED_WATCHDOG_S
+
+
+def _check_base_url(v: str) -> str:
+    """A replica's (or a peer's) own base URL: http(s), a host, a real port, nothing else."""
+    if any(ord(c) < 0x21 or ord(c) == 0x7F for c in v):
+        raise ValueError(f"has a control character or a space ({v!r})")
+    parts = urlsplit(v)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"must be an http:// or https:// URL with a host, e.g. http://127.0.0.1:8000 (got {v!r})")
+    if "@" in parts.netloc:
+        raise ValueError("must not carry a user or password (it would be printed in logs)")
+    if parts.query or parts.fragment or v.endswith(("?", "#")):
+        raise ValueError(f"must be a base URL without a query or fragment ({v!r})")
+    try:
+        port = parts.port  # urlsplit checks the port only when asked
+    except ValueError as e:
+        raise ValueError(f"has an invalid port ({v!r})") from e
+    if port == 0:
+        raise ValueError(f"has port 0, which no server listens on ({v!r})")
+    return v.rstrip("/")
+
+
+def _endpoint(url: str) -> tuple[str, int]:
+    """(host, port) as a connection sees it: case folded, localhost and loopback literals as one."""
+    parts = urlsplit(url)
+    host = (parts.hostname or "").lower()
+    try:
+        ip = ipaddress.ip_address(host)
+        host = "loopback" if ip.is_loopback else ip.compressed
+    except ValueError:
+        if host == "localhost" or host.endswith(".localhost"):
+            host = "loopback"
+    return host, parts.port or (443 if parts.scheme == "https" else 80)
 
 
 class ConfigError(Exception):
@@ -28,7 +82,10 @@ class ConfigError(Exception):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+Seconds = Field(gt=0, le=MAX_WINDOW_S)
 
 
 class ReplicaConfig(_Strict):
@@ -36,29 +93,32 @@ class ReplicaConfig(_Strict):
     unit: str
     url: str
     model: str = Field(min_length=1)
-    startup_grace_s: float = Field(default=1200.0, gt=0)
-    health_timeout_s: float = Field(default=2.0, gt=0)
-    metrics_timeout_s: float = Field(default=3.0, gt=0)
-    canary_timeout_s: float = Field(default=15.0, gt=0)
+    startup_grace_s: float = Field(default=1200.0, gt=0, le=MAX_WINDOW_S)
+    health_timeout_s: float = Field(default=2.0, gt=0, le=MAX_WINDOW_S)
+    metrics_timeout_s: float = Field(default=3.0, gt=0, le=MAX_WINDOW_S)
+    canary_timeout_s: float = Field(default=15.0, gt=0, le=MAX_WINDOW_S)
+
+    @field_validator("model")
+    @classmethod
+    def _model_is_text(cls, v: str) -> str:
+        if len(v) > 512 or any(ord(c) < 0x20 or ord(c) == 0x7F for c in v):
+            raise ValueError("must be at most 512 characters, without control characters")
+        return v
 
     @field_validator("unit")
     @classmethod
     def _unit_is_service(cls, v: str) -> str:
-        if not v.endswith(".service") or len(v) <= len(".service") or "/" in v:
-            raise ValueError(f"must be a systemd service unit name ending in '.service' (got {v!r})")
+        if len(v) > 255 or not _UNIT_NAME.fullmatch(v):
+            raise ValueError(
+                f"must be a systemd service unit name (letters, digits, ':', '-', '_', '.', '\\', an optional "
+                f"'@instance' that is not empty, ending in '.service', at most 255 characters; got {v!r})"
+            )
         return v
 
     @field_validator("url")
     @classmethod
-    def _url_has_scheme(cls, v: str) -> str:
-        parts = urlsplit(v)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"must be an http:// or https:// URL with a host, e.g. http://127.0.0.1:8000 (got {v!r})")
-        try:
-            _ = parts.port  # urlsplit checks the port only when asked
-        except ValueError as e:
-            raise ValueError(f"has an invalid port ({v!r})") from e
-        return v.rstrip("/")
+    def _url_is_base_url(cls, v: str) -> str:
+        return _check_base_url(v)
 
     @property
     def port(self) -> int:
@@ -67,31 +127,31 @@ class ReplicaConfig(_Strict):
 
 
 class WatchdogConfig(_Strict):
-    stall_window_s: float = Field(default=60.0, gt=0)
-    unresponsive_after_s: float = Field(default=10.0, gt=0)
-    canary_interval_s: float = Field(default=30.0, gt=0)
-    canary_retry_s: float = Field(default=5.0, gt=0)
-    canary_failures: int = Field(default=2, ge=1)
-    restart_budget: int = Field(default=3, ge=1)
-    restart_window_s: float = Field(default=1800.0, gt=0)
-    backoff_s: float = Field(default=60.0, ge=0)
-    restart_job_timeout_s: float = Field(default=300.0, gt=0)
+    stall_window_s: float = Field(default=60.0, gt=0, le=MAX_WINDOW_S)
+    unresponsive_after_s: float = Field(default=10.0, gt=0, le=MAX_WINDOW_S)
+    canary_interval_s: float = Field(default=30.0, gt=0, le=MAX_WINDOW_S)
+    canary_retry_s: float = Field(default=5.0, gt=0, le=MAX_WINDOW_S)
+    canary_failures: int = Field(default=2, ge=1, le=1000)
+    restart_budget: int = Field(default=3, ge=1, le=1000)
+    restart_window_s: float = Field(default=1800.0, gt=0, le=MAX_WINDOW_S)
+    backoff_s: float = Field(default=60.0, ge=0, le=MAX_WINDOW_S)
+    restart_job_timeout_s: float = Field(default=300.0, gt=0, le=MAX_WINDOW_S)
 
 
 class MemoryConfig(_Strict):
     enabled: bool = False
     min_headroom_bytes: int = Field(default=8 * 2**30, ge=0)
     critical_headroom_bytes: int = Field(default=3 * 2**30, ge=0)
-    sustain_s: float = Field(default=30.0, ge=0)
+    sustain_s: float = Field(default=30.0, ge=0, le=MAX_WINDOW_S)
     psi_some_threshold_pct: float | None = Field(default=None, ge=0, le=100)
     step: float = Field(default=0.04, gt=0, le=0.5)
     floor: float = Field(default=0.50, gt=0, lt=1)
     reserve_bytes: int = Field(default=2**30, ge=0)
-    cooldown_s: float = Field(default=600.0, ge=0)
+    cooldown_s: float = Field(default=600.0, ge=0, le=MAX_WINDOW_S)
     device_total_bytes: int | None = Field(default=None, gt=0)
     priority: list[str] = Field(default_factory=list)
     peer_urls: list[str] = Field(default_factory=list)
-    peer_timeout_s: float = Field(default=2.0, gt=0)
+    peer_timeout_s: float = Field(default=2.0, gt=0, le=MAX_WINDOW_S)
     restore: bool = False
 
     @model_validator(mode="after")
@@ -104,9 +164,10 @@ class MemoryConfig(_Strict):
                 "raise it by hand: edit /var/lib/guardian/replicas/NAME.env and restart that replica"
             )
         for url in self.peer_urls:
-            parts = urlsplit(url)
-            if parts.scheme not in ("http", "https") or not parts.hostname:
-                raise ValueError(f"peer_urls: {url!r} is not an http:// or https:// URL with a host")
+            try:
+                _check_base_url(url)
+            except ValueError as e:
+                raise ValueError(f"peer_urls: {url!r}: {e}") from None
         return self
 
 
@@ -127,16 +188,17 @@ class Config(BaseSettings):
         env_nested_delimiter="__",
         extra="forbid",
         frozen=True,
+        allow_inf_nan=False,
     )
 
-    interval_s: float = Field(default=2.0, gt=0)
+    interval_s: float = Field(default=2.0, gt=0, le=MAX_WINDOW_S)
     dry_run: bool = False
     state_dir: Path = Path("/var/lib/guardian")
     runtime_dir: Path = Path("/run/guardian")
-    shutdown_timeout_s: float = Field(default=10.0, gt=0)
+    shutdown_timeout_s: float = Field(default=10.0, gt=0, le=MAX_WINDOW_S)
     # With the system bus gone this long, guardian stops pinging systemd's watchdog (it is blind:
     # no unit view, no restart) so that systemd restarts it; it reconnects on its own before that.
-    bus_lost_restart_s: float = Field(default=60.0, gt=0)
+    bus_lost_restart_s: float = Field(default=60.0, gt=0, le=MAX_WINDOW_S)
     watchdog: WatchdogConfig = WatchdogConfig()
     memory: MemoryConfig = MemoryConfig()
     replicas: list[ReplicaConfig] = Field(default_factory=list)
@@ -152,17 +214,50 @@ class Config(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         return (init_settings, env_settings, _DictSource(settings_cls))
 
+    @field_validator("state_dir", "runtime_dir")
+    @classmethod
+    def _absolute(cls, v: Path) -> Path:
+        if not v.is_absolute() or str(v) == "/":
+            raise ValueError(f"must be an absolute directory other than / (got {str(v)!r})")
+        return v
+
     @field_validator("replicas")
     @classmethod
     def _replicas_distinct(cls, replicas: list[ReplicaConfig]) -> list[ReplicaConfig]:
-        for attr in ("name", "unit", "url"):
-            seen: set[str] = set()
+        # Compared as systemd and a connection see them: names and units case-insensitively (a
+        # journal filter or `guardian pause A` must not be ambiguous), URLs by host and port.
+        keys: dict[str, Callable[[ReplicaConfig], str]] = {
+            "name": lambda r: r.name.lower(),
+            "unit": lambda r: r.unit.lower(),
+            "address": lambda r: "{}:{}".format(*_endpoint(r.url)),
+        }
+        for attr, key in keys.items():
+            seen: dict[str, str] = {}
             for r in replicas:
-                value = getattr(r, attr)
-                if value in seen:
-                    raise ValueError(f"two replicas have the same {attr} {value!r}")
-                seen.add(value)
+                k = key(r)
+                if k in seen:
+                    raise ValueError(f"two replicas have the same {attr}: {seen[k]!r} and {r.name!r}")
+                seen[k] = r.name
         return replicas
+
+    @model_validator(mode="after")
+    def _inside_the_watchdog(self) -> Config:
+        """A tick starts every interval_s and can wait out a probe's timeout; systemd kills a
+        guardian that does not ping within WatchdogSec. Each must stay <= a quarter of it."""
+        limit_s = watchdog_s() / 4
+        checks = [("interval_s", self.interval_s), ("memory.peer_timeout_s", self.memory.peer_timeout_s)]
+        for i, r in enumerate(self.replicas):
+            checks += [
+                (f"replicas.{i}.health_timeout_s", r.health_timeout_s),
+                (f"replicas.{i}.metrics_timeout_s", r.metrics_timeout_s),
+            ]
+        over = [f"{k} = {v:g}" for k, v in checks if v > limit_s]
+        if over:
+            raise ValueError(
+                f"{', '.join(over)}: must be <= {limit_s:g} s, a quarter of systemd's watchdog period "
+                f"({watchdog_s():g} s), or systemd kills guardian while it waits"
+            )
+        return self
 
     @model_validator(mode="after")
     def _priority_names_replicas(self) -> Config:
@@ -202,7 +297,19 @@ def _describe(err: ErrorDetails) -> str:
 
 
 def load_config(path: Path) -> Config:
-    """Read and validate PATH; raise ConfigError with one message per problem."""
+    """Read and validate PATH; raise ConfigError with one message per problem. Nothing else
+    escapes: whatever goes wrong while reading or parsing is a ConfigError too."""
+    try:
+        return _load_config(path)
+    except ConfigError:
+        raise
+    except RecursionError:
+        raise ConfigError(f"config error in {path}: nested too deeply to read") from None
+    except Exception as e:  # noqa: BLE001 - e.g. pydantic-settings' SettingsError for bad JSON in GUARDIAN_*
+        raise ConfigError(f"config error in {path}: {type(e).__name__}: {e}") from None
+
+
+def _load_config(path: Path) -> Config:
     try:
         raw = path.read_bytes()
     except FileNotFoundError:

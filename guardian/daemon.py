@@ -25,7 +25,7 @@ from . import __version__
 from .act.executor import Executor
 from .act.journal import Journal
 from .act.notify import Notifier
-from .act.state import STATUS_FILE, StateCache, StateStore, atomic_write_json
+from .act.state import STATUS_FILE, CorruptState, StateCache, StateStore, atomic_write_json, forget_unconfigured
 from .config import Config, ConfigError, load_config
 from .core import hazards, thresholds, tick
 from .core.actions import LogLine
@@ -193,6 +193,14 @@ class Daemon:
             await self.observer.memory.scan_wiring(self.cfg)
 
     def _load_persistent(self, force: bool = False) -> None:
+        if force:  # at start and on reload: replicas no longer configured leave no history behind
+            names = {r.name for r in self.cfg.replicas}
+            try:
+                self.store.update(lambda d: forget_unconfigured(d, names))
+            except CorruptState as e:
+                self.journal.send(Priority.ERROR, str(e))
+            except OSError as e:
+                self.journal.send(Priority.ERROR, f"cannot update state in {self.store.dir}: {e}")
         for problem in self.persistent.load(force):
             self.journal.send(Priority.ERROR, problem)
 

@@ -34,7 +34,7 @@ def test_minimal_config_gets_documented_defaults(tmp_path):
     ("[watchdog]\nstall_window_s = 0\n" + GOOD_REPLICA, "watchdog.stall_window_s", "greater than 0"),
     ("[watchdog]\nrestart_budget = 0\n" + GOOD_REPLICA, "watchdog.restart_budget", "greater than or equal to 1"),
     ("[watchdog]\nstal_window_s = 5\n" + GOOD_REPLICA, "watchdog.stal_window_s", "unknown key"),
-    (GOOD_REPLICA + GOOD_REPLICA.replace("8001", "8002").replace("vllm-a", "vllm-b"), "replicas", "same name 'a'"),
+    (GOOD_REPLICA + GOOD_REPLICA.replace("8001", "8002").replace("vllm-a", "vllm-b"), "replicas", "same name: 'a' and 'a'"),
     (GOOD_REPLICA + GOOD_REPLICA.replace('"a"', '"b"').replace("8001", "8002"), "replicas", "same unit"),
     (GOOD_REPLICA.replace("vllm-a.service", "vllm-a"), "replicas.0.unit", "ending in '.service'"),
     (GOOD_REPLICA.replace("vllm-a.service", "vllm-a.socket"), "replicas.0.unit", "ending in '.service'"),
@@ -50,6 +50,29 @@ def test_minimal_config_gets_documented_defaults(tmp_path):
     ("[memory]\npeer_urls = [\"box2:8000\"]\n", "memory", "peer_urls"),
     ("[memory]\npriority = [\"z\"]\n" + GOOD_REPLICA, "", "memory.priority names no configured replica: z"),
     ("[memory]\nfloor = 1.2\n", "memory.floor", "less than 1"),
+    # hostile or careless input (issue 10): never accepted, always named
+    ("interval_s = inf\n" + GOOD_REPLICA, "interval_s", "finite"),
+    ("interval_s = nan\n" + GOOD_REPLICA, "interval_s", "finite"),
+    ("[watchdog]\nstall_window_s = 1e308\n" + GOOD_REPLICA, "watchdog.stall_window_s", "less than or equal to 2592000"),
+    (GOOD_REPLICA + "health_timeout_s = inf\n", "replicas.0.health_timeout_s", "finite"),
+    ("interval_s = 60\n" + GOOD_REPLICA, "", "interval_s = 60: must be <= 7.5 s, a quarter of systemd's watchdog"),
+    (GOOD_REPLICA + "metrics_timeout_s = 10\n", "", "replicas.0.metrics_timeout_s = 10: must be <= 7.5 s"),
+    (GOOD_REPLICA.replace("vllm-a.service", "foo;rm.service"), "replicas.0.unit", "systemd service unit name"),
+    (GOOD_REPLICA.replace('"vllm-a.service"', '"vllm-a\\n<2>fake.service"'), "replicas.0.unit", "systemd service unit name"),
+    (GOOD_REPLICA.replace("vllm-a.service", "vllm-replica@.service"), "replicas.0.unit", "systemd service unit name"),
+    (GOOD_REPLICA.replace("http://127.0.0.1:8001", "http://127.0.0.1:18\\n001"), "replicas.0.url", "control character"),
+    (GOOD_REPLICA.replace("http://127.0.0.1:8001", "http://user:secret@127.0.0.1:8001"), "replicas.0.url",
+     "must not carry a user or password"),
+    (GOOD_REPLICA.replace("http://127.0.0.1:8001", "http://127.0.0.1:0"), "replicas.0.url", "port 0"),
+    (GOOD_REPLICA.replace("http://127.0.0.1:8001", "http://127.0.0.1:8001/?x=1"), "replicas.0.url", "query"),
+    (GOOD_REPLICA + GOOD_REPLICA.replace('"a"', '"A"').replace("vllm-a", "vllm-b").replace("8001", "8002"),
+     "replicas", "same name: 'a' and 'A'"),
+    (GOOD_REPLICA + GOOD_REPLICA.replace('"a"', '"b"').replace("vllm-a", "VLLM-A").replace("8001", "8002"),
+     "replicas", "same unit"),
+    (GOOD_REPLICA + GOOD_REPLICA.replace('"a"', '"b"').replace("vllm-a", "vllm-b").replace("127.0.0.1", "localhost"),
+     "replicas", "same address: 'a' and 'b'"),
+    ('state_dir = ""\n', "state_dir", "absolute directory"),
+    ("[memory]\npeer_urls = [\"http://u:p@box2:8000\"]\n", "memory", "user or password"),
 ])
 def test_config_errors_name_key_and_reason(tmp_path, text, key, reason):
     path = write(tmp_path, text)
@@ -59,6 +82,28 @@ def test_config_errors_name_key_and_reason(tmp_path, text, key, reason):
     assert msg.startswith(f"config error in {path}: ")
     assert f"{key}:" in msg or (key == "" and "invalid TOML" in msg), msg
     assert reason in msg, msg
+
+
+def test_deep_nesting_and_bad_json_in_the_environment_are_config_errors(tmp_path, monkeypatch):
+    """Both used to escape as a traceback and exit 1, which RestartPreventExitStatus=2 does not stop."""
+    deep = write(tmp_path, "x = " + "[" * 500 + "]" * 500 + "\n")
+    with pytest.raises(ConfigError, match="config error in"):
+        load_config(deep)
+    path = write(tmp_path, GOOD_REPLICA)
+    monkeypatch.setenv("GUARDIAN_REPLICAS", '[{"name": "a", ')
+    with pytest.raises(ConfigError, match="GUARDIAN_REPLICAS|replicas"):
+        load_config(path)
+
+
+def test_the_watchdog_limit_follows_systemds_watchdog_usec(tmp_path, monkeypatch):
+    path = write(tmp_path, "interval_s = 9\n" + GOOD_REPLICA)
+    with pytest.raises(ConfigError, match="interval_s = 9: must be <= 7.5 s"):
+        load_config(path)
+    monkeypatch.setenv("WATCHDOG_USEC", str(60_000_000))  # WatchdogSec=60s
+    assert load_config(path).interval_s == 9
+    monkeypatch.setenv("WATCHDOG_USEC", str(20_000_000))
+    with pytest.raises(ConfigError, match="must be <= 5 s"):
+        load_config(path)
 
 
 def test_missing_and_unreadable_files(tmp_path):

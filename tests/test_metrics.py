@@ -45,3 +45,26 @@ def test_sums_over_engines():
 def test_garbage_is_a_clear_error(text, reason):
     with pytest.raises(MetricsError, match=reason):
         parse_vllm_metrics(text)
+
+
+def _page(*lines: str) -> str:
+    return "\n".join(["# TYPE vllm:num_requests_running gauge", "vllm:num_requests_running 0",
+                      "# TYPE vllm:num_requests_waiting gauge", "vllm:num_requests_waiting 0", *lines]) + "\n"
+
+
+@pytest.mark.parametrize("lines, why", [
+    (['vllm:generation_tokens_total{engine="0"} 1e308', 'vllm:generation_tokens_total{engine="1"} 1e308'],
+     "add up to inf"),
+    (["vllm:generation_tokens_total 0"] + [f'vllm:kv_cache_usage_perc{{engine="{i}"}} 0' for i in range(20_001)],
+     "more than 20000 samples"),
+])
+def test_hostile_pages_are_unreadable_not_a_crash(lines, why):
+    with pytest.raises(MetricsError, match=why):
+        parse_vllm_metrics(_page(*lines))
+
+
+@pytest.mark.parametrize("label", ["inf", "7.5", "nan", "0", "-0.5", "lots"])
+def test_a_fraction_that_is_no_fraction_is_not_read(label):
+    """With "inf" guardian crashed in a squeeze; with "7.5" it wrote 7.46 to the env file (issue 10)."""
+    page = _page("vllm:generation_tokens_total 0", f'vllm:cache_config_info{{gpu_memory_utilization="{label}"}} 1')
+    assert parse_vllm_metrics(page).gpu_memory_utilization is None

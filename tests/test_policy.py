@@ -436,7 +436,7 @@ def test_hazards():
 def test_hazard_missing_unit_and_shared_port():
     config = Config(replicas=[
         ReplicaConfig(name="a", unit="vllm-a.service", url="http://127.0.0.1:8001", model="m"),
-        ReplicaConfig(name="b", unit="vllm-b.service", url="http://localhost:8001", model="m"),
+        ReplicaConfig(name="b", unit="vllm-b.service", url="http://192.0.2.7:8001", model="m"),
     ])
     units = {"vllm-a.service": unit(load_state="not-found", unit_file_state=""), "vllm-b.service": unit("vllm-b.service")}
     keys = {h.key for h in find_hazards(config, units, {})}

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import math
 import os
 import tempfile
 import time
@@ -68,33 +69,69 @@ def _empty() -> State:
     return {"version": STATE_VERSION, "restarts": {}, "pauses": {}, "resumed_at": {}, "requests": {}, "answers": {}}
 
 
-def _validate(data: Any) -> State:
+def _time(value: Any, now: float) -> float:
+    """A persisted wall-clock time: a finite number (not a string, not a bool), clamped to NOW so
+    that a time in the future (a clock stepped back) cannot hold a window open."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{value!r} is not a finite time")
+    return min(float(value), now)
+
+
+def _text(value: Any, limit: int = 4096) -> str:
+    if not isinstance(value, str) or len(value) > limit:
+        raise ValueError("a text field is not a string or is too long")
+    return value
+
+
+def _table(value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ValueError("a section is not a JSON object")
+    return value
+
+
+def _validate(data: Any, now: float) -> State:
+    """Typed validation: anything of the wrong type, or not finite, makes the file corrupt."""
     if not isinstance(data, dict) or data.get("version") != STATE_VERSION:
         raise ValueError("not a guardian state file of version 1")
     out = _empty()
-    for name, times in dict(data.get("restarts", {})).items():
-        out["restarts"][str(name)] = [float(t) for t in times]
-    for name, p in dict(data.get("pauses", {})).items():
-        until = p.get("until")
-        out["pauses"][str(name)] = {
+    for name, times in _table(data.get("restarts", {})).items():
+        if not isinstance(times, list):
+            raise ValueError(f"restarts of {name!r} is not a list")
+        out["restarts"][name] = sorted(_time(t, now) for t in times)
+    for name, p in _table(data.get("pauses", {})).items():
+        until = _table(p).get("until")
+        if until is not None and (
+            isinstance(until, bool) or not isinstance(until, int | float) or not math.isfinite(until)
+        ):
+            raise ValueError(f"pause of {name!r} ends at {until!r}")
+        out["pauses"][name] = {
             "until": None if until is None else float(until),
-            "reason": str(p.get("reason", "operator")),
+            "reason": _text(p.get("reason", "operator")),
         }
-    for name, t in dict(data.get("resumed_at", {})).items():
-        out["resumed_at"][str(name)] = float(t)
-    for rid, q in dict(data.get("requests", {})).items():
-        out["requests"][str(rid)] = {"replica": str(q["replica"]), "at": float(q["at"])}
-    for rid, a in dict(data.get("answers", {})).items():
-        out["answers"][str(rid)] = {
-            "replica": str(a["replica"]),
-            "ok": bool(a["ok"]),
-            "message": str(a["message"]),
-            "at": float(a["at"]),
+    for name, t in _table(data.get("resumed_at", {})).items():
+        out["resumed_at"][name] = _time(t, now)
+    for rid, q in _table(data.get("requests", {})).items():
+        out["requests"][rid] = {"replica": _text(_table(q)["replica"]), "at": _time(q["at"], now)}
+    for rid, a in _table(data.get("answers", {})).items():
+        a = _table(a)
+        if not isinstance(a["ok"], bool):
+            raise ValueError("an answer's ok is not true or false")
+        out["answers"][rid] = {
+            "replica": _text(a["replica"]),
+            "ok": a["ok"],
+            "message": _text(a["message"]),
+            "at": _time(a["at"], now),
         }
     for k, v in data.items():
         if k not in out:
-            out[k] = v  # sections owned by later features (memory guard) are kept as they are
+            out[k] = v  # sections owned by later features are kept as they are
     return out
+
+
+def forget_unconfigured(data: State, replicas: set[str]) -> None:
+    """Drop the history and pauses of replicas that are no longer in the config."""
+    for section in ("restarts", "pauses", "resumed_at"):
+        data[section] = {k: v for k, v in data[section].items() if k in replicas}
 
 
 class StateStore:
@@ -121,8 +158,8 @@ class StateStore:
         except FileNotFoundError:
             return _empty()
         try:
-            return _validate(json.loads(raw))
-        except (ValueError, TypeError, AttributeError, KeyError) as e:
+            return _validate(json.loads(raw), time.time())
+        except (ValueError, TypeError, AttributeError, KeyError, RecursionError) as e:
             moved = self.path.with_name(f"{STATE_FILE}.corrupt-{int(time.time())}")
             os.replace(self.path, moved)
             raise CorruptState(self.path, moved, str(e) or type(e).__name__) from None

@@ -33,20 +33,30 @@ _SUMMED = {
 _REQUIRED = ("running", "waiting", "generation_tokens")
 
 
+# A real vLLM 0.32 page has about 600 samples (tests/data); a page with many more is not one
+# guardian should spend its tick on.
+MAX_SAMPLES = 20_000
+MAX_MODEL_NAMES = 16
+
+
 def parse_vllm_metrics(text: str) -> VllmSample:
     values: dict[str, float] = {}
     models: set[str] = set()
     gpu_util: float | None = None
+    count = 0
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
+                count += 1
+                if count > MAX_SAMPLES:
+                    raise MetricsError(f"more than {MAX_SAMPLES} samples on the page")
                 field = _SUMMED.get(sample.name)
                 if field is not None:
                     if not math.isfinite(sample.value) or sample.value < 0:
                         raise MetricsError(f"{sample.name} has an impossible value {sample.value!r}")
                     values[field] = values.get(field, 0.0) + sample.value
-                    if "model_name" in sample.labels:
-                        models.add(sample.labels["model_name"])
+                    if "model_name" in sample.labels and len(models) < MAX_MODEL_NAMES:
+                        models.add(sample.labels["model_name"][:256])
                 elif sample.name == "vllm:cache_config_info":
                     # Anything but a finite number in (0, 1] is no fraction (never written to an env file).
                     gpu_util = parse_fraction(sample.labels.get("gpu_memory_utilization"))
@@ -54,6 +64,9 @@ def parse_vllm_metrics(text: str) -> VllmSample:
         raise
     except Exception as e:  # noqa: BLE001 - the parser raises ValueError, IndexError, ... on garbage
         raise MetricsError(f"not Prometheus text: {e}") from None
+    for field, total in values.items():
+        if not math.isfinite(total):  # finite samples can still sum to inf (two of 1e308)
+            raise MetricsError(f"the {field} samples add up to {total!r}")
     missing = [f for f in _REQUIRED if f not in values]
     if missing:
         names = ", ".join(k for k, v in _SUMMED.items() if v in missing)

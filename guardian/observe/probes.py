@@ -12,8 +12,17 @@ from ..config import ReplicaConfig
 from ..core.observations import CanaryResult, Probe, VllmSample
 from .metrics import MetricsError, parse_vllm_metrics
 
-# Never more than this much of a page is read: a broken replica must not fill our memory.
-MAX_BODY_BYTES = 4 * 2**20
+# Every byte from a replica is bounded before it is decoded: guardian asks for no compression,
+# refuses a compressed answer (a 1 MB gzip can inflate to 1 GiB), and reads at most this much of
+# each answer; the memory it reads into is the GPU's on a GB10.
+MAX_METRICS_BYTES = 4 * 2**20
+MAX_MODELS_BYTES = 2**20
+MAX_SMALL_BYTES = 64 * 2**10  # /health, a canary's answer
+HEADERS = {"Accept-Encoding": "identity"}
+
+
+class TooLarge(ValueError):
+    pass
 
 
 def make_client() -> httpx.AsyncClient:
@@ -24,32 +33,52 @@ def make_client() -> httpx.AsyncClient:
 
 
 def _error_text(e: BaseException) -> str:
-    if isinstance(e, (httpx.TimeoutException, asyncio.TimeoutError)):
+    if isinstance(e, httpx.TimeoutException | asyncio.TimeoutError):
         return "timeout"
     if isinstance(e, httpx.ConnectError):
         return "connection refused" if "refused" in str(e).lower() else f"cannot connect: {e}"
-    return f"{type(e).__name__}: {e}"
+    if isinstance(e, TooLarge):
+        return f"unreadable: {e}"
+    return f"{type(e).__name__}: {e}"[:500]
 
 
-async def _get(client: httpx.AsyncClient, url: str, timeout_s: float) -> tuple[Probe, bytes]:
+async def _request(
+    client: httpx.AsyncClient,
+    method: str,
+    url: str,
+    timeout_s: float,
+    max_bytes: int,
+    body: dict[str, object] | None = None,
+) -> tuple[Probe, bytes]:
+    """One bounded request: the time by TIMEOUT_S, the bytes by MAX_BYTES (raw, never inflated)."""
     start = time.monotonic()
     try:
         async with asyncio.timeout(timeout_s):
-            async with client.stream("GET", url, timeout=timeout_s) as resp:
-                body = bytearray()
-                async for chunk in resp.aiter_bytes():
-                    body += chunk
-                    if len(body) > MAX_BODY_BYTES:
-                        raise ValueError(f"body larger than {MAX_BODY_BYTES} bytes")
+            async with client.stream(method, url, timeout=timeout_s, headers=HEADERS, json=body) as resp:
+                encoding = resp.headers.get("content-encoding", "identity").strip().lower()
+                if encoding not in ("", "identity"):
+                    raise TooLarge(f"compressed answer (Content-Encoding: {encoding[:40]}) though none was asked for")
+                declared = resp.headers.get("content-length", "")
+                if declared.isdigit() and int(declared) > max_bytes:
+                    raise TooLarge(f"answer of {int(declared)} bytes, more than {max_bytes}")
+                data = bytearray()
+                async for chunk in resp.aiter_raw():
+                    data += chunk
+                    if len(data) > max_bytes:
+                        raise TooLarge(f"answer larger than {max_bytes} bytes")
     except Exception as e:  # noqa: BLE001 - every failure is an observation, not a crash
         return Probe(False, None, time.monotonic() - start, _error_text(e)), b""
     latency = time.monotonic() - start
     ok = 200 <= resp.status_code < 300
-    return Probe(ok, resp.status_code, latency, None if ok else f"HTTP {resp.status_code}"), bytes(body)
+    return Probe(ok, resp.status_code, latency, None if ok else f"HTTP {resp.status_code}"), bytes(data)
+
+
+async def _get(client: httpx.AsyncClient, url: str, timeout_s: float, max_bytes: int) -> tuple[Probe, bytes]:
+    return await _request(client, "GET", url, timeout_s, max_bytes)
 
 
 async def health_at(client: httpx.AsyncClient, base_url: str, timeout_s: float) -> Probe:
-    probe, _ = await _get(client, base_url + "/health", timeout_s)
+    probe, _ = await _get(client, base_url + "/health", timeout_s, MAX_SMALL_BYTES)
     return probe
 
 
@@ -58,25 +87,37 @@ async def probe_health(client: httpx.AsyncClient, r: ReplicaConfig) -> Probe:
 
 
 async def probe_metrics(client: httpx.AsyncClient, r: ReplicaConfig) -> tuple[Probe, VllmSample | None]:
-    probe, body = await _get(client, r.url + "/metrics", r.metrics_timeout_s)
+    probe, body = await _get(client, r.url + "/metrics", r.metrics_timeout_s, MAX_METRICS_BYTES)
     if not probe.ok:
         return probe, None
     try:
-        return probe, parse_vllm_metrics(body.decode("utf-8", errors="replace"))
+        # Off the event loop: a hostile page must not delay another replica's probes or a ping.
+        return probe, await asyncio.to_thread(parse_vllm_metrics, body.decode("utf-8", errors="replace"))
     except MetricsError as e:
         return Probe(False, probe.status, probe.latency_s, f"unreadable: {e}"), None
 
 
 async def models_at(client: httpx.AsyncClient, base_url: str, timeout_s: float) -> tuple[Probe, tuple[str, ...] | None]:
-    probe, body = await _get(client, base_url + "/v1/models", timeout_s)
+    probe, body = await _get(client, base_url + "/v1/models", timeout_s, MAX_MODELS_BYTES)
     if not probe.ok:
         return probe, None
     try:
-        data = json.loads(body)
-        ids = tuple(str(m["id"]) for m in data["data"])
+        data = await asyncio.to_thread(json.loads, body)
+        ids = tuple(_model_id(m["id"]) for m in data["data"][:MAX_MODEL_IDS])
     except Exception as e:  # noqa: BLE001 - any shape of garbage is "unreadable", not a crash
         return Probe(False, probe.status, probe.latency_s, f"unreadable: {type(e).__name__}"), None
     return probe, ids
+
+
+MAX_MODEL_IDS = 64
+MAX_MODEL_ID_CHARS = 512
+
+
+def _model_id(value: object) -> str:
+    """A model id as guardian will show it: text, of bounded length."""
+    if not isinstance(value, str):
+        raise TypeError("a model id is not a string")
+    return value if len(value) <= MAX_MODEL_ID_CHARS else value[:MAX_MODEL_ID_CHARS] + "..."
 
 
 async def probe_models(client: httpx.AsyncClient, r: ReplicaConfig) -> tuple[Probe, tuple[str, ...] | None]:
@@ -84,20 +125,17 @@ async def probe_models(client: httpx.AsyncClient, r: ReplicaConfig) -> tuple[Pro
 
 
 async def canary(client: httpx.AsyncClient, r: ReplicaConfig, started_at: float) -> CanaryResult:
-    """A one-token completion: proves the engine, not just the API server, is alive."""
-    start = time.monotonic()
+    """A one-token completion: proves the engine, not just the API server, is alive. Bounded in
+    time (canary_timeout_s) and in bytes (MAX_SMALL_BYTES): an answer that never ends, or is huge,
+    is a failed canary."""
+    body: dict[str, object] = {"model": r.model, "prompt": "ping", "max_tokens": 1, "temperature": 0}
+    probe, data = await _request(client, "POST", r.url + "/v1/completions", r.canary_timeout_s, MAX_SMALL_BYTES, body)
+    if not probe.ok:
+        return CanaryResult(False, started_at, probe.latency_s, probe.error)
     try:
-        async with asyncio.timeout(r.canary_timeout_s):
-            resp = await client.post(
-                r.url + "/v1/completions",
-                json={"model": r.model, "prompt": "ping", "max_tokens": 1, "temperature": 0},
-                timeout=r.canary_timeout_s,
-            )
-        latency = time.monotonic() - start
-        if resp.status_code != 200:
-            return CanaryResult(False, started_at, latency, f"HTTP {resp.status_code}")
-        if not resp.json().get("choices"):
-            return CanaryResult(False, started_at, latency, "no choices in the answer")
-        return CanaryResult(True, started_at, latency)
-    except Exception as e:  # noqa: BLE001 - every failure is an observation, not a crash
-        return CanaryResult(False, started_at, time.monotonic() - start, _error_text(e))
+        choices = json.loads(data).get("choices")
+    except (ValueError, AttributeError, RecursionError):
+        return CanaryResult(False, started_at, probe.latency_s, "unreadable answer")
+    if not choices:
+        return CanaryResult(False, started_at, probe.latency_s, "no choices in the answer")
+    return CanaryResult(True, started_at, probe.latency_s)
