@@ -17,13 +17,13 @@ from pathlib import Path
 from . import __version__
 from .act.executor import checked_restart
 from .act.journal import Journal
-from .act.state import STATUS_FILE, CorruptState, State, StateStore, view
+from .act.state import STATUS_FILE, CorruptState, State, StateStore, stamp, view
 from .config import MAX_WINDOW_S, Config, ConfigError, config_path, load_config
 from .core import gates, hazards, thresholds, tick
 from .core.actions import AnswerRequest, LogLine, RestartUnit
 from .core.observations import RestartRequest, TickObservation
 from .core.vocab import Decision, Priority
-from .observe import probes
+from .observe import clock, probes
 from .observe.memory import env_path, wiring_of
 from .observe.nvml import Nvml
 from .observe.probes import make_client
@@ -220,7 +220,8 @@ def _unit_of(cfg: Config, name: str) -> str:
 def cmd_pause(args: argparse.Namespace) -> int:
     cfg = _load(args)
     _need_replica(cfg, args.name)
-    until = time.time() + args.for_ if args.for_ else None
+    n = clock.now()
+    until = stamp(clock.Now(n.mono + args.for_, n.wall + args.for_)) if args.for_ else None
 
     def change(d: State) -> None:
         d["pauses"][args.name] = {"until": until, "reason": "operator"}
@@ -244,7 +245,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
     def change(d: State) -> None:
         d["pauses"].pop(args.name, None)
-        d["resumed_at"][args.name] = time.time()
+        d["resumed_at"][args.name] = stamp(clock.now())
 
     _update_state(cfg, change)
     Journal().send(
@@ -293,7 +294,7 @@ def _ask_daemon_to_restart(cfg: Config, name: str, pid: int, wait_s: float | Non
     store = StateStore(cfg.state_dir)
 
     def ask(d: State) -> None:
-        d["requests"][rid] = {"replica": name, "at": time.time()}
+        d["requests"][rid] = {"replica": name, "at": stamp(clock.now())}
 
     _update_state(cfg, ask)
     print(f"asked the running guardian (pid {pid}) to restart replica {name}; waiting for its answer")
@@ -334,11 +335,12 @@ async def _restart_without_daemon(cfg: Config, name: str) -> int:
     assert r is not None
     journal = Journal()
     store = StateStore(cfg.state_dir)
+    now = clock.now()
     try:
-        pv = view(store.read())
+        pv = view(store.read(), now)
     except CorruptState as e:
         print(f"warning: {e}", file=sys.stderr)
-        pv = view(store.update(lambda d: None))
+        pv = view(store.update(lambda d: None), now)
     sd = Systemd()
     try:
         await sd.connect()
@@ -348,9 +350,10 @@ async def _restart_without_daemon(cfg: Config, name: str) -> int:
     rid = "cli"
     try:
         async with make_client() as client:
-            replicas = await observe_all(cfg, sd, client, time.time(), {}, {}, PortOwnerCache(), UnitInfoCache())
-        persistent = replace(pv, requests=(RestartRequest(rid, name, time.time()),))
-        _state, actions = tick.decide(tick.TickState(), TickObservation(replicas, persistent), time.time(), cfg)
+            replicas = await observe_all(cfg, sd, client, now.mono, {}, {}, PortOwnerCache(), UnitInfoCache())
+        now = clock.now()
+        persistent = replace(pv, requests=(RestartRequest(rid, name, now.mono),))
+        _state, actions = tick.decide(tick.TickState(), TickObservation(replicas, persistent), now.mono, cfg)
         for a in actions:
             if isinstance(a, LogLine) and a.replica == name and a.decision in _REQUEST_DECISIONS:
                 journal.line(a)

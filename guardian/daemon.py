@@ -31,6 +31,8 @@ from .core import hazards, thresholds, tick
 from .core.actions import LogLine
 from .core.observations import MemorySample, TickObservation
 from .core.vocab import Decision, Priority
+from .observe.clock import Now
+from .observe.clock import now as clock_now
 from .observe.meminfo import sample_memory
 from .observe.probes import make_client
 from .observe.replicas import WorldObserver, unit_or_error
@@ -49,7 +51,7 @@ class Daemon:
         config_path: Path,
         journal: Journal | None = None,
         notifier: Notifier | None = None,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], Now] = clock_now,
     ) -> None:
         self.cfg = cfg
         self.config_path = config_path
@@ -137,18 +139,19 @@ class Daemon:
         if self.rescan:
             self.rescan = False
             await self.scan()
+        started = self.clock()
         obs = await self.observer.observe(
             self.cfg,
-            self.persistent.view(),
+            self.persistent.view(started),
             self.executor.canaries,
             self.executor.outcomes,
             self.state.mem.pending,
-            self.clock,
+            started,
         )
         # Judge as of when the answers were in: a probe that hung for its whole timeout has
         # shown no answer for that long, and the tick started before it was sent.
         now = self.clock()
-        self.state, actions = tick.decide(self.state, obs, now, self.cfg)
+        self.state, actions = tick.decide(self.state, obs, now.mono, self.cfg)
         self.executor.perform(actions)
         self.last_observation = obs
         self.memory = obs.memory.sample if obs.memory else await asyncio.to_thread(sample_memory)
@@ -206,35 +209,17 @@ class Daemon:
 
     # --- status ----------------------------------------------------------------------------
     def status_line(self) -> str:
-        return status_line(self.cfg, self.state, self.persistent.view(), self.memory, self.clock())
+        now = self.clock()
+        return status_line(self.cfg, self.state, self.persistent.view(now), self.memory, now.mono)
 
-    def write_status(self, now: float) -> None:
-        fractions: dict[str, float | None] = {}
-        for r in self.cfg.replicas:
-            t = self.state.tracks.get(r.name)
-            mo = (
-                self.last_observation.memory.replicas.get(r.name)
-                if self.last_observation and self.last_observation.memory
-                else None
-            )
-            fractions[r.name] = next(
-                (
-                    f
-                    for f in (
-                        mo.configured_fraction if mo else None,
-                        t.last_sample.gpu_memory_utilization if t and t.last_sample else None,
-                    )
-                    if f is not None
-                ),
-                None,
-            )
+    def write_status(self, now: Now) -> None:
         data = status_dict(
             self.cfg,
             str(self.config_path),
             self.state,
-            self.persistent.view(),
+            self.persistent.view(now),
+            self.last_observation,
             self.memory,
-            fractions,
             self.observer.memory.wiring,
             self.stats,
             self.sd.connected,

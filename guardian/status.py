@@ -4,14 +4,15 @@
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from .config import Config
 from .core.admission import budget
 from .core.liveness import Track
-from .core.observations import MemorySample, PersistentView, gib
+from .core.observations import MemorySample, PersistentView, TickObservation, gib
 from .core.tick import TickState
+from .observe.clock import Now
 
 
 @dataclass
@@ -32,17 +33,25 @@ def _pct(sorted_values: list[float], q: float) -> float | None:
 
 
 def status_line(
-    cfg: Config, state: TickState, persistent: PersistentView, memory: MemorySample | None, now: float
+    cfg: Config, state: TickState, persistent: PersistentView, memory: MemorySample | None, now_mono: float
 ) -> str:
     parts = []
     for r in cfg.replicas:
         t = state.tracks.get(r.name)
         text = str(t.state) if t is not None else "unknown"
-        if budget(r.name, persistent, now, cfg).spent:
+        if budget(r.name, persistent, now_mono, cfg).spent:
             text += " (gave up: restart budget spent)"
         parts.append(f"{r.name} {text}")
     mem = f"headroom {gib(memory.available_bytes)}" if memory else "headroom ?"
     return ", ".join([*parts, mem]) if parts else f"no replicas; {mem}"
+
+
+def _fraction(name: str, t: Track | None, obs: TickObservation | None) -> float | None:
+    """guardian's env file for it, else what the replica reports."""
+    mo = obs.memory.replicas.get(name) if obs is not None and obs.memory is not None else None
+    if mo is not None and mo.configured_fraction is not None:
+        return mo.configured_fraction
+    return t.last_sample.gpu_memory_utilization if t is not None and t.last_sample is not None else None
 
 
 def status_dict(
@@ -50,17 +59,19 @@ def status_dict(
     config_path: str,
     state: TickState,
     persistent: PersistentView,
+    obs: TickObservation | None,
     memory: MemorySample | None,
-    fractions: dict[str, float | None],
     wiring: dict[str, str | None],
     stats: LoopStats,
     bus_connected: bool,
-    now: float,
+    now: Now,
 ) -> dict[str, Any]:
+    """Times in it are wall-clock (epoch s), converted from the monotonic times the core keeps."""
+    wall = now.wall_of
     replicas = {}
     for r in cfg.replicas:
         t = state.tracks.get(r.name, Track())
-        b = budget(r.name, persistent, now, cfg)
+        b = budget(r.name, persistent, now.mono, cfg)
         pause = persistent.pauses.get(r.name)
         replicas[r.name] = {
             "unit": r.unit,
@@ -68,16 +79,16 @@ def status_dict(
             "model": r.model,
             "state": str(t.state),
             "rule": t.rule,
-            "since": t.state_since,
+            "since": wall(t.state_since),
             "evidence": t.evidence,
-            "unit_started_at": t.start_ts,
+            "unit_started_at": wall(t.start_ts),
             "restarts_in_window": b.used,
             "restart_budget": b.limit,
             "gave_up": b.spent,
-            "paused_until": pause.until if pause else None,
+            "paused_until": wall(pause.until) if pause else None,
             "paused": pause is not None,
-            "last_progress_at": t.last_progress_at,
-            "gpu_memory_utilization": fractions.get(r.name),
+            "last_progress_at": wall(t.last_progress_at),
+            "gpu_memory_utilization": _fraction(r.name, state.tracks.get(r.name), obs),
             "memory_wiring": (wiring.get(r.name, "not checked yet") or "wired")
             if cfg.memory.enabled
             else "not checked (memory guard off)",
@@ -86,7 +97,7 @@ def status_dict(
     m = state.mem
     return {
         "pid": os.getpid(),
-        "updated_at": now,
+        "updated_at": now.wall,
         "interval_s": cfg.interval_s,
         "dry_run": cfg.dry_run,
         "system_bus": "connected" if bus_connected else "LOST",
@@ -98,7 +109,7 @@ def status_dict(
             "max_watchdog_ping_gap_s": stats.max_watchdog_ping_gap_s,
         },
         "config": config_path,
-        "status": status_line(cfg, state, persistent, memory, now),
+        "status": status_line(cfg, state, persistent, memory, now.mono),
         "replicas": replicas,
         "memory": None
         if memory is None
@@ -110,9 +121,16 @@ def status_dict(
             "psi_full_avg10": memory.psi_full_avg10,
             "guard": cfg.memory.enabled,
             "min_headroom_bytes": cfg.memory.min_headroom_bytes,
-            "below_min_since": m.below_since,
+            "below_min_since": wall(m.below_since),
             "verdict": str(m.verdict),
             "rule": m.rule,
-            "pending": None if m.pending is None else asdict(m.pending),
+            "pending": None
+            if m.pending is None
+            else {
+                "replica": m.pending.replica,
+                "old": m.pending.old,
+                "new": m.pending.new,
+                "issued_at": wall(m.pending.issued_at),
+            },
         },
     }

@@ -25,7 +25,7 @@ from typing import Callable, Iterable
 REPO = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("GUARDIAN_TEST_CACHE", "/var/cache/guardian-test"))
 SUITE = "bookworm"
-PACKAGES = ["systemd", "systemd-sysv", "dbus", "python3", "libpam-systemd", "polkitd", "procps"]
+PACKAGES = ["systemd", "systemd-sysv", "dbus", "python3", "libpam-systemd", "polkitd", "procps", "faketime"]
 sys.path.insert(0, str(REPO / "packaging"))
 from deps import runtime_deps  # noqa: E402  (the one dependency list: pyproject.toml)
 

@@ -35,7 +35,7 @@ def cfg(n=2, **watchdog) -> Config:
 
 def unit(name="vllm-a.service", **kw) -> UnitInfo:
     base = dict(name=name, load_state="loaded", active_state="active", unit_file_state="enabled",
-                inactive_exit_ts=0.0, main_pid=100, restart="always")
+                inactive_exit_mono=0.0, main_pid=100, restart="always")
     base.update(kw)
     base["load_state"] = LoadState.parse(base["load_state"])
     base["active_state"] = ActiveState.parse(base["active_state"])
@@ -185,7 +185,7 @@ def test_health_503_means_engine_dead_after_the_window(dt, state):
 @pytest.mark.parametrize("t, state", [(1199.0, State.STARTING), (1200.0, State.UNRESPONSIVE)])
 def test_startup_grace_is_measured_from_the_units_own_start(t, state):
     sim = Sim(cfg(1, unresponsive_after_s=10))
-    u = unit(inactive_exit_ts=0.0)
+    u = unit(inactive_exit_mono=0.0)
     for now in (5.0, 600.0, t):  # connection refused all along
         sim.tick(now, a=obs(t=now, health=TIMEOUT, u=u))
     assert sim.state() == state
@@ -194,7 +194,7 @@ def test_startup_grace_is_measured_from_the_units_own_start(t, state):
 def test_guardian_restart_does_not_reset_grace():
     """A fresh policy (guardian restarted) still measures grace from systemd's start time."""
     sim = Sim(cfg(1))
-    u = unit(inactive_exit_ts=0.0)
+    u = unit(inactive_exit_mono=0.0)
     sim.tick(1199.0, a=obs(t=1199.0, health=TIMEOUT, u=u))
     assert sim.state() == State.STARTING
     sim.tick(1200.0, a=obs(t=1200.0, health=TIMEOUT, u=u))
@@ -215,7 +215,7 @@ def test_activating_unit_is_starting_and_healthy_once_ends_grace():
 def test_unit_restarted_by_anyone_starts_a_new_grace():
     sim = Sim(cfg(1))
     healthy_start(sim)
-    sim.tick(300, a=obs(t=300, health=TIMEOUT, u=unit(inactive_exit_ts=295.0)))
+    sim.tick(300, a=obs(t=300, health=TIMEOUT, u=unit(inactive_exit_mono=295.0)))
     assert sim.state() == State.STARTING
 
 
@@ -354,7 +354,7 @@ def test_restart_outcome_clears_in_flight():
     assert restarts(actions) and sim.tracks["a"].restart_in_flight
     sim.tick(1001, a=obs(t=1001, health=TIMEOUT))
     assert sim.state() == State.STARTING
-    sim.tick(1010, a=obs(t=1010, u=unit(inactive_exit_ts=1005.0), outcome=RestartOutcome("vllm-a.service", "done", 1009)))
+    sim.tick(1010, a=obs(t=1010, u=unit(inactive_exit_mono=1005.0), outcome=RestartOutcome("vllm-a.service", "done", 1009)))
     assert not sim.tracks["a"].restart_in_flight and sim.state() == State.HEALTHY
     assert any("serving again 10.0 s after guardian's restart" in m for m in logs(sim.actions, "info"))
 
@@ -501,7 +501,7 @@ FLAT = sample(gen=5, running=2)
      State.UNKNOWN, "L2"),
     (_after_healthy((110, {"u": unit(active_state="failed"), "health": TIMEOUT})), State.STOPPED, "L3"),
     (_after_healthy((110, {"u": unit(active_state="deactivating")})), State.STARTING, "L4"),
-    (_fresh(health=TIMEOUT, u=unit(inactive_exit_ts=50.0)), State.STARTING, "L5"),
+    (_fresh(health=TIMEOUT, u=unit(inactive_exit_mono=50.0)), State.STARTING, "L5"),
     (_after_healthy((110, {"models": ("other",)})), State.WRONG_MODEL, "L6"),
     (_after_healthy((105, {"health": TIMEOUT}), (110, {"health": TIMEOUT})), State.UNRESPONSIVE, "L7"),
     (_after_healthy((105, {"health": DEAD_503}), (115, {"health": DEAD_503})), State.UNRESPONSIVE, "L8"),

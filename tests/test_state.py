@@ -7,22 +7,28 @@ import os
 
 import pytest
 
-from guardian.act.state import CorruptState, StateStore, atomic_write_json, forget_unconfigured, record_restart, view
+from guardian.act.state import (
+    CorruptState, StateStore, atomic_write_json, forget_unconfigured, record_restart, stamp, view,
+)
+from guardian.observe.clock import Now, boot_id
+
+NOW = Now(mono=5000.0, wall=1_700_000_000.0)  # in the past: reads clamp the future
 
 
 def test_update_round_trips_and_leaves_no_temporary_files(tmp_path):
     store = StateStore(tmp_path)
-    store.update(lambda d: record_restart(d, "a", 1000.0, keep_s=600))
+    store.update(lambda d: record_restart(d, "a", NOW, keep_s=600))
     store.update(lambda d: d["pauses"].__setitem__("b", {"until": None, "reason": "operator"}))
-    pv = view(store.read())
-    assert pv.restarts == {"a": (1000.0,)} and pv.pauses["b"].until is None
+    pv = view(store.read(), NOW)
+    assert pv.restarts == {"a": (5000.0,)} and pv.pauses["b"].until is None
     assert sorted(p.name for p in tmp_path.iterdir()) == [".state.lock", "state.json"]
 
 
 def test_record_restart_forgets_what_is_older_than_keep():
-    d = {"restarts": {"a": [100.0, 900.0]}}
-    record_restart(d, "a", 1000.0, keep_s=500)
-    assert d["restarts"]["a"] == [900.0, 1000.0]
+    old, recent = {"wall": NOW.wall - 900, "mono": None}, {"wall": NOW.wall - 100, "mono": None}
+    d = {"restarts": {"a": [old, recent]}}
+    record_restart(d, "a", NOW, keep_s=500)
+    assert d["restarts"]["a"] == [recent, stamp(NOW)]
 
 
 @pytest.mark.parametrize("content", ['{"version": 1, "restarts": {"a": [1, 2', "null", '{"version": 7}',
@@ -56,8 +62,8 @@ def test_update_over_a_corrupt_file_applies_the_change_once_and_says_so(tmp_path
     (tmp_path / "state.json").write_text("{garbage")
     store = StateStore(tmp_path)
     with pytest.raises(CorruptState):
-        store.update(lambda d: record_restart(d, "a", 1000.0, keep_s=600))
-    assert store.read()["restarts"] == {"a": [1000.0]}
+        store.update(lambda d: record_restart(d, "a", NOW, keep_s=600))
+    assert store.read()["restarts"] == {"a": [stamp(NOW)]}
     assert any(p.name.startswith("state.json.corrupt-") for p in tmp_path.iterdir())
 
 
@@ -85,7 +91,39 @@ def test_times_in_the_future_are_clamped_to_now(tmp_path):
     (tmp_path / "state.json").write_text(json.dumps({"version": 1, "restarts": {"a": [future]},
                                                      "resumed_at": {"a": future}}))
     data = StateStore(tmp_path).read()
-    assert data["restarts"]["a"][0] < future and data["resumed_at"]["a"] < future
+    assert data["restarts"]["a"][0]["wall"] < future and data["resumed_at"]["a"]["wall"] < future
+    pv = view(data, NOW)
+    assert pv.restarts["a"] == (NOW.mono,) and pv.resumed_at["a"] == NOW.mono
+
+
+# --- two clocks: windows on the monotonic clock, wall time only persisted -------------------------
+
+def test_in_the_same_boot_the_monotonic_time_is_used_whatever_the_wall_clock_did(tmp_path):
+    store = StateStore(tmp_path)
+    store.update(lambda d: record_restart(d, "a", NOW, keep_s=3600))
+    data = store.read()
+    assert data["boot_id"] == boot_id()
+    for step_s in (3600.0, -3600.0):  # the wall clock stepped by an hour either way since
+        later = Now(mono=NOW.mono + 30, wall=NOW.wall + 30 + step_s)
+        assert view(data, later).restarts["a"] == (NOW.mono,)  # still "30 s ago"
+
+
+def test_after_a_reboot_only_the_wall_time_counts(tmp_path):
+    store = StateStore(tmp_path)
+    store.update(lambda d: record_restart(d, "a", NOW, keep_s=3600))
+    data = store.read()
+    after_reboot = Now(mono=12.0, wall=NOW.wall + 100)
+    assert view(data, after_reboot, this_boot="another-boot").restarts["a"] == (12.0 - 100,)
+    # and the next write drops the other boot's monotonic times
+    data["boot_id"] = "another-boot"
+    (tmp_path / "state.json").write_text(json.dumps(data))
+    store.update(lambda d: None)
+    assert store.read()["restarts"]["a"][0]["mono"] is None
+
+
+def test_the_older_format_of_bare_wall_times_still_reads(tmp_path):
+    (tmp_path / "state.json").write_text(json.dumps({"version": 1, "restarts": {"a": [NOW.wall - 60]}}))
+    assert view(StateStore(tmp_path).read(), NOW).restarts["a"] == (NOW.mono - 60,)
 
 
 def test_history_of_replicas_no_longer_configured_is_dropped():

@@ -111,7 +111,7 @@ def test_a_lowering_marks_its_replica_restarting_and_holds_a_hang_restart_of_the
     assert len(refused) == 1 and refused[0].gate == Gate.ONE_AT_A_TIME and refused[0].rule == "A3"
     # a's job ends and it serves again: now b is restarted
     done = RestartOutcome("vllm-a.service", "done", 303.0, issued=True, ok=True)
-    box.step(304.0, a=obs("a", 304.0, u=unit(inactive_exit_ts=301.0), outcome=done), b=obs("b", 304.0, s=flat))
+    box.step(304.0, a=obs("a", 304.0, u=unit(inactive_exit_mono=301.0), outcome=done), b=obs("b", 304.0, s=flat))
     assert [(r.replica, r.kind) for r in box.of(RestartUnit)] == [("b", RestartKind.HANG)]
 
 
@@ -148,7 +148,7 @@ def test_an_operators_restart_is_admitted_once_and_answered_by_the_job():
 
 
 @pytest.mark.parametrize("b_unit, b_health, admitted", [
-    (unit("vllm-b.service", inactive_exit_ts=95.0), TIMEOUT, False),  # b loading its model: "active", no answer yet
+    (unit("vllm-b.service", inactive_exit_mono=95.0), TIMEOUT, False),  # b loading its model: "active", no answer yet
     (unit("vllm-b.service", active_state="activating"), TIMEOUT, False),
     (unit("vllm-b.service"), None, True),  # b serves
 ])
@@ -199,7 +199,7 @@ def test_an_overridden_fraction_stops_further_lowerings_of_that_replica():
     # a restarts and serves, but with 0.78 (a later EnvironmentFile= overrides guardian's file)
     done = RestartOutcome("vllm-a.service", "done", 111.0, issued=True, ok=True)
     box.step(112.0, memory(5, a=0.74, cmdline=0.78),
-             a=obs("a", 112.0, u=unit(inactive_exit_ts=111.0), outcome=done))
+             a=obs("a", 112.0, u=unit(inactive_exit_mono=111.0), outcome=done))
     box.step(113.0, memory(5, a=0.74, cmdline=0.78))
     assert box.lines(rule="M5"), "the mismatch must be said"
     # after the cooldown, squeezed again: a is not lowered again (it is not wired), b is

@@ -6,7 +6,6 @@ again on a fresh view right before the restart call, is the core's own pure func
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -18,6 +17,8 @@ from ..core.actions import Action, AnswerRequest, LogLine, LowerFraction, Restar
 from ..core.observations import CanaryResult, RestartOutcome
 from ..core.vocab import Decision, Gate, Priority
 from ..observe import probes
+from ..observe.clock import Now
+from ..observe.clock import now as clock_now
 from ..observe.memory import env_path
 from ..observe.replicas import port_owners, unit_or_error
 from ..observe.systemd import JOB_DONE, Systemd, SystemdError
@@ -32,7 +33,7 @@ async def checked_restart(
     cfg: Config,
     r: ReplicaConfig,
     why: str,
-    clock: Callable[[], float] = time.time,
+    clock: Callable[[], Now] = clock_now,
     before_restart: Callable[[], None] | None = None,
     allow_failed: bool = False,
 ) -> RestartOutcome:
@@ -54,7 +55,7 @@ async def checked_restart(
                 rule=refusal.rule,
             )
         )
-        return RestartOutcome(r.unit, f"refused: {refusal.reason}", clock())
+        return RestartOutcome(r.unit, f"refused: {refusal.reason}", clock().wall)
     if before_restart is not None:
         try:
             before_restart()
@@ -69,14 +70,14 @@ async def checked_restart(
                     gate=Gate.ENV_FILE,
                 )
             )
-            return RestartOutcome(r.unit, f"refused: {e}", clock())
+            return RestartOutcome(r.unit, f"refused: {e}", clock().wall)
     issued = clock()
     try:
         store.update(lambda d: record_restart(d, r.name, issued, cfg.watchdog.restart_window_s * 4))
     except CorruptState as e:
         journal.send(Priority.ERROR, str(e))
     try:
-        result = await sd.restart(r.unit, cfg.watchdog.restart_job_timeout_s)
+        result = await sd.restart(r.unit, cfg.watchdog.restart_job_timeout_s, start_if_stopped=allow_failed)
     except SystemdError as e:
         journal.line(
             LogLine(
@@ -87,8 +88,8 @@ async def checked_restart(
                 r.unit,
             )
         )
-        return RestartOutcome(r.unit, f"error: {e}", clock())
-    elapsed = clock() - issued
+        return RestartOutcome(r.unit, f"error: {e}", clock().wall)
+    elapsed = clock().mono - issued.mono
     if result == JOB_DONE:
         journal.line(
             LogLine(
@@ -110,7 +111,7 @@ async def checked_restart(
                 r.unit,
             )
         )
-    return RestartOutcome(r.unit, result, clock(), issued=True, ok=result == JOB_DONE)
+    return RestartOutcome(r.unit, result, clock().wall, issued=True, ok=result == JOB_DONE)
 
 
 class Executor:
@@ -121,7 +122,7 @@ class Executor:
         client: httpx.AsyncClient,
         store: StateStore,
         journal: Journal,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], Now] = clock_now,
     ) -> None:
         self.cfg = cfg
         self.sd = sd
@@ -163,7 +164,7 @@ class Executor:
     async def _canary(self, name: str) -> None:
         r = self.cfg.replica(name)
         if r is not None:
-            self.canaries[name] = await probes.canary(self.client, r, self.clock())
+            self.canaries[name] = await probes.canary(self.client, r, self.clock().mono)
 
     async def _guarded(
         self, r: ReplicaConfig, what: str, run: Callable[[], Coroutine[Any, Any, RestartOutcome]]
@@ -180,7 +181,7 @@ class Executor:
                     r.unit,
                 )
             )
-            return RestartOutcome(r.unit, f"error: {e}", self.clock())
+            return RestartOutcome(r.unit, f"error: {e}", self.clock().wall)
 
     async def _restart(self, a: RestartUnit) -> None:
         r = self.cfg.replica(a.replica)

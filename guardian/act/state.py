@@ -8,6 +8,12 @@ Read-modify-write of the persistent state holds an flock, because ``guardian pau
 ``guardian restart NAME`` records a request under "requests" while the daemon runs; the daemon
 acts on it on its next tick (core/tick.py) and moves it to "answers" with the outcome, which the
 command waits for and prints.
+
+Every persisted time is a stamp ``{"wall": epoch s, "mono": CLOCK_MONOTONIC s}``, and the file
+carries the ``boot_id`` its monotonic times belong to. Read in the same boot, the monotonic time
+is used, so a step of the wall clock moves no window; after a reboot only the wall time means
+anything, and a wall time in the future counts as now. A bare number (the older format) is a
+wall time.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.observations import Pause, PersistentView, RestartRequest
+from ..observe.clock import Now, boot_id
 
 STATE_FILE = "state.json"
 STATUS_FILE = "status.json"
@@ -66,15 +73,37 @@ State = dict[str, Any]
 
 
 def _empty() -> State:
-    return {"version": STATE_VERSION, "restarts": {}, "pauses": {}, "resumed_at": {}, "requests": {}, "answers": {}}
+    return {
+        "version": STATE_VERSION,
+        "boot_id": "",
+        "restarts": {},
+        "pauses": {},
+        "resumed_at": {},
+        "requests": {},
+        "answers": {},
+    }
 
 
-def _time(value: Any, now: float) -> float:
-    """A persisted wall-clock time: a finite number (not a string, not a bool), clamped to NOW so
-    that a time in the future (a clock stepped back) cannot hold a window open."""
+Stamp = dict[str, float | None]
+
+
+def stamp(now: Now) -> Stamp:
+    return {"wall": now.wall, "mono": now.mono}
+
+
+def _number(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise ValueError(f"{value!r} is not a finite time")
-    return min(float(value), now)
+    return float(value)
+
+
+def _time(value: Any, wall_now: float) -> Stamp:
+    """A persisted time: a stamp, or a bare number (a wall time, the older format). Wrong types
+    and non-finite numbers are corrupt; a wall time in the future is clamped to now."""
+    if isinstance(value, dict):
+        mono = value.get("mono")
+        return {"wall": min(_number(value.get("wall")), wall_now), "mono": None if mono is None else _number(mono)}
+    return {"wall": min(_number(value), wall_now), "mono": None}
 
 
 def _text(value: Any, limit: int = 4096) -> str:
@@ -97,17 +126,12 @@ def _validate(data: Any, now: float) -> State:
     for name, times in _table(data.get("restarts", {})).items():
         if not isinstance(times, list):
             raise ValueError(f"restarts of {name!r} is not a list")
-        out["restarts"][name] = sorted(_time(t, now) for t in times)
+        out["restarts"][name] = sorted((_time(t, now) for t in times), key=lambda st: st["wall"] or 0.0)
     for name, p in _table(data.get("pauses", {})).items():
         until = _table(p).get("until")
-        if until is not None and (
-            isinstance(until, bool) or not isinstance(until, int | float) or not math.isfinite(until)
-        ):
-            raise ValueError(f"pause of {name!r} ends at {until!r}")
-        out["pauses"][name] = {
-            "until": None if until is None else float(until),
-            "reason": _text(p.get("reason", "operator")),
-        }
+        if until is not None:  # a pause's end lies in the future: not clamped
+            until = _time(until, math.inf)
+        out["pauses"][name] = {"until": until, "reason": _text(p.get("reason", "operator"))}
     for name, t in _table(data.get("resumed_at", {})).items():
         out["resumed_at"][name] = _time(t, now)
     for rid, q in _table(data.get("requests", {})).items():
@@ -122,10 +146,32 @@ def _validate(data: Any, now: float) -> State:
             "message": _text(a["message"]),
             "at": _time(a["at"], now),
         }
+    boot = data.get("boot_id", "")
+    out["boot_id"] = _text(boot, 64)
     for k, v in data.items():
         if k not in out:
             out[k] = v  # sections owned by later features are kept as they are
     return out
+
+
+def _stamps(data: State) -> Iterator[Stamp]:
+    for times in data["restarts"].values():
+        yield from times
+    for p in data["pauses"].values():
+        if p["until"] is not None:
+            yield p["until"]
+    yield from data["resumed_at"].values()
+    for section in ("requests", "answers"):
+        for entry in data[section].values():
+            yield entry["at"]
+
+
+def _adopt_boot(data: State, this_boot: str) -> None:
+    """Before writing: monotonic times from another boot are dropped, and the file is this boot's."""
+    if data.get("boot_id") != this_boot:
+        for st in _stamps(data):
+            st["mono"] = None
+        data["boot_id"] = this_boot
 
 
 def forget_unconfigured(data: State, replicas: set[str]) -> None:
@@ -179,6 +225,7 @@ class StateStore:
                 data = self._read_unlocked()
             except CorruptState as e:
                 corrupt, data = e, _empty()
+            _adopt_boot(data, boot_id())
             change(data)
             atomic_write_json(self.path, data)
         if corrupt is not None:
@@ -186,30 +233,49 @@ class StateStore:
         return data
 
 
-def view(data: State) -> PersistentView:
+def view(data: State, now: Now, this_boot: str | None = None) -> PersistentView:
+    """The core's view: every time on the monotonic clock of NOW."""
+    same_boot = data.get("boot_id") == (boot_id() if this_boot is None else this_boot) and data.get("boot_id")
+
+    def mono(st: Stamp) -> float:
+        m, wall = st.get("mono"), st.get("wall") or 0.0
+        if same_boot and m is not None:
+            return m
+        return now.mono_of(wall)
+
+    def until(st: Stamp | None) -> float | None:
+        if st is None:
+            return None
+        m = st.get("mono")
+        if same_boot and m is not None:
+            return m
+        return now.mono - (now.wall - (st.get("wall") or 0.0))  # an end may lie ahead
+
     return PersistentView(
-        restarts={k: tuple(v) for k, v in data["restarts"].items()},
-        pauses={k: Pause(p["until"], p.get("reason", "operator")) for k, p in data["pauses"].items()},
-        resumed_at=dict(data["resumed_at"]),
+        restarts={k: tuple(sorted(mono(st) for st in v)) for k, v in data["restarts"].items()},
+        pauses={k: Pause(until(p["until"]), p.get("reason", "operator")) for k, p in data["pauses"].items()},
+        resumed_at={k: mono(st) for k, st in data["resumed_at"].items()},
         requests=tuple(
             sorted(
-                (RestartRequest(rid, q["replica"], q["at"]) for rid, q in data["requests"].items()),
+                (RestartRequest(rid, q["replica"], mono(q["at"])) for rid, q in data["requests"].items()),
                 key=lambda q: (q.at, q.id),
             )
         ),
     )
 
 
-def record_restart(data: State, replica: str, at: float, keep_s: float) -> None:
-    times = [t for t in data["restarts"].get(replica, []) if t > at - keep_s]
-    data["restarts"][replica] = [*times, at]
+def record_restart(data: State, replica: str, now: Now, keep_s: float) -> None:
+    times = [st for st in data["restarts"].get(replica, []) if (st.get("wall") or 0.0) > now.wall - keep_s]
+    data["restarts"][replica] = [*times, stamp(now)]
 
 
-def record_answer(data: State, request_id: str, replica: str, ok: bool, message: str, at: float) -> None:
+def record_answer(data: State, request_id: str, replica: str, ok: bool, message: str, now: Now) -> None:
     """Move a request to the answers (and forget answers nobody fetched for ANSWERS_KEPT_S)."""
     data["requests"].pop(request_id, None)
-    data["answers"] = {k: a for k, a in data["answers"].items() if a["at"] > at - ANSWERS_KEPT_S}
-    data["answers"][request_id] = {"replica": replica, "ok": ok, "message": message, "at": at}
+    data["answers"] = {
+        k: a for k, a in data["answers"].items() if (a["at"].get("wall") or 0.0) > now.wall - ANSWERS_KEPT_S
+    }
+    data["answers"][request_id] = {"replica": replica, "ok": ok, "message": message, "at": stamp(now)}
 
 
 class StateCache:
@@ -219,7 +285,7 @@ class StateCache:
     def __init__(self, store: StateStore) -> None:
         self.store = store
         self.data: State = _empty()
-        self._view = view(self.data)
+        self._view: PersistentView | None = None
         self._mtime: float | None = None
         self._loaded = False
 
@@ -243,8 +309,12 @@ class StateCache:
             problems.append(f"cannot read state in {self.store.dir}: {e}; keeping what was loaded")
         self._loaded = True
         self._mtime = self._stat()
-        self._view = view(self.data)
+        self._view = None
         return problems
 
-    def view(self) -> PersistentView:
+    def view(self, now: Now) -> PersistentView:
+        """Converted once per load: monotonic times do not move, and wall times only map anew
+        after a reload of the file."""
+        if self._view is None:
+            self._view = view(self.data, now)
         return self._view

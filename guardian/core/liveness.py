@@ -43,7 +43,7 @@ RULES = (
         "L5",
         S.STARTING,
         "unit active, not healthy once since it last started, AND now - start < R.startup_grace_s "
-        "(start = systemd's InactiveExitTimestamp)",
+        "(start = systemd's InactiveExitTimestampMonotonic)",
     ),
     Rule("L6", S.WRONG_MODEL, "/v1/models answered AND does not list R.model"),
     Rule(
@@ -141,8 +141,8 @@ def step(
     """Fold one observation into the track. Returns (new track, whether to start a canary)."""
     unit = obs.unit
     t = track
-    if unit is not None and unit.inactive_exit_ts != t.start_ts:
-        t = _fresh_start(t, unit.inactive_exit_ts)
+    if unit is not None and unit.inactive_exit_mono != t.start_ts:
+        t = _fresh_start(t, unit.inactive_exit_mono)
     if obs.restart_outcome is not None:
         t = replace(t, restart_in_flight=False)
 

@@ -93,7 +93,7 @@ class ReplicaMemory:
     model: str
     fraction: float | None  # what it is configured with: guardian's env file, else what it runs with
     running_fraction: float | None  # what it reports: vllm:cache_config_info, else its command line
-    started_at: float | None  # its unit's last start (InactiveExitTimestamp)
+    started_at: float | None  # its unit's last start (InactiveExitTimestampMonotonic)
     wiring_problem: str | None  # None: wired for the memory guard
     state: State  # the watchdog's verdict
     usage_bytes: int | None = None  # NVML per-process memory, when the driver reports it

@@ -1,7 +1,9 @@
 """Immutable values that observers make of the world and the policy reads.
 
-Times are wall-clock seconds since the epoch (floats), the same clock as the ``now`` the
-policy is given, so that systemd's activation timestamps compare directly.
+Times are monotonic seconds (CLOCK_MONOTONIC, floats), the clock of the ``now`` the core is
+given and of systemd's *TimestampMonotonic properties, so that they compare directly and no step
+of the wall clock moves a window. Persisted wall-clock times are converted at the edge
+(act/state.py).
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ class UnitInfo:
     active_state: ActiveState
     sub_state: str = ""  # shown only; depends on the unit type
     unit_file_state: UnitFileState = UnitFileState.OTHER
-    inactive_exit_ts: float | None = None  # when it last began starting (epoch s)
+    inactive_exit_mono: float | None = None  # when it last began starting (monotonic s)
     main_pid: int = 0
     invocation_id: str = ""
     restart: str = ""  # Restart= setting: no, on-failure, always, ...

@@ -262,7 +262,7 @@ def _memory(
                 model=r.model,
                 fraction=configured if configured is not None else reported,
                 running_fraction=reported,
-                started_at=o.unit.inactive_exit_ts if o.unit else None,
+                started_at=o.unit.inactive_exit_mono if o.unit else None,
                 wiring_problem=wiring,
                 state=t.state,
                 usage_bytes=mo.usage_bytes if mo else None,

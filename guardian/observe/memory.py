@@ -14,6 +14,7 @@ from ..core.memguard import Pending
 from ..core.observations import MemoryObservation, ReplicaMemoryObservation, ReplicaObservation, gib
 from ..core.wiring import EnvFile, cmdline_fraction, env_value, parse_fraction, wiring_problem
 from . import probes, unitlog
+from .clock import Now
 from .meminfo import sample_memory
 from .nvml import Nvml
 from .systemd import Systemd, SystemdError
@@ -92,7 +93,7 @@ class MemoryObserver:
         self.wiring = {r.name: w for r, w in zip(cfg.replicas, found, strict=False)}
 
     async def observe(
-        self, cfg: Config, replicas: dict[str, ReplicaObservation], pending: Pending | None
+        self, cfg: Config, replicas: dict[str, ReplicaObservation], pending: Pending | None, now: Now
     ) -> MemoryObservation:
         m = cfg.memory
         nvml = self.nvml
@@ -112,7 +113,8 @@ class MemoryObserver:
                 argv = await asyncio.to_thread(_cmdline, pid)
             failure = None
             if pending is not None and pending.replica == r.name:
-                failure = await unitlog.start_error(r.unit, pending.issued_at, pending.new)
+                since_wall = now.wall_of(pending.issued_at) or now.wall  # journalctl --since is wall time
+                failure = await unitlog.start_error(r.unit, since_wall, pending.new)
             return ReplicaMemoryObservation(
                 configured_fraction=read_env_fraction(env_path(cfg, r.name)),
                 cmdline_fraction=cmdline_fraction(argv),

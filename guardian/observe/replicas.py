@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 
 import httpx
 
@@ -23,6 +22,7 @@ from ..core.observations import (
 )
 from ..core.vocab import HeldBy, Hidden, Nobody, PortOwner, Unreadable
 from . import probes
+from .clock import Now
 from .sockets import listeners, listening_inodes
 from .systemd import Systemd, SystemdError
 
@@ -203,10 +203,10 @@ class WorldObserver:
         canaries: dict[str, CanaryResult],
         outcomes: dict[str, RestartOutcome],
         pending: Pending | None,
-        clock: Callable[[], float] = time.time,
+        now: Now,
     ) -> TickObservation:
         replicas = await observe_all(
-            cfg, self.sd, self.client, clock(), canaries, outcomes, self.port_cache, self.unit_cache
+            cfg, self.sd, self.client, now.mono, canaries, outcomes, self.port_cache, self.unit_cache
         )
-        memory = await self.memory.observe(cfg, replicas, pending) if cfg.memory.enabled else None
+        memory = await self.memory.observe(cfg, replicas, pending, now) if cfg.memory.enabled else None
         return TickObservation(replicas, persistent, memory)

@@ -39,7 +39,7 @@ UNIT_PROPS = (
     "ActiveState",
     "SubState",
     "UnitFileState",
-    "InactiveExitTimestamp",
+    "InactiveExitTimestampMonotonic",
     "InvocationID",
     "Conflicts",
     "ConflictedBy",
@@ -278,7 +278,7 @@ class Systemd:
         conflicts = []
         for other in others:
             conflicts.append((other, await self.active_state(other)))
-        exit_us = u.get("InactiveExitTimestamp", 0)
+        exit_us = u.get("InactiveExitTimestampMonotonic", 0)
         job = u.get("Job") or (0, "/")
         return UnitInfo(
             name=name,
@@ -286,7 +286,7 @@ class Systemd:
             active_state=ActiveState.parse(u.get("ActiveState", "")),
             sub_state=u.get("SubState", ""),
             unit_file_state=UnitFileState.parse(u.get("UnitFileState", "")),
-            inactive_exit_ts=exit_us / 1e6 if exit_us else None,
+            inactive_exit_mono=exit_us / 1e6 if exit_us else None,
             main_pid=int(svc.get("MainPID", 0)),
             invocation_id=bytes(u.get("InvocationID", b"")).hex(),
             restart=svc.get("Restart", ""),
@@ -355,10 +355,14 @@ class Systemd:
                 sizes.append((str(name), value))
         return sorted(sizes, key=lambda x: -x[1])[:n]
 
-    async def restart(self, name: str, timeout_s: float) -> str:
-        """RestartUnit(name, "replace") and wait for the job's JobRemoved result."""
+    async def restart(self, name: str, timeout_s: float, start_if_stopped: bool = False) -> str:
+        """TryRestartUnit(name, "replace"), and wait for the job's JobRemoved result. A try-restart
+        does nothing to a unit that is not running, so an operator's stop between guardian's last
+        look and this call always wins. START_IF_STOPPED (RestartUnit) is for the memory guard's
+        retry of a start that failed after its own lowering."""
         loop = asyncio.get_running_loop()
-        (job_path,) = await self._call(MANAGER, "RestartUnit", "ss", [name, "replace"])
+        member = "RestartUnit" if start_if_stopped else "TryRestartUnit"
+        (job_path,) = await self._call(MANAGER, member, "ss", [name, "replace"])
         job_path = str(job_path)
         if job_path in self._finished:
             return self._finished.pop(job_path)
