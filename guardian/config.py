@@ -245,7 +245,9 @@ class Config(BaseSettings):
         """A tick starts every interval_s and can wait out a probe's timeout; systemd kills a
         guardian that does not ping within WatchdogSec. Each must stay <= a quarter of it."""
         limit_s = watchdog_s() / 4
-        checks = [("interval_s", self.interval_s), ("memory.peer_timeout_s", self.memory.peer_timeout_s)]
+        checks = [("interval_s", self.interval_s)]
+        if self.memory.enabled and self.memory.peer_urls:  # peers are asked within the tick
+            checks.append(("memory.peer_timeout_s", self.memory.peer_timeout_s))
         for i, r in enumerate(self.replicas):
             checks += [
                 (f"replicas.{i}.health_timeout_s", r.health_timeout_s),

@@ -28,7 +28,8 @@ def test_active_only_after_ready(world):
 
 def test_frozen_loop_gets_guardian_restarted_by_systemds_watchdog(world):
     world.setup(start_guardian=False)
-    world.box.write("/etc/systemd/system/guardian.service.d/watchdog.conf", "[Service]\nWatchdogSec=3s\nRestartSec=1s\n")
+    # 5 s: guardian refuses a probe timeout over a quarter of it (the test world's are 1 s)
+    world.box.write("/etc/systemd/system/guardian.service.d/watchdog.conf", "[Service]\nWatchdogSec=5s\nRestartSec=1s\n")
     world.box.daemon_reload()
     world.start_guardian()
     # Pings keep coming while the loop runs: well past WatchdogSec, no restart.

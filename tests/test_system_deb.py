@@ -74,7 +74,12 @@ def test_upgrade_keeps_config_and_state_remove_stops_purge_cleans(world, tmp_pat
     box.install_deb(newer)
     assert "0.1.1" in box.run(["dpkg-query", "-W", "-f", "${Version}", "guardian"]).stdout
     assert box.run(["cat", "/etc/guardian/guardian.toml"]).stdout == edited
-    assert json.loads(box.run(["cat", "/var/lib/guardian/state.json"]).stdout)["pauses"] == state_before["pauses"]
+    # The pause is kept (its wall-clock end: in this container the sandboxed daemon sees the kernel's
+    # boot id while a shell sees nspawn's own, so the daemon may drop the CLI's monotonic stamp as
+    # "another boot's" and fall back to the wall time, as after a real reboot).
+    after = json.loads(box.run(["cat", "/var/lib/guardian/state.json"]).stdout)["pauses"]
+    assert {k: (p["until"]["wall"], p["reason"]) for k, p in after.items()} == \
+        {k: (p["until"]["wall"], p["reason"]) for k, p in state_before["pauses"].items()}
     wait_for(lambda: box.prop("guardian.service", "ActiveState") == "active", 30, "guardian active after upgrade")
     assert box.prop("guardian.service", "MainPID") != pid  # restarted on upgrade
     world.wait_states({"a": "healthy", "b": "paused"}, timeout_s=30)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from ..config import Config, ReplicaConfig
 from . import admission, liveness, memguard
 from .actions import Action, AnswerRequest, LogLine, LowerFraction, RestartUnit, StartCanary
+from .admission import Blocker
 from .liveness import Track
 from .observations import MemoryObservation, ReplicaObservation, TickObservation
 from .vocab import RESTART_STATES, SERVING_STATES, Decision, Priority, RestartKind, State
@@ -97,18 +98,28 @@ def _liveness(
     out.tracks[r.name] = new
 
 
-# --- 2. unplanned restarts --------------------------------------------------------------------
+# --- 2 and 3. restarts: one path for the watchdog's and the operators' -------------------------
 
 
-def _unplanned(out: _Out, r: ReplicaConfig, obs: TickObservation, now: float, cfg: Config, issued: bool) -> bool:
-    """Restart R if its verdict asks for it and admission allows; True when a restart was issued."""
+def _restart(
+    out: _Out,
+    r: ReplicaConfig,
+    kind: RestartKind,
+    head: str,
+    evidence: str,
+    obs: TickObservation,
+    now: float,
+    cfg: Config,
+    issued: bool,
+    request_id: str | None = None,
+) -> Blocker | None:
+    """Admit, then issue (or log the dry run). A refusal is logged and returned; a watchdog's
+    refusal or dry run is logged once per episode (its stable key), an operator's every time."""
     t = out.tracks[r.name]
-    if t.state not in RESTART_STATES:
-        return False
-    head = f"replica {r.name}: {t.state} ({t.evidence})"
+    once = request_id is None
     no = admission.refusal(r.name, out.tracks, obs.replicas[r.name], obs.persistent, now, cfg, issued)
     if no is not None:
-        if t.last_notice != no.key:
+        if not once or t.last_notice != no.key:
             out.log(
                 LogLine(
                     no.priority,
@@ -121,10 +132,10 @@ def _unplanned(out: _Out, r: ReplicaConfig, obs: TickObservation, now: float, cf
                     rule=no.rule,
                 )
             )
-            out.tracks[r.name] = replace(t, last_notice=no.key)
-        return False
+            out.tracks[r.name] = replace(t, last_notice=no.key if once else t.last_notice)
+        return no
     if cfg.dry_run:
-        if t.last_notice != (Decision.DRY_RUN,):
+        if not once or t.last_notice != (Decision.DRY_RUN,):
             out.log(
                 LogLine(
                     Priority.WARNING,
@@ -136,8 +147,8 @@ def _unplanned(out: _Out, r: ReplicaConfig, obs: TickObservation, now: float, cf
                     rule=t.rule,
                 )
             )
-            out.tracks[r.name] = replace(t, last_notice=(Decision.DRY_RUN,))
-        return False
+            out.tracks[r.name] = replace(t, last_notice=(Decision.DRY_RUN,) if once else t.last_notice)
+        return None
     b = admission.budget(r.name, obs.persistent, now, cfg)
     out.log(
         LogLine(
@@ -147,20 +158,39 @@ def _unplanned(out: _Out, r: ReplicaConfig, obs: TickObservation, now: float, cf
             r.name,
             r.unit,
             state=t.state,
-            rule=t.rule,
+            rule=t.rule if kind is RestartKind.HANG else None,
         )
     )
-    out.actions.append(RestartUnit(r.name, r.unit, RestartKind.HANG, f"{t.state}: {t.evidence}"))
-    out.tracks[r.name] = replace(t, restart_in_flight=True, restart_issued_at=now, last_notice=(Decision.RESTART,))
-    return True
+    out.actions.append(RestartUnit(r.name, r.unit, kind, evidence, request_id))
+    out.tracks[r.name] = replace(
+        t, restart_in_flight=True, restart_issued_at=now, last_notice=(Decision.RESTART,) if once else t.last_notice
+    )
+    return None
 
 
-# --- 3. operators' requests -------------------------------------------------------------------
+def _unplanned(out: _Out, r: ReplicaConfig, obs: TickObservation, now: float, cfg: Config, issued: bool) -> bool:
+    """Restart R if its verdict asks for it and admission allows; True when a restart was issued."""
+    t = out.tracks[r.name]
+    if t.state not in RESTART_STATES:
+        return False
+    _restart(
+        out,
+        r,
+        RestartKind.HANG,
+        f"replica {r.name}: {t.state} ({t.evidence})",
+        f"{t.state}: {t.evidence}",
+        obs,
+        now,
+        cfg,
+        issued,
+    )
+    return out.tracks[r.name].restart_in_flight
 
 
 def _requests(
     out: _Out, taken: frozenset[str], obs: TickObservation, now: float, cfg: Config, issued: bool
 ) -> tuple[frozenset[str], bool]:
+    """Each operator's request is acted on once: admitted and issued, or refused; and answered."""
     pending = {q.id for q in obs.persistent.requests}
     still = set(taken & pending)  # answered ones have left the state file
     for q in obs.persistent.requests:
@@ -171,50 +201,14 @@ def _requests(
         if r is None:
             out.actions.append(AnswerRequest(q.id, q.replica, False, f"no replica named {q.replica!r} in the config"))
             continue
-        t = out.tracks[r.name]
-        head = f"replica {r.name}: restart of {r.unit} requested by an operator"
-        no = admission.refusal(r.name, out.tracks, obs.replicas[r.name], obs.persistent, now, cfg, issued)
+        head = f"replica {r.name}: an operator asked for a restart (it is {out.tracks[r.name].state})"
+        no = _restart(out, r, RestartKind.OPERATOR, head, "requested by an operator", obs, now, cfg, issued, q.id)
         if no is not None:
-            out.log(
-                LogLine(
-                    Priority.ERROR,
-                    f"{head}; refused: {no.text}",
-                    Decision.REFUSED,
-                    r.name,
-                    r.unit,
-                    state=t.state,
-                    gate=no.gate,
-                    rule=no.rule,
-                )
-            )
             out.actions.append(AnswerRequest(q.id, r.name, False, f"refused ({no.gate}): {no.text}"))
-            continue
-        if cfg.dry_run:
-            out.log(
-                LogLine(
-                    Priority.WARNING,
-                    f"{head}; DRY-RUN: would restart {r.unit} now",
-                    Decision.DRY_RUN,
-                    r.name,
-                    r.unit,
-                    state=t.state,
-                )
-            )
+        elif cfg.dry_run:
             out.actions.append(AnswerRequest(q.id, r.name, True, f"DRY-RUN: would restart {r.unit}"))
-            continue
-        out.log(
-            LogLine(
-                Priority.WARNING,
-                f"{head}; restarting it (it was {t.state})",
-                Decision.RESTART,
-                r.name,
-                r.unit,
-                state=t.state,
-            )
-        )
-        out.actions.append(RestartUnit(r.name, r.unit, RestartKind.OPERATOR, "requested by an operator", q.id))
-        out.tracks[r.name] = replace(t, restart_in_flight=True, restart_issued_at=now)
-        issued = True
+        else:
+            issued = True
     return frozenset(still), issued
 
 
