@@ -85,9 +85,6 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
-Seconds = Field(gt=0, le=MAX_WINDOW_S)
-
-
 class ReplicaConfig(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", min_length=1, max_length=64)
     unit: str

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,12 +19,12 @@ from .observe.clock import Now
 @dataclass
 class LoopStats:
     ticks: int = 0
-    durations_s: list[float] = field(default_factory=list)  # the last 1000 ticks
+    durations_s: deque[float] = field(default_factory=lambda: deque(maxlen=1000))  # the last 1000 ticks
     max_watchdog_ping_gap_s: float = 0.0
 
     def add(self, duration_s: float) -> None:
         self.ticks += 1
-        self.durations_s = ([*self.durations_s, duration_s])[-1000:]
+        self.durations_s.append(duration_s)
 
 
 def _pct(sorted_values: list[float], q: float) -> float | None:

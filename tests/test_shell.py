@@ -50,7 +50,7 @@ def test_an_unexpected_exception_in_a_tick_is_logged_critical_and_the_tick_aband
 
 
 def test_text_from_a_replica_cannot_forge_a_line_on_stderr(capsys):
-    Journal(socket_path="/nonexistent").send(Priority.ERROR, "model m" * 1 + "\n<2>forged critical\x1b[31m")
+    Journal(socket_path="/nonexistent").send(Priority.ERROR, "model m\n<2>forged critical\x1b[31m")
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("<3>model m\\n<2>forged critical\\x1b[31m")
 

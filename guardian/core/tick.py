@@ -116,56 +116,66 @@ def _restart(
     """Admit, then issue (or log the dry run). A refusal is logged and returned; a watchdog's
     refusal or dry run is logged once per episode (its stable key), an operator's every time."""
     t = out.tracks[r.name]
-    once = request_id is None
+
+    def say(key: tuple[str, ...], line: LogLine) -> None:
+        """Log LINE: the watchdog's once per episode (KEY), an operator's request always."""
+        nonlocal t
+        if request_id is None and t.last_notice == key:
+            return
+        out.log(line)
+        t = replace(t, last_notice=key if request_id is None else t.last_notice)
+
     no = admission.refusal(r.name, out.tracks, obs.replicas[r.name], obs.persistent, now, cfg, issued)
     if no is not None:
-        if not once or t.last_notice != no.key:
-            out.log(
-                LogLine(
-                    no.priority,
-                    f"{head}; restart of {r.unit} refused: {no.text}",
-                    Decision.REFUSED,
-                    r.name,
-                    r.unit,
-                    state=t.state,
-                    gate=no.gate,
-                    rule=no.rule,
-                )
-            )
-            out.tracks[r.name] = replace(t, last_notice=no.key if once else t.last_notice)
-        return no
-    if cfg.dry_run:
-        if not once or t.last_notice != (Decision.DRY_RUN,):
-            out.log(
-                LogLine(
-                    Priority.WARNING,
-                    f"{head}; DRY-RUN: would restart {r.unit} now",
-                    Decision.DRY_RUN,
-                    r.name,
-                    r.unit,
-                    state=t.state,
-                    rule=t.rule,
-                )
-            )
-            out.tracks[r.name] = replace(t, last_notice=(Decision.DRY_RUN,) if once else t.last_notice)
-        return None
-    b = admission.budget(r.name, obs.persistent, now, cfg)
-    out.log(
-        LogLine(
-            Priority.WARNING,
-            f"{head}; restarting {r.unit} (restart {b.used + 1} of {b.limit} in {cfg.watchdog.restart_window_s:.0f} s)",
-            Decision.RESTART,
-            r.name,
-            r.unit,
-            state=t.state,
-            rule=t.rule if kind is RestartKind.HANG else None,
+        say(
+            no.key,
+            LogLine(
+                no.priority,
+                f"{head}; restart of {r.unit} refused: {no.text}",
+                Decision.REFUSED,
+                r.name,
+                r.unit,
+                state=t.state,
+                gate=no.gate,
+                rule=no.rule,
+            ),
         )
-    )
-    out.actions.append(RestartUnit(r.name, r.unit, kind, evidence, request_id))
-    out.tracks[r.name] = replace(
-        t, restart_in_flight=True, restart_issued_at=now, last_notice=(Decision.RESTART,) if once else t.last_notice
-    )
-    return None
+    elif cfg.dry_run:
+        say(
+            (Decision.DRY_RUN,),
+            LogLine(
+                Priority.WARNING,
+                f"{head}; DRY-RUN: would restart {r.unit} now",
+                Decision.DRY_RUN,
+                r.name,
+                r.unit,
+                state=t.state,
+                rule=t.rule,
+            ),
+        )
+    else:
+        b = admission.budget(r.name, obs.persistent, now, cfg)
+        out.log(
+            LogLine(  # an action taken is always said
+                Priority.WARNING,
+                f"{head}; restarting {r.unit} (restart {b.used + 1} of {b.limit} in "
+                f"{cfg.watchdog.restart_window_s:.0f} s)",
+                Decision.RESTART,
+                r.name,
+                r.unit,
+                state=t.state,
+                rule=t.rule if kind is RestartKind.HANG else None,
+            )
+        )
+        out.actions.append(RestartUnit(r.name, r.unit, kind, evidence, request_id))
+        t = replace(
+            t,
+            restart_in_flight=True,
+            restart_issued_at=now,
+            last_notice=(Decision.RESTART,) if request_id is None else t.last_notice,
+        )
+    out.tracks[r.name] = t
+    return no
 
 
 def _unplanned(out: _Out, r: ReplicaConfig, obs: TickObservation, now: float, cfg: Config, issued: bool) -> bool:

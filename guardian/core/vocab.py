@@ -206,12 +206,11 @@ _ENABLED = frozenset(
 
 
 class RestartKind(StrEnum):
-    """Why a restart is made. A planned one is asked for (an operator, the memory guard); an
-    unplanned one is the watchdog's answer to a hang."""
+    """Why a RestartUnit action is made: the watchdog's answer to a hang, or an operator's request.
+    (The memory guard's restarts are LowerFraction actions: the env file is written first.)"""
 
     HANG = "hang"
     OPERATOR = "operator"
-    MEMORY = "memory"
 
 
 # --- who holds a replica's port: a tagged union ---------------------------------------------

@@ -79,7 +79,6 @@ class ServiceDetails:
 
     environment_files: tuple[str, ...]  # in the unit's order: a later file overrides an earlier one
     exec_start: tuple[str, ...]  # argv of the first ExecStart=
-    invocation_id: str = ""
 
 
 class Systemd:
@@ -303,11 +302,6 @@ class Systemd:
         exec_start = svc.get("ExecStart", [])
         argv = tuple(str(a) for a in exec_start[0][1]) if exec_start else ()
         return ServiceDetails(env_files, argv)
-
-    async def invocation_id(self, name: str) -> str:
-        path = await self.unit_path(name)
-        (v,) = await self._call(PROPS, "Get", "ss", [UNIT_IFACE, "InvocationID"], path=path)
-        return bytes(_v(v)).hex()
 
     async def unit_by_pid(self, pid: int) -> str | None:
         try:
