@@ -1,4 +1,4 @@
-"""guardian's command line: run, check, status, pause, resume, restart."""
+"""guardian's command line: run, check, status, pause, resume, restart, polkit-rule."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from . import __version__
+from . import __version__, polkit
 from .act.executor import checked_restart
 from .act.journal import Journal
-from .act.state import STATUS_FILE, CorruptState, State, StateStore, stamp, view
+from .act.state import STATUS_FILE, CorruptState, State, StateStore, atomic_write, stamp, view
 from .config import MAX_WINDOW_S, Config, ConfigError, config_path, load_config
 from .core import gates, hazards, thresholds, tick
 from .core.actions import AnswerRequest, LogLine, RestartUnit
@@ -370,6 +370,26 @@ async def _restart_without_daemon(cfg: Config, name: str) -> int:
         sd.close()
 
 
+def cmd_polkit_rule(args: argparse.Namespace) -> int:
+    path = config_path(args.config)
+    cfg = load_config(path)  # a broken config leaves the rule in place: the daemon keeps its running config
+    text = polkit.render(cfg, str(path))
+    if args.stdout:
+        sys.stdout.write(text)
+        return 0
+    out = Path(args.output)
+    units = ", ".join(sorted({r.unit for r in cfg.replicas})) or "none"
+    try:
+        if out.read_text() == text:
+            print(f"guardian: polkit rule {out} unchanged (units: {units})")
+            return 0
+    except (OSError, UnicodeDecodeError):
+        pass
+    atomic_write(out, text.encode(), mode=0o644)
+    print(f"guardian: wrote polkit rule {out}: user guardian may try-restart and restart {units}")
+    return 0
+
+
 _REQUEST_DECISIONS = frozenset({Decision.REFUSED, Decision.RESTART, Decision.DRY_RUN})
 
 
@@ -405,6 +425,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="how long to wait for the daemon's answer (default: the restart job timeout + 10 ticks)",
     )
     rs.set_defaults(func=cmd_restart)
+    pk = sub.add_parser(
+        "polkit-rule",
+        help="write the polkit rule that lets user guardian restart exactly the configured units "
+        "(run as root by guardian.service before every start and reload)",
+    )
+    pk.add_argument("--output", default=str(polkit.RULE_PATH))
+    pk.add_argument("--stdout", action="store_true", help="print the rule instead of writing it")
+    pk.set_defaults(func=cmd_polkit_rule)
     for sp in sub.choices.values():
         sp.add_argument("--config", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return p

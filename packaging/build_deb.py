@@ -7,6 +7,9 @@ Targets:
   arm64-noble     DGX OS (Ubuntu 24.04, arm64, Python 3.12): the real one, cross-built here
                   from the target's wheels (pip --platform manylinux aarch64, cp312)
   amd64-bookworm  Debian 12 (amd64, Python 3.11): what the system tests install
+  arm64-bookworm  Debian 12 (arm64, Python 3.11): not shipped ("all" leaves it out); the tests
+                  run it under qemu-user in an arm64 Debian 12 root, where Python is 3.11, to
+                  show the aarch64 wheels bundled the same way import and run
 
 The Python dependencies (Ubuntu 24.04 ships pydantic 1 only) are bundled privately under
 /usr/lib/guardian and run by the system python3; Depends: pins the Python minor version the
@@ -46,11 +49,13 @@ class Target:
     python: str  # X.Y
     unit_dir: str
     distribution: str
+    shipped: bool = True
 
 
 TARGETS = {
     "arm64-noble": Target("arm64-noble", "arm64", "aarch64", "3.12", "/usr/lib/systemd/system", "noble"),
     "amd64-bookworm": Target("amd64-bookworm", "amd64", "x86_64", "3.11", "/lib/systemd/system", "bookworm"),
+    "arm64-bookworm": Target("arm64-bookworm", "arm64", "aarch64", "3.11", "/lib/systemd/system", "bookworm", False),
 }
 
 
@@ -119,7 +124,6 @@ def build(t: Target, out_dir: Path, ver: str) -> Path:
             "usr/bin/guardian": (WRAPPER, 0o755),
             f"{t.unit_dir.lstrip('/')}/guardian.service": ((REPO / "units/guardian.service").read_text(), 0o644),
             "etc/guardian/guardian.toml": ((HERE / "guardian.toml").read_text(), 0o644),
-            "usr/share/polkit-1/rules.d/50-guardian.rules": ((HERE / "debian/50-guardian.rules").read_text(), 0o644),
             "usr/lib/sysusers.d/guardian.conf": ((HERE / "debian/guardian.sysusers").read_text(), 0o644),
             "usr/share/doc/guardian/copyright": ((HERE / "debian/copyright").read_text(), 0o644),
             "usr/share/doc/guardian/README.md": ((REPO / "README.md").read_text(), 0o644),
@@ -180,12 +184,12 @@ def build(t: Target, out_dir: Path, ver: str) -> Path:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", choices=[*TARGETS, "all"], default="all")
+    p.add_argument("--target", choices=[*TARGETS, "all"], default="all", help="all: the shipped targets")
     p.add_argument("--out", default=str(REPO / "dist"))
     p.add_argument("--version", default=None, help="package version (default: guardian.__version__)")
     args = p.parse_args(argv)
     ver = args.version or version()
-    for name in TARGETS if args.target == "all" else [args.target]:
+    for name in [n for n, t in TARGETS.items() if t.shipped] if args.target == "all" else [args.target]:
         print(build(TARGETS[name], Path(args.out), ver))
     return 0
 

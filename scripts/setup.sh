@@ -11,6 +11,8 @@ command -v nsenter >/dev/null || need_apt+=(util-linux)
 python3 -c 'import venv, ensurepip' 2>/dev/null || need_apt+=(python3-venv)
 command -v lintian >/dev/null || need_apt+=(lintian)
 command -v dpkg-deb >/dev/null || need_apt+=(dpkg-dev)
+# the arm64 package is run under emulation in an arm64 Debian root (tests/arm64_root.py)
+[ -x /usr/bin/qemu-aarch64-static ] || need_apt+=(qemu-user-static)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" != 0 ]; then
     echo "setup: need root to install ${need_apt[*]} (run with sudo)" >&2

@@ -399,6 +399,8 @@ OWN = HeldBy(8001, 100, "vllm-a.service")
     (unit(active_state="failed"), OWN, "inactive"),
     (unit(job_pending=True), OWN, "job-pending"),
     (unit(), HeldBy(8001, 4242, "impostor.service"), "port-owner"),
+    (unit(), HeldBy(8001, None, "impostor.service"), "port-owner"),  # found by cgroup, its process gone
+    (unit(), HeldBy(8001, None, "vllm-a.service"), None),
     (unit(), Hidden(8001), "port-unknown"),
     (unit(conflicts=(("old.service", "active"),)), OWN, "conflicts"),
     (unit(conflicts=(("old.service", "deactivating"),)), OWN, "conflicts"),
@@ -416,6 +418,8 @@ def test_refusals_name_what_would_be_hurt():
     assert "would stop legacy.service (active)" in r.reason
     r = gates.unit_refusal(unit(), HeldBy(8001, 4242, "impostor.service"))
     assert "impostor.service (pid 4242)" in r.reason
+    r = gates.unit_refusal(unit(), HeldBy(8001, None, "impostor.service"))
+    assert "held by impostor.service, not by vllm-a.service" in r.reason
 
 
 # --- hazards ----------------------------------------------------------------------------------

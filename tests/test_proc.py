@@ -3,7 +3,9 @@
 import os
 import socket
 
-from guardian.observe.sockets import listening_inodes, listeners
+import pytest
+
+from guardian.observe.sockets import cgroup_dirs, first_pid, listeners, listening, listening_inodes, unit_of_cgroup
 
 
 def _listener(family=socket.AF_INET, host="127.0.0.1"):
@@ -67,10 +69,65 @@ def test_netlink_and_proc_net_agree():
         ports = {v4.getsockname()[1], v6.getsockname()[1]}
         netlink = {}
         for family in (socket.AF_INET, socket.AF_INET6):
-            for port, inode in _sock_diag_listeners(family):
+            for port, inode, _cgroup in _sock_diag_listeners(family):
                 if port in ports:
                     netlink.setdefault(port, inode)
         assert netlink == _proc_net_listening_inodes(ports) == listening_inodes(ports) != {}
     finally:
         v4.close()
         v6.close()
+
+
+def _own_cgroup() -> str:
+    with open("/proc/self/cgroup") as f:
+        return next(line.split("::", 1)[1].strip() for line in f if line.startswith("0::"))
+
+
+def test_a_socket_is_mapped_to_the_cgroup_that_created_it_without_reading_proc():
+    s = _listener()
+    port = s.getsockname()[1]
+    try:
+        inode, cgroup_id = listening({port})[port]
+        assert inode == os.fstat(s.fileno()).st_ino
+        own = _own_cgroup()
+        assert cgroup_id == os.stat(f"/sys/fs/cgroup{own}").st_ino  # a cgroup's id is its directory's inode
+        assert cgroup_dirs()[cgroup_id] == own
+    finally:
+        s.close()
+
+
+def test_cgroup_dirs_walks_the_tree_by_inode(tmp_path):
+    (tmp_path / "system.slice/vllm-a.service/payload").mkdir(parents=True)
+    (tmp_path / "system.slice/cgroup.procs").write_text("")
+    dirs = cgroup_dirs(str(tmp_path))
+    assert dirs[os.stat(tmp_path / "system.slice/vllm-a.service").st_ino] == "/system.slice/vllm-a.service"
+    assert dirs[os.stat(tmp_path / "system.slice/vllm-a.service/payload").st_ino] == "/system.slice/vllm-a.service/payload"
+    assert dirs[os.stat(tmp_path).st_ino] == "/"
+    assert len(dirs) == 4  # files are not cgroups
+    assert cgroup_dirs(str(tmp_path / "absent")) == {}
+
+
+@pytest.mark.parametrize(
+    ("path", "unit"),
+    [
+        ("/system.slice/vllm-a.service", "vllm-a.service"),
+        ("/system.slice/system-vllm\\x2dreplica.slice/vllm-replica@a.service", "vllm-replica@a.service"),
+        ("/system.slice/vllm-a.service/payload", "vllm-a.service"),  # a delegated sub-cgroup
+        ("/user.slice/user-1000.slice/session-3.scope", "session-3.scope"),
+        ("/init.scope", None),  # systemd itself: socket activation, not the server
+        ("/system.slice", None),
+        ("/", None),
+    ],
+)
+def test_unit_of_cgroup(path, unit):
+    assert unit_of_cgroup(path) == unit
+
+
+def test_first_pid_reads_cgroup_procs(tmp_path):
+    (tmp_path / "a.service").mkdir()
+    (tmp_path / "a.service/cgroup.procs").write_text("4242\n4243\n")
+    (tmp_path / "empty.service").mkdir()
+    (tmp_path / "empty.service/cgroup.procs").write_text("")
+    assert first_pid("/a.service", str(tmp_path)) == 4242
+    assert first_pid("/empty.service", str(tmp_path)) is None
+    assert first_pid("/gone.service", str(tmp_path)) is None

@@ -17,37 +17,61 @@ from world import Replica
 pytestmark = pytest.mark.system
 
 
-def test_runs_as_user_guardian_and_restarts_through_polkit_only_what_the_rule_allows(world):
+RULE = "/etc/polkit-1/rules.d/50-guardian.rules"
+
+
+def _as_guardian(world, verb: str, unit: str):
+    return world.box.run(["runuser", "-u", "guardian", "--", "systemctl", "--no-ask-password", verb, unit], check=False)
+
+
+def test_runs_as_user_guardian_without_capabilities_and_polkit_allows_exactly_the_configured_units(world):
     outsider = Replica("c", 8003)
     world.replicas.append(outsider)
     world.setup(start_guardian=False)
-    # a replica whose unit name is outside the polkit rule (vllm-*.service)
+    # a configured replica whose unit name has no vllm- prefix: allowed because it is configured
     world.box.systemctl("disable", "--now", outsider.unit)
     world.box.run(f"mv /usr/lib/systemd/system/{outsider.unit} /usr/lib/systemd/system/llm-c.service")
     world.box.daemon_reload()
     world.box.systemctl("enable", "--now", "llm-c.service")
     world.extra_units.append("llm-c.service")
+    # an unconfigured unit that a vllm-* pattern would have let guardian's user restart
+    world.install_plain("vllm-split.service")
+    world.box.daemon_reload()
+    world.box.systemctl("start", "vllm-split.service")
     world.wait_serving(outsider)
     cfg = world.config_text().replace(f'unit = "{outsider.unit}"', 'unit = "llm-c.service"')
     world.write_config(cfg)
     world.start_guardian()
     pid = world.box.prop("guardian.service", "MainPID")
     assert world.box.run(["ps", "-o", "user=", "-p", pid]).stdout.strip() == "guardian"
-    # inside the rule: a real restart, by the unprivileged user
+    status = world.box.run(["cat", f"/proc/{pid}/status"]).stdout
+    assert re.search(r"^CapEff:\s*0+$", status, re.M) and re.search(r"^CapBnd:\s*0+$", status, re.M), status
+    rule = world.box.run(["cat", RULE]).stdout
+    assert '["llm-c.service", "vllm-a.service", "vllm-b.service"]' in rule
+    # inside the rule: real restarts by the unprivileged user, found hung by guardian
     a = world.replicas[0]
     old = world.box.identity(a.unit)
     world.kill(a.unit, "STOP")
     wait_for(lambda: world.box.identity(a.unit) != old, 40, "vllm-a.service restarted through polkit")
-    world.wait_states({"a": "healthy"}, timeout_s=30)
-    # outside it: refused by polkit, and guardian says so
     old_c = world.box.identity("llm-c.service")
     world.kill("llm-c.service", "STOP")
-    line = wait_for(lambda: next((e for e in world.guardian_lines("GUARDIAN_REPLICA=c", "GUARDIAN_DECISION=restart-failed")), None),
-                    40, "the polkit refusal")
-    assert line["PRIORITY"] == "3" and "llm-c.service" in line["MESSAGE"]
-    assert re.search(r"InteractiveAuthorizationRequired|Interactive authentication required|AccessDenied", line["MESSAGE"])
-    assert world.box.identity("llm-c.service") == old_c
-    world.kill("llm-c.service", "CONT")
+    wait_for(lambda: world.box.identity("llm-c.service") != old_c, 40, "llm-c.service restarted through polkit")
+    world.wait_states({"a": "healthy", "c": "healthy"}, timeout_s=40)
+    # outside it: another unit, or a verb guardian never uses, is refused by polkit
+    split = world.box.identity("vllm-split.service")
+    for verb, unit in (("try-restart", "vllm-split.service"), ("restart", "vllm-split.service"),
+                       ("stop", a.unit), ("start", "vllm-split.service"), ("stop", "vllm-split.service")):
+        r = _as_guardian(world, verb, unit)
+        assert r.returncode != 0 and re.search(r"authentication required|Access denied", r.stderr), (verb, unit, r)
+    assert world.box.identity("vllm-split.service") == split
+    assert world.box.prop(a.unit, "ActiveState") == "active"
+    # a reload re-renders the rule: c is no longer configured, so no longer allowed
+    world.write_config(world.config_text([r for r in world.replicas if r.name != "c"]))
+    world.box.systemctl("reload", "guardian.service")
+    wait_for(lambda: "llm-c.service" not in world.box.run(["cat", RULE]).stdout, 20, "the rule rewritten on reload")
+    wait_for(lambda: _as_guardian(world, "try-restart", "llm-c.service").returncode != 0, 20,
+             "polkit to refuse llm-c.service after the reload")
+    assert _as_guardian(world, "try-restart", a.unit).returncode == 0
 
 
 def test_units_verify_and_security_exposure(box):
@@ -92,6 +116,7 @@ def test_upgrade_keeps_config_and_state_remove_stops_purge_cleans(world, tmp_pat
     box.run(["apt-get", "purge", "-y", "-q", "guardian"], timeout=120)
     assert box.run(["test", "-e", "/var/lib/guardian"], check=False).returncode != 0
     assert box.run(["test", "-e", "/etc/guardian/guardian.toml"], check=False).returncode != 0
+    assert box.run(["test", "-e", RULE], check=False).returncode != 0
     # back to the package the other tests use
     box.install_deb(box.deb)
     box.systemctl("stop", "guardian.service")
@@ -108,7 +133,7 @@ def test_arm64_package_for_dgx_os(tmp_path):
     assert "python3 (>= 3.12)" in depends and "python3 (<< 3.13)" in depends
     contents = subprocess.run(["dpkg-deb", "--contents", str(deb)], capture_output=True, text=True, check=True).stdout
     for path in ("./usr/bin/guardian", "./usr/lib/systemd/system/guardian.service", "./etc/guardian/guardian.toml",
-                 "./usr/share/polkit-1/rules.d/50-guardian.rules", "./usr/lib/guardian/pydantic_core/"):
+                 "./usr/lib/guardian/pydantic_core/"):
         assert path in contents, path
     root = tmp_path / "x"
     subprocess.run(["dpkg-deb", "-x", str(deb), str(root)], check=True)
@@ -125,6 +150,42 @@ def test_arm64_package_for_dgx_os(tmp_path):
             tags = re.findall(r"^Tag: (.*)$", text, re.M)
             assert all(("cp312" in t or "abi3" in t) and "aarch64" in t for t in tags), (wheel, tags)
     assert binary_wheels >= 2  # pydantic-core and psutil
+
+
+def test_arm64_package_runs_guardian_check_under_qemu_in_an_arm64_debian_root(tmp_path):
+    """The arm64 build (aarch64 wheels bundled the same way as for DGX OS, but cp311 for Debian 12's
+    Python) unpacked into an arm64 Debian 12 root and run by an aarch64 python3 under qemu-user:
+    `guardian check` parses the config and probes a real replica (the simulator, on the host)."""
+    from arm64_root import chroot, ensure_arm64_root, ensure_binfmt
+    from test_simulator import Running
+
+    ensure_binfmt()
+    root = tmp_path / "root"
+    subprocess.run(["cp", "-a", "--reflink=auto", str(ensure_arm64_root()), str(root)], check=True)
+    deb = build_deb(tmp_path, target="arm64-bookworm")
+    subprocess.run(["dpkg-deb", "-x", str(deb), str(root)], check=True)
+    r = chroot(root, "/usr/bin/python3", "-c", "import platform; print(platform.machine())")
+    assert r.stdout.strip() == "aarch64", r
+    sim = Running().wait_up()
+    try:
+        (root / "etc/guardian/guardian.toml").write_text(
+            f'[[replicas]]\nname = "a"\nunit = "vllm-a.service"\nurl = "{sim.url}"\nmodel = "m"\n')
+        r = chroot(root, "/usr/bin/guardian", "check", "--no-systemd")
+        print(r.stdout)
+        assert r.returncode == 0, r
+        assert re.search(r"replica a \(http://127\.0\.0\.1:\d+\): /health 200", r.stdout), r.stdout
+        assert r.stdout.rstrip().endswith("ok"), r.stdout
+        # the binary wheels that ran are the bundled aarch64 ones
+        r = chroot(root, "/usr/bin/python3", "-s", "-c",
+                   "import sys; sys.path.insert(0, '/usr/lib/guardian'); import pydantic_core._pydantic_core as p, "
+                   "psutil._psutil_linux as q; print(p.__file__); print(q.__file__)")
+        loaded = r.stdout.split()
+        assert r.returncode == 0 and len(loaded) == 2, r
+        for so in loaded:
+            head = (root / so.lstrip("/")).read_bytes()[:20]
+            assert so.startswith("/usr/lib/guardian/") and int.from_bytes(head[18:20], "little") == ELF_MACHINE_AARCH64
+    finally:
+        sim.stop()
 
 
 def test_lintian_reports_nothing_on_either_package(tmp_path, box):

@@ -101,17 +101,19 @@ def unit_refusal(
         return Refusal(Gate.JOB_PENDING, f"{n} already has a systemd job pending", "wait for it to finish")
     if isinstance(port_owner, HeldBy) and port_owner.unit != n:
         holder = port_owner.unit or "a process guardian cannot map to a unit"
+        pid = f" (pid {port_owner.pid})" if port_owner.pid is not None else ""
         return Refusal(
             Gate.PORT_OWNER,
-            f"port {port_owner.port} is held by {holder} (pid {port_owner.pid}), not by {n}: "
-            f"restarting {n} would not help",
+            f"port {port_owner.port} is held by {holder}{pid}, not by {n}: restarting {n} would not help",
             f"fix replicas[].url or stop whatever else listens on {port_owner.port}",
         )
     if isinstance(port_owner, Hidden):
         return Refusal(
             Gate.PORT_UNKNOWN,
-            f"cannot tell who listens on port {port_owner.port} (no permission to read /proc)",
-            "run guardian with CAP_SYS_PTRACE and CAP_DAC_READ_SEARCH",
+            f"cannot tell who listens on port {port_owner.port} (the socket's cgroup names no unit "
+            "and its process is not guardian's to read in /proc)",
+            "check that the kernel is 5.7 or newer with cgroup v2, or run guardian with CAP_SYS_PTRACE "
+            "and CAP_DAC_READ_SEARCH",
         )
     if isinstance(port_owner, Unreadable):
         return Refusal(

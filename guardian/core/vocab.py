@@ -225,17 +225,18 @@ class Nobody:
 
 @dataclass(frozen=True)
 class HeldBy:
-    """PID listens on the port; UNIT is the unit whose cgroup holds it (None: in no unit, or
-    systemd could not say)."""
+    """UNIT's cgroup holds the port's socket (None: in no unit, or systemd could not say); PID is
+    a process of it (None: it exited meanwhile)."""
 
     port: int
-    pid: int
+    pid: int | None
     unit: str | None
 
 
 @dataclass(frozen=True)
 class Hidden:
-    """Someone listens, but which process is hidden from guardian (no permission for /proc)."""
+    """Someone listens, but who is hidden from guardian: no cgroup id for the socket (kernel older
+    than 5.7, or no netlink) and no permission to read other users' /proc/PID/fd."""
 
     port: int
 

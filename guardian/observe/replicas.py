@@ -23,7 +23,7 @@ from ..core.observations import (
 from ..core.vocab import HeldBy, Hidden, Nobody, PortOwner, Unreadable
 from . import probes
 from .clock import Now
-from .sockets import listeners, listening_inodes
+from .sockets import Listening, cgroup_dirs, first_pid, listeners, listening, unit_of_cgroup
 from .systemd import Systemd, SystemdError
 
 UnitView = tuple[UnitInfo | None, str | None]  # the unit, or None and why systemd could not be asked
@@ -36,23 +36,47 @@ async def unit_or_error(sd: Systemd, name: str) -> UnitView:
         return None, str(e)
 
 
+def _owners_by_cgroup(table: dict[int, Listening]) -> dict[int, HeldBy]:
+    """The ports whose socket's cgroup names a unit (see sockets.py), without /proc."""
+    if not any(cg is not None for _inode, cg in table.values()):
+        return {}
+    dirs = cgroup_dirs()
+    out: dict[int, HeldBy] = {}
+    for port, (_inode, cg) in table.items():
+        path = dirs.get(cg) if cg is not None else None
+        unit = unit_of_cgroup(path) if path is not None else None
+        if path is not None and unit is not None:
+            out[port] = HeldBy(port, first_pid(path), unit)
+    return out
+
+
 async def port_owners(sd: Systemd, ports: set[int]) -> dict[int, PortOwner]:
-    table = await asyncio.to_thread(listeners, ports)
+    table = await asyncio.to_thread(listening, ports)
     if table is None:
         return {p: Unreadable(p) for p in ports}
+    by_cgroup = await asyncio.to_thread(_owners_by_cgroup, table)
+    scanned: dict[int, int | None] | None = None
     out: dict[int, PortOwner] = {}
     for port in ports:
-        pid = table.get(port, 0)
         if port not in table:
             out[port] = Nobody(port)
-        elif pid is None:
+            continue
+        if port in by_cgroup:
+            out[port] = by_cgroup[port]
+            continue
+        # No cgroup id (old kernel, no netlink) or systemd's own cgroup: ask /proc, which
+        # shows only guardian's own processes' sockets without the capabilities.
+        if scanned is None:
+            scanned = await asyncio.to_thread(listeners, ports) or {}
+        pid = scanned.get(port)
+        if pid is None:
             out[port] = Hidden(port)
-        else:
-            try:
-                unit = await sd.unit_by_pid(pid)
-            except SystemdError:
-                unit = None
-            out[port] = HeldBy(port, pid, unit)
+            continue
+        try:
+            unit = await sd.unit_by_pid(pid)
+        except SystemdError:
+            unit = None
+        out[port] = HeldBy(port, pid, unit)
     return out
 
 
@@ -101,21 +125,21 @@ class UnitInfoCache:
 class PortOwnerCache:
     """Who holds each replica's port, found again only when the listening sockets change.
 
-    Finding a socket's process means reading every process's /proc/PID/fd, the costliest part
-    of a tick (more so on a box with many processes); the socket table itself is cheap to read.
+    Naming a socket's unit walks the cgroup tree (or, as a fallback, every process's /proc/PID/fd),
+    the costliest part of a tick on a box with many processes; the socket table itself is cheap.
     """
 
     def __init__(self) -> None:
-        self._key: tuple[frozenset[int], tuple[tuple[int, int], ...] | None] | None = None
+        self._key: tuple[frozenset[int], tuple[tuple[int, Listening], ...] | None] | None = None
         self._owners: dict[int, PortOwner] = {}
 
     async def get(self, sd: Systemd, ports: set[int]) -> dict[int, PortOwner]:
-        before = await asyncio.to_thread(listening_inodes, ports)
+        before = await asyncio.to_thread(listening, ports)
         key = (frozenset(ports), tuple(sorted(before.items())) if before is not None else None)
         if before is not None and key == self._key:
             return self._owners
         owners = await port_owners(sd, ports)
-        after = await asyncio.to_thread(listening_inodes, ports)
+        after = await asyncio.to_thread(listening, ports)
         # Kept only when the sockets did not change during the scan and every holder was named
         # (a failed D-Bus lookup must not stick).
         complete = all(isinstance(o, Nobody) or (isinstance(o, HeldBy) and o.unit is not None) for o in owners.values())

@@ -1,0 +1,40 @@
+"""The polkit rule that lets user `guardian` restart exactly the configured replica units.
+
+Rendered from the config by `guardian polkit-rule`, which guardian.service runs as root before
+every start and reload (ExecStartPre=+, ExecReload=+). A rule for a name pattern (vllm-*) would
+also let guardian's user restart units nobody configured (a conflicting vllm-split.service, a
+router), and start or stop any of them; guardian only ever uses two verbs:
+- try-restart, for every restart (a unit that an operator stopped stays stopped);
+- restart, for the memory guard's retry of a start that failed after its own lowering.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .config import Config
+
+RULE_PATH = Path("/etc/polkit-1/rules.d/50-guardian.rules")
+SERVICE_USER = "guardian"
+VERBS = ("try-restart", "restart")
+MANAGE_UNITS = "org.freedesktop.systemd1.manage-units"
+
+
+def render(cfg: Config, source: str, user: str = SERVICE_USER) -> str:
+    """The rule as JavaScript. Unit names passed the config's systemd grammar; json.dumps quotes them anyway."""
+    units = sorted({r.unit for r in cfg.replicas})
+    return (
+        f"// Written by `guardian polkit-rule` from {json.dumps(source)}; guardian.service rewrites it at every start\n"
+        "// and reload, so edits here are lost. It lets user "
+        f"{json.dumps(user)} {' and '.join(VERBS)} exactly the replica\n"
+        "// units configured, and nothing else. An empty list allows nothing.\n"
+        "polkit.addRule(function(action, subject) {\n"
+        f"    var units = {json.dumps(units)};\n"
+        f"    var verbs = {json.dumps(list(VERBS))};\n"
+        f"    if (action.id == {json.dumps(MANAGE_UNITS)} && subject.user == {json.dumps(user)} &&\n"
+        '        units.indexOf(action.lookup("unit")) >= 0 && verbs.indexOf(action.lookup("verb")) >= 0) {\n'
+        "        return polkit.Result.YES;\n"
+        "    }\n"
+        "});\n"
+    )
