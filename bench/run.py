@@ -33,7 +33,7 @@ from world import Replica, World  # noqa: E402
 from guardian.observe.meminfo import sample_memory  # noqa: E402  (the one MemAvailable reader)
 
 GiB = 2**30
-PARTS = ("detection", "false", "cost", "many", "memory")
+PARTS = ("detection", "false", "cost", "many", "memory", "scrape")
 BASELINE = "baseline-prober"
 
 
@@ -211,6 +211,37 @@ class Bench:
         return {"cpu_pct": 100 * (c1 - c0) / (t1 - t0), "cpu_s_per_h": (c1 - c0) * 3600 / (t1 - t0),
                 "rss_mib": self.rss_mib(pid)}
 
+    def scrape(self, window_s: float, per_s: float = 10.0) -> dict:
+        """guardian's CPU with the endpoint and the textfile on: idle, then scraped PER_S times a second."""
+        w = self.world
+        self.box.run(["mkdir", "-p", "/var/lib/prometheus/node-exporter"])
+        self.box.run(["chgrp", "guardian", "/var/lib/prometheus/node-exporter"])
+        self.box.run(["chmod", "g+w", "/var/lib/prometheus/node-exporter"])
+        w.write_config(w.config_text() + '\n[metrics]\nhttp = true\ntextfile_dir = "/var/lib/prometheus/node-exporter"\n')
+        w.box.systemctl("restart", "guardian.service")
+        w.wait_states({r.name: "healthy" for r in w.replicas}, timeout_s=60)
+        self.clean()
+        pid = self.box.prop("guardian.service", "MainPID")
+        c0, t0 = self.cpu_seconds(pid), time.monotonic()
+        time.sleep(window_s)  # a measurement window, not a wait for a condition
+        c1, t1 = self.cpu_seconds(pid), time.monotonic()
+        n = int(window_s * per_s)
+        script = ("import time,urllib.request\n"
+                  f"for i in range({n}):\n"
+                  "  t=time.monotonic(); urllib.request.urlopen('http://127.0.0.1:9464/metrics', timeout=5).read()\n"
+                  f"  time.sleep(max(0, {1 / per_s} - (time.monotonic() - t)))\n")
+        c2, t2 = self.cpu_seconds(pid), time.monotonic()
+        self.box.run(["python3", "-c", script], timeout=window_s * 3 + 60)
+        c3, t3 = self.cpu_seconds(pid), time.monotonic()
+        size = len(self.box.run(["python3", "-c", "import urllib.request;print(urllib.request.urlopen("
+                                 "'http://127.0.0.1:9464/metrics').read().decode())"]).stdout)
+        w.write_config()
+        w.box.systemctl("restart", "guardian.service")
+        idle_rate = (c1 - c0) / (t1 - t0)
+        extra_s = (c3 - c2) - idle_rate * (t3 - t2)
+        return {"idle_cpu_pct": 100 * idle_rate, "scrapes": n, "scrape_cpu_ms": 1000 * max(0.0, extra_s) / n,
+                "scraped_cpu_pct": 100 * (c3 - c2) / (t3 - t2), "body_bytes": size}
+
     def many_replicas(self, n: int, window_s: float) -> dict:
         w = self.world
         many = [Replica(f"r{i:02d}", 8100 + i) for i in range(1, n + 1)]
@@ -341,7 +372,8 @@ def main() -> int:
         for part, what, run in (("false", "false restarts under load", lambda: b.false_restarts(load_s)),
                                 ("cost", "cost at 2 replicas", lambda: b.cost(cost_s)),
                                 ("many", "32 replicas", lambda: b.many_replicas(32, many_s)),
-                                ("memory", "memory guard", lambda: b.memory(trials))):
+                                ("memory", "memory guard", lambda: b.memory(trials)),
+                                ("scrape", "metrics endpoint", lambda: b.scrape(cost_s / 5))):
             if part in parts:
                 b.say(what)
                 results[part] = run()
@@ -448,6 +480,7 @@ def write_report(path: Path, r: dict, quick: bool, took_s: float, date: str | No
         f"- squeeze starts -> lowering restart issued: {mem_action.cell()} (sustain_s 30 s at defaults)",
         f"- squeeze starts -> headroom back above the line: {mem_headroom.cell()}",
         "",
+        *_scrape_lines(r.get("scrape")),
         "## Recovery",
         "",
         "replica serving again (its 'Application startup complete.') -> guardian reports it healthy, after "
@@ -458,6 +491,20 @@ def write_report(path: Path, r: dict, quick: bool, took_s: float, date: str | No
     ]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines))
+
+
+def _scrape_lines(sc: dict | None) -> list[str]:
+    if sc is None:
+        return []
+    return [
+        "## Metrics endpoint",
+        "",
+        f"2 replicas, `[metrics] http = true` and the textfile on: guardian at {sc['idle_cpu_pct']:.2f}% of a core "
+        f"unscraped; scraped 10 times a second ({sc['scrapes']} scrapes of {sc['body_bytes'] / 1024:.1f} KiB) "
+        f"{sc['scraped_cpu_pct']:.2f}%: **{sc['scrape_cpu_ms']:.2f} ms of CPU per scrape** (the tick renders the page "
+        "once; a scrape copies bytes out on the endpoint's own thread). Prometheus scrapes every 15 s by default.",
+        "",
+    ]
 
 
 def _verdict(series: Series, limit: float | None) -> str:

@@ -122,6 +122,14 @@ async def _check_live(cfg: Config, no_systemd: bool) -> int:
             else:
                 line += f"; /metrics {mprobe.error}"
                 problems += 1
+            starts = [sample.process_start_time_s if sample is not None else None]
+            for _ in range(hazards.PROXY_READS - 1):
+                _probe, again = await probes.probe_metrics(client, r)
+                starts.append(again.process_start_time_s if again is not None else None)
+            suspect = hazards.proxy_suspect(r.name, r.url, starts)
+            if suspect is not None:
+                print(f"warning: {suspect}")
+                problems += 1
             if models is not None and r.model not in models:
                 line += f"; WRONG MODEL: serves {', '.join(models) or 'nothing'}, expected {r.model}"
                 problems += 1

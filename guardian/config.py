@@ -168,6 +168,45 @@ class MemoryConfig(_Strict):
         return self
 
 
+class MetricsConfig(_Strict):
+    """Prometheus: guardian's own metrics and the replicas as scrape targets. All off by default."""
+
+    http: bool = False  # serve GET /metrics and /healthz on `address`
+    address: str = "127.0.0.1:9464"
+    textfile_dir: Path | None = None  # node_exporter's textfile collector directory: guardian.prom
+    file_sd_path: Path | None = None  # a Prometheus file_sd JSON listing each replica's own /metrics
+    box: str = ""  # the `box` label in file_sd; empty: this machine's host name
+
+    @field_validator("address")
+    @classmethod
+    def _host_port(cls, v: str) -> str:
+        host, sep, port = v.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"must be HOST:PORT with a port from 1 to 65535 (got {v!r})")
+        if any(ord(c) < 0x21 or ord(c) == 0x7F for c in v):
+            raise ValueError("must not contain spaces or control characters")
+        return v
+
+    @field_validator("textfile_dir", "file_sd_path")
+    @classmethod
+    def _absolute(cls, v: Path | None) -> Path | None:
+        if v is not None and not v.is_absolute():
+            raise ValueError(f"must be an absolute path (got {str(v)!r})")
+        return v
+
+    @field_validator("box")
+    @classmethod
+    def _label(cls, v: str) -> str:
+        if len(v) > 253 or any(ord(c) < 0x20 or ord(c) == 0x7F for c in v):
+            raise ValueError("must be at most 253 characters, without control characters")
+        return v
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        host, _, port = self.address.rpartition(":")
+        return host.strip("[]"), int(port)
+
+
 _toml_data: ContextVar[dict[str, Any]] = ContextVar("_toml_data")
 
 
@@ -198,6 +237,7 @@ class Config(BaseSettings):
     bus_lost_restart_s: float = Field(default=60.0, gt=0, le=MAX_WINDOW_S)
     watchdog: WatchdogConfig = WatchdogConfig()
     memory: MemoryConfig = MemoryConfig()
+    metrics: MetricsConfig = MetricsConfig()
     replicas: list[ReplicaConfig] = Field(default_factory=list)
 
     @classmethod

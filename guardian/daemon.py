@@ -31,6 +31,9 @@ from .core import hazards, thresholds, tick
 from .core.actions import LogLine
 from .core.observations import MemorySample, TickObservation
 from .core.vocab import Decision, Priority
+from .export.files import TEXTFILE_NAME, write_file_sd, write_textfile
+from .export.http import MetricsServer
+from .export.metrics import Metrics
 from .observe.clock import Now
 from .observe.clock import now as clock_now
 from .observe.meminfo import sample_memory
@@ -77,6 +80,9 @@ class Daemon:
         self.last_ping_mono: float | None = None
         self.bus_events: list[SystemdEvent] = []
         self.blind_said = False
+        self.metrics = Metrics(__version__)
+        self.metrics_server: MetricsServer | None = None
+        self.export_errors: set[str] = set()  # said once each, until the export works again
 
     # --- signals and bus events: flags only ------------------------------------------------
     def install_signal_handlers(self) -> None:
@@ -111,6 +117,7 @@ class Daemon:
         self.sd.on_units_changed(self._on_units_changed)
         if self.cfg.memory.enabled:
             self.journal.send(Priority.INFO, f"memory guard: {self.observer.memory.start()}")
+        self.start_exports()
         await self.tick()
         self.journal.send(Priority.INFO, f"guardian ready: {self.status_line()}")
         self.notifier.ready(self.status_line())
@@ -123,8 +130,10 @@ class Daemon:
     async def tick(self) -> None:
         started = time.monotonic()
         self.last_tick_started_mono = started
+        completed = False
         try:
             await self._tick()
+            completed = True
         except Exception as e:  # noqa: BLE001 - a bug or a surprise must not kill the watchdog of every replica
             self.journal.line(
                 LogLine(Priority.CRITICAL, f"tick abandoned without acting: {type(e).__name__}: {e}", Decision.NOTE),
@@ -132,6 +141,8 @@ class Daemon:
             )
         finally:
             self.stats.add(time.monotonic() - started)
+        if completed:
+            self.export(time.monotonic() - started)
 
     async def _tick(self) -> None:
         self._load_persistent()
@@ -153,6 +164,7 @@ class Daemon:
         now = self.clock()
         self.state, actions = tick.decide(self.state, obs, now.mono, self.cfg)
         self.executor.perform(actions)
+        self.metrics.fold(self.cfg, self.state.tracks, obs, actions, self.persistent.view(now), now)
         self.last_observation = obs
         self.memory = obs.memory.sample if obs.memory else await asyncio.to_thread(sample_memory)
         self.write_status(now)
@@ -192,6 +204,7 @@ class Daemon:
                     LogLine(Priority.ERROR, f"hazard: {h.message}", Decision.HAZARD, h.replica, h.unit, hazard=h.key)
                 )
         self.hazards_logged = {h.key for h in found}
+        self.metrics.set_hazards(found)
         if self.cfg.memory.enabled:
             await self.observer.memory.scan_wiring(self.cfg)
 
@@ -230,6 +243,50 @@ class Daemon:
         except OSError as e:
             self.journal.send(Priority.ERROR, f"cannot write {self.cfg.runtime_dir / STATUS_FILE}: {e}")
 
+    # --- Prometheus: the endpoint, the textfile, the file_sd targets --------------------------
+    def start_exports(self) -> None:
+        m = self.cfg.metrics
+        if m.http:
+            host, port = m.host_port
+            server = MetricsServer(host, port, stale_after_s=max(10.0, 5 * self.cfg.interval_s))
+            try:
+                server.start()
+            except OSError as e:
+                self.journal.send(Priority.ERROR, f"metrics: cannot listen on {m.address}: {e}; no /metrics endpoint")
+            else:
+                self.metrics_server = server
+                self.journal.send(Priority.INFO, f"metrics: serving /metrics and /healthz on {m.address}")
+        try:
+            written = write_file_sd(self.cfg)
+        except OSError as e:
+            self.journal.send(Priority.ERROR, f"metrics: cannot write the file_sd targets {m.file_sd_path}: {e}")
+        else:
+            if written is not None:
+                self.journal.send(Priority.INFO, f"metrics: wrote the replicas' scrape targets to {written}")
+
+    def stop_exports(self) -> None:
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
+            self.metrics_server = None
+
+    def export(self, tick_s: float) -> None:
+        now = self.clock()
+        self.metrics.tick_done(tick_s, now)
+        m = self.cfg.metrics
+        if self.metrics_server is None and m.textfile_dir is None:
+            return
+        body = self.metrics.render()
+        if self.metrics_server is not None:
+            self.metrics_server.publish(body, time.monotonic())
+        if m.textfile_dir is not None:
+            try:
+                write_textfile(m.textfile_dir, body)
+                self.export_errors.discard("textfile")
+            except OSError as e:
+                if "textfile" not in self.export_errors:
+                    self.export_errors.add("textfile")
+                    self.journal.send(Priority.ERROR, f"metrics: cannot write {m.textfile_dir / TEXTFILE_NAME}: {e}")
+
     # --- reload ----------------------------------------------------------------------------
     def reload(self) -> None:
         self.reload_requested = False
@@ -252,6 +309,8 @@ class Daemon:
         )
         self.rescan = True
         self.observer.invalidate()
+        self.stop_exports()
+        self.start_exports()
         self.journal.send(Priority.INFO, f"configuration reloaded from {self.config_path}")
         self._log_limits()
         if new.memory.enabled:
@@ -304,6 +363,7 @@ class Daemon:
             )
         await self.client.aclose()
         self.sd.close()
+        self.stop_exports()
         self.journal.send(Priority.INFO, "guardian stopped")
 
     async def run(self) -> int:

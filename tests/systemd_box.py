@@ -25,7 +25,10 @@ from typing import Callable, Iterable
 REPO = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("GUARDIAN_TEST_CACHE", "/var/cache/guardian-test"))
 SUITE = "bookworm"
-PACKAGES = ["systemd", "systemd-sysv", "dbus", "python3", "libpam-systemd", "polkitd", "procps", "faketime"]
+PACKAGES = ["systemd", "systemd-sysv", "dbus", "python3", "libpam-systemd", "polkitd", "procps", "faketime",
+            "prometheus", "prometheus-node-exporter"]
+# Installed for the monitoring tests, which start them with their own config; off at every boot.
+DISABLED_AT_BOOT = ["prometheus.service", "prometheus-node-exporter.service"]
 sys.path.insert(0, str(REPO / "packaging"))
 from deps import runtime_deps  # noqa: E402  (the one dependency list: pyproject.toml)
 
@@ -55,7 +58,7 @@ def _need(tool: str) -> str:
 def ensure_rootfs() -> Path:
     if os.geteuid() != 0:
         raise BoxError("the system tests boot a container with systemd-nspawn and need root")
-    root = CACHE / f"rootfs-{SUITE}-{_key(PACKAGES)}"
+    root = CACHE / f"rootfs-{SUITE}-{_key(PACKAGES, DISABLED_AT_BOOT)}"
     if (root / ".complete").exists():
         return root
     debootstrap = _need("debootstrap")
@@ -66,6 +69,11 @@ def ensure_rootfs() -> Path:
     if proc.returncode != 0:
         shutil.rmtree(tmp, ignore_errors=True)
         raise BoxError(f"debootstrap failed ({proc.returncode}): {proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    timers = [p.name for p in (tmp / "usr/lib/systemd/system").glob("prometheus-node-exporter-*.timer")]
+    proc = subprocess.run(["chroot", str(tmp), "systemctl", "disable", *DISABLED_AT_BOOT, *timers], capture_output=True, text=True)
+    if proc.returncode != 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise BoxError(f"disabling {DISABLED_AT_BOOT} in the rootfs failed: {proc.stderr[-2000:]}")
     (tmp / ".complete").write_text(time.strftime("%F %T"))
     os.replace(tmp, root)
     return root

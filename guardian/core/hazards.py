@@ -6,7 +6,7 @@ Reported by ``guardian check``, at daemon start, and whenever systemd reloads or
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ..config import Config
@@ -116,3 +116,20 @@ def find_hazards(
             )
         )
     return out
+
+
+PROXY_READS = 4  # reads of a replica's /metrics by `guardian check`; a proxy spreads them
+
+
+def proxy_suspect(name: str, url: str, starts: Sequence[float | None]) -> str | None:
+    """A warning when one URL's /metrics came from more than one process (its
+    process_start_time_seconds changed between reads): the URL is a proxy's or a load balancer's,
+    whose counters come from whichever replica answered. None when one process answered."""
+    seen = sorted({s for s in starts if s is not None})
+    if len(seen) < 2:
+        return None
+    return (
+        f"replica {name}: {url} answered from {len(seen)} different processes in {len(starts)} reads of /metrics "
+        f"(process_start_time_seconds {', '.join(f'{s:.0f}' for s in seen)}): it looks like a proxy's URL. "
+        "guardian must probe each replica directly: give this replica's own address and port"
+    )

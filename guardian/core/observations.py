@@ -42,6 +42,7 @@ class VllmSample:
     request_success: float
     gpu_memory_utilization: float | None = None
     model_names: tuple[str, ...] = ()
+    process_start_time_s: float | None = None  # the serving process's start (wall time): who answered
 
     @property
     def queued(self) -> float:

@@ -21,6 +21,14 @@ def describe(cfg: Config) -> list[str]:
         f"memory guard: {'on' if cfg.memory.enabled else 'off'}; squeezed when MemAvailable < "
         f"{gib(cfg.memory.min_headroom_bytes)} for >= {cfg.memory.sustain_s:g} s; "
         f"critical below {gib(cfg.memory.critical_headroom_bytes)}",
+        "metrics: "
+        + "; ".join(
+            [
+                f"endpoint on {cfg.metrics.address}" if cfg.metrics.http else "no endpoint",
+                f"textfile in {cfg.metrics.textfile_dir}" if cfg.metrics.textfile_dir else "no textfile",
+                f"file_sd targets in {cfg.metrics.file_sd_path}" if cfg.metrics.file_sd_path else "no file_sd",
+            ]
+        ),
     ]
     for r in cfg.replicas:
         lines.append(

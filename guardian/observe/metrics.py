@@ -43,6 +43,7 @@ def parse_vllm_metrics(text: str) -> VllmSample:
     values: dict[str, float] = {}
     models: set[str] = set()
     gpu_util: float | None = None
+    started: float | None = None
     count = 0
     try:
         for family in text_string_to_metric_families(text):
@@ -57,6 +58,8 @@ def parse_vllm_metrics(text: str) -> VllmSample:
                     values[field] = values.get(field, 0.0) + sample.value
                     if "model_name" in sample.labels and len(models) < MAX_MODEL_NAMES:
                         models.add(sample.labels["model_name"][:256])
+                elif sample.name == "process_start_time_seconds" and math.isfinite(sample.value):
+                    started = sample.value if started is None else min(started, sample.value)
                 elif sample.name == "vllm:cache_config_info":
                     # Anything but a finite number in (0, 1] is no fraction (never written to an env file).
                     gpu_util = parse_fraction(sample.labels.get("gpu_memory_utilization"))
@@ -82,4 +85,5 @@ def parse_vllm_metrics(text: str) -> VllmSample:
         request_success=values.get("request_success", 0.0),
         gpu_memory_utilization=gpu_util,
         model_names=tuple(sorted(models)),
+        process_start_time_s=started,
     )

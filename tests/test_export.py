@@ -1,0 +1,279 @@
+"""guardian's metrics, folded from the real tick.decide on a fake clock, rendered and parsed back;
+the file_sd targets; and the /metrics endpoint against slow, idle and hostile clients."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from dataclasses import replace
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from guardian.config import Config, MetricsConfig, ReplicaConfig
+from guardian.core.actions import LogLine, RestartUnit
+from guardian.core.hazards import Hazard
+from guardian.core.observations import CanaryResult, RestartOutcome
+from guardian.core.vocab import Decision, Gate, Priority, State
+from guardian.export.files import file_sd
+from guardian.export.http import MAX_CONNECTIONS, MetricsServer
+from guardian.export.metrics import Metrics
+from guardian.observe.clock import Now
+from systemd_box import wait_for
+from test_policy import TIMEOUT, obs, unit
+from test_tick import Box, config
+
+WALL0 = 1_800_000_000.0
+
+
+def now(t: float) -> Now:
+    return Now(t, WALL0 + t)
+
+
+def samples(m: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out = {}
+    for fam in text_string_to_metric_families(m.render().decode()):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(m: Metrics, name: str, **labels) -> float | None:
+    return samples(m).get((name, tuple(sorted(labels.items()))))
+
+
+class Run:
+    """Box (test_tick) plus Metrics folded after every decide, as the daemon does."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.box = Box(cfg)
+        self.m = Metrics("9.9.9")
+
+    def step(self, t: float, **per_replica):
+        acts = self.box.step(t, **per_replica)
+        self.m.fold(self.box.cfg, self.box.state.tracks, self._last_obs(t, per_replica), acts, self.box.persistent, now(t))
+        return acts
+
+    def _last_obs(self, t, per_replica):
+        from guardian.core.observations import TickObservation
+
+        reps = {r.name: replace(per_replica.get(r.name) or obs(r.name, t), at=t) for r in self.box.cfg.replicas}
+        return TickObservation(reps, self.box.persistent, None)
+
+
+def test_a_frozen_replica_counts_one_restart_one_detection_and_its_way_back_to_serving():
+    run = Run(config(memory=False))
+    for t in (100.0, 102.0):
+        run.step(t)
+    assert value(run.m, "guardian_replica_state", replica="a", unit="vllm-a.service", state="healthy") == 1
+    assert value(run.m, "guardian_replica_state", replica="a", unit="vllm-a.service", state="unresponsive") == 0
+    assert value(run.m, "guardian_restart_budget_remaining", replica="a") == 3
+    t = 104.0
+    while not run.box.of(RestartUnit):
+        run.step(t, a=obs("a", t, health=TIMEOUT))
+        t += 2.0
+        assert t < 140, "no restart decided"
+    decided = t - 2.0
+    assert value(run.m, "guardian_restarts_total", replica="a", reason="unresponsive") == 1
+    assert value(run.m, "guardian_detection_seconds_count") == 1
+    # the last answer came at 102 s: the detection is counted from there (unresponsive_after_s = 10)
+    assert value(run.m, "guardian_detection_seconds_sum") == pytest.approx(decided - 102.0) == 10.0
+    assert value(run.m, "guardian_restart_to_serving_seconds_count") == 0
+    # the new process (started after the decision) serves 20 s later
+    started = decided + 1.0
+    u = unit("vllm-a.service", inactive_exit_mono=started)
+    done = RestartOutcome("vllm-a.service", "done", started, issued=True, ok=True)
+    run.step(decided + 2, a=obs("a", decided + 2, u=u, outcome=done))
+    for t2 in (decided + 21, decided + 23):
+        run.step(t2, a=obs("a", t2, u=u))
+    assert run.box.state.tracks["a"].state is State.HEALTHY
+    assert value(run.m, "guardian_restart_to_serving_seconds_count") == 1
+    assert value(run.m, "guardian_restart_to_serving_seconds_sum") <= 21.0
+    assert value(run.m, "guardian_restarts_total", replica="b", reason="unresponsive") is None
+
+
+def test_refusals_canaries_hazards_and_one_hot_states():
+    m = Metrics("9.9.9")
+    box = Box(config(memory=False))
+    box.step(100.0)
+    refusal = LogLine(Priority.ERROR, "refused", Decision.REFUSED, "a", "vllm-a.service", gate=Gate.MASKED)
+    canary = CanaryResult(False, 99.0, 15.0, "timeout")
+    o = box.step(102.0, a=obs("a", 102.0, canary=canary))
+    from guardian.core.observations import TickObservation
+    reps = {"a": obs("a", 102.0, canary=canary), "b": obs("b", 102.0)}
+    m.fold(box.cfg, box.state.tracks, TickObservation(reps, box.persistent, None), [*o, refusal], box.persistent, now(102.0))
+    assert value(m, "guardian_restart_refusals_total", replica="a", gate="masked") == 1
+    assert value(m, "guardian_canary_failures_total", replica="a") == 1
+    assert value(m, "guardian_canary_duration_seconds_count") == 1
+    assert value(m, "guardian_build_info", version="9.9.9") == 1
+    states = {k: v for k, v in samples(m).items() if k[0] == "guardian_replica_state" and ("replica", "a") in k[1]}
+    assert len(states) == len(State) and sum(states.values()) == 1
+    m.set_hazards([Hazard("masked:vllm-a.service", "x", "a", "vllm-a.service")])
+    assert value(m, "guardian_hazards", kind="masked", unit="vllm-a.service") == 1
+    m.set_hazards([])
+    assert value(m, "guardian_hazards", kind="masked", unit="vllm-a.service") is None
+
+
+def test_every_name_follows_prometheus_rules():
+    m = Metrics("9.9.9")
+    fams = list(text_string_to_metric_families(m.render().decode()))
+    assert fams and all(f.name.startswith("guardian_") for f in fams)
+    for f in fams:
+        if f.type == "counter":
+            assert not f.name.endswith("_total")  # the parser strips it: the exposition has it once
+        assert not any(unit in f.name for unit in ("_ms", "_milliseconds", "_percent", "_gib", "_mib"))
+
+
+def test_file_sd_lists_each_replica_by_its_own_address_and_path():
+    cfg = Config(
+        replicas=[
+            ReplicaConfig(name="a", unit="vllm-a.service", url="http://127.0.0.1:8001", model="m1"),
+            ReplicaConfig(name="b", unit="vllm-b.service", url="https://10.0.0.2:8443/v/", model="m2"),
+        ],
+        metrics=MetricsConfig(box="spark-1"),
+    )
+    groups = json.loads(json.dumps(file_sd(cfg)))
+    assert groups == [
+        {"targets": ["127.0.0.1:8001"], "labels": {"replica": "a", "unit": "vllm-a.service", "model": "m1",
+                                                   "box": "spark-1", "__scheme__": "http", "__metrics_path__": "/metrics"}},
+        {"targets": ["10.0.0.2:8443"], "labels": {"replica": "b", "unit": "vllm-b.service", "model": "m2",
+                                                  "box": "spark-1", "__scheme__": "https", "__metrics_path__": "/v/metrics"}},
+    ]
+
+
+@pytest.mark.parametrize("address", ["", "9464", "127.0.0.1:0", "127.0.0.1:70000", "host :1", ":9464"])
+def test_a_bad_metrics_address_is_refused(address):
+    with pytest.raises(ValueError):
+        MetricsConfig(address=address)
+
+
+# --- the endpoint ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def server():
+    s = MetricsServer("127.0.0.1", 0, stale_after_s=0.5)
+    s.start()
+    yield s
+    s.stop()
+
+
+def test_the_endpoint_serves_what_the_tick_published_and_nothing_else(server):
+    base = f"http://127.0.0.1:{server.port}"
+    assert httpx.get(base + "/healthz").status_code == 503  # no tick yet
+    server.publish(b"guardian_x 1\n", time.monotonic())
+    r = httpx.get(base + "/metrics")
+    assert r.status_code == 200 and r.content == b"guardian_x 1\n" and r.headers["content-type"].startswith("text/plain; version=0.0.4")
+    assert httpx.get(base + "/metrics?x=1").status_code == 200
+    assert httpx.get(base + "/healthz").status_code == 200
+    assert httpx.post(base + "/metrics", content=b"x").status_code == 405
+    assert httpx.get(base + "/").status_code == 404
+    assert httpx.get(base + "/metrics/../etc/passwd").status_code == 404
+    # the loop stops completing ticks: /healthz turns 503 on its own
+    wait_for(lambda: httpx.get(base + "/healthz").status_code == 503, 5, "/healthz to say stuck")
+    assert "stuck" in httpx.get(base + "/healthz").text
+
+
+def test_idle_and_endless_clients_cannot_delay_the_main_loop_or_grow_without_bound(server):
+    """Many connections that never finish their request: the server holds at most
+    MAX_CONNECTIONS of them; the main thread's event loop (where ticks and watchdog pings run)
+    keeps its timers, and a scrape works again once the idle ones time out."""
+    base = f"http://127.0.0.1:{server.port}"
+    server.publish(b"guardian_x 1\n", time.monotonic())
+    idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(4 * MAX_CONNECTIONS)]
+    endless = socket.create_connection(("127.0.0.1", server.port))
+    stop = threading.Event()
+
+    def drip():
+        try:
+            endless.sendall(b"GET /metrics HTTP/1.1\r\n")
+            while not stop.is_set():
+                endless.sendall(b"X-A: " + b"a" * 1000 + b"\r\n")
+                stop.wait(0.01)
+        except OSError:
+            pass
+
+    t = threading.Thread(target=drip)
+    t.start()
+    try:
+        async def ticks() -> float:
+            late = 0.0
+            for _ in range(20):
+                before = time.monotonic()
+                await asyncio.sleep(0.05)
+                late = max(late, time.monotonic() - before - 0.05)
+            return late
+
+        late_s = asyncio.run(ticks())
+        assert late_s < 0.5, f"the main loop's timers ran {late_s:.2f} s late"
+        assert server._active <= MAX_CONNECTIONS + 1
+        for s in idle:
+            s.close()
+        wait_for(lambda: _scrape(base) == b"guardian_x 1\n", 15, "a scrape after the idle clients went")
+    finally:
+        stop.set()
+        t.join()
+        endless.close()
+
+
+def _scrape(base: str) -> bytes | None:
+    try:
+        r = httpx.get(base + "/metrics", timeout=1)
+        return r.content if r.status_code == 200 else None
+    except httpx.HTTPError:
+        return None
+
+
+def test_a_port_in_use_is_an_error_for_the_caller(server):
+    other = MetricsServer("127.0.0.1", server.port, stale_after_s=1)
+    with pytest.raises(OSError):
+        other.start()
+
+
+# --- the dashboard and the alerts use only what guardian exports -------------------------------
+
+REPO = __import__("pathlib").Path(__file__).resolve().parent.parent
+NAME = __import__("re").compile(r"\b(guardian_[a-z0-9_]+|node_[a-z0-9_]+|up)\b(?!\s*\()")
+
+
+def exported_names() -> set[str]:
+    names = set()
+    for fam in Metrics("x").registry.collect():
+        if fam.type == "counter":
+            names.add(fam.name + "_total")
+        elif fam.type == "histogram":
+            names |= {fam.name + s for s in ("_bucket", "_sum", "_count")}
+        else:
+            names.add(fam.name)
+    return names
+
+
+def test_every_dashboard_expression_names_only_metrics_guardian_exports():
+    dash = json.loads((REPO / "packaging/grafana/guardian-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    assert len(exprs) >= 10
+    exported = exported_names()
+    used = set()
+    for e in exprs:
+        found = set(NAME.findall(e))
+        assert found, e
+        assert found <= exported, (e, found - exported)
+        used |= found
+    # states, restarts, detection, canary latency, headroom, PSI, fractions: all on the dashboard
+    for name in ("guardian_replica_state", "guardian_restarts_total", "guardian_detection_seconds_bucket",
+                 "guardian_canary_duration_seconds_bucket", "guardian_memory_available_bytes",
+                 "guardian_memory_pressure_some_ratio", "guardian_replica_gpu_memory_utilization_ratio"):
+        assert name in used, name
+
+
+def test_every_alert_expression_names_metrics_that_exist():
+    text = (REPO / "packaging/prometheus/guardian-rules.yml").read_text()
+    exprs = __import__("re").findall(r"expr: (?:>-\n)?((?:.+\n)(?:\s{12,}.+\n)*)", text)
+    assert len(exprs) == text.count("- alert:")
+    for e in exprs:
+        for name in NAME.findall(e):
+            assert name in exported_names() or name in ("node_textfile_mtime_seconds", "up"), (e, name)
