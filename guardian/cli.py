@@ -394,7 +394,7 @@ def cmd_polkit_rule(args: argparse.Namespace) -> int:
     except (OSError, UnicodeDecodeError):
         pass
     atomic_write(out, text.encode(), mode=0o644)
-    print(f"guardian: wrote polkit rule {out}: user guardian may try-restart and restart {units}")
+    print(f"guardian: wrote polkit rule {out}: user guardian may {', '.join(polkit.VERBS)} {units}")
     return 0
 
 

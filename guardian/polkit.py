@@ -5,7 +5,9 @@ every start and reload (ExecStartPre=+, ExecReload=+). A rule for a name pattern
 also let guardian's user restart units nobody configured (a conflicting vllm-split.service, a
 router), and start or stop any of them; guardian only ever uses two verbs:
 - try-restart, for every restart (a unit that an operator stopped stays stopped);
-- restart, for the memory guard's retry of a start that failed after its own lowering.
+- restart, for the memory guard's retry of a start that failed after its own lowering;
+- kill, to SIGKILL a hung replica's processes as its restart begins (a hung vLLM never finishes
+  a graceful stop; systemd would wait for TimeoutStopSec).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from .config import Config
 
 RULE_PATH = Path("/etc/polkit-1/rules.d/50-guardian.rules")
 SERVICE_USER = "guardian"
-VERBS = ("try-restart", "restart")
+VERBS = ("try-restart", "restart", "kill")
 MANAGE_UNITS = "org.freedesktop.systemd1.manage-units"
 
 
@@ -27,7 +29,7 @@ def render(cfg: Config, source: str, user: str = SERVICE_USER) -> str:
     return (
         f"// Written by `guardian polkit-rule` from {json.dumps(source)}; guardian.service rewrites it at every start\n"
         "// and reload, so edits here are lost. It lets user "
-        f"{json.dumps(user)} {' and '.join(VERBS)} exactly the replica\n"
+        f"{json.dumps(user)} {', '.join(VERBS)} exactly the replica\n"
         "// units configured, and nothing else. An empty list allows nothing.\n"
         "polkit.addRule(function(action, subject) {\n"
         f"    var units = {json.dumps(units)};\n"

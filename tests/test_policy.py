@@ -18,7 +18,7 @@ from guardian.core.observations import (
     CanaryResult, Pause, PersistentView, Probe, ReplicaObservation, RestartOutcome, TickObservation, UnitInfo,
     VllmSample,
 )
-from guardian.core.vocab import ActiveState, HeldBy, Hidden, LoadState, Nobody, State, UnitFileState
+from guardian.core.vocab import ActiveState, Decision, HeldBy, Hidden, LoadState, Nobody, State, UnitFileState
 
 OK = Probe(True, 200, 0.01)
 SLOW = Probe(True, 200, 2.5)  # answered, but slower than health_timeout_s = 2
@@ -517,8 +517,48 @@ FLAT = sample(gen=5, running=2)
     (_after_healthy((110, {"s": FLAT}), (120, {"s": FLAT, "health": SLOW_FAIL})), State.BUSY, "L13"),
     (_after_healthy((110, {"metrics_down": True})), State.DEGRADED, "L14"),
     (_after_healthy((110, {})), State.HEALTHY, "L15"),
+    (_after_healthy((102, {"_obs": replace(obs(t=102, health=TIMEOUT), probes_pending_s=1.0)})), State.HEALTHY, "L16"),
 ])
 def test_each_liveness_rule_by_id(scenario, state, rule):
     sim = scenario()
     assert (sim.state(), sim.rule()) == (state, rule)
     assert sim.tracks["a"].evidence  # every verdict says why
+
+
+# --- probes carried over (observe/replicas.py ProbeCarry): no news is not a verdict ----------------
+
+def pending(t: float, for_s: float):
+    return replace(obs(t=t, health=TIMEOUT), probes_pending_s=for_s)
+
+
+@pytest.mark.parametrize("last_t, state, rule", [
+    (109.9, State.HEALTHY, "L16"),  # just before unresponsive_after_s from the last answer (100)
+    (110.0, State.UNRESPONSIVE, "L7"),  # at it: probes still in flight count as no answer
+    (110.1, State.UNRESPONSIVE, "L7"),
+])
+def test_probes_in_flight_count_from_the_last_answer(last_t, state, rule):
+    sim = Sim(cfg(1, unresponsive_after_s=10))
+    healthy_start(sim)
+    t = 101.0
+    while t < last_t - 0.5:
+        sim.tick(t, a=pending(t, t - 100.5))
+        assert sim.state() == State.HEALTHY
+        t += 1.0
+    sim.tick(last_t, a=pending(last_t, last_t - 100.5))
+    assert (sim.state(), sim.rule()) == (state, rule)
+
+
+def test_a_replica_whose_probes_take_longer_than_half_an_interval_does_not_flap():
+    """Under load, /health slow: every other tick has no news. The verdict must not flip each tick."""
+    sim = Sim(cfg(1))
+    healthy_start(sim)
+    gen = 10.0
+    for i, t in enumerate(range(102, 160, 2)):
+        if i % 2:
+            sim.tick(t, a=pending(t, 1.0))
+        else:
+            gen += 40
+            sim.tick(t, a=obs(t=t, s=sample(gen=gen, running=4), health=SLOW))
+        assert sim.state() in (State.BUSY, State.HEALTHY), (t, sim.state())
+    changes = [a for a in sim.actions if isinstance(a, LogLine) and a.decision == Decision.STATE]
+    assert len(changes) <= 2, [c.message for c in changes]

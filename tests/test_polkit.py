@@ -23,11 +23,11 @@ def _lists(rule: str) -> dict[str, list[str]]:
     return {m.group(1): json.loads(m.group(2)) for m in re.finditer(r"var (\w+) = (\[.*?\]);", rule)}
 
 
-def test_the_rule_names_exactly_the_configured_units_and_two_verbs(tmp_path):
+def test_the_rule_names_exactly_the_configured_units_and_three_verbs(tmp_path):
     path = tmp_path / "guardian.toml"
     path.write_text(TWO)
     rule = render(load_config(path), str(path))
-    assert _lists(rule) == {"units": ["llm-a.service", "vllm-replica@b.service"], "verbs": ["try-restart", "restart"]}
+    assert _lists(rule) == {"units": ["llm-a.service", "vllm-replica@b.service"], "verbs": ["try-restart", "restart", "kill"]}
     assert 'subject.user == "guardian"' in rule and '"org.freedesktop.systemd1.manage-units"' in rule
     assert "vllm-*" not in rule and "start\"" not in rule.replace("restart\"", "")
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -171,3 +173,22 @@ def test_slow_startup_refuses_connections_until_loaded(sim):
     with pytest.raises(httpx.ConnectError):
         s.get("/health")
     s.wait_up()
+
+
+def test_hang_on_sigterm_keeps_a_dead_engines_process_until_sigkill(sim):
+    s = sim("--hang-on-sigterm").wait_up()
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(iter(s.proc.stdout.readline, "")), daemon=True).start()
+    s.post("/_sim/fault", {"fault": "engine-dead"})
+    s.proc.send_signal(signal.SIGTERM)
+    wait_for(lambda: any("SIM shutdown: waiting for the engine" in line for line in lines), 5, "the hung shutdown")
+    assert s.proc.poll() is None and s.get("/health").status_code == 200
+    s.proc.kill()
+    assert s.proc.wait(5) == -signal.SIGKILL
+
+
+def test_without_hang_on_sigterm_a_dead_engines_process_stops(sim):
+    s = sim().wait_up()
+    s.post("/_sim/fault", {"fault": "engine-dead"})
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.proc.wait(10) == 0

@@ -23,6 +23,9 @@ Faults, at start (``--fault NAME``, with ``--fault-after-s``) or at run time
   frozen           the whole process stops itself with SIGSTOP (what ``kill -STOP`` does)
   fail-startup     exit 1 before serving, with an error (start-time only)
 
+With ``--hang-on-sigterm``, SIGTERM does not end a process whose engine is dead or that was
+frozen (systemd sends SIGCONT with it): the stop hangs as vLLM's does, until SIGKILL.
+
 ``POST /_sim/load {"streams": N, "max_tokens": M, "prompt_tokens": P}`` keeps N synthetic
 requests in the engine (they count like real ones) until ``{"streams": 0}``.
 """
@@ -383,6 +386,8 @@ def parse_args(argv=None):
     p.add_argument("--fault-after-s", type=float, default=0.0)
     p.add_argument("--fault-json", default="{}", help="extra fault parameters as JSON")
     p.add_argument("--check-memory", action="store_true", help="run vLLM's startup free-memory check")
+    p.add_argument("--hang-on-sigterm", action="store_true",
+                   help="while the engine is dead or the process frozen, SIGTERM does not end the process")
     p.add_argument("--sim-total-memory-bytes", type=int, default=0, help="pretend total memory (0: MemTotal)")
     p.add_argument("--sim-free-source", choices=["memavailable", "memfree"], default="memavailable")
     p.add_argument("--sim-free-bytes-file", default=None,
@@ -433,7 +438,15 @@ def main(argv=None) -> int:
     if args.fault:
         spec = {"fault": args.fault, **json.loads(args.fault_json)}
         threading.Timer(args.fault_after_s, sim.set_fault, [spec]).start()
-    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown).start())
+    def on_sigterm(*_: object) -> None:
+        if args.hang_on_sigterm and (sim.engine.dead or sim.fault.get("fault") == "frozen"):
+            # vLLM's API server shuts down by asking its engine, which never answers: only
+            # systemd's SIGKILL (TimeoutStopSec, or guardian's kill) ends the process.
+            log("SIM shutdown: waiting for the engine, which does not answer (--hang-on-sigterm)")
+            return
+        threading.Thread(target=server.shutdown).start()
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     log(f"Starting vLLM API server on http://{args.host}:{args.port}")
     log("Application startup complete.")
     server.serve_forever(poll_interval=0.2)

@@ -36,10 +36,12 @@ async def checked_restart(
     clock: Callable[[], Now] = clock_now,
     before_restart: Callable[[], None] | None = None,
     allow_failed: bool = False,
+    kill_first: bool = False,
 ) -> RestartOutcome:
     """Re-check the unit gates on a fresh look, record the restart, then RestartUnit and wait.
 
-    BEFORE_RESTART (the memory guard's env file write) runs only once the gates have passed."""
+    BEFORE_RESTART (the memory guard's env file write) runs only once the gates have passed.
+    KILL_FIRST: SIGKILL the unit's processes once the job is queued (a hung replica)."""
     unit, err = await unit_or_error(sd, r.unit)
     owner = (await port_owners(sd, {r.port}))[r.port]
     refusal = gates.unit_refusal(unit, owner, allow_failed, unit_error=err)
@@ -76,8 +78,33 @@ async def checked_restart(
         store.update(lambda d: record_restart(d, r.name, issued, cfg.watchdog.restart_window_s * 4))
     except CorruptState as e:
         journal.send(Priority.ERROR, str(e))
+    kill_note = ""
+
+    async def kill() -> None:
+        nonlocal kill_note
+        try:
+            await sd.kill(r.unit)
+            kill_note = "; its processes were killed (SIGKILL) as the job began"
+        except SystemdError as e:
+            kill_note = "; killing its processes failed, so the stop waited for the unit's own stop"
+            journal.line(
+                LogLine(
+                    Priority.ERROR,
+                    f"replica {r.name}: could not kill the processes of hung {r.unit}: {e}; the restart goes on "
+                    "with systemd's graceful stop (up to the unit's TimeoutStopSec)",
+                    Decision.RESTART_FAILED,
+                    r.name,
+                    r.unit,
+                )
+            )
+
     try:
-        result = await sd.restart(r.unit, cfg.watchdog.restart_job_timeout_s, start_if_stopped=allow_failed)
+        result = await sd.restart(
+            r.unit,
+            cfg.watchdog.restart_job_timeout_s,
+            start_if_stopped=allow_failed,
+            kill=kill if kill_first else None,
+        )
     except SystemdError as e:
         journal.line(
             LogLine(
@@ -94,7 +121,8 @@ async def checked_restart(
         journal.line(
             LogLine(
                 Priority.INFO,
-                f"replica {r.name}: restart job of {r.unit} done in {elapsed:.1f} s ({why}); waiting for it to serve",
+                f"replica {r.name}: restart job of {r.unit} done in {elapsed:.1f} s{kill_note} ({why}); "
+                "waiting for it to serve",
                 Decision.RESTARTED,
                 r.name,
                 r.unit,
@@ -191,7 +219,14 @@ class Executor:
             r,
             "restart",
             lambda: checked_restart(
-                self.sd, self.store, self.journal, self.cfg, r, f"{a.kind}: {a.evidence}", self.clock
+                self.sd,
+                self.store,
+                self.journal,
+                self.cfg,
+                r,
+                f"{a.kind}: {a.evidence}",
+                self.clock,
+                kill_first=a.kill_first,
             ),
         )
         self.outcomes[a.replica] = outcome

@@ -29,6 +29,7 @@ class RestartUnit:
     kind: RestartKind
     evidence: str
     request_id: str | None = None  # an operator's request, answered when the job ends
+    kill_first: bool = False  # SIGKILL the unit's processes once the restart job is queued (a hung replica)
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,12 @@ RULES = (
         "/health answered 503 (vLLM: engine dead) for >= W.unresponsive_after_s AND no "
         "progress for >= W.unresponsive_after_s",
     ),
+    Rule(
+        "L16",
+        "(unchanged)",
+        "the probes sent at an earlier tick are still running (each bounded by its timeout): no news, "
+        "the verdict stands (L1-L8 still apply)",
+    ),
     Rule("L9", S.BUSY, "progress this tick AND (/health failed OR took >= R.health_timeout_s)"),
     Rule("L10", S.HEALTHY, "progress this tick AND /health answered 2xx in < R.health_timeout_s"),
     Rule(
@@ -167,7 +173,7 @@ def step(
         elif sample.queued == 0:
             t = replace(t, work_since=None)
         t = replace(t, last_sample=sample)
-    if obs.all_probes_failed:
+    if obs.all_probes_failed or obs.probes_pending_s is not None:
         # Counted from the last answer, not from the first failed tick: a hung probe takes its
         # whole timeout, and counting from its end would add that timeout to every detection.
         since = t.failing_since if t.failing_since is not None else t.last_answer_at
@@ -259,6 +265,8 @@ def _classify(
             f"/health 503 (engine dead) for {now - t.dead_503_since:.0f} s, "
             f"last progress {_ago(now, t.last_progress_at)}",
         )
+    if obs.probes_pending_s is not None and t.observed:
+        return t.state, "L16", t.evidence
     sample = obs.metrics
     if progressed:
         if health_in_time:

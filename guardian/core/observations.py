@@ -119,6 +119,9 @@ class ReplicaObservation:
     canary: CanaryResult | None = None  # a canary that finished since the last tick
     restart_outcome: RestartOutcome | None = None
     unit_error: str | None = None
+    # The probes sent earlier are still running (each bounded by its timeout): no news this
+    # tick, and the three probes above are placeholders.
+    probes_pending_s: float | None = None
 
     @property
     def all_probes_failed(self) -> bool:

@@ -155,10 +155,14 @@ def _restart(
         )
     else:
         b = admission.budget(r.name, obs.persistent, now, cfg)
+        # A hung engine will not shut down gracefully: vLLM's API server would wait on it until
+        # systemd's TimeoutStopSec. Its processes are killed as soon as the restart job is queued.
+        kill = kind is RestartKind.HANG
+        how = ", its processes killed at once (hung)" if kill else ""
         out.log(
             LogLine(  # an action taken is always said
                 Priority.WARNING,
-                f"{head}; restarting {r.unit} (restart {b.used + 1} of {b.limit} in "
+                f"{head}; restarting {r.unit}{how} (restart {b.used + 1} of {b.limit} in "
                 f"{cfg.watchdog.restart_window_s:.0f} s)",
                 Decision.RESTART,
                 r.name,
@@ -167,7 +171,7 @@ def _restart(
                 rule=t.rule if kind is RestartKind.HANG else None,
             )
         )
-        out.actions.append(RestartUnit(r.name, r.unit, kind, evidence, request_id))
+        out.actions.append(RestartUnit(r.name, r.unit, kind, evidence, request_id, kill_first=kill))
         t = replace(
             t,
             restart_in_flight=True,

@@ -15,10 +15,12 @@ from ..core.memguard import Pending
 from ..core.observations import (
     CanaryResult,
     PersistentView,
+    Probe,
     ReplicaObservation,
     RestartOutcome,
     TickObservation,
     UnitInfo,
+    VllmSample,
 )
 from ..core.vocab import HeldBy, Hidden, Nobody, PortOwner, Unreadable
 from . import probes
@@ -148,21 +150,64 @@ class PortOwnerCache:
         return owners
 
 
-async def observe_replica(
-    client: httpx.AsyncClient,
+ProbeResults = tuple[Probe, tuple[Probe, VllmSample | None], tuple[Probe, tuple[str, ...] | None]]
+
+
+class ProbeCarry:
+    """A replica's probes that outlive the tick's wait are carried into the next tick.
+
+    A tick waits at most its budget for a replica's /health, /metrics and /v1/models; a probe
+    still running then (a frozen server never answers) stays in flight, bounded by its own
+    timeout, and the tick judges with "no answer yet". The next tick takes its result if it
+    ended, and starts no second copy of it. So a hung replica cannot stretch the tick cadence,
+    and a new process is seen as soon as it answers.
+    """
+
+    def __init__(self) -> None:
+        self.tasks: dict[str, tuple[asyncio.Task[ProbeResults], float]] = {}
+
+    def start(self, client: httpx.AsyncClient, r: ReplicaConfig, mono: float) -> asyncio.Task[ProbeResults]:
+        entry = self.tasks.get(r.name)
+        if entry is None:
+            task = asyncio.ensure_future(_probe_all(client, r))
+            self.tasks[r.name] = entry = (task, mono)
+        return entry[0]
+
+    def take(self, name: str, mono: float) -> tuple[ProbeResults, float | None]:
+        """The finished probes of NAME (and forget them), or placeholders and how long they have run."""
+        task, since = self.tasks[name]
+        if task.done():
+            del self.tasks[name]
+            return task.result(), None
+        waiting = Probe(False, None, mono - since, f"no answer yet (in flight for {mono - since:.1f} s)")
+        return (waiting, (waiting, None), (waiting, None)), mono - since
+
+    def forget(self, keep: set[str]) -> None:
+        for name in [n for n in self.tasks if n not in keep]:
+            self.tasks.pop(name)[0].cancel()
+
+
+async def _probe_all(client: httpx.AsyncClient, r: ReplicaConfig) -> ProbeResults:
+    health, metrics, models = await asyncio.gather(
+        probes.probe_health(client, r),
+        probes.probe_metrics(client, r),
+        probes.probe_models(client, r),
+    )
+    return health, metrics, models
+
+
+def replica_observation(
     r: ReplicaConfig,
     at: float,
     unit_view: UnitView,
     owner: PortOwner | None,
     canary: CanaryResult | None,
     outcome: RestartOutcome | None,
+    results: ProbeResults,
+    pending_s: float | None = None,
 ) -> ReplicaObservation:
     unit, unit_error = unit_view
-    health, (mprobe, sample), (models_probe, models) = await asyncio.gather(
-        probes.probe_health(client, r),
-        probes.probe_metrics(client, r),
-        probes.probe_models(client, r),
-    )
+    health, (mprobe, sample), (models_probe, models) = results
     return ReplicaObservation(
         name=r.name,
         at=at,
@@ -176,6 +221,7 @@ async def observe_replica(
         port_owner=owner,
         canary=canary,
         restart_outcome=outcome,
+        probes_pending_s=pending_s,
     )
 
 
@@ -188,20 +234,34 @@ async def observe_all(
     outcomes: dict[str, RestartOutcome],
     port_cache: PortOwnerCache,
     unit_cache: UnitInfoCache,
+    carry: ProbeCarry | None = None,
+    wait_s: float | None = None,
 ) -> dict[str, ReplicaObservation]:
-    owners, units = await asyncio.gather(
-        port_cache.get(sd, {r.port for r in cfg.replicas}),
-        unit_cache.get(sd, [r.unit for r in cfg.replicas], time.monotonic()),
+    """One observation per replica. With CARRY, probes still running after WAIT_S are carried over
+    (see ProbeCarry); without, every probe is waited for (its own timeout bounds it)."""
+    carry = carry if carry is not None else ProbeCarry()
+    carry.forget({r.name for r in cfg.replicas})
+    tasks = [carry.start(client, r, at) for r in cfg.replicas]
+    (owners, units), _ = await asyncio.gather(
+        asyncio.gather(
+            port_cache.get(sd, {r.port for r in cfg.replicas}),
+            unit_cache.get(sd, [r.unit for r in cfg.replicas], time.monotonic()),
+        ),
+        asyncio.wait(tasks, timeout=wait_s) if tasks else asyncio.sleep(0),
     )
-    results = await asyncio.gather(
-        *(
-            observe_replica(
-                client, r, at, units[r.unit], owners.get(r.port), canaries.pop(r.name, None), outcomes.pop(r.name, None)
-            )
-            for r in cfg.replicas
+    judged_at = time.monotonic() if wait_s is not None else at
+    out: dict[str, ReplicaObservation] = {}
+    for r in cfg.replicas:
+        out[r.name] = replica_observation(
+            r,
+            at,
+            units[r.unit],
+            owners.get(r.port),
+            canaries.pop(r.name, None),
+            outcomes.pop(r.name, None),
+            *carry.take(r.name, judged_at),
         )
-    )
-    return {o.name: o for o in results}
+    return out
 
 
 class WorldObserver:
@@ -214,6 +274,7 @@ class WorldObserver:
         self.client = client
         self.port_cache = PortOwnerCache()
         self.unit_cache = UnitInfoCache()
+        self.carry = ProbeCarry()
         self.memory = MemoryObserver(sd, client)
 
     def invalidate(self) -> None:
@@ -229,8 +290,19 @@ class WorldObserver:
         pending: Pending | None,
         now: Now,
     ) -> TickObservation:
+        # Half an interval for the probes: a healthy replica answers in milliseconds, and a
+        # probe that takes longer is carried into the next tick rather than delaying this one.
         replicas = await observe_all(
-            cfg, self.sd, self.client, now.mono, canaries, outcomes, self.port_cache, self.unit_cache
+            cfg,
+            self.sd,
+            self.client,
+            now.mono,
+            canaries,
+            outcomes,
+            self.port_cache,
+            self.unit_cache,
+            self.carry,
+            wait_s=cfg.interval_s / 2,
         )
         memory = await self.memory.observe(cfg, replicas, pending, now) if cfg.memory.enabled else None
         return TickObservation(replicas, persistent, memory)

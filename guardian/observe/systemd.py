@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -349,22 +349,36 @@ class Systemd:
                 sizes.append((str(name), value))
         return sorted(sizes, key=lambda x: -x[1])[:n]
 
-    async def restart(self, name: str, timeout_s: float, start_if_stopped: bool = False) -> str:
+    async def restart(
+        self,
+        name: str,
+        timeout_s: float,
+        start_if_stopped: bool = False,
+        kill: Callable[[], Awaitable[None]] | None = None,
+    ) -> str:
         """TryRestartUnit(name, "replace"), and wait for the job's JobRemoved result. A try-restart
         does nothing to a unit that is not running, so an operator's stop between guardian's last
         look and this call always wins. START_IF_STOPPED (RestartUnit) is for the memory guard's
-        retry of a start that failed after its own lowering."""
+        retry of a start that failed after its own lowering. KILL runs once the job is queued (the
+        unit is deactivating: systemd's own restart on a process exit cannot race it)."""
         loop = asyncio.get_running_loop()
         member = "RestartUnit" if start_if_stopped else "TryRestartUnit"
         (job_path,) = await self._call(MANAGER, member, "ss", [name, "replace"])
         job_path = str(job_path)
-        if job_path in self._finished:
-            return self._finished.pop(job_path)
         fut: asyncio.Future[str] = loop.create_future()
-        self._jobs[job_path] = fut
+        if job_path in self._finished:
+            fut.set_result(self._finished.pop(job_path))
+        else:
+            self._jobs[job_path] = fut
         try:
+            if kill is not None and not fut.done():
+                await kill()
             return await asyncio.wait_for(fut, timeout_s)
         except TimeoutError:
             return f"no result within {timeout_s:.0f} s"
         finally:
             self._jobs.pop(job_path, None)
+
+    async def kill(self, name: str, signal: int = 9) -> None:
+        """KillUnit(name, "all", SIGNAL): every process of the unit (polkit verb "kill")."""
+        await self._call(MANAGER, "KillUnit", "ssi", [name, "all", signal])
