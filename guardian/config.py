@@ -128,6 +128,14 @@ class WatchdogConfig(_Strict):
     unresponsive_after_s: float = Field(default=10.0, gt=0, le=MAX_WINDOW_S)
     canary_interval_s: float = Field(default=30.0, gt=0, le=MAX_WINDOW_S)
     canary_retry_s: float = Field(default=5.0, gt=0, le=MAX_WINDOW_S)
+    # A canary soon after traffic stops (an engine that froze between two steps looks idle).
+    canary_after_traffic_s: float = Field(default=5.0, gt=0, le=MAX_WINDOW_S)
+    # Work queued and nothing at all moving (no counter, no kv change) this long: send a canary.
+    stall_canary_after_s: float = Field(default=10.0, gt=0, le=MAX_WINDOW_S)
+    # A canary's deadline once 3 have succeeded: factor x the slowest of the last 8, within
+    # [floor, replica's canary_timeout_s].
+    canary_deadline_factor: float = Field(default=4.0, ge=1, le=100)
+    canary_deadline_floor_s: float = Field(default=3.0, gt=0, le=MAX_WINDOW_S)
     canary_failures: int = Field(default=2, ge=1, le=1000)
     restart_budget: int = Field(default=3, ge=1, le=1000)
     restart_window_s: float = Field(default=1800.0, gt=0, le=MAX_WINDOW_S)

@@ -231,7 +231,9 @@ def test_canary_only_when_idle_and_due():
     assert not any(isinstance(a, StartCanary) for a in sim.actions)
     sim.tick(140.1, a=obs(t=140.1, s=sample(running=3)))  # busy: no canary, even though due
     assert not any(isinstance(a, StartCanary) for a in sim.actions)
-    sim.tick(141, a=obs(t=141))
+    sim.tick(141, a=obs(t=141))  # traffic stopped 0.9 s ago: not yet (canary_after_traffic_s = 5)
+    assert not any(isinstance(a, StartCanary) for a in sim.actions)
+    sim.tick(145.1, a=obs(t=145.1))
     assert any(isinstance(a, StartCanary) for a in sim.actions)
 
 
@@ -512,6 +514,7 @@ FLAT = sample(gen=5, running=2)
     (_after_healthy((110, {"s": sample(gen=9, running=2), "health": SLOW})), State.BUSY, "L9"),
     (_after_healthy((110, {"s": sample(gen=9, running=2)})), State.HEALTHY, "L10"),
     (_after_healthy((110, {"s": FLAT}), (170, {"s": FLAT})), State.STALLED, "L11"),
+    (lambda: _quiet_queue_canary(QUEUED), State.STALLED, "L17"),
     (_after_healthy((110, {"canary": CanaryResult(False, 105, 2, "timeout")}),
                     (120, {"canary": CanaryResult(False, 115, 2, "timeout")})), State.IDLE_DEAD, "L12"),
     (_after_healthy((110, {"s": FLAT}), (120, {"s": FLAT, "health": SLOW_FAIL})), State.BUSY, "L13"),
@@ -562,3 +565,95 @@ def test_a_replica_whose_probes_take_longer_than_half_an_interval_does_not_flap(
         assert sim.state() in (State.BUSY, State.HEALTHY), (t, sim.state())
     changes = [a for a in sim.actions if isinstance(a, LogLine) and a.decision == Decision.STATE]
     assert len(changes) <= 2, [c.message for c in changes]
+
+
+# --- canaries after traffic, for a quiet queue, with a learned deadline (issue 13) -----------------
+
+def canaries(sim) -> list:
+    return [a for a in sim.actions if isinstance(a, StartCanary)]
+
+
+def idle_after_traffic(after_s: float):
+    """Healthy and idle; traffic (tokens moving) until 200, then nothing: a tick at 200 + AFTER_S."""
+    sim = Sim(cfg(1, canary_after_traffic_s=5, canary_interval_s=30))
+    healthy_start(sim)
+    sim.tick(101, a=obs(t=101, canary=CanaryResult(True, 100.0, 0.1)))
+    for i, t in enumerate(range(150, 201, 2)):
+        sim.tick(t, a=obs(t=t, s=sample(gen=10.0 * (i + 1))))
+    sim.actions.clear()
+    frozen = sample(gen=10.0 * 26)  # counters as they stood at 200 (26 traffic ticks)
+    sim.tick(200 + after_s, a=obs(t=200 + after_s, s=frozen))
+    return sim
+
+
+@pytest.mark.parametrize("after_s, sent", [(4.9, False), (5.0, True), (5.1, True)])
+def test_a_canary_soon_after_traffic_stops(after_s, sent):
+    """An engine frozen between two steps shows 0 running, 0 waiting and frozen counters while
+    clients' requests wait in the API server: only a canary finds it, and it is sent
+    canary_after_traffic_s after the traffic stopped, not canary_interval_s."""
+    assert bool(canaries(idle_after_traffic(after_s))) == sent
+
+
+def test_after_the_traffic_canary_the_idle_interval_applies_again():
+    sim = idle_after_traffic(5.0)
+    sim.tick(206, a=obs(t=206, s=sample(gen=261.0), canary=CanaryResult(True, 205.0, 0.1)))
+    sim.actions.clear()
+    for t in (210, 230, 235.0):
+        sim.tick(t, a=obs(t=t, s=sample(gen=261.0)))
+    assert canaries(sim) == []  # the canary's own token is not traffic
+    sim.tick(236.2, a=obs(t=236.2, s=sample(gen=261.0)))
+    assert len(canaries(sim)) == 1  # 30 s after the last canary (its progress at 206)
+
+
+QUEUED = sample(gen=50, running=12, waiting=4)
+
+
+@pytest.mark.parametrize("quiet_s, sent", [(9.9, False), (10.0, True)])
+def test_a_quiet_queue_gets_a_canary_after_stall_canary_after_s(quiet_s, sent):
+    sim = Sim(cfg(1, stall_canary_after_s=10))
+    healthy_start(sim)
+    sim.tick(101, a=obs(t=101, canary=CanaryResult(True, 100.0, 0.1)))
+    sim.tick(110, a=obs(t=110, s=sample(gen=40, running=12, waiting=4)))
+    sim.tick(112, a=obs(t=112, s=QUEUED))  # the last progress: 112
+    sim.actions.clear()
+    sim.tick(112 + quiet_s, a=obs(t=112 + quiet_s, s=QUEUED))
+    assert bool(canaries(sim)) == sent
+
+
+def _quiet_queue_canary(during: VllmSample):
+    sim = Sim(cfg(1, stall_canary_after_s=10, stall_window_s=60))
+    healthy_start(sim)
+    sim.tick(110, a=obs(t=110, s=sample(gen=40, running=12, waiting=4)))
+    sim.tick(112, a=obs(t=112, s=QUEUED))
+    sim.tick(122, a=obs(t=122, s=QUEUED))  # canary sent at 122
+    assert canaries(sim)
+    sim.tick(124, a=obs(t=124, s=during))
+    sim.tick(137, a=obs(t=137, s=during, canary=CanaryResult(False, 122.0, 15.0, "timeout")))
+    return sim
+
+
+def test_a_canary_that_fails_while_nothing_moves_with_work_queued_is_a_stall():
+    sim = _quiet_queue_canary(QUEUED)
+    assert (sim.state(), sim.rule()) == (State.STALLED, "L17")
+    assert restarts(sim.actions)
+
+
+def test_a_canary_late_while_the_kv_cache_moves_proves_nothing():
+    """A long chunked prefill: token counters flat, kv_cache_usage_perc rising with every chunk.
+    The canary waits behind the prompt; it failing is no evidence."""
+    sim = _quiet_queue_canary(replace(QUEUED, kv_cache_usage=0.3))
+    assert sim.state() is not State.STALLED and not restarts(sim.actions)
+
+
+@pytest.mark.parametrize("latencies, deadline", [
+    ((), 15.0),  # nothing learned yet: the replica's canary_timeout_s
+    ((0.1, 0.2), 15.0),  # fewer than 3
+    ((0.1, 0.2, 0.3), 3.0),  # 4 x 0.3 = 1.2, raised to the floor
+    ((0.5, 1.0, 2.0), 8.0),  # 4 x the slowest
+    ((5.0, 1.0, 1.0), 15.0),  # capped at canary_timeout_s
+])
+def test_canary_deadline_is_learned_within_floor_and_ceiling(latencies, deadline):
+    from guardian.core.liveness import Track, canary_deadline
+    r = cfg(1).replicas[0]
+    w = WatchdogConfig(canary_deadline_factor=4, canary_deadline_floor_s=3)
+    assert canary_deadline(Track(canary_latencies=latencies), r, w) == pytest.approx(deadline)

@@ -192,3 +192,20 @@ def test_without_hang_on_sigterm_a_dead_engines_process_stops(sim):
     s.post("/_sim/fault", {"fault": "engine-dead"})
     s.proc.send_signal(signal.SIGTERM)
     assert s.proc.wait(10) == 0
+
+
+def test_engine_frozen_between_steps_looks_idle_while_requests_hang(sim):
+    """Seen on a real vLLM 0.32: the gauges and counters are the engine's last scheduler stats,
+    so an engine that stops right after a batch shows 0 running, 0 waiting, frozen counters."""
+    s = sim().wait_up()
+    s.post("/_sim/load", {"streams": 3, "max_tokens": 8})
+    wait_for(lambda: s.sample().running == 3, 5, "load to run")
+    s.post("/_sim/fault", {"fault": "between-steps"})
+    wait_for(lambda: s.sample().running == 0, 5, "the batch to finish")
+    frozen = s.sample()
+    with pytest.raises(httpx.TimeoutException):
+        s.post("/v1/completions", {"model": "m", "prompt": "x", "max_tokens": 1}, timeout=1.5)
+    later = s.sample()
+    assert (later.running, later.waiting) == (0, 0)  # the request that hangs is not even "waiting"
+    assert later.generation_tokens == frozen.generation_tokens and later.request_success == frozen.request_success
+    assert s.get("/health").status_code == 200

@@ -109,6 +109,23 @@ def test_engine_dead_with_health_200_is_restarted(world):
     assert "canary" in line["MESSAGE"]
 
 
+def test_engine_frozen_between_steps_is_found_by_the_canary_after_traffic(world):
+    """The engine stops right after a batch: /metrics shows 0 running, 0 waiting and frozen
+    counters, /health 200, new requests hang. The idle canary interval is set to 10 minutes here,
+    so only the canary sent canary_after_traffic_s after the traffic stopped can find it."""
+    world.watchdog["canary_interval_s"] = 600
+
+    def inject(a):
+        world.sim(a, "load", "3")
+        wait_for(lambda: world.states().get("a") in ("healthy", "busy") and world.box.http(a.url + "/metrics")[0] == 200,
+                 10, "a serving its load")
+        world.fault(a, "between-steps")
+
+    world.setup()
+    line = expect_restart(world, inject, "idle-dead")
+    assert "canary" in line["MESSAGE"]
+
+
 def test_engine_killed_health_503_is_restarted(world):
     world.setup()
     # Both verdicts are right: /health 503 for the window, or the idle canaries failing first.

@@ -38,6 +38,8 @@ FAST_WATCHDOG = {
     "unresponsive_after_s": 4,
     "canary_interval_s": 3,
     "canary_retry_s": 1,
+    "canary_after_traffic_s": 2,
+    "stall_canary_after_s": 3,
     "canary_failures": 2,
     "restart_budget": 3,
     "restart_window_s": 600,

@@ -15,6 +15,9 @@ Faults, at start (``--fault NAME``, with ``--fault-after-s``) or at run time
 (``POST /_sim/fault {"fault": NAME, ...}``, ``POST /_sim/clear``):
 
   engine-dead      engine stops iterating; /health 200, metrics frozen, requests hang
+  between-steps    the engine freezes at the first step with nothing running (the load it was
+                   serving finishes first): /metrics shows 0 running, 0 waiting and frozen
+                   counters, /health 200, and every new request is accepted and never answered
   engine-killed    /health 503, completions 500; exits with status 0 after ``exit_after_s``
                    (default 4 s, as vLLM's API server does); ``exit_after_s: null`` stays up
                    (VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1)
@@ -102,6 +105,7 @@ class Engine:
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.dead = False  # engine-dead: no more iterations
+        self.freeze_when_idle = False  # between-steps: freeze at the first step with nothing running
         self.killed = False  # engine-killed
         self.synthetic_target = 0
         self.synthetic_max_tokens = 64
@@ -110,6 +114,8 @@ class Engine:
 
     def submit(self, req: Req) -> None:
         with self.lock:
+            if self.dead and self.freeze_when_idle:
+                return  # stays in the API server's queue: the frozen engine never sees it
             self.waiting.append(req)
 
     def _refill_synthetic(self) -> None:
@@ -127,6 +133,13 @@ class Engine:
 
     def iterate(self) -> None:
         with self.lock:
+            if self.freeze_when_idle and not self.running:
+                # Frozen right after a batch finished: the gauges keep the last scheduler stats
+                # (0 running, 0 waiting) and the counters stop, as vLLM's do.
+                self.dead = True
+                self.m.running.labels(**self.m.labels).set(0)
+                self.m.waiting.labels(**self.m.labels).set(0)
+                return
             self._refill_synthetic()
             while self.waiting and len(self.running) < self.args.max_num_seqs:
                 self.running.append(self.waiting.pop(0))
@@ -193,6 +206,9 @@ class Sim:
             exit_after = spec.get("exit_after_s", 4.0)
             if exit_after is not None:
                 threading.Timer(float(exit_after), lambda: os._exit(0)).start()
+        elif name == "between-steps":
+            self.engine.synthetic_target = 0  # the traffic it was serving ends; new requests hang
+            self.engine.freeze_when_idle = True
         elif name == "frozen":
             threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGSTOP)).start()
         elif name not in ("slow-health", "wrong-model"):
@@ -200,6 +216,7 @@ class Sim:
 
     def clear(self) -> None:
         self.fault = {}
+        self.engine.freeze_when_idle = False
         self.engine.dead = False
         self.engine.killed = False
 

@@ -168,7 +168,7 @@ class Executor:
             if isinstance(a, LogLine):
                 self.journal.line(a)
             elif isinstance(a, StartCanary):
-                self._spawn(self._canary(a.replica))
+                self._spawn(self._canary(a.replica, a.timeout_s))
             elif isinstance(a, RestartUnit):
                 self._spawn(self._restart(a))
             elif isinstance(a, LowerFraction):
@@ -189,10 +189,10 @@ class Executor:
         except OSError as e:
             self.journal.send(Priority.ERROR, f"cannot record the answer to a restart request in {self.store.dir}: {e}")
 
-    async def _canary(self, name: str) -> None:
+    async def _canary(self, name: str, timeout_s: float) -> None:
         r = self.cfg.replica(name)
         if r is not None:
-            self.canaries[name] = await probes.canary(self.client, r, self.clock().mono)
+            self.canaries[name] = await probes.canary(self.client, r, self.clock().mono, timeout_s)
 
     async def _guarded(
         self, r: ReplicaConfig, what: str, run: Callable[[], Coroutine[Any, Any, RestartOutcome]]

@@ -35,6 +35,7 @@ class RestartUnit:
 @dataclass(frozen=True)
 class StartCanary:
     replica: str
+    timeout_s: float  # the canary's deadline (liveness.canary_deadline)
 
 
 @dataclass(frozen=True)

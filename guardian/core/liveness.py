@@ -11,10 +11,23 @@ iteration_tokens_total_count/_sum, request_success_total went up, or kv_cache_us
 (it moves during a long chunked prefill when the token counters stand still), or a counter went
 down (the engine restarted), or a canary completed.
 
-A canary (a 1-token completion) is asked for only when /metrics is readable and shows
-running + waiting == 0, /health answered, none is in flight, and
-now - max(last progress, last canary) >= W.canary_interval_s (W.canary_retry_s after a failure).
-A failed canary counts only if no progress was seen while it ran (real traffic proves the engine).
+Traffic means: running + waiting > 0, or a counter moved, at a tick with no canary of guardian's
+in flight or just folded in (a canary's own token is not traffic).
+
+A canary (a 1-token completion) is asked for only when /metrics is readable, /health answered
+and none is in flight, and one of:
+- idle (running + waiting == 0) and no canary since the last traffic and
+  now - last traffic >= W.canary_after_traffic_s (an engine that froze between two steps shows
+  0 running, 0 waiting and frozen counters while clients' requests wait: this finds it);
+- idle and now - max(last progress, last canary, start) >= W.canary_interval_s
+  (W.canary_retry_s after a failure);
+- work queued (running + waiting > 0) and nothing moved for >= W.stall_canary_after_s, and no
+  canary yet in this quiet spell (W.canary_retry_s after a failure).
+Its deadline is canary_deadline(): R.canary_timeout_s until 3 canaries have succeeded, then
+W.canary_deadline_factor x the slowest of the last 8 successful ones, within
+[W.canary_deadline_floor_s, R.canary_timeout_s].
+A failed canary counts only if no progress was seen while it ran (real traffic proves the
+engine; a kv change during a long prefill proves it too).
 
 When the unit's start time changes (it was restarted, by anyone), everything but the restart
 bookkeeping is forgotten and rule 5 applies afresh.
@@ -73,6 +86,12 @@ RULES = (
         "queued) >= W.stall_window_s",
     ),
     Rule(
+        "L17",
+        S.STALLED,
+        "/metrics readable AND running + waiting > 0 AND a canary sent after the last progress (and "
+        "after work was first queued) failed with no progress while it ran",
+    ),
+    Rule(
         "L12",
         S.IDLE_DEAD,
         "/metrics readable AND running + waiting == 0 AND consecutive failed canaries >= W.canary_failures",
@@ -104,6 +123,9 @@ class Track:
     canary_in_flight_since: float | None = None
     last_canary_at: float | None = None
     canary_failures: int = 0
+    canary_latencies: tuple[float, ...] = ()  # the last successful canaries' latencies, newest last
+    stall_proof_at: float | None = None  # start of a canary that failed with work queued and nothing moving
+    last_traffic_at: float | None = None
     restart_in_flight: bool = False
     restart_issued_at: float | None = None
     last_notice: tuple[str, ...] | None = None  # stable key of the last refusal or notice logged
@@ -118,6 +140,18 @@ def _progressed(prev: VllmSample | None, cur: VllmSample | None) -> bool:
     return any(c != p for c, p in zip(cur.progress_counters(), prev.progress_counters(), strict=False))
 
 
+CANARY_LATENCIES_KEPT = 8
+CANARY_LATENCIES_NEEDED = 3
+
+
+def canary_deadline(t: Track, rcfg: ReplicaConfig, wcfg: WatchdogConfig) -> float:
+    """A canary's deadline, from this replica's own canaries while it was healthy."""
+    if len(t.canary_latencies) < CANARY_LATENCIES_NEEDED:
+        return rcfg.canary_timeout_s
+    learned = wcfg.canary_deadline_factor * max(t.canary_latencies)
+    return min(rcfg.canary_timeout_s, max(wcfg.canary_deadline_floor_s, learned))
+
+
 def _fresh_start(track: Track, start_ts: float | None) -> Track:
     return Track(
         state=track.state,
@@ -129,6 +163,7 @@ def _fresh_start(track: Track, start_ts: float | None) -> Track:
         restart_in_flight=track.restart_in_flight,
         restart_issued_at=track.restart_issued_at,
         last_notice=None,
+        canary_latencies=track.canary_latencies,  # the same model on the same box: still a fair guide
     )
 
 
@@ -143,8 +178,8 @@ def step(
     rcfg: ReplicaConfig,
     wcfg: WatchdogConfig,
     pause: Pause | None = None,
-) -> tuple[Track, bool]:
-    """Fold one observation into the track. Returns (new track, whether to start a canary)."""
+) -> tuple[Track, float | None]:
+    """Fold one observation into the track. Returns (new track, the deadline of a canary to start, or None)."""
     unit = obs.unit
     t = track
     if unit is not None and unit.inactive_exit_mono != t.start_ts:
@@ -157,14 +192,20 @@ def step(
     progressed = _progressed(t.last_sample, sample)  # a counter that went down (new engine) counts too
     canary = obs.canary
     canary_failed = False
+    ours = t.canary_in_flight_since is not None or canary is not None  # a canary's token is not traffic
+    if sample is not None and not ours and (progressed or sample.queued > 0):
+        t = replace(t, last_traffic_at=now)
     if canary is not None:
         t = replace(t, canary_in_flight_since=None, last_canary_at=canary.started_at + canary.latency_s)
         if canary.ok:
             progressed = True
-            t = replace(t, canary_failures=0)
+            kept = (*t.canary_latencies, canary.latency_s)[-CANARY_LATENCIES_KEPT:]
+            t = replace(t, canary_failures=0, canary_latencies=kept)
         elif t.last_progress_at is None or t.last_progress_at <= canary.started_at:
             canary_failed = True
             t = replace(t, canary_failures=t.canary_failures + 1)
+            if sample is not None and sample.queued > 0:
+                t = replace(t, stall_proof_at=canary.started_at)
     if progressed:
         t = replace(t, last_progress_at=now)
     if sample is not None:
@@ -191,18 +232,29 @@ def step(
     state, rule, evidence = _classify(t, obs, now, rcfg, wcfg, pause, progressed, health_in_time, canary_failed)
 
     # --- canary scheduling ----------------------------------------------------------------
-    want_canary = False
+    want_canary: float | None = None
     if (
-        state in (State.HEALTHY, State.DEGRADED)
+        state in (State.HEALTHY, State.DEGRADED, State.BUSY)
         and sample is not None
-        and sample.queued == 0
         and obs.health.answered
         and t.canary_in_flight_since is None
     ):
-        gap = wcfg.canary_retry_s if t.canary_failures else wcfg.canary_interval_s
-        last = max(x for x in (t.last_progress_at, t.last_canary_at, t.start_ts, 0.0) if x is not None)
-        if now - last >= gap:
-            want_canary = True
+        due = False
+        if sample.queued == 0:
+            if t.canary_failures:
+                due = now - max(x for x in (t.last_canary_at, 0.0) if x is not None) >= wcfg.canary_retry_s
+            elif t.last_traffic_at is not None and (t.last_canary_at is None or t.last_canary_at < t.last_traffic_at):
+                due = now - t.last_traffic_at >= wcfg.canary_after_traffic_s
+            else:
+                last = max(x for x in (t.last_progress_at, t.last_canary_at, t.start_ts, 0.0) if x is not None)
+                due = now - last >= wcfg.canary_interval_s
+        else:
+            quiet_ref = max(x for x in (t.last_progress_at, t.work_since) if x is not None)
+            if now - quiet_ref >= wcfg.stall_canary_after_s:
+                asked = t.last_canary_at is not None and t.last_canary_at >= quiet_ref
+                due = not asked or now - (t.last_canary_at or 0.0) >= wcfg.canary_retry_s
+        if due:
+            want_canary = canary_deadline(t, rcfg, wcfg)
             t = replace(t, canary_in_flight_since=now)
 
     if state != t.state:
@@ -285,6 +337,18 @@ def _classify(
                 "L11",
                 (
                     f"{_work(sample)} and no counter progress for {now - ref:.0f} s "
+                    f"(/health {'200' if obs.health.ok else obs.health.error})"
+                ),
+            )
+    if sample is not None and sample.queued > 0 and t.stall_proof_at is not None:
+        ref = max(x for x in (t.last_progress_at, t.work_since) if x is not None)
+        if t.stall_proof_at >= ref:
+            return (
+                State.STALLED,
+                "L17",
+                (
+                    f"{_work(sample)}, nothing moved for {now - ref:.0f} s, and a canary sent "
+                    f"{now - t.stall_proof_at:.0f} s ago failed with nothing moving "
                     f"(/health {'200' if obs.health.ok else obs.health.error})"
                 ),
             )

@@ -14,8 +14,12 @@ def describe(cfg: Config) -> list[str]:
         f"watchdog: stalled when running+waiting > 0 and no counter progress for >= {w.stall_window_s:g} s; "
         f"unresponsive when no probe gets an answer (or /health 503) for >= {w.unresponsive_after_s:g} s "
         "and no progress as long; "
-        f"idle-dead when idle and >= {w.canary_failures} canaries fail in a row (one every {w.canary_interval_s:g} s "
-        f"when idle, {w.canary_retry_s:g} s after a failure)",
+        f"idle-dead when idle and >= {w.canary_failures} canaries fail in a row (one {w.canary_after_traffic_s:g} s "
+        f"after traffic stops, then every {w.canary_interval_s:g} s when idle, "
+        f"{w.canary_retry_s:g} s after a failure); "
+        f"stalled also when work is queued, nothing moves for >= {w.stall_canary_after_s:g} s and a canary then fails; "
+        f"canary deadline {w.canary_deadline_factor:g} x the slowest of the last 8 good ones, within "
+        f"[{w.canary_deadline_floor_s:g} s, canary_timeout_s] once 3 succeeded",
         f"restarts: at most {w.restart_budget} per replica in {w.restart_window_s:g} s, back-off {w.backoff_s:g} s "
         f"doubling per restart, job result awaited for {w.restart_job_timeout_s:g} s; one at a time per box",
         f"memory guard: {'on' if cfg.memory.enabled else 'off'}; squeezed when MemAvailable < "

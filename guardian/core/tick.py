@@ -93,8 +93,8 @@ def _liveness(
         new = replace(new, metrics_error=err)
     if new.state is State.HEALTHY and new.restart_issued_at is not None:
         new = replace(new, restart_issued_at=None)
-    if want_canary:
-        out.actions.append(StartCanary(r.name))
+    if want_canary is not None:
+        out.actions.append(StartCanary(r.name, want_canary))
     out.tracks[r.name] = new
 
 

@@ -124,12 +124,15 @@ async def probe_models(client: httpx.AsyncClient, r: ReplicaConfig) -> tuple[Pro
     return await models_at(client, r.url, r.health_timeout_s)
 
 
-async def canary(client: httpx.AsyncClient, r: ReplicaConfig, started_at: float) -> CanaryResult:
+async def canary(
+    client: httpx.AsyncClient, r: ReplicaConfig, started_at: float, timeout_s: float | None = None
+) -> CanaryResult:
     """A one-token completion: proves the engine, not just the API server, is alive. Bounded in
-    time (canary_timeout_s) and in bytes (MAX_SMALL_BYTES): an answer that never ends, or is huge,
-    is a failed canary."""
+    time (TIMEOUT_S, the core's deadline; else canary_timeout_s) and in bytes (MAX_SMALL_BYTES):
+    an answer that never ends, or is huge, is a failed canary."""
     body: dict[str, object] = {"model": r.model, "prompt": "ping", "max_tokens": 1, "temperature": 0}
-    probe, data = await _request(client, "POST", r.url + "/v1/completions", r.canary_timeout_s, MAX_SMALL_BYTES, body)
+    deadline_s = timeout_s if timeout_s is not None else r.canary_timeout_s
+    probe, data = await _request(client, "POST", r.url + "/v1/completions", deadline_s, MAX_SMALL_BYTES, body)
     if not probe.ok:
         return CanaryResult(False, started_at, probe.latency_s, probe.error)
     try:
