@@ -243,6 +243,9 @@ class Config(BaseSettings):
     # With the system bus gone this long, guardian stops pinging systemd's watchdog (it is blind:
     # no unit view, no restart) so that systemd restarts it; it reconnects on its own before that.
     bus_lost_restart_s: float = Field(default=60.0, gt=0, le=MAX_WINDOW_S)
+    # With no tick completed this long (each one abandoned for an unexpected error), guardian stops
+    # pinging systemd's watchdog so that systemd restarts it: a fresh process may not repeat it.
+    stuck_restart_s: float = Field(default=60.0, gt=0, le=MAX_WINDOW_S)
     watchdog: WatchdogConfig = WatchdogConfig()
     memory: MemoryConfig = MemoryConfig()
     metrics: MetricsConfig = MetricsConfig()

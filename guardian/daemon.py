@@ -78,6 +78,8 @@ class Daemon:
         self.stats = LoopStats()
         self.last_tick_started_mono = time.monotonic()
         self.last_ping_mono: float | None = None
+        self.last_completed_mono = time.monotonic()
+        self.stuck_said = False
         self.bus_events: list[SystemdEvent] = []
         self.blind_said = False
         self.metrics = Metrics(__version__)
@@ -142,6 +144,8 @@ class Daemon:
         finally:
             self.stats.add(time.monotonic() - started)
         if completed:
+            self.last_completed_mono = time.monotonic()
+            self.stuck_said = False
             self.export(time.monotonic() - started)
 
     async def _tick(self) -> None:
@@ -348,6 +352,16 @@ class Daemon:
                     "blind, so it stops pinging systemd's watchdog and systemd will restart it",
                 )
                 self.blind_said = True
+            return
+        stuck_s = mono - self.last_completed_mono
+        if stuck_s >= self.cfg.stuck_restart_s:
+            if not self.stuck_said:
+                self.journal.send(
+                    Priority.CRITICAL,
+                    f"no tick has completed for {stuck_s:.0f} s (each was abandoned, see the lines before): "
+                    "guardian stops pinging systemd's watchdog and systemd will restart it",
+                )
+                self.stuck_said = True
             return
         self.notifier.watchdog(self.status_line())
         if self.last_ping_mono is not None:

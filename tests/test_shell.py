@@ -4,10 +4,12 @@ replica cannot forge a line, and every config failure is exit status 2 (issue 10
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
 from guardian.act.journal import MAX_MESSAGE_CHARS, Journal
+from guardian.act.notify import Notifier
 from guardian.cli import build_parser, main
 from guardian.config import Config, ReplicaConfig
 from guardian.core.actions import LogLine
@@ -47,6 +49,46 @@ def test_an_unexpected_exception_in_a_tick_is_logged_critical_and_the_tick_aband
     assert line.priority is Priority.CRITICAL and "tick abandoned without acting: OverflowError" in line.message
     assert "Traceback" in extra["GUARDIAN_TRACEBACK"] and "OverflowError" in extra["GUARDIAN_TRACEBACK"]
     assert d.stats.ticks == 1
+
+
+class Pings(Notifier):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def watchdog(self, status: str) -> None:
+        self.count += 1
+
+
+def test_ticks_that_keep_failing_stop_the_watchdog_pings_so_systemd_restarts_guardian(tmp_path):
+    cfg = Config(state_dir=tmp_path / "state", runtime_dir=tmp_path / "run", stuck_restart_s=60,
+                 replicas=[ReplicaConfig(name="a", unit="vllm-a.service", url="http://127.0.0.1:9", model="m")])
+    journal, pings = Recorder(), Pings()
+
+    async def go() -> None:
+        d = Daemon(cfg, tmp_path / "guardian.toml", journal=journal, notifier=pings)
+
+        async def broken(*a: object, **kw: object) -> None:
+            raise RuntimeError("boom")
+
+        d.observer.observe = broken  # type: ignore[method-assign]
+        await d.tick()
+        d.ping_watchdog()
+        assert pings.count == 1  # one abandoned tick: still pinging
+        d.last_completed_mono = time.monotonic() - 59.5
+        await d.tick()
+        d.ping_watchdog()
+        assert pings.count == 2  # just under stuck_restart_s
+        d.last_completed_mono = time.monotonic() - 60.0
+        await d.tick()
+        d.ping_watchdog()
+        d.ping_watchdog()
+        assert pings.count == 2  # at it: no more pings, said once
+        crit = [line for line, _ in journal.lines if "stops pinging" in line.message]
+        assert len(crit) == 1 and crit[0].priority is Priority.CRITICAL
+        await d.client.aclose()
+
+    asyncio.run(go())
 
 
 def test_text_from_a_replica_cannot_forge_a_line_on_stderr(capsys):
