@@ -77,6 +77,12 @@ def _endpoint(url: str) -> tuple[str, int]:
     return host, parts.port or (443 if parts.scheme == "https" else 80)
 
 
+def _plain_text(v: str, max_chars: int) -> str:
+    if len(v) > max_chars or any(ord(c) < 0x20 or ord(c) == 0x7F for c in v):
+        raise ValueError(f"must be at most {max_chars} characters, without control characters")
+    return v
+
+
 class ConfigError(Exception):
     """A configuration that guardian refuses to run with; the message names file, key and reason."""
 
@@ -98,9 +104,7 @@ class ReplicaConfig(_Strict):
     @field_validator("model")
     @classmethod
     def _model_is_text(cls, v: str) -> str:
-        if len(v) > 512 or any(ord(c) < 0x20 or ord(c) == 0x7F for c in v):
-            raise ValueError("must be at most 512 characters, without control characters")
-        return v
+        return _plain_text(v, 512)
 
     @field_validator("unit")
     @classmethod
@@ -205,9 +209,7 @@ class MetricsConfig(_Strict):
     @field_validator("box")
     @classmethod
     def _label(cls, v: str) -> str:
-        if len(v) > 253 or any(ord(c) < 0x20 or ord(c) == 0x7F for c in v):
-            raise ValueError("must be at most 253 characters, without control characters")
-        return v
+        return _plain_text(v, 253)
 
     @property
     def host_port(self) -> tuple[str, int]:

@@ -79,9 +79,8 @@ class Daemon:
         self.last_tick_started_mono = time.monotonic()
         self.last_ping_mono: float | None = None
         self.last_completed_mono = time.monotonic()
-        self.stuck_said = False
         self.bus_events: list[SystemdEvent] = []
-        self.blind_said = False
+        self.blind_said = False  # the reason to stop pinging was said (bus gone, or no tick completing)
         self.metrics = Metrics(__version__)
         self.metrics_server: MetricsServer | None = None
         self.export_errors: set[str] = set()  # said once each, until the export works again
@@ -145,7 +144,6 @@ class Daemon:
             self.stats.add(time.monotonic() - started)
         if completed:
             self.last_completed_mono = time.monotonic()
-            self.stuck_said = False
             self.export(time.monotonic() - started)
 
     async def _tick(self) -> None:
@@ -341,28 +339,27 @@ class Daemon:
             await self.tick()
             self.ping_watchdog()
 
-    def ping_watchdog(self) -> None:
-        mono = time.monotonic()
+    def _why_not_ping(self, mono: float) -> str | None:
+        """Why systemd should restart guardian (it stops pinging the watchdog), or None."""
         lost_s = self.sd.lost_for_s(mono)
         if lost_s >= self.cfg.bus_lost_restart_s:
+            return f"the system bus has been gone for {lost_s:.0f} s: guardian is blind"
+        stuck_s = mono - self.last_completed_mono
+        if stuck_s >= self.cfg.stuck_restart_s:
+            return f"no tick has completed for {stuck_s:.0f} s (each was abandoned, see the lines before)"
+        return None
+
+    def ping_watchdog(self) -> None:
+        mono = time.monotonic()
+        why = self._why_not_ping(mono)
+        if why is not None:
             if not self.blind_said:
                 self.journal.send(
-                    Priority.CRITICAL,
-                    f"the system bus has been gone for {lost_s:.0f} s: guardian is "
-                    "blind, so it stops pinging systemd's watchdog and systemd will restart it",
+                    Priority.CRITICAL, f"{why}, so it stops pinging systemd's watchdog and systemd will restart it"
                 )
                 self.blind_said = True
             return
-        stuck_s = mono - self.last_completed_mono
-        if stuck_s >= self.cfg.stuck_restart_s:
-            if not self.stuck_said:
-                self.journal.send(
-                    Priority.CRITICAL,
-                    f"no tick has completed for {stuck_s:.0f} s (each was abandoned, see the lines before): "
-                    "guardian stops pinging systemd's watchdog and systemd will restart it",
-                )
-                self.stuck_said = True
-            return
+        self.blind_said = False
         self.notifier.watchdog(self.status_line())
         if self.last_ping_mono is not None:
             self.stats.max_watchdog_ping_gap_s = max(self.stats.max_watchdog_ping_gap_s, mono - self.last_ping_mono)

@@ -209,3 +209,22 @@ def test_engine_frozen_between_steps_looks_idle_while_requests_hang(sim):
     assert (later.running, later.waiting) == (0, 0)  # the request that hangs is not even "waiting"
     assert later.generation_tokens == frozen.generation_tokens and later.request_success == frozen.request_success
     assert s.get("/health").status_code == 200
+
+
+@pytest.mark.parametrize("coschedule", [False, True])
+def test_a_long_chunked_prefill_moves_only_the_kv_cache_and_blocks_others_unless_coscheduled(sim, coschedule):
+    s = sim().wait_up()
+    before = s.sample()
+    s.post("/_sim/prefill", {"prompt_tokens": 4096, "chunk_tokens": 512, "chunk_s": 0.5, "coschedule": coschedule})
+    wait_for(lambda: s.sample().kv_cache_usage > before.kv_cache_usage, 5, "the first chunk")
+    first = s.sample()
+    assert first.running == 1 and first.prompt_tokens == before.prompt_tokens  # counted only at the end
+    wait_for(lambda: s.sample().kv_cache_usage > first.kv_cache_usage, 5, "the next chunk")
+    assert s.sample().generation_tokens == before.generation_tokens  # token counters stand still
+    if coschedule:
+        assert s.post("/v1/completions", {"model": "m", "prompt": "x", "max_tokens": 1}, timeout=1.5).status_code == 200
+    else:
+        with pytest.raises(httpx.TimeoutException):
+            s.post("/v1/completions", {"model": "m", "prompt": "x", "max_tokens": 1}, timeout=0.8)
+    wait_for(lambda: s.sample().prompt_tokens >= before.prompt_tokens + 4096, 10, "the prefill to complete")
+    assert s.sample().running == 0 or coschedule

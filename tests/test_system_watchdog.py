@@ -126,6 +126,28 @@ def test_engine_frozen_between_steps_is_found_by_the_canary_after_traffic(world)
     assert "canary" in line["MESSAGE"]
 
 
+@pytest.mark.parametrize("coschedule", [False, True])
+def test_a_long_chunked_prefill_is_never_restarted(world, coschedule):
+    """20 s of prefill: token counters flat, kv_cache_usage_perc up every second (the test bed's
+    stall_canary_after_s is 3 s and stall_window_s 6 s). Without co-scheduling a canary would wait
+    behind the prompt; with it, it would be answered. Neither may lead to a stall verdict."""
+    world.setup()
+    a = world.replicas[0]
+    before = world.identities([a.unit] + world.bystander_units("a"))
+    world.box.http(a.url + "/_sim/prefill", "POST",
+                   {"prompt_tokens": 20 * 512, "chunk_tokens": 512, "chunk_s": 1.0, "coschedule": coschedule})
+
+    def prompt_counted():
+        code, text = world.box.http(a.url + "/metrics")
+        return code == 200 and any(line.startswith("vllm:prompt_tokens_total{") and float(line.rsplit(" ", 1)[1]) >= 20 * 512
+                                   for line in text.splitlines())
+
+    wait_for(prompt_counted, 45, "the 20 s prefill to complete")
+    assert world.restarts_of(a) == []
+    assert world.guardian_lines("GUARDIAN_REPLICA=a", "GUARDIAN_STATE=stalled") == []
+    untouched(world, before)
+
+
 def test_engine_killed_health_503_is_restarted(world):
     world.setup()
     # Both verdicts are right: /health 503 for the window, or the idle canaries failing first.

@@ -31,6 +31,14 @@ frozen (systemd sends SIGCONT with it): the stop hangs as vLLM's does, until SIG
 
 ``POST /_sim/load {"streams": N, "max_tokens": M, "prompt_tokens": P}`` keeps N synthetic
 requests in the engine (they count like real ones) until ``{"streams": 0}``.
+
+``POST /_sim/prefill {"prompt_tokens": 7185, "chunk_tokens": 512, "chunk_s": 2.7, "coschedule": false}``
+starts one long prompt, prefilled in chunks as vLLM 0.32 does (measured: a 7,185-token prompt in
+30 s): while it runs, every token counter stands still and ``kv_cache_usage_perc`` rises once per
+chunk. By default the prompt takes the whole per-step token budget, so every other request (a
+canary too) waits behind it; ``coschedule: true`` is ``--long-prefill-token-threshold`` below
+``--max-num-batched-tokens``: other requests run beside it. A ``chunk_s`` longer than guardian's
+windows is the case its stall window must be sized for.
 """
 
 from __future__ import annotations
@@ -106,6 +114,7 @@ class Engine:
         self.running: list[Req] = []
         self.dead = False  # engine-dead: no more iterations
         self.freeze_when_idle = False  # between-steps: freeze at the first step with nothing running
+        self.prefill: dict | None = None  # a long chunked prefill in progress (/_sim/prefill)
         self.killed = False  # engine-killed
         self.synthetic_target = 0
         self.synthetic_max_tokens = 64
@@ -140,6 +149,8 @@ class Engine:
                 self.m.running.labels(**self.m.labels).set(0)
                 self.m.waiting.labels(**self.m.labels).set(0)
                 return
+            if self.prefill is not None and self._prefill_step() and not self.prefill_coschedule:
+                return  # the long prompt takes the whole step: everything else waits
             self._refill_synthetic()
             while self.waiting and len(self.running) < self.args.max_num_seqs:
                 self.running.append(self.waiting.pop(0))
@@ -161,8 +172,9 @@ class Engine:
             for r in finished:
                 self.running.remove(r)
                 self.m.success.labels(finished_reason="length", **self.m.labels).inc()
-            used = sum(r.prompt_tokens + r.generated for r in self.running)
-            self.m.running.labels(**self.m.labels).set(len(self.running))
+            long_prompt = self.prefill["done_tokens"] if self.prefill is not None else 0
+            used = sum(r.prompt_tokens + r.generated for r in self.running) + long_prompt
+            self.m.running.labels(**self.m.labels).set(len(self.running) + (self.prefill is not None))
             self.m.waiting.labels(**self.m.labels).set(len(self.waiting))
             self.m.kv.labels(**self.m.labels).set(min(1.0, used / self.kv_capacity_tokens))
             touched = list(self.running) + finished
@@ -170,6 +182,38 @@ class Engine:
             if not r.synthetic:
                 with r.cond:
                     r.cond.notify_all()
+
+    prefill_coschedule = False
+
+    def start_prefill(self, prompt_tokens: int, chunk_tokens: int, chunk_s: float, coschedule: bool) -> None:
+        with self.lock:
+            self.prefill = {"left": prompt_tokens, "total": prompt_tokens, "chunk": chunk_tokens,
+                            "chunk_s": chunk_s, "next_at": time.monotonic() + chunk_s, "done_tokens": 0}
+            self.prefill_coschedule = coschedule
+            self.m.running.labels(**self.m.labels).set(len(self.running) + 1)
+
+    def _prefill_step(self) -> bool:
+        """Advance the long prompt by a chunk when one is due. True while it is still prefilling."""
+        p = self.prefill
+        assert p is not None
+        now = time.monotonic()
+        if now >= p["next_at"]:
+            step = min(p["chunk"], p["left"])
+            p["left"] -= step
+            p["done_tokens"] += step
+            p["next_at"] = now + p["chunk_s"]
+            used = sum(r.prompt_tokens + r.generated for r in self.running) + p["done_tokens"]
+            self.m.kv.labels(**self.m.labels).set(min(1.0, used / self.kv_capacity_tokens))
+        if p["left"] > 0:
+            self.m.running.labels(**self.m.labels).set(len(self.running) + 1)
+            self.m.waiting.labels(**self.m.labels).set(len(self.waiting))
+            return True
+        # prefill complete: vLLM counts the prompt's tokens now, and the request ends (max_tokens 1)
+        self.m.prompt.labels(**self.m.labels).inc(p["total"])
+        self.m.gen.labels(**self.m.labels).inc(1)
+        self.m.success.labels(finished_reason="length", **self.m.labels).inc()
+        self.prefill = None
+        return False
 
     def fail_all(self, why: str) -> None:
         with self.lock:
@@ -293,6 +337,10 @@ def make_handler(sim: Sim):
                     e.synthetic_max_tokens = int(body.get("max_tokens", 64))
                     e.synthetic_prompt_tokens = int(body.get("prompt_tokens", 16))
                 return self._json(200, {"streams": e.synthetic_target})
+            if path == "/_sim/prefill":
+                sim.engine.start_prefill(int(body.get("prompt_tokens", 7185)), int(body.get("chunk_tokens", 512)),
+                                         float(body.get("chunk_s", 2.7)), bool(body.get("coschedule", False)))
+                return self._json(200, {"prefill": True})
             if path in ("/v1/completions", "/v1/chat/completions"):
                 return self._complete(path, body)
             self._json(404, {"detail": "Not Found"})
