@@ -114,13 +114,14 @@ class MetricsServer:
                 return
             parts = head.split(b"\r\n", 1)[0].split(b" ")
             extra: tuple[str, ...]
+            path = ""
             if len(parts) != 3 or not parts[2].startswith(b"HTTP/1."):
                 status, reason, body, extra = 400, "Bad Request", b"bad request\n", ()
             else:
                 method = parts[0].decode("ascii", "replace")
                 path = parts[1].decode("ascii", "replace").split("?", 1)[0]
                 status, reason, body, extra = self._answer(method, path)
-            ctype = CONTENT_TYPE if status == 200 and body and head.startswith(b"GET /metrics") else "text/plain"
+            ctype = CONTENT_TYPE if status == 200 and path == "/metrics" else "text/plain"
             lines = [f"HTTP/1.1 {status} {reason}", f"Content-Type: {ctype}", f"Content-Length: {len(body)}"]
             lines += [*extra, "Connection: close", "", ""]
             writer.write("\r\n".join(lines).encode() + body)
