@@ -372,6 +372,7 @@ class Daemon:
             self.journal.send(
                 Priority.WARNING, f"stopping with {left} task(s) cut short after {self.cfg.shutdown_timeout_s:g} s"
             )
+        self.observer.carry.forget(set())  # probes carried over from the last tick: nobody will read them
         await self.client.aclose()
         self.sd.close()
         self.stop_exports()

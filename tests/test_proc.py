@@ -5,7 +5,13 @@ import socket
 
 import pytest
 
-from guardian.observe.sockets import cgroup_dirs, first_pid, listeners, listening, listening_inodes, unit_of_cgroup
+from guardian.observe.sockets import cgroup_dirs, first_pid, listeners, listening, unit_of_cgroup
+
+
+def listening_inodes(ports):
+    """Port -> inode of its listening socket, from guardian's reader (netlink, else /proc/net)."""
+    table = listening(ports)
+    return None if table is None else {p: inode for p, (inode, _cg) in table.items()}
 
 
 def _listener(family=socket.AF_INET, host="127.0.0.1"):

@@ -122,3 +122,17 @@ def test_journal_lines_carry_their_decision_explicitly():
     rec.send(Priority.WARNING, "x", Decision.REQUEST, "a", "vllm-a.service")
     (line, _), = rec.lines
     assert line.decision is Decision.REQUEST and line.priority is Priority.WARNING
+
+
+def test_shutdown_cancels_the_probes_carried_over_from_the_last_tick(tmp_path):
+    cfg = Config(state_dir=tmp_path / "state", runtime_dir=tmp_path / "run")
+
+    async def go() -> None:
+        d = Daemon(cfg, tmp_path / "guardian.toml", journal=Recorder(), notifier=Pings())
+        hung = asyncio.ensure_future(asyncio.sleep(3600))  # a probe to a frozen replica
+        d.observer.carry.tasks["a"] = (hung, 0.0)  # type: ignore[assignment]
+        await d.shutdown()
+        await asyncio.sleep(0)
+        assert hung.cancelled() and d.observer.carry.tasks == {}
+
+    asyncio.run(go())

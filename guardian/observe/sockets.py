@@ -112,12 +112,6 @@ def listening(ports: set[int]) -> dict[int, Listening] | None:
         return None if table is None else {p: (inode, None) for p, inode in table.items()}
 
 
-def listening_inodes(ports: set[int]) -> dict[int, int] | None:
-    """Port -> inode of its listening socket."""
-    table = listening(ports)
-    return None if table is None else {p: inode for p, (inode, _cg) in table.items()}
-
-
 # A socket's cgroup id is the inode of its cgroup's directory in the cgroup2 hierarchy, which
 # anyone may read: the port's unit is found without reading other users' /proc/PID/fd, so
 # guardian needs neither CAP_SYS_PTRACE nor CAP_DAC_READ_SEARCH. The id names the cgroup of the
