@@ -253,6 +253,12 @@ class Config(BaseSettings):
     metrics: MetricsConfig = MetricsConfig()
     replicas: list[ReplicaConfig] = Field(default_factory=list)
 
+    @property
+    def probe_wait_s(self) -> float:
+        """How long a tick waits for its probes; one still running then is carried into the next
+        tick. Half an interval: a healthy replica answers in milliseconds."""
+        return self.interval_s / 2
+
     @classmethod
     def settings_customise_sources(
         cls,

@@ -326,7 +326,8 @@ class Daemon:
             self.wake.clear()
             # Ticks start every interval_s, not interval_s after the last one ended: a replica
             # that hangs every probe for its timeout would otherwise stretch the cadence.
-            delay_s = self.last_tick_started_mono + self.cfg.interval_s - time.monotonic()
+            now_mono = time.monotonic()
+            delay_s = tick.next_tick_at(self.state, self.last_tick_started_mono, now_mono, self.cfg) - now_mono
             if delay_s > 0:
                 try:
                     await asyncio.wait_for(self.wake.wait(), delay_s)

@@ -657,3 +657,46 @@ def test_canary_deadline_is_learned_within_floor_and_ceiling(latencies, deadline
     r = cfg(1).replicas[0]
     w = WatchdogConfig(canary_deadline_factor=4, canary_deadline_floor_s=3)
     assert canary_deadline(Track(canary_latencies=latencies), r, w) == pytest.approx(deadline)
+
+
+# --- judging at the deadline, not at the next tick mark ------------------------------------
+
+def _failing_since(t_answer: float, t_fail: float, health=TIMEOUT) -> Sim:
+    sim = Sim(cfg(1, unresponsive_after_s=10))  # interval 2 s: probes waited for up to 1 s
+    healthy_start(sim, t0=t_answer)  # the last answer
+    sim.tick(t_fail, a=obs(t=t_fail, health=health))
+    return sim
+
+
+@pytest.mark.parametrize("last_started, now, expected", [
+    (202.0, 203.0, 204.0),  # deadline 210 is far: the next tick mark
+    (207.5, 208.2, 209.0),  # before the mark (209.5): the tick starts 1 s (the probe wait) before 210
+    (208.0, 208.9, 209.0),  # 209 is before the mark 210
+    (208.0, 209.1, 210.0),  # a tick that judged just after 209, short of the deadline: at the deadline
+    (208.0, 210.0, 210.0),  # the deadline reached (the verdict was given): the mark, nothing earlier
+])
+def test_the_next_tick_judges_at_the_unresponsive_deadline(last_started, now, expected):
+    sim = _failing_since(200.0, 202.0)
+    assert tick.liveness.next_deadline(sim.tracks["a"], sim.cfg.watchdog) == 210.0
+    assert tick.next_tick_at(sim.core, last_started, now, sim.cfg) == pytest.approx(expected)
+
+
+def test_a_deadline_counts_from_the_later_of_the_last_answer_and_the_last_progress():
+    sim = Sim(cfg(1, unresponsive_after_s=10))
+    healthy_start(sim, t0=200.0, a=obs(t=200.0, s=sample(gen=5)))
+    sim.tick(203, a=obs(t=203, health=Probe(True, 503, 0.01, "HTTP 503"), s=sample(gen=9)))  # 503, yet progress
+    assert tick.liveness.next_deadline(sim.tracks["a"], sim.cfg.watchdog) == 213.0
+
+
+@pytest.mark.parametrize("setup", ["healthy", "stopped", "unresponsive"])
+def test_no_deadline_for_a_replica_that_answers_is_down_or_already_judged(setup):
+    sim = Sim(cfg(1, unresponsive_after_s=10))
+    healthy_start(sim, t0=200.0)
+    if setup == "stopped":
+        sim.tick(202, a=obs(t=202, u=unit(active_state="inactive")))
+    elif setup == "unresponsive":
+        sim.tick(205, a=obs(t=205, health=TIMEOUT))
+        sim.tick(210, a=obs(t=210, health=TIMEOUT))
+        assert sim.state() is State.UNRESPONSIVE
+    assert tick.liveness.next_deadline(sim.tracks["a"], sim.cfg.watchdog) is None
+    assert tick.next_tick_at(sim.core, 210.0, 210.5, sim.cfg) == 212.0

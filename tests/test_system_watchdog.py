@@ -148,6 +148,21 @@ def test_a_long_chunked_prefill_is_never_restarted(world, coschedule):
     untouched(world, before)
 
 
+def test_a_chunk_slower_than_the_windows_is_taken_for_a_stall(world):
+    """The margin's other side: a single 12 s chunk (the test bed's stall_canary_after_s 3 s +
+    canary deadline, and its stall_window_s 6 s, are shorter) moves nothing for longer than guardian
+    waits, so it is a stall (L11 or L17). This is why the README sizes the windows from the longest
+    chunk measured, and why they must be raised for replicas whose chunks are slower."""
+    world.setup()
+
+    def slow_chunk(a):
+        world.box.http(a.url + "/_sim/prefill", "POST",
+                       {"prompt_tokens": 2 * 512, "chunk_tokens": 512, "chunk_s": 12.0, "coschedule": False})
+
+    line = expect_restart(world, slow_chunk, "stalled")
+    assert line["GUARDIAN_RULE"] in ("L11", "L17"), line
+
+
 def test_engine_killed_health_503_is_restarted(world):
     world.setup()
     # Both verdicts are right: /health 503 for the window, or the idle canaries failing first.

@@ -152,6 +152,21 @@ def canary_deadline(t: Track, rcfg: ReplicaConfig, wcfg: WatchdogConfig) -> floa
     return min(rcfg.canary_timeout_s, max(wcfg.canary_deadline_floor_s, learned))
 
 
+def next_deadline(t: Track, wcfg: WatchdogConfig) -> float | None:
+    """The moment at which T's verdict turns unresponsive (L7, L8) if no answer and no progress
+    comes before it, or None. The daemon judges at that moment instead of at the next tick mark:
+    a frozen server is then found U seconds after its last answer, not up to a tick later."""
+    if t.state not in (State.HEALTHY, State.BUSY, State.DEGRADED):
+        return None
+    quiet_from = t.last_progress_at if t.last_progress_at is not None else float("-inf")
+    ends = [
+        max(since, quiet_from) + wcfg.unresponsive_after_s
+        for since in (t.failing_since, t.dead_503_since)
+        if since is not None
+    ]
+    return min(ends) if ends else None
+
+
 def _fresh_start(track: Track, start_ts: float | None) -> Track:
     return Track(
         state=track.state,

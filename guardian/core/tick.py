@@ -59,6 +59,22 @@ def decide(state: TickState, obs: TickObservation, now: float, cfg: Config) -> t
     return TickState(out.tracks, mem, taken), out.actions
 
 
+def next_tick_at(state: TickState, last_started: float, now: float, cfg: Config) -> float:
+    """When the next tick starts: INTERVAL_S after the last one started, or earlier so that its
+    judgment lands on a replica's deadline (liveness.next_deadline). A tick judges once its probes
+    are in, up to cfg.probe_wait_s after it starts, so it starts that much before the deadline; if
+    that moment has passed (this tick judged just short of it), it starts at the deadline itself.
+    At most two extra ticks per deadline; never one in the past."""
+    at = last_started + cfg.interval_s
+    for t in state.tracks.values():
+        deadline = liveness.next_deadline(t, cfg.watchdog)
+        if deadline is None or deadline <= now:
+            continue
+        early = deadline - cfg.probe_wait_s
+        at = min(at, early if early > now else deadline)
+    return at
+
+
 # --- 1. liveness ------------------------------------------------------------------------------
 
 

@@ -290,8 +290,6 @@ class WorldObserver:
         pending: Pending | None,
         now: Now,
     ) -> TickObservation:
-        # Half an interval for the probes: a healthy replica answers in milliseconds, and a
-        # probe that takes longer is carried into the next tick rather than delaying this one.
         replicas = await observe_all(
             cfg,
             self.sd,
@@ -302,7 +300,7 @@ class WorldObserver:
             self.port_cache,
             self.unit_cache,
             self.carry,
-            wait_s=cfg.interval_s / 2,
+            wait_s=cfg.probe_wait_s,
         )
         memory = await self.memory.observe(cfg, replicas, pending, now) if cfg.memory.enabled else None
         return TickObservation(replicas, persistent, memory)
