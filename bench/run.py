@@ -28,12 +28,12 @@ sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO))
 
 from systemd_box import SystemdBox, ensure_deps, ensure_rootfs, wait_for  # noqa: E402
-from world import Replica, World  # noqa: E402
+from world import PROXY, Replica, World  # noqa: E402
 
 from guardian.observe.meminfo import sample_memory  # noqa: E402  (the one MemAvailable reader)
 
 GiB = 2**30
-PARTS = ("detection", "false", "prefill", "cost", "many", "memory", "scrape")
+PARTS = ("detection", "false", "prefill", "cost", "many", "memory", "scrape", "clients")
 BASELINE = "baseline-prober"
 
 
@@ -320,6 +320,63 @@ class Bench:
         w.box.systemctl("restart", "guardian.service")
         return ticks
 
+    # --- what clients see through nginx ---------------------------------------------------------
+    def clients(self, trials: int) -> dict:
+        """8 clients through a real nginx (least_conn, max_fails=3 fail_timeout=30s): failed requests
+        and seconds with a 502, for each scenario, with guardian's [proxy] on and off."""
+        w = self.world
+        out: dict = {}
+        for on in (True, False):
+            w.proxy = dict(PROXY) if on else {}
+            w.write_config()
+            self.box.run("rm -rf /var/lib/guardian/nginx", check=False)
+            if not on:  # nginx's file as an operator would keep it by hand: both replicas, never changed
+                self.box.write("/var/lib/guardian/nginx/llm.conf", "".join(
+                    f"server 127.0.0.1:{r.port} max_fails=3 fail_timeout=30s;\n" for r in w.replicas))
+            self.box.systemctl("restart", "guardian.service")
+            for r in w.replicas:
+                self.box.run(["guardian", "resume", r.name])
+            w.wait_states({r.name: "healthy" for r in w.replicas}, timeout_s=60)
+            if not w.nginx_on:
+                w.start_nginx()
+            else:
+                self.box.systemctl("reload", "nginx.service")
+            for scenario in ("guardian restart", "hung (SIGSTOP)"):
+                for i in range(trials):
+                    key = f"{scenario}|{'on' if on else 'off'}"
+                    res = self._clients_trial(scenario, on)
+                    out.setdefault(key, []).append(res)
+                    self.say(f"  clients {key} trial {i + 1}: {res}")
+        w.proxy = {}
+        w.write_config()
+        self.box.systemctl("restart", "guardian.service")
+        return out
+
+    def _clients_trial(self, scenario: str, on: bool) -> dict:
+        w, a = self.world, self.a
+        w.wait_states({r.name: "healthy" for r in w.replicas}, timeout_s=120)
+        w.start_load()
+        w.wait_requests(30)
+        t0 = time.time()
+        if scenario == "guardian restart":
+            self.box.run(["guardian", "restart", a.name], check=False, timeout=300)
+        else:
+            w.kill(a.unit, "STOP")
+            wait_for(lambda: self.restart_lines_after("guardian", t0), 90, "the hung replica's restart")
+        w.wait_states({a.name: "healthy"}, timeout_s=120)
+        if on:
+            wait_for(lambda: " down;" not in w.upstream_file(), 60, "a marked up")
+        back = time.time()
+        # 20 s more of load after it serves again: nginx's fail_timeout is 30 s
+        wait_for(lambda: time.time() - back >= 20 and w.requests(), 60, "20 s of load after the restart")
+        reqs = w.stop_load()
+        failed = [q for q in reqs if q["failed"]]
+        for r in w.replicas:
+            self.box.run(["guardian", "resume", r.name])  # a fresh budget and no back-off for the next trial
+        return {"requests": len(reqs), "failed": len(failed),
+                "s502": len({int(q["t1"]) for q in failed if q["failed"].startswith("HTTP 502")}),
+                "kinds": sorted({q["failed"].split(":")[0] for q in failed})}
+
     # --- memory guard -------------------------------------------------------------------------
     def memory(self, trials: int) -> tuple[Series, Series]:
         w = self.world
@@ -433,7 +490,8 @@ def main() -> int:
                                 ("cost", "cost at 2 replicas", lambda: b.cost(cost_s)),
                                 ("many", "32 replicas", lambda: b.many_replicas(32, many_s)),
                                 ("memory", "memory guard", lambda: b.memory(trials)),
-                                ("scrape", "metrics endpoint", lambda: b.scrape(cost_s / 5))):
+                                ("scrape", "metrics endpoint", lambda: b.scrape(cost_s / 5)),
+                                ("clients", "what clients see through nginx", lambda: b.clients(1 if args.quick else 3))):
             if part in parts:
                 b.say(what)
                 results[part] = run()
@@ -550,6 +608,7 @@ def write_report(path: Path, r: dict, quick: bool, took_s: float, date: str | No
         f"- squeeze starts -> headroom back above the line: {mem_headroom.cell()}",
         "",
         *_scrape_lines(r.get("scrape")),
+        *_clients_lines(r.get("clients")),
         "## Recovery",
         "",
         "replica serving again (its 'Application startup complete.') -> guardian reports it healthy, after "
@@ -575,6 +634,33 @@ def _prefill_lines(p) -> list[str]:
         "",
         "| scheduling | prompt took | guardian restarts | baseline restarts | guardian vs target |",
         "|---|---|---|---|---|",
+        *rows,
+        "",
+    ]
+
+
+def _clients_lines(c: dict | None) -> list[str]:
+    if not c:
+        return []
+    rows = []
+    for key, trials in c.items():
+        scenario, on = key.split("|")
+        failed = [t["failed"] for t in trials]
+        s502 = [t["s502"] for t in trials]
+        kinds = sorted({k for t in trials for k in t["kinds"]}) or ["-"]
+        rows.append(f"| {scenario} | {on} | {sum(t['requests'] for t in trials)} | {sum(failed)} ({', '.join(map(str, failed))}) "
+                    f"| {sum(s502)} ({', '.join(map(str, s502))}) | {', '.join(kinds)} |")
+    return [
+        "## What clients see",
+        "",
+        "8 clients (streaming and plain completions, 40 tokens each) through a real nginx (Debian's nginx-light; "
+        "`least_conn`, `max_fails=3 fail_timeout=30s`, `proxy_next_upstream error timeout http_502 http_503`) in "
+        "front of the two replicas, from before the event until 20 s after the replica serves again. `[proxy]` "
+        "on: guardian drains planned restarts and marks a hung replica down (README, Under a proxy); off: nginx's "
+        "server lines are static. Per trial in brackets.",
+        "",
+        "| scenario | guardian's [proxy] | requests | failed | seconds with a 502 | how they failed |",
+        "|---|---|---|---|---|---|",
         *rows,
         "",
     ]

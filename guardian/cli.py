@@ -15,6 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from . import __version__, polkit
+from .act import proxy
 from .act.executor import checked_restart
 from .act.journal import Journal
 from .act.state import STATUS_FILE, CorruptState, State, StateStore, atomic_write, stamp, view
@@ -106,6 +107,13 @@ async def _check_live(cfg: Config, no_systemd: bool) -> int:
                         f"memory guard: replica {r.name}: wired ({env_path(cfg, r.name)} is the last "
                         "EnvironmentFile= that sets GPU_MEMORY_UTILIZATION)"
                     )
+    try:
+        down = frozenset(view(StateStore(cfg.state_dir).read(), clock.now()).proxy_down)
+    except (OSError, CorruptState):
+        down = frozenset()  # what the files say is still shown; the diff assumes nothing is marked down
+    for bad, text in proxy.describe(cfg, down):
+        problems += bad
+        print(text)
     async with make_client() as client:
         for r in cfg.replicas:
             health = await probes.probe_health(client, r)
@@ -305,10 +313,13 @@ def _ask_daemon_to_restart(cfg: Config, name: str, pid: int, wait_s: float | Non
         d["requests"][rid] = {"replica": name, "at": stamp(clock.now())}
 
     _update_state(cfg, ask)
-    print(f"asked the running guardian (pid {pid}) to restart replica {name}; waiting for its answer")
-    deadline = time.monotonic() + (
-        wait_s if wait_s is not None else cfg.watchdog.restart_job_timeout_s + 10 * cfg.interval_s + 10
-    )
+    default_s = cfg.watchdog.restart_job_timeout_s + 10 * cfg.interval_s + 10
+    if cfg.proxy.enabled:  # it drains first (README, Under a proxy)
+        default_s += cfg.proxy.drain_timeout_s + cfg.proxy.stop_timeout_s
+        print(f"asked the running guardian (pid {pid}) to drain and restart replica {name}; waiting for its answer")
+    else:
+        print(f"asked the running guardian (pid {pid}) to restart replica {name}; waiting for its answer")
+    deadline = time.monotonic() + (wait_s if wait_s is not None else default_s)
     while time.monotonic() < deadline:
         try:
             answer = store.read()["answers"].get(rid)

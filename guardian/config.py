@@ -100,6 +100,7 @@ class ReplicaConfig(_Strict):
     health_timeout_s: float = Field(default=2.0, gt=0, le=MAX_WINDOW_S)
     metrics_timeout_s: float = Field(default=3.0, gt=0, le=MAX_WINDOW_S)
     canary_timeout_s: float = Field(default=15.0, gt=0, le=MAX_WINDOW_S)
+    upstream: str = Field(default="llm", pattern=r"^[A-Za-z0-9_-]+$", max_length=64)  # nginx upstream ([proxy])
 
     @field_validator("model")
     @classmethod
@@ -217,6 +218,69 @@ class MetricsConfig(_Strict):
         return host.strip("[]"), int(port)
 
 
+class ProxyConfig(_Strict):
+    """The proxy in front of the replicas (README "Under a proxy"). Off unless an nginx upstream
+    file or a drain command is set."""
+
+    # nginx: guardian owns one file per upstream here, NAME.conf, that the operator's `upstream NAME`
+    # block includes (each replica's `upstream` key, default "llm").
+    nginx_upstream_dir: Path | None = None
+    nginx_unit: str = "nginx.service"  # reloaded over D-Bus after a change (polkit verb "reload")
+    nginx_check_unit: str = "guardian-nginx-check.service"  # runs `nginx -t` as root (polkit verb "start")
+    server_host: str = ""  # the host nginx reaches this box's replicas at; empty: each replica URL's host
+    server_params: str = "max_fails=3 fail_timeout=30s"  # appended to every server line
+    # Any other proxy: argv run with GUARDIAN_REPLICA, GUARDIAN_UNIT, GUARDIAN_URL in the environment.
+    drain_command: list[str] = Field(default_factory=list)
+    undrain_command: list[str] = Field(default_factory=list)
+    command_timeout_s: float = Field(default=10.0, gt=0, le=MAX_WINDOW_S)
+    drain_timeout_s: float = Field(default=120.0, gt=0, le=MAX_WINDOW_S)  # marked down -> restart at the latest
+    stop_timeout_s: float = Field(
+        default=30.0, gt=0, le=MAX_WINDOW_S
+    )  # a drained unit's stop, then its processes are killed
+
+    @field_validator("nginx_upstream_dir")
+    @classmethod
+    def _absolute(cls, v: Path | None) -> Path | None:
+        if v is not None and (not v.is_absolute() or str(v) == "/"):
+            raise ValueError(f"must be an absolute directory other than / (got {str(v)!r})")
+        return v
+
+    @field_validator("nginx_unit", "nginx_check_unit")
+    @classmethod
+    def _unit(cls, v: str) -> str:
+        if len(v) > 255 or not _UNIT_NAME.fullmatch(v):
+            raise ValueError(f"must be a systemd service unit name ending in '.service' (got {v!r})")
+        return v
+
+    @field_validator("server_host")
+    @classmethod
+    def _host(cls, v: str) -> str:
+        if v and not re.fullmatch(r"[A-Za-z0-9.:\[\]_-]{1,253}", v):
+            raise ValueError(f"must be a host name or an IP address (got {v!r})")
+        return v
+
+    @field_validator("server_params")
+    @classmethod
+    def _params(cls, v: str) -> str:
+        # Each is a `key=value` or `backup`-like word: nothing that could end the server line.
+        if not re.fullmatch(r"[A-Za-z0-9_=. -]{0,200}", v):
+            raise ValueError(f"must be nginx server parameters such as 'max_fails=3 fail_timeout=30s' (got {v!r})")
+        return v
+
+    @field_validator("drain_command", "undrain_command")
+    @classmethod
+    def _argv(cls, v: list[str]) -> list[str]:
+        if v and not v[0].startswith("/"):
+            raise ValueError(f"must be an argv list whose first item is an absolute path (got {v!r})")
+        for arg in v:
+            _plain_text(arg, 4096)
+        return v
+
+    @property
+    def enabled(self) -> bool:
+        return self.nginx_upstream_dir is not None or bool(self.drain_command)
+
+
 _toml_data: ContextVar[dict[str, Any]] = ContextVar("_toml_data")
 
 
@@ -251,6 +315,7 @@ class Config(BaseSettings):
     watchdog: WatchdogConfig = WatchdogConfig()
     memory: MemoryConfig = MemoryConfig()
     metrics: MetricsConfig = MetricsConfig()
+    proxy: ProxyConfig = ProxyConfig()
     replicas: list[ReplicaConfig] = Field(default_factory=list)
 
     @property

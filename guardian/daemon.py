@@ -19,16 +19,19 @@ import signal
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from . import __version__
 from .act.executor import Executor
 from .act.journal import Journal
 from .act.notify import Notifier
+from .act.proxy import ProxySync
 from .act.state import STATUS_FILE, CorruptState, StateCache, StateStore, atomic_write_json, forget_unconfigured
 from .config import Config, ConfigError, load_config
 from .core import hazards, thresholds, tick
 from .core.actions import LogLine
+from .core.drain import Drain, Phase
 from .core.observations import MemorySample, TickObservation
 from .core.vocab import Decision, Priority
 from .export.files import TEXTFILE_NAME, write_file_sd, write_textfile
@@ -68,6 +71,7 @@ class Daemon:
         self.executor = Executor(cfg, self.sd, self.client, self.store, self.journal, clock)
         self.observer = WorldObserver(self.sd, self.client)
         self.state = tick.TickState()
+        self.proxy = ProxySync(cfg, self.sd, self.store, self.journal, clock)
         self.memory: MemorySample | None = None
         self.last_observation: TickObservation | None = None
         self.hazards_logged: set[str] = set()
@@ -111,6 +115,7 @@ class Daemon:
         self.journal.send(Priority.INFO, f"guardian {__version__} starting with {self.config_path}")
         self._log_limits()
         self._load_persistent(force=True)
+        self._adopt_proxy_state()
         try:
             await self.sd.connect()
         except SystemdError as e:
@@ -122,6 +127,21 @@ class Daemon:
         await self.tick()
         self.journal.send(Priority.INFO, f"guardian ready: {self.status_line()}")
         self.notifier.ready(self.status_line())
+
+    def _adopt_proxy_state(self) -> None:
+        """Replicas marked down at the proxy when guardian last ran (it may have died in the middle
+        of a drain) stay down until they serve (D9), and are then marked up."""
+        now = self.clock()
+        down = [n for n in self.persistent.view(now).proxy_down if self.cfg.replica(n) is not None]
+        self.proxy.hook_down = frozenset(down)
+        if not down or not self.cfg.proxy.enabled:
+            return
+        drains = {n: Drain(Phase.AWAY, now.mono, "marked down when guardian last ran") for n in down}
+        self.state = replace(self.state, drains=drains)
+        self.journal.send(
+            Priority.INFO,
+            f"proxy: {', '.join(down)} marked down when guardian last ran; each is marked up once it serves (D9)",
+        )
 
     def _log_limits(self) -> None:
         for line in thresholds.describe(self.cfg):
@@ -164,8 +184,10 @@ class Daemon:
         # Judge as of when the answers were in: a probe that hung for its whole timeout has
         # shown no answer for that long, and the tick started before it was sent.
         now = self.clock()
+        obs = replace(obs, proxy=self.proxy.view())
         self.state, actions = tick.decide(self.state, obs, now.mono, self.cfg)
         self.executor.perform(actions)
+        self.proxy.sync(self.state.proxy_down)
         self.metrics.fold(self.cfg, self.state.tracks, obs, actions, self.persistent.view(now), now)
         self.last_observation = obs
         self.memory = obs.memory.sample if obs.memory else await asyncio.to_thread(sample_memory)
@@ -301,13 +323,16 @@ class Daemon:
             return
         self.cfg = new
         self.executor.cfg = new
+        self.proxy.cfg = new
         self.store = StateStore(new.state_dir)
         self.executor.store = self.store
+        self.proxy.store = self.store
         self.persistent = StateCache(self.store)
         self.state = tick.TickState(
             {k: v for k, v in self.state.tracks.items() if new.replica(k) is not None},
             self.state.mem,
             self.state.requests_taken,
+            {k: v for k, v in self.state.drains.items() if new.replica(k) is not None},
         )
         self.rescan = True
         self.observer.invalidate()
@@ -369,6 +394,10 @@ class Daemon:
     async def shutdown(self) -> None:
         self.notifier.stopping()
         left = await self.executor.drain(self.cfg.shutdown_timeout_s)
+        try:  # a proxy change under way is finished, so that the state file says what nginx has
+            await asyncio.wait_for(self.proxy.wait(), self.cfg.shutdown_timeout_s)
+        except TimeoutError:
+            left += 1
         if left:
             self.journal.send(
                 Priority.WARNING, f"stopping with {left} task(s) cut short after {self.cfg.shutdown_timeout_s:g} s"

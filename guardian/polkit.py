@@ -8,6 +8,9 @@ router), and start or stop any of them; guardian only ever uses two verbs:
 - restart, for the memory guard's retry of a start that failed after its own lowering;
 - kill, to SIGKILL a hung replica's processes as its restart begins (a hung vLLM never finishes
   a graceful stop; systemd would wait for TimeoutStopSec).
+With [proxy] nginx_upstream_dir set, two more grants, each for one unit:
+- start of the nginx check unit (guardian-nginx-check.service runs `nginx -t` as root);
+- reload of nginx's unit, to apply the upstream file guardian wrote.
 """
 
 from __future__ import annotations
@@ -26,17 +29,33 @@ MANAGE_UNITS = "org.freedesktop.systemd1.manage-units"
 def render(cfg: Config, source: str, user: str = SERVICE_USER) -> str:
     """The rule as JavaScript. Unit names passed the config's systemd grammar; json.dumps quotes them anyway."""
     units = sorted({r.unit for r in cfg.replicas})
+    extra = ""
+    if cfg.proxy.nginx_upstream_dir is not None:
+        check, nginx = json.dumps(cfg.proxy.nginx_check_unit), json.dumps(cfg.proxy.nginx_unit)
+        extra = (
+            f"    if (action.id == {json.dumps(MANAGE_UNITS)} && subject.user == {json.dumps(user)} && (\n"
+            f'        (action.lookup("unit") == {check} && action.lookup("verb") == "start") ||\n'
+            f'        (action.lookup("unit") == {nginx} && action.lookup("verb") == "reload"))) {{\n'
+            "        return polkit.Result.YES;\n"
+            "    }\n"
+        )
     return (
         f"// Written by `guardian polkit-rule` from {json.dumps(source)}; guardian.service rewrites it at every start\n"
         "// and reload, so edits here are lost. It lets user "
         f"{json.dumps(user)} {', '.join(VERBS)} exactly the replica\n"
         "// units configured, and nothing else. An empty list allows nothing.\n"
-        "polkit.addRule(function(action, subject) {\n"
+        + (
+            f"// [proxy]: also start of {cfg.proxy.nginx_check_unit} (nginx -t) and reload of {cfg.proxy.nginx_unit}.\n"
+            if extra
+            else ""
+        )
+        + "polkit.addRule(function(action, subject) {\n"
         f"    var units = {json.dumps(units)};\n"
         f"    var verbs = {json.dumps(list(VERBS))};\n"
         f"    if (action.id == {json.dumps(MANAGE_UNITS)} && subject.user == {json.dumps(user)} &&\n"
         '        units.indexOf(action.lookup("unit")) >= 0 && verbs.indexOf(action.lookup("verb")) >= 0) {\n'
         "        return polkit.Result.YES;\n"
         "    }\n"
+        f"{extra}"
         "});\n"
     )

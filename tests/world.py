@@ -84,6 +84,28 @@ def toml_value(v) -> str:
     return repr(v)
 
 
+PROXY_URL = "http://127.0.0.1:8090"
+NGINX_SITE = "/etc/nginx/conf.d/llm.conf"
+NGINX_CONF = """upstream llm {
+    least_conn;
+    include /var/lib/guardian/nginx/llm.conf;
+}
+server {
+    listen 127.0.0.1:8090;
+    location / {
+        proxy_pass http://llm;
+        proxy_http_version 1.1;
+        proxy_set_header Connection "";
+        proxy_buffering off;
+        proxy_read_timeout 120s;
+        proxy_next_upstream error timeout http_502 http_503;
+        add_header X-Upstream $upstream_addr always;
+    }
+}
+"""
+PROXY = {"nginx_upstream_dir": "/var/lib/guardian/nginx", "drain_timeout_s": 60, "stop_timeout_s": 10}
+
+
 @dataclass
 class World:
     box: SystemdBox
@@ -91,6 +113,8 @@ class World:
     watchdog: dict = field(default_factory=lambda: dict(FAST_WATCHDOG))
     top: dict = field(default_factory=lambda: {"interval_s": 0.5})
     memory: dict = field(default_factory=dict)
+    proxy: dict = field(default_factory=dict)
+    nginx_on: bool = False
     replica_defaults: bool = False  # True: guardian's own per-replica defaults (the benchmark)
     bystanders: tuple[str, ...] = ("db.service", "proxy.service")
     extra_units: list[str] = field(default_factory=list)
@@ -105,6 +129,9 @@ class World:
         if self.memory:
             lines.append("[memory]")
             lines += [f"{k} = {toml_value(v)}" for k, v in self.memory.items()]
+        if self.proxy:
+            lines.append("[proxy]")
+            lines += [f"{k} = {toml_value(v)}" for k, v in self.proxy.items()]
         for r in replicas if replicas is not None else self.replicas:
             lines += ["[[replicas]]", f'name = "{r.name}"', f'unit = "{r.unit}"', f'url = "{r.url}"', f'model = "{r.model}"']
             if not self.replica_defaults:
@@ -159,10 +186,47 @@ class World:
         b.systemctl("unmask", *units, check=False)
         for u in units:
             b.run(["rm", "-f", f"/etc/systemd/system/{u}", f"/usr/lib/systemd/system/{u}"], check=False)
+        if self.nginx_on:
+            b.systemctl("stop", "nginx.service", "loadgen.service", check=False)
+            b.run(["rm", "-f", NGINX_SITE, "/run/loadgen.stop", "/run/loadgen.jsonl"], check=False)
         b.run("rm -rf /etc/systemd/system/guardian.service.d /var/lib/guardian /run/guardian /etc/guardian/guardian.toml "
               "/run/sim-free-* /etc/vllm", check=False)
         b.daemon_reload()
         b.systemctl("reset-failed", check=False)
+
+    # --- nginx in front, and clients through it ----------------------------------------------
+
+    def start_nginx(self) -> None:
+        """nginx from Debian's package, set up as in the field (least_conn, max_fails=3
+        fail_timeout=30s from guardian's server_params), in front of guardian's upstream file."""
+        self.nginx_on = True
+        self.box.write(NGINX_SITE, NGINX_CONF)
+        self.box.systemctl("start", "nginx.service")
+        wait_for(lambda: self.box.http(PROXY_URL + "/v1/models", timeout_s=2)[0] == 200, 20, "nginx to serve")
+
+    def start_load(self, clients: int = 8, max_tokens: int = 40) -> None:
+        self.box.run(["rm", "-f", "/run/loadgen.stop", "/run/loadgen.jsonl"])
+        self.box.run(["systemd-run", "--unit=loadgen", "-p", "Restart=no", "/usr/bin/python3",
+                      "/opt/guardian/src/tests/loadgen.py", PROXY_URL, self.replicas[0].model, "/run/loadgen.jsonl",
+                      "--clients", str(clients), "--max-tokens", str(max_tokens)])
+
+    def requests(self) -> list[dict]:
+        out = self.box.run(["cat", "/run/loadgen.jsonl"], check=False).stdout
+        return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+    def wait_requests(self, n: int, after: float = 0.0, timeout_s: float = 60) -> None:
+        wait_for(lambda: sum(1 for q in self.requests() if q["t0"] >= after and not q["failed"]) >= n, timeout_s,
+                 f"{n} requests through nginx")
+
+    def stop_load(self) -> list[dict]:
+        self.box.run(["touch", "/run/loadgen.stop"])
+        wait_for(lambda: self.box.prop("loadgen.service", "ActiveState") in ("inactive", "failed"), 90,
+                 "the clients to finish")
+        self.box.systemctl("reset-failed", "loadgen.service", check=False)
+        return self.requests()
+
+    def upstream_file(self) -> str:
+        return self.box.run(["cat", "/var/lib/guardian/nginx/llm.conf"], check=False).stdout
 
     # --- looking ---------------------------------------------------------------------------
     def wait_serving(self, r: Replica, timeout_s: float = 30) -> None:

@@ -27,7 +27,9 @@ Faults, at start (``--fault NAME``, with ``--fault-after-s``) or at run time
   fail-startup     exit 1 before serving, with an error (start-time only)
 
 With ``--hang-on-sigterm``, SIGTERM does not end a process whose engine is dead or that was
-frozen (systemd sends SIGCONT with it): the stop hangs as vLLM's does, until SIGKILL.
+frozen (systemd sends SIGCONT with it): the stop hangs as vLLM's does, until SIGKILL. Without
+it, SIGTERM aborts every request in flight (vLLM's default), unless ``--shutdown-timeout N``: then
+no new connection is accepted and the running requests get up to N s to finish (vLLM >= 0.32).
 
 ``POST /_sim/load {"streams": N, "max_tokens": M, "prompt_tokens": P}`` keeps N synthetic
 requests in the engine (they count like real ones) until ``{"streams": 0}``.
@@ -451,6 +453,8 @@ def parse_args(argv=None):
     p.add_argument("--fault-after-s", type=float, default=0.0)
     p.add_argument("--fault-json", default="{}", help="extra fault parameters as JSON")
     p.add_argument("--check-memory", action="store_true", help="run vLLM's startup free-memory check")
+    p.add_argument("--shutdown-timeout", type=float, default=0.0,
+                   help="as vLLM >= 0.32: on SIGTERM, stop accepting and give running requests up to N s (0: abort them)")
     p.add_argument("--hang-on-sigterm", action="store_true",
                    help="while the engine is dead or the process frozen, SIGTERM does not end the process")
     p.add_argument("--sim-total-memory-bytes", type=int, default=0, help="pretend total memory (0: MemTotal)")
@@ -515,6 +519,16 @@ def main(argv=None) -> int:
     log(f"Starting vLLM API server on http://{args.host}:{args.port}")
     log("Application startup complete.")
     server.serve_forever(poll_interval=0.2)
+    if args.shutdown_timeout > 0:
+        server.server_close()  # no new connection; the streams in flight go on
+        end = time.monotonic() + args.shutdown_timeout
+        log(f"Shutting down: waiting up to {args.shutdown_timeout:g} s for running requests")
+        while time.monotonic() < end:
+            with sim.engine.lock:
+                left = sum(1 for r in sim.engine.running + sim.engine.waiting if not r.synthetic)
+            if not left:
+                break
+            time.sleep(0.05)
     log("Shutting down")
     return 0
 

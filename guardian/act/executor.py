@@ -15,7 +15,7 @@ from ..config import Config, ReplicaConfig
 from ..core import gates
 from ..core.actions import Action, AnswerRequest, LogLine, LowerFraction, RestartUnit, StartCanary
 from ..core.observations import CanaryResult, RestartOutcome
-from ..core.vocab import Decision, Gate, Priority
+from ..core.vocab import ActiveState, Decision, Gate, Priority
 from ..observe import probes
 from ..observe.clock import Now
 from ..observe.clock import now as clock_now
@@ -24,6 +24,8 @@ from ..observe.replicas import port_owners, unit_or_error
 from ..observe.systemd import JOB_DONE, Systemd, SystemdError
 from .journal import Journal
 from .state import CorruptState, StateStore, atomic_write, record_answer, record_restart
+
+STOP_POLL_S = 0.2  # how often a bounded stop asks systemd whether the unit is still stopping
 
 
 async def checked_restart(
@@ -37,11 +39,14 @@ async def checked_restart(
     before_restart: Callable[[], None] | None = None,
     allow_failed: bool = False,
     kill_first: bool = False,
+    stop_timeout_s: float | None = None,
 ) -> RestartOutcome:
     """Re-check the unit gates on a fresh look, record the restart, then RestartUnit and wait.
 
     BEFORE_RESTART (the memory guard's env file write) runs only once the gates have passed.
-    KILL_FIRST: SIGKILL the unit's processes once the job is queued (a hung replica)."""
+    KILL_FIRST: SIGKILL the unit's processes once the job is queued (a hung replica).
+    STOP_TIMEOUT_S: a bounded stop (a drained replica): its processes are killed if the unit is
+    still stopping after that long; the stop's duration is said either way."""
     unit, err = await unit_or_error(sd, r.unit)
     owner = (await port_owners(sd, {r.port}))[r.port]
     refusal = gates.unit_refusal(unit, owner, allow_failed, unit_error=err)
@@ -98,12 +103,36 @@ async def checked_restart(
                 )
             )
 
+    started_before = unit.inactive_exit_mono if unit is not None else None
+
+    async def bounded_stop() -> None:
+        nonlocal kill_note
+        assert stop_timeout_s is not None
+        began = clock().mono
+        while clock().mono - began < stop_timeout_s:
+            try:
+                # Stopped once it is down or starting again, or has started since (a stop faster
+                # than one poll): never the new process's state, which must not be killed.
+                now_unit = await sd.unit_info(r.unit)
+                if (
+                    now_unit.active_state in (ActiveState.INACTIVE, ActiveState.FAILED, ActiveState.ACTIVATING)
+                    or now_unit.inactive_exit_mono != started_before
+                ):
+                    kill_note = f"; the stop took {clock().mono - began:.1f} s"
+                    return
+            except SystemdError:
+                pass  # asked again; the bound still holds
+            await asyncio.sleep(STOP_POLL_S)
+        await kill()
+        kill_note = f"; the stop was still running after {stop_timeout_s:g} s{kill_note or ''}"
+
+    during = kill if kill_first else bounded_stop if stop_timeout_s is not None else None
     try:
         result = await sd.restart(
             r.unit,
             cfg.watchdog.restart_job_timeout_s,
             start_if_stopped=allow_failed,
-            kill=kill if kill_first else None,
+            kill=during,
         )
     except SystemdError as e:
         journal.line(
@@ -227,6 +256,7 @@ class Executor:
                 f"{a.kind}: {a.evidence}",
                 self.clock,
                 kill_first=a.kill_first,
+                stop_timeout_s=a.stop_timeout_s,
             ),
         )
         self.outcomes[a.replica] = outcome
@@ -280,6 +310,7 @@ class Executor:
                 self.clock,
                 before_restart=write,
                 allow_failed=a.retry,
+                stop_timeout_s=a.stop_timeout_s,
             ),
         )
 

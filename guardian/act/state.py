@@ -81,6 +81,7 @@ def _empty() -> State:
         "resumed_at": {},
         "requests": {},
         "answers": {},
+        "proxy_down": [],
     }
 
 
@@ -146,6 +147,10 @@ def _validate(data: Any, now: float) -> State:
             "message": _text(a["message"]),
             "at": _time(a["at"], now),
         }
+    down = data.get("proxy_down", [])
+    if not isinstance(down, list):
+        raise ValueError("proxy_down is not a list")
+    out["proxy_down"] = sorted({_text(n, 64) for n in down})
     boot = data.get("boot_id", "")
     out["boot_id"] = _text(boot, 64)
     for k, v in data.items():
@@ -261,6 +266,7 @@ def view(data: State, now: Now, this_boot: str | None = None) -> PersistentView:
                 key=lambda q: (q.at, q.id),
             )
         ),
+        proxy_down=tuple(data["proxy_down"]),
     )
 
 

@@ -30,6 +30,7 @@ class RestartUnit:
     evidence: str
     request_id: str | None = None  # an operator's request, answered when the job ends
     kill_first: bool = False  # SIGKILL the unit's processes once the restart job is queued (a hung replica)
+    stop_timeout_s: float | None = None  # a drained replica: SIGKILL its processes if the stop takes longer
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,16 @@ class LowerFraction:
     restart: bool  # False: only write the file (systemd is restarting the unit by itself)
     evidence: str
     retry: bool = False  # after a failed start with the previous fraction: a failed unit may be restarted
+    stop_timeout_s: float | None = None  # drained first: SIGKILL its processes if the stop takes longer
+
+
+@dataclass(frozen=True)
+class DrainReplica:
+    """The memory guard asks for REPLICA to be drained at the proxy before it lowers it. Consumed by
+    the tick (core/drain.py), never by the executor."""
+
+    replica: str
+    evidence: str
 
 
 @dataclass(frozen=True)

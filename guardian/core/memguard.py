@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..config import Config
-from .actions import LogLine, LowerFraction
+from .actions import DrainReplica, LogLine, LowerFraction
 from .admission import Blocker
 from .observations import MemorySample, RestartOutcome, gib
 from .rules import Rule
@@ -76,6 +76,12 @@ RULES = (
     ),
     Rule("M14", V.DEFERRED, "restart admission refuses it now (A1-A3: budget, back-off, one at a time)"),
     Rule(
+        "M16",
+        V.DRAINING,
+        "a proxy is configured ([proxy]) AND not critical AND the chosen replica is not drained yet "
+        "(core/drain.py D5, D6): it is marked down and drained first; the lowering waits (with dry_run: not drained)",
+    ),
+    Rule(
         "M15",
         V.LOWER,
         "otherwise: write the env file, restart that replica's unit alone through the unit gates "
@@ -99,6 +105,7 @@ class ReplicaMemory:
     usage_bytes: int | None = None  # NVML per-process memory, when the driver reports it
     start_failure: str | None = None  # vLLM's startup error, from the unit's journal since the lowering
     startup_grace_s: float = 1200.0
+    drained: bool = False  # marked down at the proxy and drained (core/drain.py D5, D6)
 
 
 @dataclass(frozen=True)
@@ -110,6 +117,7 @@ class MemoryView:
     consumers: str = ""  # "db.service 22.1 GiB, make 9.3 GiB"
     restart_blocked: dict[str, Blocker] | None = None  # replica -> why admission would not restart it now
     restart_results: dict[str, RestartOutcome] | None = None  # replica -> a restart job that ended this tick
+    drain_first: bool = False  # a proxy is configured: a replica is drained before it is lowered (M16)
 
 
 @dataclass(frozen=True)
@@ -131,7 +139,7 @@ class MemTrack:
     rule: str | None = None
 
 
-MemAction = LogLine | LowerFraction
+MemAction = LogLine | LowerFraction | DrainReplica
 
 
 def _log(
@@ -409,13 +417,29 @@ def decide(track: MemTrack, view: MemoryView, now: float, cfg: Config) -> tuple[
             ),
         )
         return t, actions
+    if view.drain_first and not critical and not r.drained:
+        verdict(
+            MemVerdict.DRAINING,
+            (MemVerdict.DRAINING, r.name),
+            _log(
+                Priority.WARNING,
+                MemVerdict.DRAINING,
+                f"memory squeezed: {why}; replica {r.name}: draining it at the proxy first, then lowering it "
+                f"{r.fraction:g} -> {new:g}; {serving}",
+                r,
+                Decision.PROXY,
+            ),
+        )
+        actions.append(DrainReplica(r.name, why))
+        return t, actions
+    undrained = "; not drained (critical)" if view.drain_first and critical else ""
     verdict(
         MemVerdict.LOWER,
         None,
         _log(
             Priority.WARNING,
             MemVerdict.LOWER,
-            f"{why}; replica {r.name} {r.fraction:g} -> {new:g}; restarting {r.unit} alone; {serving}",
+            f"{why}; replica {r.name} {r.fraction:g} -> {new:g}; restarting {r.unit} alone; {serving}{undrained}",
             r,
             Decision.MEMORY,
         ),

@@ -151,6 +151,7 @@ class PersistentView:
     pauses: dict[str, Pause] = field(default_factory=dict)
     resumed_at: dict[str, float] = field(default_factory=dict)  # budget counts restarts after this only
     requests: tuple[RestartRequest, ...] = ()  # operators' restart requests not answered yet
+    proxy_down: tuple[str, ...] = ()  # replicas guardian last marked down at the proxy
 
 
 @dataclass(frozen=True)
@@ -185,12 +186,22 @@ class MemoryObservation:
 
 
 @dataclass(frozen=True)
+class ProxyView:
+    """What the shell last applied at the proxy (act/proxy.py), for core/drain.py."""
+
+    applied: frozenset[str]  # replicas marked down at the proxy now
+    failed: frozenset[str] = frozenset()  # the down set of the last attempt, when it failed
+    error: str | None = None  # why it failed
+
+
+@dataclass(frozen=True)
 class TickObservation:
     """Everything one tick observed; the input of core.tick.decide."""
 
     replicas: dict[str, ReplicaObservation]
     persistent: PersistentView
     memory: MemoryObservation | None = None  # None: the memory guard is off
+    proxy: ProxyView | None = None  # None: no proxy configured
 
 
 def gib(n: float) -> str:

@@ -22,13 +22,14 @@ def markdown_table(rows: tuple[Rule, ...], outcome_header: str) -> str:
 
 def tables() -> dict[str, str]:
     """Every rule table, keyed by the README marker it is rendered under."""
-    from . import admission, gates, liveness, memguard
+    from . import admission, drain, gates, liveness, memguard
 
     return {
         "liveness": markdown_table(liveness.RULES, "state"),
         "admission": markdown_table(admission.RULES, "refusal"),
         "gates": markdown_table(gates.RULES, "refusal"),
         "memory": markdown_table(memguard.RULES, "verdict"),
+        "drain": markdown_table(drain.RULES, "outcome"),
     }
 
 

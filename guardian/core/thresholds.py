@@ -33,6 +33,7 @@ def describe(cfg: Config) -> list[str]:
                 f"file_sd targets in {cfg.metrics.file_sd_path}" if cfg.metrics.file_sd_path else "no file_sd",
             ]
         ),
+        _proxy(cfg),
     ]
     for r in cfg.replicas:
         lines.append(
@@ -43,3 +44,22 @@ def describe(cfg: Config) -> list[str]:
     if not cfg.replicas:
         lines.append("no replicas configured: guardian watches nothing")
     return lines
+
+
+def _proxy(cfg: Config) -> str:
+    p = cfg.proxy
+    if not p.enabled:
+        return "proxy: none (planned restarts are not drained; hung replicas are not marked down)"
+    how = []
+    if p.nginx_upstream_dir is not None:
+        how.append(
+            f"nginx upstream files in {p.nginx_upstream_dir} (checked by {p.nginx_check_unit}, "
+            f"applied by reloading {p.nginx_unit})"
+        )
+    if p.drain_command:
+        how.append(f"drain_command {p.drain_command[0]}, undrain_command {(p.undrain_command or ['none'])[0]}")
+    return (
+        f"proxy: {'; '.join(how)}; a planned restart drains first: restarted when running+waiting == 0 or after "
+        f"{p.drain_timeout_s:g} s, its stop bounded to {p.stop_timeout_s:g} s (then its processes are killed); "
+        "a hung replica is marked down when its restart is issued; marked up when it serves again"
+    )

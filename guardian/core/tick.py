@@ -5,15 +5,20 @@ the actions. In order:
 
 1. liveness: each replica's observation is folded into its track (core/liveness.py, L1-L15);
    state changes and unreadable /metrics are logged once; canaries are asked for;
-2. unplanned restarts: a replica whose verdict asks for one (stalled, unresponsive, idle-dead)
-   is restarted if admission allows (core/admission.py, A1-A3 then G1-G9), at most one per tick;
-3. operators' restart requests (`guardian restart NAME`, recorded in the state file) pass the
-   same admission; each is answered, refused or done, exactly once;
-4. the memory guard (core/memguard.py, M1-M15) sees the tracks and what admission would say, and
+2. drains in progress (core/drain.py, D3-D7, D9-D10): a drained replica is restarted, a drain
+   that cannot go on is abandoned, a replica back in service is marked up at the proxy;
+3. unplanned restarts: a replica whose verdict asks for one (stalled, unresponsive, idle-dead)
+   is restarted if admission allows (core/admission.py, A1-A3 then G1-G9), at most one per tick,
+   and marked down at the proxy (D8);
+4. operators' restart requests (`guardian restart NAME`, recorded in the state file) pass the
+   same admission, then drain first when a proxy is configured (D1, D2); each is answered,
+   refused or done, exactly once;
+5. the memory guard (core/memguard.py, M1-M15) sees the tracks and what admission would say, and
    a lowering it starts marks that replica's restart in flight, as any other restart does.
 
-The coupling lives here and nowhere else: a restart issued in step 2 or 3 blocks the others
-(one at a time per box); a lowering's restart counts against the same budget and back-off.
+The coupling lives here and nowhere else: a restart issued in step 2, 3 or 4 blocks the others
+(one at a time per box), and so does a drain in progress for planned ones; a lowering's restart
+counts against the same budget and back-off.
 """
 
 from __future__ import annotations
@@ -21,9 +26,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from ..config import Config, ReplicaConfig
-from . import admission, liveness, memguard
-from .actions import Action, AnswerRequest, LogLine, LowerFraction, RestartUnit, StartCanary
+from . import admission, drain, liveness, memguard
+from .actions import Action, AnswerRequest, DrainReplica, LogLine, LowerFraction, RestartUnit, StartCanary
 from .admission import Blocker
+from .drain import Drain, Phase
 from .liveness import Track
 from .observations import MemoryObservation, ReplicaObservation, TickObservation
 from .vocab import RESTART_STATES, SERVING_STATES, Decision, Priority, RestartKind, State
@@ -34,11 +40,17 @@ class TickState:
     tracks: dict[str, Track] = field(default_factory=dict)
     mem: memguard.MemTrack = field(default_factory=memguard.MemTrack)
     requests_taken: frozenset[str] = frozenset()  # operators' requests acted on, answer not yet recorded
+    drains: dict[str, Drain] = field(default_factory=dict)  # replicas marked down at the proxy (core/drain.py)
+
+    @property
+    def proxy_down(self) -> frozenset[str]:
+        return frozenset(self.drains)
 
 
 @dataclass
 class _Out:
     tracks: dict[str, Track]
+    drains: dict[str, Drain] = field(default_factory=dict)
     actions: list[Action] = field(default_factory=list)
 
     def log(self, line: LogLine) -> None:
@@ -46,17 +58,23 @@ class _Out:
 
 
 def decide(state: TickState, obs: TickObservation, now: float, cfg: Config) -> tuple[TickState, list[Action]]:
-    out = _Out(tracks={})
+    # D10: a replica gone from the config leaves the proxy's file with its server line.
+    out = _Out(tracks={}, drains={n: d for n, d in state.drains.items() if cfg.replica(n) is not None})
     for r in cfg.replicas:
         _liveness(out, r, state.tracks.get(r.name, Track(state_since=now)), obs.replicas[r.name], obs, now, cfg)
     issued = any(t.restart_in_flight for t in out.tracks.values())
     for r in cfg.replicas:
+        issued = _drain_step(out, r, obs, now, cfg, issued) or issued
+    for r in cfg.replicas:
         issued = _unplanned(out, r, obs, now, cfg, issued) or issued
-    taken, issued = _requests(out, state.requests_taken, obs, now, cfg, issued)
+    planned = issued or any(d.phase is Phase.DRAINING for d in out.drains.values())
+    taken, planned = _requests(out, state.requests_taken, obs, now, cfg, planned)
     mem = state.mem
     if obs.memory is not None:
-        mem = _memory(out, state.mem, obs.memory, obs, now, cfg, issued)
-    return TickState(out.tracks, mem, taken), out.actions
+        mem = _memory(out, state.mem, obs.memory, obs, now, cfg, planned)
+    else:  # the memory guard is off (a reload): its drains are not waited for
+        out.drains = {n: d for n, d in out.drains.items() if not (d.for_memory and d.phase is Phase.DRAINING)}
+    return TickState(out.tracks, mem, taken, out.drains), out.actions
 
 
 def next_tick_at(state: TickState, last_started: float, now: float, cfg: Config) -> float:
@@ -128,6 +146,7 @@ def _restart(
     cfg: Config,
     issued: bool,
     request_id: str | None = None,
+    stop_timeout_s: float | None = None,
 ) -> Blocker | None:
     """Admit, then issue (or log the dry run). A refusal is logged and returned; a watchdog's
     refusal or dry run is logged once per episode (its stable key), an operator's every time."""
@@ -175,6 +194,8 @@ def _restart(
         # systemd's TimeoutStopSec. Its processes are killed as soon as the restart job is queued.
         kill = kind is RestartKind.HANG
         how = ", its processes killed at once (hung)" if kill else ""
+        if stop_timeout_s is not None and not kill:
+            how = f", its processes killed if the stop takes over {stop_timeout_s:g} s"
         out.log(
             LogLine(  # an action taken is always said
                 Priority.WARNING,
@@ -187,7 +208,9 @@ def _restart(
                 rule=t.rule if kind is RestartKind.HANG else None,
             )
         )
-        out.actions.append(RestartUnit(r.name, r.unit, kind, evidence, request_id, kill_first=kill))
+        out.actions.append(
+            RestartUnit(r.name, r.unit, kind, evidence, request_id, kill_first=kill, stop_timeout_s=stop_timeout_s)
+        )
         t = replace(
             t,
             restart_in_flight=True,
@@ -214,7 +237,129 @@ def _unplanned(out: _Out, r: ReplicaConfig, obs: TickObservation, now: float, cf
         cfg,
         issued,
     )
-    return out.tracks[r.name].restart_in_flight
+    if not out.tracks[r.name].restart_in_flight:
+        return False
+    d = out.drains.get(r.name)
+    if cfg.proxy.enabled and (d is None or d.phase is Phase.DRAINING):
+        if d is not None and d.request_id is not None:
+            out.actions.append(
+                AnswerRequest(
+                    d.request_id, r.name, True, f"it hung while draining ({t.state}): restarted as a hung replica"
+                )
+            )
+        out.drains[r.name] = Drain(Phase.AWAY, now, f"hung: {t.state}", confirmed_at=d.confirmed_at if d else None)
+        if d is None:
+            out.log(
+                LogLine(
+                    Priority.WARNING,
+                    f"replica {r.name}: marked down at the proxy while it restarts ({t.state}): no new request "
+                    "goes to it until it serves again (D8)",
+                    Decision.PROXY,
+                    r.name,
+                    r.unit,
+                    rule="D8",
+                )
+            )
+    return True
+
+
+def _drain_step(out: _Out, r: ReplicaConfig, obs: TickObservation, now: float, cfg: Config, issued: bool) -> bool:
+    """A replica marked down at the proxy: restart it once drained, give the drain up, or mark it
+    up once it serves again (core/drain.py). True when a restart was issued."""
+    d = out.drains.get(r.name)
+    if d is None:
+        return False
+    t = out.tracks[r.name]
+    if d.phase is Phase.AWAY:
+        if drain.back(d, t):
+            del out.drains[r.name]
+            out.log(
+                LogLine(
+                    Priority.INFO,
+                    f"replica {r.name}: serving again ({t.evidence}); marked up at the proxy, which also clears "
+                    "its count of failed attempts (D9)",
+                    Decision.PROXY,
+                    r.name,
+                    r.unit,
+                    state=t.state,
+                    rule="D9",
+                )
+            )
+        return False
+    if t.state in RESTART_STATES:
+        return False  # it hung while draining: the unplanned path restarts it (D8)
+    d = drain.confirmed(d, r.name, obs.proxy, now)
+    out.drains[r.name] = d
+    err = drain.refused_by_proxy(d, r.name, obs.proxy)
+    peers = len(obs.memory.peers_serving) if obs.memory is not None else 0
+    if err is not None and d.for_memory:
+        if not d.error_said:
+            out.log(
+                LogLine(
+                    Priority.ERROR,
+                    f"replica {r.name}: the memory guard's lowering waits: marking it down at the proxy failed: "
+                    f"{err}; the proxy is asked again every 30 s (D3)",
+                    Decision.REFUSED,
+                    r.name,
+                    r.unit,
+                    rule="D3",
+                )
+            )
+            out.drains[r.name] = replace(d, error_said=True)
+        return False
+    if err is not None:
+        _abandon(
+            out,
+            r,
+            d,
+            "D3",
+            f"marking it down at the proxy failed: {err}; fix the proxy (see `guardian check`) or "
+            "P.drain_command, then ask again",
+        )
+        return False
+    if drain.others_serving(r.name, cfg, out.tracks, out.drains, peers) == 0:
+        _abandon(out, r, d, "D4", f"no other replica of {r.model} serves any more, so draining it would leave none")
+        return False
+    why = drain.drained(d, obs.replicas[r.name], now, cfg)
+    if why is None or d.for_memory:  # the memory guard lowers it when it is drained (D11)
+        return False
+    no = _restart(
+        out,
+        r,
+        RestartKind.OPERATOR,
+        f"replica {r.name}: {why}",
+        f"requested by an operator; {why}",
+        obs,
+        now,
+        cfg,
+        issued,
+        d.request_id,
+        stop_timeout_s=cfg.proxy.stop_timeout_s,
+    )
+    if no is not None:
+        _abandon(out, r, d, "D7", f"refused ({no.gate}): {no.text}", logged=True)
+        return False
+    out.drains[r.name] = Drain(Phase.AWAY, now, "planned restart after its drain", d.request_id, d.confirmed_at)
+    return True
+
+
+def _abandon(out: _Out, r: ReplicaConfig, d: Drain, rule: str, why: str, logged: bool = False) -> None:
+    del out.drains[r.name]
+    what = "the memory guard's lowering" if d.for_memory else "planned restart"
+    if not logged:
+        out.log(
+            LogLine(
+                Priority.ERROR,
+                f"replica {r.name}: {what} of {r.unit} given up and the replica marked up again at the "
+                f"proxy: {why} ({rule})",
+                Decision.REFUSED,
+                r.name,
+                r.unit,
+                rule=rule,
+            )
+        )
+    if d.request_id is not None:
+        out.actions.append(AnswerRequest(d.request_id, r.name, False, f"refused ({rule}): {why}"))
 
 
 def _requests(
@@ -232,6 +377,10 @@ def _requests(
             out.actions.append(AnswerRequest(q.id, q.replica, False, f"no replica named {q.replica!r} in the config"))
             continue
         head = f"replica {r.name}: an operator asked for a restart (it is {out.tracks[r.name].state})"
+        if cfg.proxy.enabled and not cfg.dry_run and r.name not in out.drains:
+            if _start_drain(out, r, q.id, head, obs, now, cfg, issued):
+                issued = True
+                continue
         no = _restart(out, r, RestartKind.OPERATOR, head, "requested by an operator", obs, now, cfg, issued, q.id)
         if no is not None:
             out.actions.append(AnswerRequest(q.id, r.name, False, f"refused ({no.gate}): {no.text}"))
@@ -240,6 +389,43 @@ def _requests(
         else:
             issued = True
     return frozenset(still), issued
+
+
+def _start_drain(
+    out: _Out, r: ReplicaConfig, request_id: str, head: str, obs: TickObservation, now: float, cfg: Config, issued: bool
+) -> bool:
+    """D1: mark R down at the proxy instead of restarting it now; True if so. D2 says why not."""
+    if admission.refusal(r.name, out.tracks, obs.replicas[r.name], obs.persistent, now, cfg, issued) is not None:
+        return False  # the restart path logs and answers the refusal
+    peers = len(obs.memory.peers_serving) if obs.memory is not None else 0
+    if drain.others_serving(r.name, cfg, out.tracks, out.drains, peers) == 0:
+        out.log(
+            LogLine(
+                Priority.WARNING,
+                f"{head}; not drained: no other replica of {r.model} serves, so it is restarted at once and its "
+                "clients will see errors until it serves again (D2)",
+                Decision.PROXY,
+                r.name,
+                r.unit,
+                rule="D2",
+            )
+        )
+        return False
+    s = obs.replicas[r.name].metrics
+    work = "an unknown number of" if s is None else f"{s.running:.0f} running and {s.waiting:.0f} waiting"
+    out.drains[r.name] = Drain(Phase.DRAINING, now, "an operator's restart", request_id)
+    out.log(
+        LogLine(
+            Priority.WARNING,
+            f"{head}; draining first: marked down at the proxy, restarted once its {work} requests end or after "
+            f"{cfg.proxy.drain_timeout_s:g} s (D1)",
+            Decision.PROXY,
+            r.name,
+            r.unit,
+            rule="D1",
+        )
+    )
+    return True
 
 
 # --- 4. the memory guard ----------------------------------------------------------------------
@@ -292,19 +478,94 @@ def _memory(
                 usage_bytes=mo.usage_bytes if mo else None,
                 start_failure=mo.start_failure if mo and lowering else None,
                 startup_grace_s=r.startup_grace_s,
+                drained=_memory_drained(out.drains.get(r.name), o, now, cfg),
             )
         )
-        b = admission.blocker(r.name, out.tracks, obs.persistent, now, cfg, issued)
+        # Its own drain is the first step of this lowering, not another restart in flight.
+        mine = out.drains.get(r.name)
+        own = mine is not None and mine.for_memory and mine.phase is Phase.DRAINING
+        others = any(d.phase is Phase.DRAINING for n, d in out.drains.items() if n != r.name)
+        b = admission.blocker(r.name, out.tracks, obs.persistent, now, cfg, issued if not own else others)
         if b is not None:
             blocked[r.name] = b
     results = {n: o.restart_outcome for n, o in obs.replicas.items() if o.restart_outcome is not None}
     view = memguard.MemoryView(
-        mobs.sample, mobs.total_bytes, tuple(replicas), mobs.peers_serving, mobs.consumers, blocked, results
+        mobs.sample,
+        mobs.total_bytes,
+        tuple(replicas),
+        mobs.peers_serving,
+        mobs.consumers,
+        blocked,
+        results,
+        drain_first=cfg.proxy.enabled,
     )
     new, actions = memguard.decide(track, view, now, cfg)
+    asked: set[str] = set()
     for a in actions:
+        if isinstance(a, DrainReplica):
+            asked.add(a.replica)
+            if a.replica not in out.drains:
+                out.drains[a.replica] = Drain(Phase.DRAINING, now, "the memory guard's lowering", for_memory=True)
+            continue
         if isinstance(a, LowerFraction) and a.restart and a.replica in out.tracks:
+            asked.add(a.replica)
             # The watchdog keeps out of it, and no other restart starts, until the job is done.
             out.tracks[a.replica] = replace(out.tracks[a.replica], restart_in_flight=True, restart_issued_at=now)
-    out.actions.extend(actions)
+            a = _lowering_at_the_proxy(out, a, obs, now, cfg)
+        out.actions.append(a)
+    for r in cfg.replicas:
+        d = out.drains.get(r.name)
+        if d is not None and d.for_memory and d.phase is Phase.DRAINING and r.name not in asked:
+            del out.drains[r.name]
+            out.log(
+                LogLine(
+                    Priority.INFO,
+                    f"replica {r.name}: the memory guard no longer lowers it; marked up again at the proxy (D11)",
+                    Decision.PROXY,
+                    r.name,
+                    r.unit,
+                    rule="D11",
+                )
+            )
     return new
+
+
+def _memory_drained(d: Drain | None, o: ReplicaObservation, now: float, cfg: Config) -> bool:
+    return d is not None and d.for_memory and d.phase is Phase.DRAINING and drain.drained(d, o, now, cfg) is not None
+
+
+def _lowering_at_the_proxy(out: _Out, a: LowerFraction, obs: TickObservation, now: float, cfg: Config) -> LowerFraction:
+    """A lowering's restart: after its drain (D11) with a bounded stop; a critical one, not drained,
+    is marked down as it restarts (D8)."""
+    if not cfg.proxy.enabled:
+        return a
+    d = out.drains.get(a.replica)
+    r = cfg.replica(a.replica)
+    unit = r.unit if r is not None else None
+    if d is not None and d.for_memory and d.phase is Phase.DRAINING:
+        why = drain.drained(d, obs.replicas[a.replica], now, cfg) or "drained"
+        out.drains[a.replica] = replace(d, phase=Phase.AWAY, since=now)
+        out.log(
+            LogLine(
+                Priority.INFO,
+                f"replica {a.replica}: {why}; the memory guard lowers it now (D11)",
+                Decision.PROXY,
+                a.replica,
+                unit,
+                rule="D11",
+            )
+        )
+        return replace(a, stop_timeout_s=cfg.proxy.stop_timeout_s)
+    if d is None:
+        out.drains[a.replica] = Drain(Phase.AWAY, now, "a critical lowering")
+        out.log(
+            LogLine(
+                Priority.WARNING,
+                f"replica {a.replica}: marked down at the proxy while the memory guard restarts it (D8)",
+                Decision.PROXY,
+                a.replica,
+                unit,
+                rule="D8",
+            )
+        )
+    return a

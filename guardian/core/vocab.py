@@ -62,6 +62,7 @@ class Decision(StrEnum):
     MEMORY_NOTE = "memory-note"  # the memory guard's state, deferrals and results
     HAZARD = "hazard"  # a set-up that makes a restart hurt something
     REQUEST = "request"  # an operator's request (pause, resume, restart)
+    PROXY = "proxy"  # a replica marked down or up at the proxy (rules in core/drain.py)
     NOTE = "note"  # anything else: start, limits, bus, reload
 
 
@@ -100,6 +101,7 @@ class MemVerdict(StrEnum):
     NO_PEER = "no-peer"
     DEFERRED = "deferred"
     DRY_RUN = "dry-run"
+    DRAINING = "draining"
     LOWER = "lower"
 
 

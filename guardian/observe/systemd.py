@@ -361,8 +361,16 @@ class Systemd:
         look and this call always wins. START_IF_STOPPED (RestartUnit) is for the memory guard's
         retry of a start that failed after its own lowering. KILL runs once the job is queued (the
         unit is deactivating: systemd's own restart on a process exit cannot race it)."""
-        loop = asyncio.get_running_loop()
         member = "RestartUnit" if start_if_stopped else "TryRestartUnit"
+        return await self.run_job(member, name, timeout_s, during=kill)
+
+    async def run_job(
+        self, member: str, name: str, timeout_s: float, during: Callable[[], Awaitable[None]] | None = None
+    ) -> str:
+        """MEMBER (StartUnit, ReloadUnit, ...) of NAME in mode "replace", and wait for the job's
+        result ("done", "failed", ...; polkit verbs "start", "reload"). DURING runs once the job is
+        queued and still running."""
+        loop = asyncio.get_running_loop()
         (job_path,) = await self._call(MANAGER, member, "ss", [name, "replace"])
         job_path = str(job_path)
         fut: asyncio.Future[str] = loop.create_future()
@@ -371,8 +379,8 @@ class Systemd:
         else:
             self._jobs[job_path] = fut
         try:
-            if kill is not None and not fut.done():
-                await kill()
+            if during is not None and not fut.done():
+                await during()
             return await asyncio.wait_for(fut, timeout_s)
         except TimeoutError:
             return f"no result within {timeout_s:.0f} s"

@@ -1,4 +1,4 @@
-"""vLLM's own refusal to start, from a unit's journal since a lowering.
+"""A unit's own journal lines: vLLM's refusal to start since a lowering, and what `nginx -t` said.
 
 Only vLLM's memory refusal counts ("Free memory on device ... is less than desired GPU memory
 utilization (0.74, ...)"), and only when it names the fraction that was written: a start is
@@ -30,7 +30,8 @@ def find_start_error(lines: list[str], fraction: float | None = None) -> str | N
     return None
 
 
-async def start_error(unit: str, since_ts: float, fraction: float | None = None, timeout_s: float = 5.0) -> str | None:
+async def unit_lines(unit: str, since_ts: float, n: int = 300, timeout_s: float = 5.0) -> list[str] | None:
+    """The last N lines UNIT logged since SINCE_TS (wall), or None when the journal cannot be read."""
     try:
         proc = await asyncio.create_subprocess_exec(
             "journalctl",
@@ -42,7 +43,7 @@ async def start_error(unit: str, since_ts: float, fraction: float | None = None,
             "--since",
             f"@{since_ts:.6f}",
             "-n",
-            "300",
+            str(n),
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.DEVNULL,
         )
@@ -54,4 +55,9 @@ async def start_error(unit: str, since_ts: float, fraction: float | None = None,
         proc.kill()
         await proc.wait()
         return None
-    return find_start_error(out.decode(errors="replace").splitlines(), fraction)
+    return out.decode(errors="replace").splitlines()
+
+
+async def start_error(unit: str, since_ts: float, fraction: float | None = None, timeout_s: float = 5.0) -> str | None:
+    lines = await unit_lines(unit, since_ts, 300, timeout_s)
+    return None if lines is None else find_start_error(lines, fraction)

@@ -1,0 +1,372 @@
+"""The proxy, made to match the core's set of replicas marked down (core/drain.py), after each tick.
+
+nginx: guardian owns one file per upstream, ``P.nginx_upstream_dir/NAME.conf``, that the operator's
+``upstream NAME { ... }`` block includes. It holds the ``server`` lines of this box's replicas of
+that upstream, with ``down`` for a replica marked down. A change is written atomically, checked
+with ``nginx -t`` (the unit ``P.nginx_check_unit`` runs it as root: guardian has no rights on
+nginx's own files), and applied by reloading ``P.nginx_unit`` over D-Bus. If the check fails the
+previous file is put back and nothing is reloaded.
+
+Any other proxy: ``P.drain_command`` and ``P.undrain_command``, run for one replica each, with
+GUARDIAN_REPLICA, GUARDIAN_UNIT, GUARDIAN_URL and GUARDIAN_ACTION in the environment, bounded by
+``P.command_timeout_s``; their output goes to the journal.
+
+What was applied is reported to the core (ProxyView) and kept in the state file ("proxy_down"),
+so that a guardian restarted in the middle of a drain marks the replica up once it serves.
+A failed attempt is retried after RETRY_S, or at once when the wanted set changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from ..config import Config, ReplicaConfig
+from ..core.actions import LogLine
+from ..core.observations import ProxyView
+from ..core.vocab import Decision, Priority
+from ..observe.clock import Now
+from ..observe.systemd import JOB_DONE, Systemd, SystemdError
+from ..observe.unitlog import unit_lines
+from .journal import Journal
+from .state import CorruptState, StateStore, atomic_write
+
+RETRY_S = 30.0
+JOB_TIMEOUT_S = 30.0
+OUTPUT_CHARS = 2000
+
+
+def upstreams(cfg: Config) -> dict[str, list[ReplicaConfig]]:
+    out: dict[str, list[ReplicaConfig]] = {}
+    for r in cfg.replicas:
+        out.setdefault(r.upstream, []).append(r)
+    return out
+
+
+def server_address(cfg: Config, r: ReplicaConfig) -> str:
+    host = cfg.proxy.server_host
+    if not host:
+        from urllib.parse import urlsplit
+
+        host = urlsplit(r.url).hostname or "127.0.0.1"
+        if ":" in host:
+            host = f"[{host}]"
+    return f"{host}:{r.port}"
+
+
+def render_upstream(cfg: Config, upstream: str, down: frozenset[str]) -> str:
+    """The include file of UPSTREAM: one server line per replica of this box, `down` when marked down."""
+    lines = [
+        f"# Written by guardian: the replicas of this box in upstream {upstream}. Do not edit: guardian",
+        "# rewrites this file when it drains or restarts a replica (a 'down' server is out of rotation).",
+    ]
+    for r in upstreams(cfg).get(upstream, []):
+        params = " ".join(p for p in (cfg.proxy.server_params, "down" if r.name in down else "") if p)
+        lines.append(f"server {server_address(cfg, r)}{' ' + params if params else ''};  # {r.name} ({r.unit})")
+    return "\n".join(lines) + "\n"
+
+
+def upstream_path(cfg: Config, upstream: str) -> Path:
+    assert cfg.proxy.nginx_upstream_dir is not None
+    return cfg.proxy.nginx_upstream_dir / f"{upstream}.conf"
+
+
+class ProxySync:
+    def __init__(
+        self,
+        cfg: Config,
+        sd: Systemd,
+        store: StateStore,
+        journal: Journal,
+        clock: Callable[[], Now],
+        persisted: frozenset[str] = frozenset(),
+    ) -> None:
+        self.cfg = cfg
+        self.sd = sd
+        self.store = store
+        self.journal = journal
+        self.clock = clock
+        # What the proxy has now. nginx's is unknown until its files have been compared once;
+        # the hooks' is what the state file says they were last told.
+        self.nginx_down: frozenset[str] | None = None
+        self.hook_down: frozenset[str] = persisted
+        self.failed: frozenset[str] = frozenset()
+        self.error: str | None = None
+        self.retry_at_mono = 0.0
+        self.task: asyncio.Task[None] | None = None
+
+    @property
+    def applied(self) -> frozenset[str]:
+        p = self.cfg.proxy
+        sets = [
+            s
+            for s, on in ((self.nginx_down, p.nginx_upstream_dir is not None), (self.hook_down, bool(p.drain_command)))
+            if on
+        ]
+        out = frozenset(r.name for r in self.cfg.replicas)
+        for s in sets:
+            out &= s if s is not None else frozenset()
+        return out
+
+    def view(self) -> ProxyView | None:
+        if not self.cfg.proxy.enabled:
+            return None
+        return ProxyView(self.applied, self.failed, self.error)
+
+    def _due(self, want: frozenset[str]) -> bool:
+        p = self.cfg.proxy
+        nginx = p.nginx_upstream_dir is not None and self.nginx_down != want
+        hooks = bool(p.drain_command) and self.hook_down != want
+        if not (nginx or hooks):
+            return False
+        return self.error is None or want != self.failed or self.clock().mono >= self.retry_at_mono
+
+    def sync(self, want: frozenset[str]) -> None:
+        """Start making the proxy match WANT, unless that is under way or done."""
+        if not self.cfg.proxy.enabled or (self.task is not None and not self.task.done()):
+            return
+        if self._due(want):
+            self.task = asyncio.ensure_future(self._apply(want))
+
+    async def wait(self) -> None:
+        if self.task is not None:
+            with contextlib.suppress(Exception):
+                await self.task
+
+    async def _apply(self, want: frozenset[str]) -> None:
+        errors: list[str] = []
+        try:
+            if self.cfg.proxy.nginx_upstream_dir is not None and self.nginx_down != want:
+                err = await self._nginx(want)
+                if err is not None:
+                    errors.append(err)
+            if self.cfg.proxy.drain_command and self.hook_down != want:
+                errors += await self._hooks(want)
+        except Exception as e:  # noqa: BLE001 - a bug here must not stop the watchdog; said, retried
+            errors.append(f"{type(e).__name__}: {e}")
+        if errors:
+            self.failed, self.error = want, "; ".join(errors)
+            self.retry_at_mono = self.clock().mono + RETRY_S
+        else:
+            self.failed, self.error = frozenset(), None
+        self._persist()
+
+    def _persist(self) -> None:
+        down = sorted((self.nginx_down or frozenset()) | self.hook_down)
+        try:
+            self.store.update(lambda d: d.__setitem__("proxy_down", down))
+        except (CorruptState, OSError) as e:
+            self.journal.send(Priority.ERROR, f"proxy: cannot record what is marked down in {self.store.dir}: {e}")
+
+    # --- nginx -------------------------------------------------------------------------------
+    async def _nginx(self, want: frozenset[str]) -> str | None:
+        cfg = self.cfg
+        p = cfg.proxy
+        files = {upstream_path(cfg, u): render_upstream(cfg, u, want) for u in upstreams(cfg)}
+        old: dict[Path, bytes | None] = {}
+        for path in files:
+            try:
+                old[path] = path.read_bytes()
+            except FileNotFoundError:
+                old[path] = None
+            except OSError as e:
+                return self._say_nginx(want, f"cannot read {path}: {e}")
+        changed = {path: text for path, text in files.items() if old[path] != text.encode()}
+        if not changed:
+            self.nginx_down = want  # already so (at start, or after guardian was restarted)
+            return None
+        began = self.clock()
+        try:
+            for path, text in changed.items():
+                atomic_write(path, text.encode(), 0o644)
+        except OSError as e:
+            self._restore(old, changed)
+            return self._say_nginx(want, f"cannot write {e.filename or p.nginx_upstream_dir}: {e.strerror or e}")
+        check = await self._job("StartUnit", p.nginx_check_unit)
+        if check != JOB_DONE:
+            said = await unit_lines(p.nginx_check_unit, began.wall, 8)
+            detail = " | ".join(line for line in (said or []) if line.strip())[-OUTPUT_CHARS:]
+            self._restore(old, changed)
+            return self._say_nginx(
+                want,
+                f"nginx -t ({p.nginx_check_unit}) {check}: {detail or 'see journalctl -u ' + p.nginx_check_unit}; "
+                "the previous upstream file is back and nginx was not reloaded",
+            )
+        try:
+            running = (await self.sd.active_state(p.nginx_unit)).running
+        except SystemdError:
+            running = True  # ask for the reload: its error says what is wrong
+        if not running:  # nothing to reload: nginx reads the file when it starts
+            self.nginx_down = want
+            self._say_written(want, changed, f"{p.nginx_unit} is not running, so it was not reloaded", began)
+            return None
+        reload = await self._job("ReloadUnit", p.nginx_unit)
+        if reload != JOB_DONE:
+            self.nginx_down = None  # the files are new, nginx may still run the old ones: compare again
+            return self._say_nginx(want, f"reload of {p.nginx_unit}: {reload} (the upstream file is written)")
+        self.nginx_down = want
+        self._say_written(want, changed, f"{p.nginx_unit} reloaded", began)
+        return None
+
+    def _say_written(self, want: frozenset[str], changed: dict[Path, str], how: str, began: Now) -> None:
+        down = ", ".join(sorted(want)) or "none"
+        self.journal.line(
+            LogLine(
+                Priority.INFO,
+                f"proxy: nginx upstream file(s) {', '.join(str(x) for x in changed)} written; marked down: {down}; "
+                f"nginx -t passed and {how}, in {self.clock().mono - began.mono:.1f} s",
+                Decision.PROXY,
+            )
+        )
+
+    async def _job(self, member: str, unit: str) -> str:
+        try:
+            return await self.sd.run_job(member, unit, JOB_TIMEOUT_S)
+        except SystemdError as e:
+            return f"could not be asked: {e}"
+
+    def _restore(self, old: dict[Path, bytes | None], changed: dict[Path, str]) -> None:
+        for path in changed:
+            prev = old[path]
+            try:
+                if prev is None:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(path)
+                else:
+                    atomic_write(path, prev, 0o644)
+            except OSError as e:
+                self.journal.send(Priority.ERROR, f"proxy: cannot put the previous {path} back: {e}")
+
+    def _say_nginx(self, want: frozenset[str], err: str) -> str:
+        down = ", ".join(sorted(want)) or "none"
+        self.journal.line(
+            LogLine(
+                Priority.ERROR,
+                f"proxy: could not make nginx mark down exactly [{down}]: {err}; retried in {RETRY_S:g} s",
+                Decision.PROXY,
+            )
+        )
+        return err
+
+    # --- command hooks -----------------------------------------------------------------------
+    async def _hooks(self, want: frozenset[str]) -> list[str]:
+        errors = []
+        down = set(self.hook_down)
+        for r in self.cfg.replicas:
+            action = "drain" if r.name in want and r.name not in down else None
+            if r.name not in want and r.name in down:
+                action = "undrain"
+            if action is None:
+                continue
+            err = await self._run_hook(r, action)
+            if err is None:
+                down.symmetric_difference_update({r.name})
+            else:
+                errors.append(f"{action} of {r.name}: {err}")
+        down &= {r.name for r in self.cfg.replicas}
+        self.hook_down = frozenset(down)
+        return errors
+
+    async def _run_hook(self, r: ReplicaConfig, action: str) -> str | None:
+        p = self.cfg.proxy
+        argv = p.drain_command if action == "drain" else p.undrain_command
+        if not argv:
+            return None  # no undrain command: marking down is all the proxy needs
+        env = dict(
+            os.environ, GUARDIAN_REPLICA=r.name, GUARDIAN_UNIT=r.unit, GUARDIAN_URL=r.url, GUARDIAN_ACTION=action
+        )
+        began = self.clock().mono
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *argv,
+                env=env,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+                start_new_session=True,
+            )
+        except OSError as e:
+            err = f"{argv[0]} could not be run: {e.strerror or e}"
+            self._say_hook(r, action, Priority.ERROR, err)
+            return err
+        try:
+            out, _ = await asyncio.wait_for(proc.communicate(), p.command_timeout_s)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, 9)
+            await proc.wait()
+            err = f"{argv[0]} did not finish within {p.command_timeout_s:g} s (killed)"
+            self._say_hook(r, action, Priority.ERROR, err)
+            return err
+        text = out.decode(errors="replace").strip()[-OUTPUT_CHARS:]
+        took = self.clock().mono - began
+        if proc.returncode != 0:
+            err = f"{argv[0]} exited with status {proc.returncode}: {text or '(no output)'}"
+            self._say_hook(r, action, Priority.ERROR, err)
+            return err
+        self._say_hook(r, action, Priority.INFO, f"{argv[0]} done in {took:.1f} s: {text or '(no output)'}")
+        return None
+
+    def _say_hook(self, r: ReplicaConfig, action: str, priority: Priority, text: str) -> None:
+        self.journal.line(
+            LogLine(priority, f"replica {r.name}: proxy {action} command: {text}", Decision.PROXY, r.name, r.unit)
+        )
+
+
+NGINX_CONF_DIR = Path("/etc/nginx")
+
+
+def includers(path: Path, conf_dir: Path = NGINX_CONF_DIR) -> list[Path]:
+    """Files under CONF_DIR with an `include` of PATH (exactly that path: no glob is expanded)."""
+    found = []
+    for f in sorted(conf_dir.rglob("*")) if conf_dir.is_dir() else []:
+        try:
+            if not f.is_file():
+                continue
+            text = f.read_text(errors="replace")
+        except OSError:
+            continue
+        for line in text.splitlines():
+            words = line.split("#", 1)[0].replace(";", " ").split()
+            if len(words) >= 2 and words[0] == "include" and words[1] == str(path):
+                found.append(f)
+                break
+    return found
+
+
+def describe(cfg: Config, down: frozenset[str], conf_dir: Path = NGINX_CONF_DIR) -> list[tuple[bool, str]]:
+    """For `guardian check`: each upstream file, who includes it, and what writing it now would
+    change. Each item is (a problem?, text)."""
+    out: list[tuple[bool, str]] = []
+    if cfg.proxy.nginx_upstream_dir is None:
+        return out
+    for upstream in upstreams(cfg):
+        path = upstream_path(cfg, upstream)
+        want = render_upstream(cfg, upstream, down)
+        try:
+            have: str | None = path.read_text()
+        except FileNotFoundError:
+            have = None
+        except OSError as e:
+            out.append((True, f"proxy: upstream {upstream}: cannot read {path}: {e}"))
+            continue
+        inc = includers(path, conf_dir)
+        where = (
+            f"included by {', '.join(str(f) for f in inc)}"
+            if inc
+            else f"NOT included by any file under {conf_dir} (add the snippet in README, Under a proxy)"
+        )
+        if have is None:
+            change = "absent: guardian writes it at its next start"
+        elif have == want:
+            change = "as guardian would write it (a reload would change nothing)"
+        else:
+            old = {ln for ln in have.splitlines() if ln.startswith("server ")}
+            new = {ln for ln in want.splitlines() if ln.startswith("server ")}
+            diff = [f"- {ln}" for ln in sorted(old - new)] + [f"+ {ln}" for ln in sorted(new - old)]
+            change = "guardian would rewrite it and reload nginx: " + ("; ".join(diff) or "comments only")
+        out.append((not inc, f"proxy: upstream {upstream}: {path}, {where}; {change}"))
+    return out

@@ -1,0 +1,128 @@
+"""The proxy's shell (act/proxy.py): the nginx include file it renders, and the command hooks, run
+for real (shell scripts) with their environment, failures and time limit. nginx itself, its
+check and its reload are exercised in the real systemd (test_system_proxy.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from guardian.act.proxy import ProxySync, render_upstream
+from guardian.act.state import StateStore
+from guardian.config import Config, ProxyConfig, ReplicaConfig
+from guardian.core.vocab import Priority
+from guardian.observe.clock import now
+from test_shell import Recorder
+
+
+def config(tmp_path, **proxy) -> Config:
+    reps = [
+        ReplicaConfig(name="a", unit="vllm-a.service", url="http://127.0.0.1:8001", model="m"),
+        ReplicaConfig(name="b", unit="vllm-b.service", url="http://[::1]:8002", model="m"),
+        ReplicaConfig(name="c", unit="vllm-c.service", url="http://127.0.0.1:8003", model="n", upstream="small"),
+    ]
+    return Config(state_dir=tmp_path / "state", runtime_dir=tmp_path / "run", replicas=reps,
+                  proxy=ProxyConfig(**proxy))
+
+
+def servers(text: str) -> list[str]:
+    return [line.split("  #")[0] for line in text.splitlines() if line.startswith("server ")]
+
+
+def test_the_include_file_holds_this_boxs_replicas_of_that_upstream_with_down_for_those_marked_down(tmp_path):
+    cfg = config(tmp_path, nginx_upstream_dir="/var/lib/guardian/nginx")
+    assert servers(render_upstream(cfg, "llm", frozenset({"b"}))) == [
+        "server 127.0.0.1:8001 max_fails=3 fail_timeout=30s;",
+        "server [::1]:8002 max_fails=3 fail_timeout=30s down;",
+    ]
+    assert servers(render_upstream(cfg, "small", frozenset())) == ["server 127.0.0.1:8003 max_fails=3 fail_timeout=30s;"]
+
+
+def test_server_host_and_params_as_configured(tmp_path):
+    cfg = config(tmp_path, nginx_upstream_dir="/x", server_host="10.0.0.5", server_params="")
+    assert servers(render_upstream(cfg, "llm", frozenset({"a"}))) == ["server 10.0.0.5:8001 down;", "server 10.0.0.5:8002;"]
+
+
+@pytest.mark.parametrize("bad", [{"server_params": "x; }"}, {"server_host": "a b"}, {"drain_command": ["sh"]},
+                                 {"nginx_upstream_dir": "relative"}, {"nginx_unit": "nginx"}])
+def test_proxy_config_refuses_what_could_break_nginx_or_run_the_wrong_thing(bad):
+    with pytest.raises(ValueError):
+        ProxyConfig(**bad)
+
+
+def hooks(tmp_path, drain: str, undrain: str | None = None, timeout_s: float = 5.0) -> tuple[ProxySync, Recorder]:
+    log = tmp_path / "calls.jsonl"
+    script = tmp_path / "hook.sh"
+    script.write_text(
+        "#!/bin/sh\n"
+        f'printf \'{{"action":"%s","replica":"%s","unit":"%s","url":"%s"}}\\n\' "$GUARDIAN_ACTION" "$GUARDIAN_REPLICA" '
+        f'"$GUARDIAN_UNIT" "$GUARDIAN_URL" >> {log}\n'
+        'if [ "$GUARDIAN_ACTION" = drain ]; then ' + drain + "; else " + (undrain or "true") + "; fi\n"
+    )
+    script.chmod(0o755)
+    cfg = config(tmp_path, drain_command=[str(script)], undrain_command=[str(script)], command_timeout_s=timeout_s)
+    journal = Recorder()
+    return ProxySync(cfg, None, StateStore(cfg.state_dir), journal, now), journal  # type: ignore[arg-type]
+
+
+def calls(tmp_path) -> list[dict]:
+    path = tmp_path / "calls.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+async def apply(p: ProxySync, want: set[str]) -> None:
+    p.sync(frozenset(want))
+    await p.wait()
+
+
+def test_drain_and_undrain_commands_get_the_replica_in_their_environment_and_are_recorded(tmp_path):
+    p, journal = hooks(tmp_path, "echo drained")
+    asyncio.run(apply(p, {"a"}))
+    assert p.view().applied == frozenset({"a"}) and p.view().error is None
+    assert calls(tmp_path) == [{"action": "drain", "replica": "a", "unit": "vllm-a.service", "url": "http://127.0.0.1:8001"}]
+    assert json.loads((tmp_path / "state" / "state.json").read_text())["proxy_down"] == ["a"]
+    assert any("drained" in line.message and line.priority is Priority.INFO for line, _ in journal.lines)
+    asyncio.run(apply(p, set()))
+    assert [c["action"] for c in calls(tmp_path)] == ["drain", "undrain"]
+    assert p.view().applied == frozenset()
+    assert json.loads((tmp_path / "state" / "state.json").read_text())["proxy_down"] == []
+
+
+def test_a_failing_drain_command_is_reported_with_its_output_and_not_counted_as_applied(tmp_path):
+    p, journal = hooks(tmp_path, "echo upstream API refused; exit 3")
+    asyncio.run(apply(p, {"a"}))
+    v = p.view()
+    assert v.applied == frozenset() and v.failed == frozenset({"a"})
+    assert "exited with status 3" in v.error and "upstream API refused" in v.error
+    assert any(line.priority is Priority.ERROR and "upstream API refused" in line.message for line, _ in journal.lines)
+    # the same wish is not retried at once (RETRY_S), a different one is
+    asyncio.run(apply(p, {"a"}))
+    assert len(calls(tmp_path)) == 1
+    asyncio.run(apply(p, {"b"}))
+    assert [c["replica"] for c in calls(tmp_path)] == ["a", "b"]
+
+
+def test_a_command_that_hangs_is_killed_at_its_time_limit(tmp_path):
+    p, _ = hooks(tmp_path, "sleep 30", timeout_s=0.5)
+    asyncio.run(apply(p, {"a"}))
+    assert "did not finish within 0.5 s" in (p.view().error or "")
+    assert p.view().applied == frozenset()
+
+
+def test_check_says_who_includes_each_file_and_what_a_rewrite_would_change(tmp_path):
+    from guardian.act.proxy import describe, upstream_path
+
+    conf = tmp_path / "nginx"
+    (conf / "conf.d").mkdir(parents=True)
+    cfg = config(tmp_path, nginx_upstream_dir=str(tmp_path / "up"))
+    (conf / "conf.d" / "llm.conf").write_text(
+        f"upstream llm {{\n    least_conn;\n    include {upstream_path(cfg, 'llm')};  # guardian\n}}\n")
+    upstream_path(cfg, "llm").parent.mkdir()
+    upstream_path(cfg, "llm").write_text(render_upstream(cfg, "llm", frozenset()))
+    found = dict((text.split(":")[1].strip(), (bad, text)) for bad, text in describe(cfg, frozenset({"a"}), conf))
+    bad, text = found["upstream llm"]
+    assert not bad and "included by" in text and "- server 127.0.0.1:8001" in text and "+ server 127.0.0.1:8001" in text
+    bad, text = found["upstream small"]
+    assert bad and "NOT included" in text and "absent" in text

@@ -1,0 +1,163 @@
+"""Draining through a real nginx (Debian's nginx-light, set up as in the field) in front of two
+simulated replicas, with 8 clients sending streaming and plain completions through it. Each test
+counts the clients' failed requests."""
+
+from __future__ import annotations
+
+import pytest
+
+from systemd_box import wait_for
+from world import PROXY, World
+
+pytestmark = pytest.mark.system
+
+
+def proxied_world(world: World, **proxy) -> World:
+    world.proxy = {**PROXY, **proxy}
+    world.setup()
+    world.start_nginx()
+    return world
+
+
+def restart_times(world: World, name: str) -> list[float]:
+    return [int(e["__REALTIME_TIMESTAMP"]) / 1e6
+            for e in world.guardian_lines(f"GUARDIAN_REPLICA={name}", "GUARDIAN_DECISION=restart")]
+
+
+def proxy_rules(world: World, name: str) -> list[str]:
+    return [e.get("GUARDIAN_RULE", "") for e in world.guardian_lines(f"GUARDIAN_REPLICA={name}", "GUARDIAN_DECISION=proxy")]
+
+
+def running(world: World, r) -> float:
+    code, text = world.box.http(r.url + "/metrics")
+    if code != 200:
+        return 0.0
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:num_requests_running{"))
+
+
+def failures(reqs: list[dict]) -> list[dict]:
+    return [q for q in reqs if q["failed"]]
+
+
+def test_a_planned_restart_under_load_drains_first_and_no_client_request_fails(world):
+    world = proxied_world(world)
+    a, b = world.replicas
+    assert "server 127.0.0.1:8001 max_fails=3 fail_timeout=30s;" in world.upstream_file()
+    old_b = world.box.identity(b.unit)
+    world.start_load()
+    world.wait_requests(30)
+    asked = world.box.run(["guardian", "restart", "a"], check=False, timeout=120)
+    assert asked.returncode == 0, asked.stdout + asked.stderr
+    world.wait_states({"a": "healthy", "b": "healthy"}, timeout_s=30)
+    wait_for(lambda: "D9" in proxy_rules(world, "a"), 20, "a marked up again")
+    back_at = world.box.run(["date", "+%s.%N"]).stdout.strip()
+    world.wait_requests(30, after=float(back_at))
+    reqs = world.stop_load()
+    assert failures(reqs) == [], failures(reqs)[:5]
+    assert len(restart_times(world, "a")) == 1 and restart_times(world, "b") == []
+    assert world.box.identity(b.unit) == old_b
+    assert proxy_rules(world, "a")[:1] == ["D1"] and "D9" in proxy_rules(world, "a")
+    line = world.guardian_messages("GUARDIAN_REPLICA=a", "GUARDIAN_DECISION=restart")[0]
+    assert "(D5)" in line and "drained" in line
+    done = world.guardian_messages("GUARDIAN_REPLICA=a", "GUARDIAN_DECISION=restarted")[0]
+    assert "the stop took" in done
+    assert " down;" not in world.upstream_file()
+    print(f"planned: {len(reqs)} requests, {len(failures(reqs))} failed")
+    # a served clients again after its restart: nginx sent it requests
+    assert any(q["upstream"] == "127.0.0.1:8001" and q["t0"] > float(back_at) for q in reqs)
+
+
+def test_a_hung_replica_is_marked_down_at_its_restart_and_no_new_request_goes_to_it(world):
+    world = proxied_world(world)
+    a, _ = world.replicas
+    world.start_load()
+    world.wait_requests(30)
+    frozen_at = float(world.box.run(["date", "+%s.%N"]).stdout.strip())
+    world.kill(a.unit, "STOP")
+    wait_for(lambda: "D8" in proxy_rules(world, "a"), 30, "a marked down as hung")
+    wait_for(lambda: any("marked down: a" in m for m in world.guardian_messages("GUARDIAN_DECISION=proxy")), 20,
+             "nginx reloaded with a down")
+    marked = [int(e["__REALTIME_TIMESTAMP"]) / 1e6 for e in world.guardian_lines("GUARDIAN_DECISION=proxy")
+              if "marked down: a" in e["MESSAGE"]]
+    world.wait_states({"a": "healthy"}, timeout_s=30)
+    wait_for(lambda: "D9" in proxy_rules(world, "a"), 20, "a marked up again")
+    up = [int(e["__REALTIME_TIMESTAMP"]) / 1e6 for e in world.guardian_lines("GUARDIAN_DECISION=proxy")
+          if "marked down: none" in e["MESSAGE"] and int(e["__REALTIME_TIMESTAMP"]) / 1e6 > marked[0]]
+    world.wait_requests(20, after=up[0])
+    reqs = world.stop_load()
+    # nginx reloaded with a down at marked[0]: from then until it was marked up, nothing went to a
+    sent_to_a = [q for q in reqs if marked[0] < q["t0"] < up[0] and "8001" in (q["upstream"] or "")]
+    assert sent_to_a == [], sent_to_a[:3]
+    served = [q for q in reqs if frozen_at < q["t0"] and q["t1"] < up[0] and not q["failed"]]
+    assert served, "b served the clients while a was hung and restarted"
+    print(f"hung: {len(reqs)} requests, {len(failures(reqs))} failed, {len(served)} served while a was out, "
+          f"down for {up[0] - marked[0]:.1f} s")
+    assert not any("no live upstreams" in (q["failed"] or "") or (q["failed"] or "").startswith("HTTP 502")
+                   and q["t0"] > marked[0] for q in reqs), failures(reqs)[:5]
+    # only requests sent before guardian had nginx mark it down may fail
+    assert all(q["t0"] < marked[0] for q in failures(reqs)), failures(reqs)[:5]
+
+
+def test_guardian_killed_in_the_middle_of_a_drain_marks_the_replica_up_once_it_serves(world):
+    # Long requests (300 tokens at 20 a second): the drain lasts about 15 s.
+    world = proxied_world(world)
+    world.start_load(clients=4, max_tokens=300)
+    wait_for(lambda: running(world, world.replicas[0]) > 0, 20, "requests running on a")
+    world.box.run(["systemd-run", "--unit=ask-restart", "guardian", "restart", "a"])
+    wait_for(lambda: any("marked down: a" in m for m in world.guardian_messages("GUARDIAN_DECISION=proxy")), 30,
+             "nginx to have a down")
+    assert " down;" in world.upstream_file()
+    world.box.systemctl("kill", "-s", "SIGKILL", "guardian.service")
+    wait_for(lambda: any("marked down when guardian last ran" in m for m in world.guardian_messages()), 60,
+             "guardian to come back and adopt what it had marked down")
+    wait_for(lambda: " down;" not in world.upstream_file(), 90, "a marked up again")
+    world.wait_states({"a": "healthy", "b": "healthy"}, timeout_s=60)
+    world.stop_load()
+    world.box.systemctl("stop", "ask-restart.service", check=False)
+    world.box.systemctl("reset-failed", "ask-restart.service", check=False)
+
+
+def test_a_failing_drain_command_blocks_a_planned_restart_but_never_a_hung_replicas(world):
+    world.proxy = {"drain_command": ["/bin/sh", "-c", "echo upstream API refused; exit 3"], "drain_timeout_s": 30}
+    world.setup()
+    a, _ = world.replicas
+    old = world.box.identity(a.unit)
+    asked = world.box.run(["guardian", "restart", "a"], check=False, timeout=90)
+    assert asked.returncode == 1
+    assert "upstream API refused" in asked.stderr and "(D3)" in asked.stderr
+    assert world.box.identity(a.unit) == old and restart_times(world, "a") == []
+    errors = world.guardian_messages("GUARDIAN_REPLICA=a", "PRIORITY=3")
+    assert any("proxy drain command" in m and "exited with status 3" in m for m in errors), errors
+    world.kill(a.unit, "STOP")
+    wait_for(lambda: restart_times(world, "a"), 30, "the hung replica's restart")
+    world.wait_states({"a": "healthy"}, timeout_s=30)
+
+
+def test_a_memory_guard_lowering_with_8_streams_drains_first_and_no_client_request_fails(world):
+    from test_system_memory import DEVICE_TOTAL, HOG, hog, line_with, start_with_thresholds
+
+    for r in world.replicas:
+        r.fraction = 0.78
+        r.sim_args = (f"--sim-allocate --sim-total-memory-bytes {DEVICE_TOTAL} --check-memory "
+                      f"--sim-free-bytes-file /run/sim-free-{r.name}")
+    world.memory = dict(enabled=True, sustain_s=2, cooldown_s=600, step=0.04, floor=0.5, reserve_bytes=0,
+                        device_total_bytes=DEVICE_TOTAL, priority=["a"])
+    world.proxy = dict(PROXY)
+    world.box.write("/usr/local/bin/hog", HOG, mode=0o755)
+    start_with_thresholds(world)
+    world.start_nginx()
+    a, b = world.replicas
+    old_b = world.box.identity(b.unit)
+    world.start_load()
+    world.wait_requests(30)
+    hog(world, "build.service", 3)
+    line_with(world, "draining it at the proxy first", "GUARDIAN_REPLICA=a", "GUARDIAN_RULE=M16")
+    line_with(world, "serving again with gpu_memory_utilization 0.74", "GUARDIAN_REPLICA=a", timeout_s=90)
+    wait_for(lambda: "D9" in proxy_rules(world, "a"), 30, "a marked up again")
+    back_at = float(world.box.run(["date", "+%s.%N"]).stdout.strip())
+    world.wait_requests(20, after=back_at)
+    reqs = world.stop_load()
+    assert failures(reqs) == [], failures(reqs)[:5]
+    assert "D11" in proxy_rules(world, "a")
+    assert world.box.identity(b.unit) == old_b and restart_times(world, "b") == []
