@@ -367,6 +367,11 @@ async def _restart_without_daemon(cfg: Config, name: str) -> int:
         print(f"guardian: cannot talk to systemd: {e}", file=sys.stderr)
         return 1
     rid = "cli"
+    if cfg.proxy.enabled:
+        print(
+            f"warning: guardian is not running, so {name} is restarted without being drained at the proxy",
+            file=sys.stderr,
+        )
     try:
         async with make_client() as client:
             replicas = await observe_all(cfg, sd, client, now.mono, {}, {}, PortOwnerCache(), UnitInfoCache())

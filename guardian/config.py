@@ -281,6 +281,49 @@ class ProxyConfig(_Strict):
         return self.nginx_upstream_dir is not None or bool(self.drain_command)
 
 
+class FleetConfig(_Strict):
+    """Planned restarts coordinated across boxes on etcd (README, A fleet). Off unless endpoints are set."""
+
+    endpoints: list[str] = Field(default_factory=list)  # etcd client URLs (v3 API, JSON gateway)
+    name: str = Field(default="default", pattern=r"^[A-Za-z0-9_.-]+$", max_length=64)  # keys under /guardian/NAME/
+    box: str = ""  # this box's name in the fleet; empty: the host name
+    max_planned_restarts: int = Field(default=1, ge=1, le=1000)  # in the whole fleet at once
+    min_serving: int = Field(default=1, ge=0, le=1000)  # other replicas of the model serving before one may begin
+    lease_ttl_s: int = Field(
+        default=10, ge=2, le=3600
+    )  # a dead guardian's keys vanish this long after its last renewal
+    timeout_s: float = Field(default=2.0, gt=0, le=MAX_WINDOW_S)  # each etcd request
+    ca_file: Path | None = None
+    cert_file: Path | None = None
+    key_file: Path | None = None
+    username: str = ""
+    password_file: Path | None = None  # the password, read at start (not in the config)
+
+    @field_validator("endpoints")
+    @classmethod
+    def _urls(cls, v: list[str]) -> list[str]:
+        return [_check_base_url(u) for u in v]
+
+    @field_validator("box")
+    @classmethod
+    def _box(cls, v: str) -> str:
+        if v and not re.fullmatch(r"[A-Za-z0-9_.-]{1,128}", v):
+            raise ValueError(f"must be letters, digits, '_', '.', '-' (got {v!r})")
+        return v
+
+    @model_validator(mode="after")
+    def _pairs(self) -> FleetConfig:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("cert_file and key_file go together")
+        if self.password_file is not None and not self.username:
+            raise ValueError("password_file needs a username")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.endpoints)
+
+
 _toml_data: ContextVar[dict[str, Any]] = ContextVar("_toml_data")
 
 
@@ -316,6 +359,7 @@ class Config(BaseSettings):
     memory: MemoryConfig = MemoryConfig()
     metrics: MetricsConfig = MetricsConfig()
     proxy: ProxyConfig = ProxyConfig()
+    fleet: FleetConfig = FleetConfig()
     replicas: list[ReplicaConfig] = Field(default_factory=list)
 
     @property

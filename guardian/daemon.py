@@ -37,6 +37,7 @@ from .core.vocab import Decision, Priority
 from .export.files import TEXTFILE_NAME, write_file_sd, write_textfile
 from .export.http import MetricsServer
 from .export.metrics import Metrics
+from .fleet.sync import FleetSync
 from .observe.clock import Now
 from .observe.clock import now as clock_now
 from .observe.meminfo import sample_memory
@@ -72,6 +73,8 @@ class Daemon:
         self.observer = WorldObserver(self.sd, self.client)
         self.state = tick.TickState()
         self.proxy = ProxySync(cfg, self.sd, self.store, self.journal, clock)
+        self.fleet = FleetSync(cfg, self.journal, clock) if cfg.fleet.enabled else None
+        self.closing: set[asyncio.Future[None]] = set()
         self.memory: MemorySample | None = None
         self.last_observation: TickObservation | None = None
         self.hazards_logged: set[str] = set()
@@ -173,20 +176,28 @@ class Daemon:
             self.rescan = False
             await self.scan()
         started = self.clock()
-        obs = await self.observer.observe(
+        observed = self.observer.observe(
             self.cfg,
             self.persistent.view(started),
             self.executor.canaries,
             self.executor.outcomes,
             self.state.mem.pending,
             started,
+            tick.probe_wait_s(self.state, started.mono, self.cfg),
         )
+        if self.fleet is not None:  # etcd is read beside the probes: neither waits for the other
+            obs, fleet_view = await asyncio.gather(observed, self.fleet.step(self.state.tracks, started))
+            obs = replace(obs, fleet=fleet_view)
+        else:
+            obs = await observed
         # Judge as of when the answers were in: a probe that hung for its whole timeout has
         # shown no answer for that long, and the tick started before it was sent.
         now = self.clock()
         obs = replace(obs, proxy=self.proxy.view())
         self.state, actions = tick.decide(self.state, obs, now.mono, self.cfg)
         self.executor.perform(actions)
+        if self.fleet is not None:
+            self.fleet.perform(actions)
         self.proxy.sync(self.state.proxy_down)
         self.metrics.fold(self.cfg, self.state.tracks, obs, actions, self.persistent.view(now), now)
         self.last_observation = obs
@@ -323,10 +334,16 @@ class Daemon:
             return
         self.cfg = new
         self.executor.cfg = new
-        self.proxy.cfg = new
         self.store = StateStore(new.state_dir)
         self.executor.store = self.store
-        self.proxy.store = self.store
+        self.proxy.reconfigure(new, self.store)
+        if self.fleet is not None and new.fleet != self.fleet.cfg.fleet:
+            self.closing.add(asyncio.ensure_future(self.fleet.close()))  # leaves the fleet; a new lease follows
+            self.fleet = None
+        if self.fleet is not None:
+            self.fleet.cfg = new
+        elif new.fleet.enabled:
+            self.fleet = FleetSync(new, self.journal, self.clock)
         self.persistent = StateCache(self.store)
         self.state = tick.TickState(
             {k: v for k, v in self.state.tracks.items() if new.replica(k) is not None},
@@ -403,6 +420,8 @@ class Daemon:
                 Priority.WARNING, f"stopping with {left} task(s) cut short after {self.cfg.shutdown_timeout_s:g} s"
             )
         self.observer.carry.forget(set())  # probes carried over from the last tick: nobody will read them
+        if self.fleet is not None:
+            await self.fleet.close()
         await self.client.aclose()
         self.sd.close()
         self.stop_exports()

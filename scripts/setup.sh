@@ -13,6 +13,8 @@ command -v lintian >/dev/null || need_apt+=(lintian)
 command -v dpkg-deb >/dev/null || need_apt+=(dpkg-dev)
 # the arm64 package is run under emulation in an arm64 Debian root (tests/arm64_root.py)
 [ -x /usr/bin/qemu-aarch64-static ] || need_apt+=(qemu-user-static)
+# a real 3-member etcd cluster on loopback for the fleet tests (tests/etcd_cluster.py)
+command -v etcd >/dev/null || need_apt+=(etcd-server)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" != 0 ]; then
     echo "setup: need root to install ${need_apt[*]} (run with sudo)" >&2
@@ -20,6 +22,10 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   fi
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}" >/dev/null
+  # The package enables an etcd of its own on this machine: the tests start their own cluster.
+  if [[ " ${need_apt[*]} " == *" etcd-server "* ]] && command -v systemctl >/dev/null; then
+    systemctl disable --now etcd.service >/dev/null 2>&1 || true
+  fi
 fi
 
 if [ ! -x .venv/bin/python ]; then

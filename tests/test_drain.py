@@ -280,3 +280,14 @@ def test_a_critical_squeeze_lowers_at_once_and_marks_the_replica_down_as_it_rest
     assert low.stop_timeout_s is None and box.state.drains["a"].phase is Phase.AWAY and "D8" in rules(acts)
     line = next(a for a in acts if isinstance(a, LogLine) and a.rule == "M15")
     assert "not drained (critical)" in line.message
+
+
+def test_without_the_proxys_report_no_daemon_would_finish_a_drain_so_it_restarts_at_once():
+    """`guardian restart` with no daemon running decides alone: the observation has no ProxyView."""
+    sim = Sim(proxied())
+    sim.tick(98)
+    asked(sim)
+    from guardian.core.observations import TickObservation
+    observations = {r.name: obs(r.name, 100) for r in sim.cfg.replicas}
+    _state, acts = tick.decide(sim.core, TickObservation(observations, sim.persistent), 100, sim.cfg)
+    assert restarts(acts) and not _state.drains

@@ -700,3 +700,20 @@ def test_no_deadline_for_a_replica_that_answers_is_down_or_already_judged(setup)
         assert sim.state() is State.UNRESPONSIVE
     assert tick.liveness.next_deadline(sim.tracks["a"], sim.cfg.watchdog) is None
     assert tick.next_tick_at(sim.core, 210.0, 210.5, sim.cfg) == 212.0
+
+
+@pytest.mark.parametrize("now, wait", [
+    (205.0, 1.0),  # deadline 210 far: the whole probe wait (interval / 2)
+    (209.4, 0.6),  # not past the deadline: judged at it
+    (209.98, 0.05),  # at least the floor, for the replicas that answer
+    (210.0, 0.05),
+])
+def test_a_tick_waits_for_its_probes_no_longer_than_a_replicas_deadline(now, wait):
+    sim = _failing_since(200.0, 202.0)
+    assert tick.probe_wait_s(sim.core, now, sim.cfg) == pytest.approx(wait)
+
+
+def test_with_no_deadline_a_tick_waits_half_an_interval():
+    sim = Sim(cfg(1))
+    healthy_start(sim, t0=200.0)
+    assert tick.probe_wait_s(sim.core, 201.0, sim.cfg) == pytest.approx(1.0)

@@ -161,3 +161,24 @@ def test_a_memory_guard_lowering_with_8_streams_drains_first_and_no_client_reque
     assert failures(reqs) == [], failures(reqs)[:5]
     assert "D11" in proxy_rules(world, "a")
     assert world.box.identity(b.unit) == old_b and restart_times(world, "b") == []
+
+
+def test_a_drained_replica_whose_stop_hangs_is_killed_after_stop_timeout_s(world):
+    """vLLM's --shutdown-timeout lets running requests finish on SIGTERM; a request longer than the
+    drain (drain_timeout_s 2 s here) keeps the stop waiting. guardian's bounded stop (3 s) kills it
+    instead of waiting for the unit's TimeoutStopSec (90 s)."""
+    a = world.replicas[0]
+    a.sim_args = "--shutdown-timeout 600"
+    a.service_extra = "TimeoutStopSec=90s"
+    world = proxied_world(world, drain_timeout_s=2, stop_timeout_s=3)
+    world.start_load(clients=2, max_tokens=5000)  # 250 s per request
+    wait_for(lambda: running(world, a) > 0, 20, "a long request running on a")
+    old = world.box.identity(a.unit)
+    asked = world.box.run(["guardian", "restart", "a"], check=False, timeout=120)
+    assert asked.returncode == 0, asked.stdout + asked.stderr
+    assert world.box.identity(a.unit) != old
+    line = world.guardian_messages("GUARDIAN_REPLICA=a", "GUARDIAN_DECISION=restart")[0]
+    assert "drain timeout" in line and "(D6)" in line
+    done = world.guardian_messages("GUARDIAN_REPLICA=a", "GUARDIAN_DECISION=restarted")[0]
+    assert "the stop was still running after 3 s" in done and "killed" in done
+    world.box.systemctl("stop", "loadgen.service")  # its requests on b would run for minutes

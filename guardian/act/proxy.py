@@ -111,6 +111,10 @@ class ProxySync:
             out &= s if s is not None else frozenset()
         return out
 
+    def reconfigure(self, cfg: Config, store: StateStore) -> None:
+        """After a reload: the files may have moved or changed; compare them afresh."""
+        self.cfg, self.store, self.nginx_down = cfg, store, None
+
     def view(self) -> ProxyView | None:
         if not self.cfg.proxy.enabled:
             return None
@@ -152,10 +156,12 @@ class ProxySync:
             self.retry_at_mono = self.clock().mono + RETRY_S
         else:
             self.failed, self.error = frozenset(), None
-        self._persist()
+        self._persist(want)
 
-    def _persist(self) -> None:
-        down = sorted((self.nginx_down or frozenset()) | self.hook_down)
+    def _persist(self, want: frozenset[str]) -> None:
+        # nginx's is unknown after a failed reload of a file already written: count what it says.
+        nginx = self.nginx_down if self.nginx_down is not None else want
+        down = sorted(nginx | self.hook_down if self.cfg.proxy.nginx_upstream_dir is not None else self.hook_down)
         try:
             self.store.update(lambda d: d.__setitem__("proxy_down", down))
         except (CorruptState, OSError) as e:

@@ -72,4 +72,19 @@ class AnswerRequest:
     message: str
 
 
-Action = LogLine | RestartUnit | StartCanary | LowerFraction | AnswerRequest
+@dataclass(frozen=True)
+class AcquireSlot:
+    """Ask the fleet for a planned-restart slot for REPLICA (core/fleet.py F6; fleet/sync.py)."""
+
+    replica: str
+    model: str
+
+
+@dataclass(frozen=True)
+class ReleaseSlot:
+    """Give REPLICA's fleet slot back (core/fleet.py F7)."""
+
+    replica: str
+
+
+Action = LogLine | RestartUnit | StartCanary | LowerFraction | AnswerRequest | AcquireSlot | ReleaseSlot

@@ -18,11 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..config import Config
-from .actions import DrainReplica, LogLine, LowerFraction
+from .actions import AcquireSlot, DrainReplica, LogLine, LowerFraction
 from .admission import Blocker
 from .observations import MemorySample, RestartOutcome, gib
 from .rules import Rule
-from .vocab import SERVING_STATES, Decision, MemVerdict, Priority, State
+from .vocab import SERVING_STATES, Decision, Gate, MemVerdict, Priority, State
 
 V = MemVerdict
 RULES = (
@@ -74,7 +74,12 @@ RULES = (
         V.NO_PEER,
         "no other replica of the same model is healthy or busy (on this box or at M.peer_urls) AND not critical",
     ),
-    Rule("M14", V.DEFERRED, "restart admission refuses it now (A1-A3: budget, back-off, one at a time)"),
+    Rule(
+        "M14",
+        V.DEFERRED,
+        "restart admission refuses it now (A1-A3: budget, back-off, one at a time), or it waits for a fleet "
+        "slot (F3-F6; not when critical: then it goes ahead without one, said at error)",
+    ),
     Rule(
         "M16",
         V.DRAINING,
@@ -139,7 +144,7 @@ class MemTrack:
     rule: str | None = None
 
 
-MemAction = LogLine | LowerFraction | DrainReplica
+MemAction = LogLine | LowerFraction | DrainReplica | AcquireSlot
 
 
 def _log(
@@ -390,7 +395,21 @@ def decide(track: MemTrack, view: MemoryView, now: float, cfg: Config) -> tuple[
         )
         return t, actions
     blocked = (view.restart_blocked or {}).get(r.name)
+    if blocked is not None and blocked.gate is Gate.FLEET and critical:
+        actions.append(
+            _log(
+                Priority.ERROR,
+                MemVerdict.LOWER,
+                f"memory squeezed: {why}; replica {r.name}: no fleet slot ({blocked.text}); critical, so the "
+                "lowering goes ahead without one",
+                r,
+                Decision.FLEET,
+            )
+        )
+        blocked = None
     if blocked is not None:
+        if blocked.gate is Gate.FLEET and blocked.rule == "F6":
+            actions.append(AcquireSlot(r.name, r.model))
         verdict(
             MemVerdict.DEFERRED,
             (MemVerdict.DEFERRED, r.name, *blocked.key),

@@ -195,6 +195,52 @@ class ProxyView:
 
 
 @dataclass(frozen=True)
+class FleetMember:
+    """A replica as some box's guardian published it in etcd."""
+
+    box: str
+    name: str
+    model: str
+    state: str
+
+
+@dataclass(frozen=True)
+class FleetSlot:
+    """A planned-restart slot held in the fleet."""
+
+    box: str
+    replica: str
+    model: str
+
+
+@dataclass(frozen=True)
+class FleetView:
+    """What the shell read from etcd this tick (fleet/sync.py), for core/fleet.py."""
+
+    box: str  # this box's name in the fleet
+    ok: bool  # etcd answered
+    error: str | None = None
+    members: tuple[FleetMember, ...] = ()
+    slots: tuple[FleetSlot, ...] = ()
+
+    @property
+    def mine(self) -> frozenset[str]:
+        return frozenset(s.replica for s in self.slots if s.box == self.box)
+
+    def serving(self, model: str, except_replica: str) -> list[str]:
+        """Replicas of MODEL serving in the fleet (healthy or busy, holding no slot), but this one."""
+        held = {(s.box, s.replica) for s in self.slots}
+        return [
+            f"{m.box}/{m.name}"
+            for m in self.members
+            if m.model == model
+            and m.state in ("healthy", "busy")
+            and (m.box, m.name) not in held
+            and not (m.box == self.box and m.name == except_replica)
+        ]
+
+
+@dataclass(frozen=True)
 class TickObservation:
     """Everything one tick observed; the input of core.tick.decide."""
 
@@ -202,6 +248,7 @@ class TickObservation:
     persistent: PersistentView
     memory: MemoryObservation | None = None  # None: the memory guard is off
     proxy: ProxyView | None = None  # None: no proxy configured
+    fleet: FleetView | None = None  # None: no fleet configured, or not read (core/fleet.py)
 
 
 def gib(n: float) -> str:

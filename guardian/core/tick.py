@@ -26,13 +26,23 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from ..config import Config, ReplicaConfig
-from . import admission, drain, liveness, memguard
-from .actions import Action, AnswerRequest, DrainReplica, LogLine, LowerFraction, RestartUnit, StartCanary
+from . import admission, drain, fleet, liveness, memguard
+from .actions import (
+    AcquireSlot,
+    Action,
+    AnswerRequest,
+    DrainReplica,
+    LogLine,
+    LowerFraction,
+    ReleaseSlot,
+    RestartUnit,
+    StartCanary,
+)
 from .admission import Blocker
 from .drain import Drain, Phase
 from .liveness import Track
 from .observations import MemoryObservation, ReplicaObservation, TickObservation
-from .vocab import RESTART_STATES, SERVING_STATES, Decision, Priority, RestartKind, State
+from .vocab import LOADING_STATES, RESTART_STATES, SERVING_STATES, Decision, Priority, RestartKind, State
 
 
 @dataclass(frozen=True)
@@ -41,6 +51,8 @@ class TickState:
     mem: memguard.MemTrack = field(default_factory=memguard.MemTrack)
     requests_taken: frozenset[str] = frozenset()  # operators' requests acted on, answer not yet recorded
     drains: dict[str, Drain] = field(default_factory=dict)  # replicas marked down at the proxy (core/drain.py)
+    fleet_said: dict[str, tuple[str, ...]] = field(default_factory=dict)  # request id -> why it waits, as last said
+    slots_released: frozenset[str] = frozenset()  # fleet slots given back that the view may still show
 
     @property
     def proxy_down(self) -> frozenset[str]:
@@ -51,6 +63,8 @@ class TickState:
 class _Out:
     tracks: dict[str, Track]
     drains: dict[str, Drain] = field(default_factory=dict)
+    fleet_said: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    slots_released: frozenset[str] = frozenset()
     actions: list[Action] = field(default_factory=list)
 
     def log(self, line: LogLine) -> None:
@@ -59,7 +73,11 @@ class _Out:
 
 def decide(state: TickState, obs: TickObservation, now: float, cfg: Config) -> tuple[TickState, list[Action]]:
     # D10: a replica gone from the config leaves the proxy's file with its server line.
-    out = _Out(tracks={}, drains={n: d for n, d in state.drains.items() if cfg.replica(n) is not None})
+    out = _Out(
+        tracks={},
+        drains={n: d for n, d in state.drains.items() if cfg.replica(n) is not None},
+        slots_released=state.slots_released,
+    )
     for r in cfg.replicas:
         _liveness(out, r, state.tracks.get(r.name, Track(state_since=now)), obs.replicas[r.name], obs, now, cfg)
     issued = any(t.restart_in_flight for t in out.tracks.values())
@@ -68,13 +86,16 @@ def decide(state: TickState, obs: TickObservation, now: float, cfg: Config) -> t
     for r in cfg.replicas:
         issued = _unplanned(out, r, obs, now, cfg, issued) or issued
     planned = issued or any(d.phase is Phase.DRAINING for d in out.drains.values())
+    out.fleet_said = {k: v for k, v in state.fleet_said.items() if k in {q.id for q in obs.persistent.requests}}
     taken, planned = _requests(out, state.requests_taken, obs, now, cfg, planned)
     mem = state.mem
     if obs.memory is not None:
         mem = _memory(out, state.mem, obs.memory, obs, now, cfg, planned)
     else:  # the memory guard is off (a reload): its drains are not waited for
         out.drains = {n: d for n, d in out.drains.items() if not (d.for_memory and d.phase is Phase.DRAINING)}
-    return TickState(out.tracks, mem, taken, out.drains), out.actions
+    waiting = {q.replica for q in obs.persistent.requests if q.id not in taken}
+    released = _release_slots(out, obs, mem, waiting, state.slots_released)
+    return TickState(out.tracks, mem, taken, out.drains, out.fleet_said, released), out.actions
 
 
 def next_tick_at(state: TickState, last_started: float, now: float, cfg: Config) -> float:
@@ -91,6 +112,21 @@ def next_tick_at(state: TickState, last_started: float, now: float, cfg: Config)
         early = deadline - cfg.probe_wait_s
         at = min(at, early if early > now else deadline)
     return at
+
+
+PROBE_WAIT_FLOOR_S = 0.05  # a healthy replica answers within it
+
+
+def probe_wait_s(state: TickState, now: float, cfg: Config) -> float:
+    """How long this tick waits for its probes: cfg.probe_wait_s, but not past a replica's
+    deadline (liveness.next_deadline), so that the verdict is given at it rather than a whole
+    wait later; at least PROBE_WAIT_FLOOR_S, for the replicas that do answer."""
+    wait = cfg.probe_wait_s
+    for t in state.tracks.values():
+        deadline = liveness.next_deadline(t, cfg.watchdog)
+        if deadline is not None:
+            wait = min(wait, max(deadline - now, PROBE_WAIT_FLOOR_S))
+    return wait
 
 
 # --- 1. liveness ------------------------------------------------------------------------------
@@ -377,7 +413,12 @@ def _requests(
             out.actions.append(AnswerRequest(q.id, q.replica, False, f"no replica named {q.replica!r} in the config"))
             continue
         head = f"replica {r.name}: an operator asked for a restart (it is {out.tracks[r.name].state})"
-        if cfg.proxy.enabled and not cfg.dry_run and r.name not in out.drains:
+        if _waits_for_fleet(out, r, q.id, head, obs, now, cfg, issued):
+            still.discard(q.id)  # asked again on the next tick
+            continue
+        # Without the proxy's report (no daemon runs: `guardian restart` decides alone) nobody would
+        # finish a drain, so it is restarted at once.
+        if cfg.proxy.enabled and obs.proxy is not None and not cfg.dry_run and r.name not in out.drains:
             if _start_drain(out, r, q.id, head, obs, now, cfg, issued):
                 issued = True
                 continue
@@ -389,6 +430,60 @@ def _requests(
         else:
             issued = True
     return frozenset(still), issued
+
+
+def _waits_for_fleet(
+    out: _Out, r: ReplicaConfig, request_id: str, head: str, obs: TickObservation, now: float, cfg: Config, issued: bool
+) -> bool:
+    """F2-F6 for an operator's request that admission would let through: True while it waits for
+    a fleet slot (asked for with F6); each reason is said once per request."""
+    if not cfg.fleet.enabled or cfg.dry_run:
+        return False
+    if admission.refusal(r.name, out.tracks, obs.replicas[r.name], obs.persistent, now, cfg, issued) is not None:
+        return False  # refused on this box's own grounds: the restart path says so
+    b = fleet.blocker(r.name, r.model, obs.fleet, cfg, out.slots_released)
+    if b is None:
+        return False
+    if b.rule == "F6":
+        out.actions.append(AcquireSlot(r.name, r.model))
+    if out.fleet_said.get(request_id) != b.key:
+        out.fleet_said[request_id] = b.key
+        out.log(LogLine(b.priority, f"{head}; {b.text} ({b.rule})", Decision.FLEET, r.name, r.unit, rule=b.rule))
+    return True
+
+
+def _release_slots(
+    out: _Out, obs: TickObservation, mem: memguard.MemTrack, pending_requests: set[str], released: frozenset[str]
+) -> frozenset[str]:
+    """F7: give back each slot of this box whose planned restart is over or given up. Returns the
+    slots given back that the view may still show (the release is under way): not asked twice."""
+    if obs.fleet is None or not obs.fleet.ok:
+        return released
+    asking = {a.replica for a in out.actions if isinstance(a, AcquireSlot)}
+    still = released & obs.fleet.mine
+    for name in sorted(obs.fleet.mine - still):
+        t = out.tracks.get(name)
+        busy = (
+            name in out.drains
+            or name in asking
+            or name in pending_requests
+            or (mem.pending is not None and mem.pending.replica == name)
+            or (t is not None and (t.restart_in_flight or t.state in LOADING_STATES))
+        )
+        if not busy:
+            out.actions.append(ReleaseSlot(name))
+            state = t.state if t is not None else "not configured"
+            out.log(
+                LogLine(
+                    Priority.INFO,
+                    f"replica {name}: its planned restart is over ({state}); fleet slot given back (F7)",
+                    Decision.FLEET,
+                    name,
+                    rule="F7",
+                )
+            )
+            still |= {name}
+    return still
 
 
 def _start_drain(
@@ -486,6 +581,8 @@ def _memory(
         own = mine is not None and mine.for_memory and mine.phase is Phase.DRAINING
         others = any(d.phase is Phase.DRAINING for n, d in out.drains.items() if n != r.name)
         b = admission.blocker(r.name, out.tracks, obs.persistent, now, cfg, issued if not own else others)
+        if b is None and not own:  # a drain for the memory guard was begun with its slot held
+            b = fleet.blocker(r.name, r.model, obs.fleet, cfg, out.slots_released)
         if b is not None:
             blocked[r.name] = b
     results = {n: o.restart_outcome for n, o in obs.replicas.items() if o.restart_outcome is not None}

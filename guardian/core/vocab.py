@@ -63,6 +63,7 @@ class Decision(StrEnum):
     HAZARD = "hazard"  # a set-up that makes a restart hurt something
     REQUEST = "request"  # an operator's request (pause, resume, restart)
     PROXY = "proxy"  # a replica marked down or up at the proxy (rules in core/drain.py)
+    FLEET = "fleet"  # a planned restart waiting for, taking or giving back a fleet slot (core/fleet.py)
     NOTE = "note"  # anything else: start, limits, bus, reload
 
 
@@ -82,6 +83,7 @@ class Gate(StrEnum):
     PORT_UNKNOWN = "port-unknown"
     CONFLICTS = "conflicts"
     ENV_FILE = "env-file"  # the memory guard could not write the replica's env file
+    FLEET = "fleet"  # a planned restart waits for the fleet (core/fleet.py)
 
 
 class MemVerdict(StrEnum):

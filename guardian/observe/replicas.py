@@ -289,6 +289,7 @@ class WorldObserver:
         outcomes: dict[str, RestartOutcome],
         pending: Pending | None,
         now: Now,
+        wait_s: float | None = None,
     ) -> TickObservation:
         replicas = await observe_all(
             cfg,
@@ -300,7 +301,7 @@ class WorldObserver:
             self.port_cache,
             self.unit_cache,
             self.carry,
-            wait_s=cfg.probe_wait_s,
+            wait_s=cfg.probe_wait_s if wait_s is None else wait_s,
         )
         memory = await self.memory.observe(cfg, replicas, pending, now) if cfg.memory.enabled else None
         return TickObservation(replicas, persistent, memory)

@@ -1,0 +1,1 @@
+"""Coordination across a fleet of boxes on etcd (README, A fleet)."""

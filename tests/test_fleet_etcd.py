@@ -1,0 +1,199 @@
+"""The fleet's shell (fleet/sync.py) against a real 3-member etcd cluster on loopback: several
+FleetSyncs, each with its own box name, stand in for boxes. Slots are etcd transactions, leases
+are etcd's, and members are stopped, killed and started by PID."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import signal
+import time
+
+import pytest
+
+from etcd_cluster import EtcdCluster
+from guardian.config import Config, FleetConfig, ReplicaConfig
+from guardian.core.liveness import Track
+from guardian.core.observations import FleetView
+from guardian.core.vocab import State
+from guardian.fleet.sync import FleetSync
+from guardian.observe.clock import Now
+from test_shell import Recorder
+
+pytestmark = pytest.mark.system
+NAMES = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def etcd():
+    try:
+        c = EtcdCluster()
+        c.start()
+    except (RuntimeError, AssertionError) as e:
+        pytest.fail(f"cannot start the etcd cluster: {e}", pytrace=False)
+    yield c
+    c.close()
+
+
+def box(cluster: EtcdCluster, name: str, fleet: str, model: str = "m", clock_offset_s: float = 0.0,
+        **kw) -> FleetSync:
+    cfg = Config(replicas=[ReplicaConfig(name="a", unit="vllm-a.service", url="http://127.0.0.1:8001", model=model)],
+                 fleet=FleetConfig(endpoints=cluster.endpoints, name=fleet, box=name, lease_ttl_s=kw.pop("ttl", 3),
+                                   timeout_s=1.0, **kw))
+
+    def clock() -> Now:
+        return Now(time.time() + clock_offset_s, time.monotonic())
+
+    return FleetSync(cfg, Recorder(), clock)
+
+
+def tracks(state: State = State.HEALTHY) -> dict[str, Track]:
+    return {"a": Track(state=state, state_since=time.monotonic())}
+
+
+async def step(b: FleetSync, state: State = State.HEALTHY) -> FleetView:
+    return await b.step(tracks(state), b.clock())
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def fleet_name() -> str:
+    return f"t{next(NAMES)}-{int(time.time())}"
+
+
+def test_boxes_publish_their_replicas_and_only_one_of_eight_gets_the_one_slot_for_a_model(etcd):
+    async def go():
+        name = fleet_name()
+        boxes = [box(etcd, f"box{i}", name) for i in range(8)]
+        for b in boxes:
+            await step(b)
+        views = [await step(b) for b in boxes]
+        assert all(v.ok for v in views)
+        assert sorted(f"{m.box}/{m.name}" for m in views[-1].members) == sorted(f"box{i}/a" for i in range(8))
+        # all eight read the same view, then all ask at once
+        await asyncio.gather(*(b.acquire("a", "m") for b in boxes))
+        after = [await step(b) for b in boxes]
+        holders = {(s.box, s.replica) for s in after[0].slots}
+        assert len(holders) == 1
+        (who,) = holders
+        assert sum(1 for v in after if "a" in v.mine) == 1 and who[0] in {b.box for b in boxes}
+        winner = next(b for b in boxes if b.box == who[0])
+        await winner.release("a")
+        assert (await step(boxes[0])).slots == ()
+        for b in boxes:
+            await b.close()
+    run(go())
+
+
+def test_max_planned_restarts_slots_for_different_models_and_never_more(etcd):
+    async def go():
+        name = fleet_name()
+        boxes = [box(etcd, f"box{i}", name, model=f"model{i}", max_planned_restarts=2) for i in range(5)]
+        for b in boxes:
+            await step(b)
+        for b in boxes:
+            await step(b)
+        seen = []
+        for _ in range(5):  # rounds, as ticks: every box without a slot asks again
+            await asyncio.gather(*(b.acquire("a", f"model{i}") for i, b in enumerate(boxes) if "a" not in b.view.mine))
+            for b in boxes:
+                seen.append(len((await step(b)).slots))
+        v = await step(boxes[0])
+        assert max(seen) == 2 and len(v.slots) == 2 and len({s.model for s in v.slots}) == 2
+        for b in boxes:
+            await b.close()
+    run(go())
+
+
+def test_a_guardian_that_dies_holding_a_slot_frees_it_when_its_lease_expires(etcd):
+    async def go():
+        name = fleet_name()
+        dead, other = box(etcd, "dead", name, ttl=2), box(etcd, "other", name, ttl=2)
+        await step(dead)
+        await step(other)
+        await step(dead)
+        await dead.acquire("a", "m")
+        assert "a" in (await step(dead)).mine
+        t0 = time.monotonic()
+        # "dead" is SIGKILLed: it renews nothing and revokes nothing; "other" keeps its own lease alive
+        while True:
+            v = await step(other)
+            if not any(s.box == "dead" for s in v.slots):
+                break
+            assert time.monotonic() - t0 < 15, "the dead box's slot never expired"
+            await asyncio.sleep(0.3)
+        assert not any(m.box == "dead" for m in v.members)
+        await other.acquire("a", "m")
+        assert "a" in (await step(other)).mine
+        await other.close()
+        assert dead.etcd is not None
+        await dead.etcd.aclose()
+    run(go())
+
+
+def test_the_etcd_leader_killed_while_a_slot_is_held_loses_nothing_and_doubles_nothing(etcd):
+    async def go():
+        name = fleet_name()
+        holder, other = box(etcd, "holder", name, ttl=5), box(etcd, "other", name, ttl=5)
+        await step(holder)
+        await step(other)
+        await step(holder)
+        await holder.acquire("a", "m")
+        assert "a" in (await step(holder)).mine
+        leader = etcd.leader()
+        etcd.stop(leader, signal.SIGKILL)
+        etcd.wait_quorum()
+        for _ in range(10):  # past the old leader's term: leases and keys survive the election
+            v1, v2 = await step(holder), await step(other)
+            await asyncio.sleep(0.3)
+        assert v1.ok and v2.ok and "a" in v1.mine and [s.box for s in v2.slots] == ["holder"]
+        await other.acquire("a", "m")  # the one slot is held: nothing may be doubled
+        assert [s.box for s in (await step(other)).slots] == ["holder"]
+        etcd.start(leader)
+        await holder.close()
+        await other.close()
+    run(go())
+
+
+def test_all_members_down_is_said_once_then_everything_resumes(etcd):
+    async def go():
+        name = fleet_name()
+        b = box(etcd, "box1", name, ttl=30)
+        assert (await step(b)).ok
+        etcd.stop_all()
+        views = [await step(b) for _ in range(3)]
+        assert not any(v.ok for v in views) and views[0].error
+        said = [ln.message for ln, _ in b.journal.lines if "etcd cannot be reached" in ln.message]
+        assert len(said) == 1
+        etcd.start()
+        deadline = time.monotonic() + 30
+        while not (await step(b)).ok:
+            assert time.monotonic() < deadline, "no fleet view 30 s after etcd came back"
+            await asyncio.sleep(0.3)
+        assert any("etcd answers again" in ln.message for ln, _ in b.journal.lines)
+        v = await step(b)
+        assert [m.box for m in v.members] == ["box1"]
+        await b.close()
+    run(go())
+
+
+def test_a_box_whose_clock_is_an_hour_off_decides_the_same(etcd):
+    """Leases are etcd's time: a box an hour ahead holds and loses its slot exactly as the others."""
+    async def go():
+        name = fleet_name()
+        ahead, other = box(etcd, "ahead", name, clock_offset_s=3600, ttl=2), box(etcd, "other", name, ttl=2)
+        await step(ahead)
+        await step(other)
+        await step(ahead)
+        await ahead.acquire("a", "m")
+        for _ in range(6):  # 3 s, longer than its ttl: its keepalives keep the slot
+            v = await step(ahead)
+            await step(other)
+            await asyncio.sleep(0.5)
+        assert "a" in v.mine
+        await ahead.close()  # a graceful stop revokes its lease: gone at once
+        assert (await step(other)).slots == ()
+        await other.close()
+    run(go())
