@@ -165,6 +165,8 @@ def _runtime_dir(args: argparse.Namespace) -> Path:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    if args.fleet:
+        return _fleet_status(args)
     path = _runtime_dir(args) / STATUS_FILE
     try:
         data = json.loads(path.read_text())
@@ -231,6 +233,38 @@ def _update_state(cfg: Config, change: Callable[[State], None]) -> None:
 def _unit_of(cfg: Config, name: str) -> str:
     r = cfg.replica(name)
     return r.unit if r is not None else ""
+
+
+def _fleet_status(args: argparse.Namespace) -> int:
+    from .fleet.etcd import EtcdError
+    from .fleet.sync import fleet_status
+
+    cfg = _load(args)
+    if not cfg.fleet.enabled:
+        print("no [fleet] in the config: this box decides alone", file=sys.stderr)
+        return 1
+    try:
+        data = asyncio.run(fleet_status(cfg))
+    except (EtcdError, OSError) as e:
+        print(f"guardian: cannot read the fleet from etcd: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(data, indent=1, sort_keys=True))
+        return 0
+    now = time.time()
+    print(
+        f"fleet {data['fleet']} on {', '.join(data['endpoints'])} (revision {data['revision']}): "
+        f"{len(data['boxes'])} box(es); planned restarts {len(data['slots'])} of {data['max_planned_restarts']} "
+        f"slot(s) held; min_serving {data['min_serving']}"
+    )
+    for s in sorted(data["slots"], key=lambda x: str(x.get("slot"))):
+        since = s.get("since")
+        held = f" for {now - since:.0f} s" if isinstance(since, int | float) else ""
+        print(f"  slot {s.get('slot')}: held by {s.get('box')}/{s.get('replica')} ({s.get('model')}){held}")
+    for box in sorted(data["boxes"]):
+        for name, r in sorted(data["boxes"][box].items()):
+            print(f"  {box + '/' + name:<24} {r.get('state')!s:<13} {r.get('unit')!s:<28} {r.get('model')}")
+    return 0
 
 
 def cmd_pause(args: argparse.Namespace) -> int:
@@ -367,6 +401,13 @@ async def _restart_without_daemon(cfg: Config, name: str) -> int:
         print(f"guardian: cannot talk to systemd: {e}", file=sys.stderr)
         return 1
     rid = "cli"
+    if cfg.fleet.enabled:
+        print(
+            f"guardian: not restarting {name}: with [fleet] a planned restart takes a fleet slot, which only the "
+            "running daemon can hold (start guardian.service, or `systemctl restart` the unit yourself)",
+            file=sys.stderr,
+        )
+        return 1
     if cfg.proxy.enabled:
         print(
             f"warning: guardian is not running, so {name} is restarted without being drained at the proxy",
@@ -428,6 +469,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_check)
     s = sub.add_parser("status", help="what the running daemon sees now")
     s.add_argument("--json", action="store_true")
+    s.add_argument("--fleet", action="store_true", help="the fleet view from etcd: boxes, replicas, slots and holders")
     s.set_defaults(func=cmd_status)
     pa = sub.add_parser("pause", help="stop acting on a replica (survives guardian restarts)")
     pa.add_argument("name")

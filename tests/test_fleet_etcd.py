@@ -197,3 +197,29 @@ def test_a_box_whose_clock_is_an_hour_off_decides_the_same(etcd):
         assert (await step(other)).slots == ()
         await other.close()
     run(go())
+
+
+def test_status_fleet_shows_boxes_replicas_and_who_holds_the_slots(etcd, tmp_path):
+    import subprocess
+    import sys
+
+    async def go() -> None:
+        name = fleet_name()
+        b1, b2 = box(etcd, "box1", name, ttl=30), box(etcd, "box2", name, ttl=30)
+        await step(b1)
+        await step(b2, State.STALLED)
+        await step(b1)
+        await b1.acquire("a", "m")
+        await step(b1)
+        conf = tmp_path / "guardian.toml"
+        conf.write_text(f'[fleet]\nendpoints = {etcd.endpoints!r}\nname = "{name}"\n'.replace("'", '"'))
+        out = await asyncio.to_thread(
+            subprocess.run, [sys.executable, "-m", "guardian", "--config", str(conf), "status", "--fleet"],
+            capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+        assert "2 box(es); planned restarts 1 of 1 slot(s) held" in out.stdout
+        assert "slot 0: held by box1/a (m)" in out.stdout
+        assert "box2/a" in out.stdout and "stalled" in out.stdout
+        await b1.close()
+        await b2.close()
+    run(go())

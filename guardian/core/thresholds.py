@@ -34,6 +34,7 @@ def describe(cfg: Config) -> list[str]:
             ]
         ),
         _proxy(cfg),
+        _fleet(cfg),
     ]
     for r in cfg.replicas:
         lines.append(
@@ -62,4 +63,16 @@ def _proxy(cfg: Config) -> str:
         f"proxy: {'; '.join(how)}; a planned restart drains first: restarted when running+waiting == 0 or after "
         f"{p.drain_timeout_s:g} s, its stop bounded to {p.stop_timeout_s:g} s (then its processes are killed); "
         "a hung replica is marked down when its restart is issued; marked up when it serves again"
+    )
+
+
+def _fleet(cfg: Config) -> str:
+    f = cfg.fleet
+    if not f.enabled:
+        return "fleet: none (planned restarts are coordinated on this box only)"
+    return (
+        f"fleet: {f.name} on etcd {', '.join(f.endpoints)}; at most {f.max_planned_restarts} planned restart(s) in "
+        f"the fleet at once, each only with >= {f.min_serving} other replica(s) of its model serving; lease ttl "
+        f"{f.lease_ttl_s} s; etcd unreachable: planned restarts wait (critical lowerings go ahead), hung replicas "
+        "are restarted"
     )

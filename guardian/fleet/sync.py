@@ -236,3 +236,35 @@ class FleetSync:
     def _say(self, priority: Priority, text: str, replica: str | None = None) -> None:
         r = self.cfg.replica(replica) if replica else None
         self.journal.line(LogLine(priority, text, Decision.FLEET, replica, r.unit if r else None))
+
+
+async def fleet_status(cfg: Config) -> dict[str, Any]:
+    """The fleet view as `guardian status --fleet` shows it: boxes, replicas and states, slots and
+    their holders, read from etcd with this box's config. Raises EtcdError or OSError."""
+    etcd = make_etcd(cfg)
+    prefix = f"/guardian/{cfg.fleet.name}/"
+    try:
+        revision, kvs = await etcd.range_prefix(prefix)
+    finally:
+        await etcd.aclose()
+    boxes: dict[str, dict[str, Any]] = {}
+    slots = []
+    for kv in kvs:
+        rest = kv.key[len(prefix) :]
+        try:
+            data = json.loads(kv.value)
+        except ValueError:
+            continue
+        if rest.startswith("replicas/") and isinstance(data, dict):
+            boxes.setdefault(str(data.get("box")), {})[str(data.get("name"))] = data
+        elif rest.startswith("slots/") and isinstance(data, dict):
+            slots.append(data | {"slot": rest.split("/", 1)[1]})
+    return {
+        "fleet": cfg.fleet.name,
+        "endpoints": cfg.fleet.endpoints,
+        "revision": revision,
+        "max_planned_restarts": cfg.fleet.max_planned_restarts,
+        "min_serving": cfg.fleet.min_serving,
+        "boxes": boxes,
+        "slots": slots,
+    }
