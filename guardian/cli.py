@@ -114,6 +114,19 @@ async def _check_live(cfg: Config, no_systemd: bool) -> int:
     for bad, text in proxy.describe(cfg, down):
         problems += bad
         print(text)
+    if cfg.fleet.enabled:
+        from .fleet.etcd import EtcdError
+        from .fleet.sync import box_name, fleet_status
+
+        try:
+            fv = await fleet_status(cfg)
+            print(
+                f"fleet: {cfg.fleet.name} on etcd answers: {len(fv['boxes'])} box(es), "
+                f"{len(fv['slots'])} of {cfg.fleet.max_planned_restarts} slot(s) held; this box is {box_name(cfg)}"
+            )
+        except (EtcdError, OSError) as e:
+            problems += 1
+            print(f"problem: fleet: etcd cannot be read ({e}); planned restarts would wait")
     async with make_client() as client:
         for r in cfg.replicas:
             health = await probes.probe_health(client, r)

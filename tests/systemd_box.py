@@ -26,9 +26,9 @@ REPO = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("GUARDIAN_TEST_CACHE", "/var/cache/guardian-test"))
 SUITE = "bookworm"
 PACKAGES = ["systemd", "systemd-sysv", "dbus", "python3", "libpam-systemd", "polkitd", "procps", "faketime",
-            "prometheus", "prometheus-node-exporter", "nginx-light"]
-# Installed for the monitoring and proxy tests, which start them with their own config; off at every boot.
-DISABLED_AT_BOOT = ["prometheus.service", "prometheus-node-exporter.service", "nginx.service"]
+            "prometheus", "prometheus-node-exporter", "nginx-light", "etcd-server"]
+# Installed for the monitoring, proxy and fleet tests, which start them with their own config; off at every boot.
+DISABLED_AT_BOOT = ["prometheus.service", "prometheus-node-exporter.service", "nginx.service", "etcd.service"]
 sys.path.insert(0, str(REPO / "packaging"))
 from deps import runtime_deps  # noqa: E402  (the one dependency list: pyproject.toml)
 

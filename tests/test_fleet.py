@@ -156,3 +156,20 @@ def test_the_memory_guard_waits_for_a_slot_unless_critical():
     sim2.state, acts = tick.decide(sim2.state, TickObservation(reps, PersistentView(), memory(2), fleet=down), 112, c)
     assert of(acts, LowerFraction)
     assert any(isinstance(a, LogLine) and a.decision is Decision.FLEET and a.priority.value == "error" for a in acts)
+
+
+def test_with_a_fleet_another_box_serving_the_model_is_the_peer_that_lets_a_lowering_go():
+    """One replica per box: without the fleet view the memory guard finds no peer (M13)."""
+    from test_tick import config, memory
+    from guardian.config import ReplicaConfig
+    base = config().model_copy(update={"replicas": [
+        ReplicaConfig(name="a", unit="vllm-a.service", url="http://127.0.0.1:8001", model="m")]})
+    c = fleet_cfg(base)
+    alone = view((m(BOX, "a"),))
+    other = view((m(BOX, "a"), m("box2", "a")))
+    for v, rule in ((alone, "M13"), (other, "M14")):  # M14: it asks for a slot (F6)
+        sim = FleetSim(c)
+        sim.step(100, v)
+        reps = {"a": obs("a", 112)}
+        sim.state, acts = tick.decide(sim.state, TickObservation(reps, PersistentView(), memory(5), fleet=v), 112, c)
+        assert sim.state.mem.rule == rule

@@ -59,6 +59,18 @@ def run(coro):
     return asyncio.run(coro)
 
 
+async def holder_and_other(cluster: EtcdCluster, holder: str, other: str, ttl: int, **kw) -> tuple[FleetSync, FleetSync]:
+    """Two boxes in a new fleet, both published; HOLDER has taken the one slot for its replica a."""
+    name = fleet_name()
+    h, o = box(cluster, holder, name, ttl=ttl, **kw), box(cluster, other, name, ttl=ttl)
+    await step(h)
+    await step(o)
+    await step(h)
+    await h.acquire("a", "m")
+    assert "a" in (await step(h)).mine
+    return h, o
+
+
 def fleet_name() -> str:
     return f"t{next(NAMES)}-{int(time.time())}"
 
@@ -109,13 +121,7 @@ def test_max_planned_restarts_slots_for_different_models_and_never_more(etcd):
 
 def test_a_guardian_that_dies_holding_a_slot_frees_it_when_its_lease_expires(etcd):
     async def go():
-        name = fleet_name()
-        dead, other = box(etcd, "dead", name, ttl=2), box(etcd, "other", name, ttl=2)
-        await step(dead)
-        await step(other)
-        await step(dead)
-        await dead.acquire("a", "m")
-        assert "a" in (await step(dead)).mine
+        dead, other = await holder_and_other(etcd, "dead", "other", 2)
         t0 = time.monotonic()
         # "dead" is SIGKILLed: it renews nothing and revokes nothing; "other" keeps its own lease alive
         while True:
@@ -135,13 +141,7 @@ def test_a_guardian_that_dies_holding_a_slot_frees_it_when_its_lease_expires(etc
 
 def test_the_etcd_leader_killed_while_a_slot_is_held_loses_nothing_and_doubles_nothing(etcd):
     async def go():
-        name = fleet_name()
-        holder, other = box(etcd, "holder", name, ttl=5), box(etcd, "other", name, ttl=5)
-        await step(holder)
-        await step(other)
-        await step(holder)
-        await holder.acquire("a", "m")
-        assert "a" in (await step(holder)).mine
+        holder, other = await holder_and_other(etcd, "holder", "other", 5)
         leader = etcd.leader()
         etcd.stop(leader, signal.SIGKILL)
         etcd.wait_quorum()
@@ -182,12 +182,7 @@ def test_all_members_down_is_said_once_then_everything_resumes(etcd):
 def test_a_box_whose_clock_is_an_hour_off_decides_the_same(etcd):
     """Leases are etcd's time: a box an hour ahead holds and loses its slot exactly as the others."""
     async def go():
-        name = fleet_name()
-        ahead, other = box(etcd, "ahead", name, clock_offset_s=3600, ttl=2), box(etcd, "other", name, ttl=2)
-        await step(ahead)
-        await step(other)
-        await step(ahead)
-        await ahead.acquire("a", "m")
+        ahead, other = await holder_and_other(etcd, "ahead", "other", 2, clock_offset_s=3600)
         for _ in range(6):  # 3 s, longer than its ttl: its keepalives keep the slot
             v = await step(ahead)
             await step(other)

@@ -72,7 +72,8 @@ RULES = (
     Rule(
         "M13",
         V.NO_PEER,
-        "no other replica of the same model is healthy or busy (on this box or at M.peer_urls) AND not critical",
+        "no other replica of the same model is healthy or busy (on this box, at M.peer_urls, or on another box "
+        "in the fleet view when [fleet] is set) AND not critical",
     ),
     Rule(
         "M14",
@@ -123,6 +124,7 @@ class MemoryView:
     restart_blocked: dict[str, Blocker] | None = None  # replica -> why admission would not restart it now
     restart_results: dict[str, RestartOutcome] | None = None  # replica -> a restart job that ended this tick
     drain_first: bool = False  # a proxy is configured: a replica is drained before it is lowered (M16)
+    fleet_serving: dict[str, tuple[str, ...]] | None = None  # model -> BOX/NAME serving on other boxes ([fleet])
 
 
 @dataclass(frozen=True)
@@ -381,6 +383,7 @@ def decide(track: MemTrack, view: MemoryView, now: float, cfg: Config) -> tuple[
         return t, actions
     peers = [o.name for o in view.replicas if o.name != r.name and o.model == r.model and o.state in SERVING_STATES]
     peers += list(view.peers_serving)
+    peers += list((view.fleet_serving or {}).get(r.model, ()))
     if not peers and not critical:
         verdict(
             MemVerdict.NO_PEER,

@@ -327,7 +327,7 @@ def _drain_step(out: _Out, r: ReplicaConfig, obs: TickObservation, now: float, c
     d = drain.confirmed(d, r.name, obs.proxy, now)
     out.drains[r.name] = d
     err = drain.refused_by_proxy(d, r.name, obs.proxy)
-    peers = len(obs.memory.peers_serving) if obs.memory is not None else 0
+    peers = _peer_count(obs, cfg, r.model)
     if err is not None and d.for_memory:
         if not d.error_said:
             out.log(
@@ -492,7 +492,7 @@ def _start_drain(
     """D1: mark R down at the proxy instead of restarting it now; True if so. D2 says why not."""
     if admission.refusal(r.name, out.tracks, obs.replicas[r.name], obs.persistent, now, cfg, issued) is not None:
         return False  # the restart path logs and answers the refusal
-    peers = len(obs.memory.peers_serving) if obs.memory is not None else 0
+    peers = _peer_count(obs, cfg, r.model)
     if drain.others_serving(r.name, cfg, out.tracks, out.drains, peers) == 0:
         out.log(
             LogLine(
@@ -595,6 +595,7 @@ def _memory(
         blocked,
         results,
         drain_first=cfg.proxy.enabled,
+        fleet_serving=_fleet_serving(obs, cfg),
     )
     new, actions = memguard.decide(track, view, now, cfg)
     asked: set[str] = set()
@@ -625,6 +626,24 @@ def _memory(
                 )
             )
     return new
+
+
+def _peer_count(obs: TickObservation, cfg: Config, model: str) -> int:
+    """Replicas of MODEL serving elsewhere: memory.peer_urls that answered, and other boxes in the fleet."""
+    peers = len(obs.memory.peers_serving) if obs.memory is not None else 0
+    return peers + len(_fleet_serving(obs, cfg).get(model, ()))
+
+
+def _fleet_serving(obs: TickObservation, cfg: Config) -> dict[str, tuple[str, ...]]:
+    """Per model, the replicas serving on other boxes, from the fleet view (this box's own are
+    judged by its own tracks)."""
+    v = obs.fleet
+    if v is None or not v.ok:
+        return {}
+    out: dict[str, tuple[str, ...]] = {}
+    for model in {r.model for r in cfg.replicas}:
+        out[model] = tuple(x for x in v.serving(model, "") if not x.startswith(f"{v.box}/"))
+    return out
 
 
 def _memory_drained(d: Drain | None, o: ReplicaObservation, now: float, cfg: Config) -> bool:

@@ -1,0 +1,96 @@
+"""The fleet on a real 3-member etcd cluster in the container, with real guardians as boxes (issue
+12). Each box's memory guard is squeezed from the start (its line is above all the memory there is),
+so each wants one lowering, which is a planned restart: the fleet lets one happen at a time."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from fleet_world import FleetWorld, max_overlap
+from systemd_box import wait_for
+
+pytestmark = pytest.mark.system
+
+
+@pytest.fixture
+def fleet(box):
+    w = FleetWorld(box)
+    yield w
+    w.teardown()
+
+
+def test_eight_squeezed_boxes_lower_one_at_a_time_through_a_leader_kill_and_a_clock_an_hour_off(fleet):
+    fleet.faketime = {7: "+3600"}  # box7's guardian lives an hour ahead: leases are etcd's time
+    fleet.setup()
+    fleet.start_guardians()
+    # two lowerings in, kill the etcd leader while the fleet is busy
+    wait_for(lambda: sum(fleet.lowered(i) for i in range(fleet.n)) >= 2, 120, "two boxes lowered")
+    leader = fleet.leader()
+    fleet.box.systemctl("kill", "-s", "SIGKILL", f"etcd-{leader}.service")
+    wait_for(fleet.leader, 30, "a new etcd leader")
+    wait_for(lambda: all(fleet.lowered(i) for i in range(fleet.n)), 240,
+             "every box lowered in turn", interval_s=1)
+    intervals = fleet.slot_intervals()
+    assert sorted(b for b, _, _ in intervals) == sorted(fleet.names()), intervals
+    assert max_overlap(intervals) == 1, intervals  # never more than max_planned_restarts = 1
+    # each model (4 replicas each) kept at least min_serving = 1 other replica serving: with one
+    # restart at a time across the fleet, at most one of its four was ever out
+    for i in range(fleet.n):
+        lowers = [e for e in fleet.lines(i, "GUARDIAN_DECISION=memory") if "restarting" in e["MESSAGE"]]
+        assert len(lowers) == 1, [e["MESSAGE"] for e in lowers]
+    waits = [e["MESSAGE"] for i in range(fleet.n) for e in fleet.lines(i, "GUARDIAN_RULE=M14")]
+    assert any("waiting for a fleet slot" in m and "held, by box" in m for m in waits), waits[:3]
+    out = fleet.box.run(["guardian", "--config", "/etc/guardian/box0.toml", "status", "--fleet"]).stdout
+    assert "8 box(es)" in out and "planned restarts 0 of 1" in out
+
+
+def test_a_guardian_killed_holding_a_slot_frees_it_when_its_lease_expires(fleet):
+    fleet.n = 2
+    fleet.load_time_s = {0: 20.0}  # box0's lowered replica takes 20 s to load: its slot is held meanwhile
+    fleet.no_restart = {0}
+    fleet.setup()
+    fleet.start_guardians([0])
+    wait_for(lambda: any("taken" in e["MESSAGE"] for e in fleet.lines(0, "GUARDIAN_DECISION=fleet")), 60,
+             "box0 to take the slot")
+    wait_for(lambda: fleet.box.prop(fleet.replica_unit(0), "ActiveState") == "active"
+             and fleet.box.http("http://127.0.0.1:8100/health", timeout_s=1)[0] != 200, 30, "box0's replica loading")
+    fleet.start_guardians([1])
+    wait_for(lambda: any("held, by box0/a" in e["MESSAGE"] for e in fleet.lines(1, "GUARDIAN_RULE=M14")), 30,
+             "box1 waiting for box0's slot")
+    fleet.box.systemctl("kill", "-s", "SIGKILL", fleet.unit(0))
+    killed = time.time()
+    wait_for(lambda: any("taken" in e["MESSAGE"] for e in fleet.lines(1, "GUARDIAN_DECISION=fleet")), 30,
+             "box1 to take the slot once box0's lease expired")
+    took = next(int(e["__REALTIME_TIMESTAMP"]) / 1e6 for e in fleet.lines(1, "GUARDIAN_DECISION=fleet")
+                if "taken" in e["MESSAGE"])
+    assert took - killed <= fleet.ttl_s + 3, took - killed  # the lease's ttl, and a tick or two
+    wait_for(lambda: fleet.lowered(1), 60, "box1 lowered")
+
+
+def test_with_etcd_down_a_hung_replica_is_restarted_planned_restarts_wait_then_resume(fleet):
+    fleet.n = 2
+    fleet.setup(memory_squeezed=False)
+    fleet.start_guardians()
+    wait_for(lambda: any("joined fleet" in e["MESSAGE"] for e in fleet.lines(1)), 30, "box1 in the fleet")
+    fleet.box.systemctl("stop", *[f"etcd-{m}.service" for m in fleet.members])
+    wait_for(lambda: any("etcd cannot be reached" in e["MESSAGE"] for e in fleet.lines(0)), 30, "box0 to say so")
+    # a hung replica: restarted all the same
+    pid = fleet.box.prop(fleet.replica_unit(0), "MainPID")
+    fleet.box.run(["kill", "-STOP", pid])
+    wait_for(lambda: fleet.box.prop(fleet.replica_unit(0), "MainPID") not in (pid, "0"), 30, "the hung replica restarted")
+    # a planned restart waits, said at error, and is withdrawn by the command after its wait
+    asked = fleet.box.run(["guardian", "--config", "/etc/guardian/box1.toml", "restart", "a", "--wait", "5s"],
+                          check=False, timeout=60)
+    assert asked.returncode == 1
+    f3 = [e for e in fleet.lines(1, "GUARDIAN_RULE=F3")]
+    assert f3 and f3[0]["PRIORITY"] == "3" and "etcd cannot be reached" in f3[0]["MESSAGE"]
+    said = [e for e in fleet.lines(0) if "etcd cannot be reached" in e["MESSAGE"]]
+    assert len(said) == 1
+    # etcd back: everything resumes, and a planned restart goes through
+    fleet.box.systemctl("start", *[f"etcd-{m}.service" for m in fleet.members])
+    wait_for(fleet.leader, 30, "an etcd leader again")
+    wait_for(lambda: any("etcd answers again" in e["MESSAGE"] for e in fleet.lines(1)), 60, "box1 back in the fleet")
+    asked = fleet.box.run(["guardian", "--config", "/etc/guardian/box1.toml", "restart", "a"], check=False, timeout=120)
+    assert asked.returncode == 0, asked.stdout + asked.stderr
