@@ -60,6 +60,8 @@ class FleetWorld:
     load_time_s: dict[int, float] = field(default_factory=dict)
     faketime: dict[int, str] = field(default_factory=dict)  # box index -> libfaketime offset ("+3600")
     no_restart: set[int] = field(default_factory=set)  # boxes whose guardian systemd does not restart
+    unsqueezed: set[int] = field(default_factory=set)  # boxes whose memory guard is off
+    min_serving: int = 1
     since: float = 0.0
 
     @property
@@ -125,7 +127,7 @@ endpoints = {json.dumps(self.endpoints)}
 name = "test"
 box = "box{i}"
 max_planned_restarts = 1
-min_serving = 1
+min_serving = {self.min_serving}
 lease_ttl_s = {self.ttl_s}
 timeout_s = 1.0
 [[replicas]]
@@ -149,7 +151,7 @@ canary_timeout_s = 2.0
             self.box.write(f"/etc/systemd/system/{self.replica_unit(i)}", REPLICA_UNIT.format(
                 box=f"box{i}", model=f"m{i % self.models}", port=8100 + i, load_time_s=self.load_time_s.get(i, 0.3)))
             cfg = self.config(i)
-            if not memory_squeezed:
+            if not memory_squeezed or i in self.unsqueezed:
                 cfg = cfg.replace("enabled = true", "enabled = false")
             self.box.write(f"/etc/guardian/box{i}.toml", cfg)
             extra = ""

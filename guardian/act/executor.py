@@ -85,48 +85,66 @@ async def checked_restart(
         journal.send(Priority.ERROR, str(e))
     kill_note = ""
 
-    async def kill() -> None:
-        nonlocal kill_note
+    started_before = unit.inactive_exit_mono if unit is not None else None
+
+    async def stopped() -> bool:
+        """The unit's stop is over: it is down, starting again, or has started since (a stop faster
+        than one poll). Never judged from the new process, which must not be killed."""
+        try:
+            now_unit = await sd.unit_info(r.unit)
+        except SystemdError:
+            return False
+        return (
+            now_unit.active_state in (ActiveState.INACTIVE, ActiveState.FAILED, ActiveState.ACTIVATING)
+            or now_unit.inactive_exit_mono != started_before
+        )
+
+    async def kill(what: str) -> bool:
         try:
             await sd.kill(r.unit)
-            kill_note = "; its processes were killed (SIGKILL) as the job began"
+            return True
         except SystemdError as e:
-            kill_note = "; killing its processes failed, so the stop waited for the unit's own stop"
+            # systemd may report a failure for the cgroup's other processes after the main one was
+            # signalled ("Failed to send signal SIGKILL to auxiliary processes"): what counts is
+            # whether the stop ended.
+            for _ in range(5):
+                if await stopped():
+                    return True
+                await asyncio.sleep(STOP_POLL_S)
             journal.line(
                 LogLine(
                     Priority.ERROR,
-                    f"replica {r.name}: could not kill the processes of hung {r.unit}: {e}; the restart goes on "
+                    f"replica {r.name}: could not kill the processes of {what} {r.unit}: {e}; the restart goes on "
                     "with systemd's graceful stop (up to the unit's TimeoutStopSec)",
                     Decision.RESTART_FAILED,
                     r.name,
                     r.unit,
                 )
             )
+            return False
 
-    started_before = unit.inactive_exit_mono if unit is not None else None
+    async def hung_kill() -> None:
+        nonlocal kill_note
+        if await kill("hung"):
+            kill_note = "; its processes were killed (SIGKILL) as the job began"
+        else:
+            kill_note = "; killing its processes failed, so the stop waited for the unit's own stop"
 
     async def bounded_stop() -> None:
         nonlocal kill_note
         assert stop_timeout_s is not None
         began = clock().mono
         while clock().mono - began < stop_timeout_s:
-            try:
-                # Stopped once it is down or starting again, or has started since (a stop faster
-                # than one poll): never the new process's state, which must not be killed.
-                now_unit = await sd.unit_info(r.unit)
-                if (
-                    now_unit.active_state in (ActiveState.INACTIVE, ActiveState.FAILED, ActiveState.ACTIVATING)
-                    or now_unit.inactive_exit_mono != started_before
-                ):
-                    kill_note = f"; the stop took {clock().mono - began:.1f} s"
-                    return
-            except SystemdError:
-                pass  # asked again; the bound still holds
+            if await stopped():
+                kill_note = f"; the stop took {clock().mono - began:.1f} s"
+                return
             await asyncio.sleep(STOP_POLL_S)
-        await kill()
-        kill_note = f"; the stop was still running after {stop_timeout_s:g} s{kill_note or ''}"
+        killed = await kill("drained")
+        kill_note = f"; the stop was still running after {stop_timeout_s:g} s, so " + (
+            "its processes were killed (SIGKILL)" if killed else "killing them was tried and failed"
+        )
 
-    during = kill if kill_first else bounded_stop if stop_timeout_s is not None else None
+    during = hung_kill if kill_first else bounded_stop if stop_timeout_s is not None else None
     try:
         result = await sd.restart(
             r.unit,
