@@ -218,3 +218,20 @@ def test_status_fleet_shows_boxes_replicas_and_who_holds_the_slots(etcd, tmp_pat
         await b1.close()
         await b2.close()
     run(go())
+
+
+def test_check_reads_the_fleet_and_counts_an_unreachable_etcd_as_a_problem(etcd, tmp_path):
+    import subprocess
+    import sys
+
+    def check(endpoints: list[str]) -> subprocess.CompletedProcess:
+        conf = tmp_path / "guardian.toml"
+        conf.write_text(f'[fleet]\nendpoints = {endpoints!r}\nname = "{fleet_name()}"\nbox = "b1"\n'.replace("'", '"'))
+        return subprocess.run([sys.executable, "-m", "guardian", "--config", str(conf), "check", "--no-systemd"],
+                              capture_output=True, text=True, timeout=60)
+
+    ok = check(etcd.endpoints)
+    assert "fleet: " in ok.stdout and "0 box(es), 0 of 1 slot(s) held; this box is b1" in ok.stdout, ok.stdout
+    assert "at most 1 planned restart(s) in the fleet at once" in ok.stdout
+    down = check(["http://127.0.0.1:9"])
+    assert down.returncode == 1 and "problem: fleet: etcd cannot be read" in down.stdout, down.stdout
