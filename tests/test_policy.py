@@ -717,3 +717,22 @@ def test_with_no_deadline_a_tick_waits_half_an_interval():
     sim = Sim(cfg(1))
     healthy_start(sim, t0=200.0)
     assert tick.probe_wait_s(sim.core, 201.0, sim.cfg) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("during, counts", [
+    (sample(gen=1), False),  # the canary's own token and request
+    (sample(gen=1, running=1), False),  # the canary itself, running
+    (sample(gen=4), True),  # three tokens more than a canary makes: clients' requests
+    (sample(gen=1, running=2), True),  # a request beside the canary
+])
+def test_traffic_while_a_canary_runs_is_still_traffic(during, counts):
+    """A short batch of clients' requests that starts and ends while guardian's canary is in
+    flight: it must still count as traffic, or no canary follows it (an engine frozen right
+    after it would be found by the 30 s idle cycle instead)."""
+    sim = Sim(cfg(1, canary_after_traffic_s=5, canary_interval_s=30))
+    healthy_start(sim)
+    sim.tick(101, a=obs(t=101, canary=CanaryResult(True, 100.0, 0.1)))
+    sim.tick(131, a=obs(t=131))  # the idle canary is due: sent
+    assert sim.tracks["a"].canary_in_flight_since == 131
+    sim.tick(132, a=obs(t=132, s=during))
+    assert (sim.tracks["a"].last_traffic_at == 132) == counts

@@ -12,7 +12,8 @@ iteration_tokens_total_count/_sum, request_success_total went up, or kv_cache_us
 down (the engine restarted), or a canary completed.
 
 Traffic means: running + waiting > 0, or a counter moved, at a tick with no canary of guardian's
-in flight or just folded in (a canary's own token is not traffic).
+in flight or just folded in (a canary's own token is not traffic); with one, running + waiting > 1,
+or generation_tokens_total or request_success_total up by more than 1 (more than the canary).
 
 A canary (a 1-token completion) is asked for only when /metrics is readable, /health answered
 and none is in flight, and one of:
@@ -140,6 +141,16 @@ def _progressed(prev: VllmSample | None, cur: VllmSample | None) -> bool:
     return any(c != p for c, p in zip(cur.progress_counters(), prev.progress_counters(), strict=False))
 
 
+def _beyond_a_canary(prev: VllmSample | None, cur: VllmSample) -> bool:
+    """Traffic while a canary of guardian's runs: more than one request in the engine, or counters
+    that moved more than one 1-token canary explains (one generated token, one finished request)."""
+    if cur.queued > 1:
+        return True
+    if prev is None:
+        return False
+    return cur.generation_tokens - prev.generation_tokens > 1 or cur.request_success - prev.request_success > 1
+
+
 CANARY_LATENCIES_KEPT = 8
 CANARY_LATENCIES_NEEDED = 3
 
@@ -208,7 +219,9 @@ def step(
     canary = obs.canary
     canary_failed = False
     ours = t.canary_in_flight_since is not None or canary is not None  # a canary's token is not traffic
-    if sample is not None and not ours and (progressed or sample.queued > 0):
+    if sample is not None and (
+        (not ours and (progressed or sample.queued > 0)) or (ours and _beyond_a_canary(t.last_sample, sample))
+    ):
         t = replace(t, last_traffic_at=now)
     if canary is not None:
         t = replace(t, canary_in_flight_since=None, last_canary_at=canary.started_at + canary.latency_s)
