@@ -422,6 +422,8 @@ class Daemon:
         self.observer.carry.forget(set())  # probes carried over from the last tick: nobody will read them
         if self.fleet is not None:
             await self.fleet.close()
+        if self.closing:  # a fleet left on reload: its lease revoked before the process goes
+            await asyncio.wait(self.closing, timeout=self.cfg.shutdown_timeout_s)
         await self.client.aclose()
         self.sd.close()
         self.stop_exports()

@@ -12,7 +12,6 @@ import shutil
 import signal
 import subprocess
 import tempfile
-import time
 import urllib.request
 from pathlib import Path
 
@@ -85,6 +84,3 @@ class EtcdCluster:
 
     def wait_quorum(self, timeout_s: float = 30) -> None:
         wait_for(self.leader, timeout_s, "an etcd leader", interval_s=0.2)
-
-    def elapsed_since(self, t0: float) -> float:
-        return time.monotonic() - t0

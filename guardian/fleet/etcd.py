@@ -129,7 +129,7 @@ class Etcd:
             return await self._post_one(base, path, body, retried=True)
         if r.status_code != 200:
             detail = r.text[:300]
-            if r.status_code >= 500 or r.status_code == 503:
+            if r.status_code >= 500:
                 raise ValueError(f"HTTP {r.status_code}: {detail}")  # this member cannot answer: try the next
             raise EtcdError(f"etcd refused {path}: HTTP {r.status_code}: {detail}")
         data = r.json()

@@ -87,7 +87,6 @@ class FleetSync:
         self.down_said = False
         self.lock = asyncio.Lock()
         self.tasks: set[asyncio.Task[None]] = set()
-        self.requests = 0  # etcd requests made: for the benchmark's cost at rest
 
     # --- each tick -----------------------------------------------------------------------------
     async def step(self, tracks: dict[str, Track], now: Now) -> FleetView:
@@ -99,6 +98,7 @@ class FleetSync:
             if isinstance(e, TimeoutError):
                 err = f"etcd did not answer within {2 * self.cfg.fleet.timeout_s:g} s"
             self.view = FleetView(self.box, False, err[:500])
+            self.published = {}  # etcd may have lost writes: everything is published again once it answers
             if not self.down_said:
                 self.down_said = True
                 self._say(
@@ -117,7 +117,6 @@ class FleetSync:
         if self.etcd is None:
             self.etcd = make_etcd(self.cfg)
         if self.lease is not None and now.mono - self.renewed_mono >= f.lease_ttl_s / 3:
-            self.requests += 1
             if await self.etcd.keepalive(self.lease) > 0:
                 self.renewed_mono = now.mono
             else:
@@ -130,7 +129,6 @@ class FleetSync:
                 )
                 self.lease = None
         if self.lease is None:
-            self.requests += 1
             self.lease = await self.etcd.grant(f.lease_ttl_s)
             self.renewed_mono = now.mono
             self.published = {}
@@ -148,15 +146,12 @@ class FleetSync:
                 sort_keys=True,
             )
             if self.published.get(r.name) != value:
-                self.requests += 1
                 stamped = json.loads(value) | {"since": round(since, 3)}
                 await self.etcd.put(f"{self.prefix}replicas/{self.box}/{r.name}", json.dumps(stamped), self.lease)
                 self.published[r.name] = value
         for name in [n for n in self.published if self.cfg.replica(n) is None]:
-            self.requests += 1
             await self.etcd.delete(f"{self.prefix}replicas/{self.box}/{name}")
             del self.published[name]
-        self.requests += 1
         _rev, kvs = await self.etcd.range_prefix(self.prefix)
         self.kvs = {kv.key: kv for kv in kvs}
         members, self.slot_kvs = parse_view(self.box, self.prefix, kvs)
@@ -194,7 +189,6 @@ class FleetSync:
                 {"box": self.box, "replica": replica, "model": model, "since": round(self.clock().wall, 3)}
             )
             try:
-                self.requests += 1
                 ok = await self.etcd.txn(
                     [
                         Compare(free[0], "CREATE", "EQUAL", 0),
@@ -217,7 +211,6 @@ class FleetSync:
             for slot, kv in self.slot_kvs:
                 if slot.box == self.box and slot.replica == replica:
                     try:
-                        self.requests += 1
                         await self.etcd.txn([Compare(kv.key, "MOD", "EQUAL", kv.mod_revision)], [delete_op(kv.key)])
                     except EtcdError as e:
                         self._say(Priority.ERROR, f"replica {replica}: giving its fleet slot back failed: {e}", replica)
