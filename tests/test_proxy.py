@@ -126,3 +126,41 @@ def test_check_says_who_includes_each_file_and_what_a_rewrite_would_change(tmp_p
     assert not bad and "included by" in text and "- server 127.0.0.1:8001" in text and "+ server 127.0.0.1:8001" in text
     bad, text = found["upstream small"]
     assert bad and "NOT included" in text and "absent" in text
+
+
+NGINX = [(10, "nginx: master process /usr/sbin/nginx -g daemon on; master_process on;")]
+
+
+@pytest.mark.parametrize(
+    ("before", "now", "took_over"),
+    [
+        # the signal is sent, the master has not started new workers yet
+        ([(11, "nginx: worker process"), (12, "nginx: worker process")],
+         [(11, "nginx: worker process"), (12, "nginx: worker process")], False),
+        # new workers started, the old ones not yet told to stop: both take requests
+        ([(11, "nginx: worker process")], [(11, "nginx: worker process"), (13, "nginx: worker process")], False),
+        # the old ones finish what they read; only the new ones take requests
+        ([(11, "nginx: worker process"), (12, "nginx: worker process")],
+         [(11, "nginx: worker process is shutting down"), (13, "nginx: worker process"), (14, "nginx: worker process")],
+         True),
+        ([(11, "nginx: worker process")], [(13, "nginx: worker process")], True),
+        # no worker at all (the master is between generations, or the unit is not nginx): not in effect
+        ([(11, "nginx: worker process")], [], False),
+        ([(11, "nginx: worker process")], [(11, "nginx: worker process is shutting down")], False),
+    ],
+)
+def test_a_reload_is_in_effect_once_every_worker_taking_requests_started_after_it(before, now, took_over):
+    from guardian.act.proxy import nginx_took_over, nginx_workers
+
+    assert nginx_took_over(nginx_workers(NGINX + before), nginx_workers(NGINX + now)) is took_over
+
+
+def test_only_nginx_workers_that_take_requests_count():
+    from guardian.act.proxy import nginx_workers
+
+    procs = NGINX + [(11, "nginx: worker process"), (12, "nginx: worker process is shutting down"),
+                     (13, "nginx: cache manager process"), (14, "/bin/sh -c nginx: worker process")]
+    assert nginx_workers(procs) == frozenset({11})
+    # as systemd 252's GetUnitProcesses gives them: quoted
+    quoted = [(pid, f'"{cmd}"') for pid, cmd in procs]
+    assert nginx_workers(quoted) == frozenset({11})

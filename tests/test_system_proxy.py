@@ -78,8 +78,10 @@ def test_a_hung_replica_is_marked_down_at_its_restart_and_no_new_request_goes_to
     wait_for(lambda: "D8" in proxy_rules(world, "a"), 30, "a marked down as hung")
     wait_for(lambda: any("marked down: a" in m for m in world.guardian_messages("GUARDIAN_DECISION=proxy")), 20,
              "nginx reloaded with a down")
-    marked = [int(e["__REALTIME_TIMESTAMP"]) / 1e6 for e in world.guardian_lines("GUARDIAN_DECISION=proxy")
-              if "marked down: a" in e["MESSAGE"]]
+    marked_lines = [e for e in world.guardian_lines("GUARDIAN_DECISION=proxy") if "marked down: a" in e["MESSAGE"]]
+    # said once nginx's workers from before the reload no longer take requests, not when the signal went
+    assert "its new workers in charge after" in marked_lines[0]["MESSAGE"], marked_lines[0]["MESSAGE"]
+    marked = [int(e["__REALTIME_TIMESTAMP"]) / 1e6 for e in marked_lines]
     world.wait_states({"a": "healthy"}, timeout_s=30)
     wait_for(lambda: "D9" in proxy_rules(world, "a"), 20, "a marked up again")
     up = [int(e["__REALTIME_TIMESTAMP"]) / 1e6 for e in world.guardian_lines("GUARDIAN_DECISION=proxy")
@@ -92,7 +94,7 @@ def test_a_hung_replica_is_marked_down_at_its_restart_and_no_new_request_goes_to
     served = [q for q in reqs if frozen_at < q["t0"] and q["t1"] < up[0] and not q["failed"]]
     assert served, "b served the clients while a was hung and restarted"
     print(f"hung: {len(reqs)} requests, {len(failures(reqs))} failed, {len(served)} served while a was out, "
-          f"down for {up[0] - marked[0]:.1f} s")
+          f"down for {up[0] - marked[0]:.1f} s; {marked_lines[0]['MESSAGE'].split('; ')[-1]}")
     assert not any("no live upstreams" in (q["failed"] or "") or (q["failed"] or "").startswith("HTTP 502")
                    and q["t0"] > marked[0] for q in reqs), failures(reqs)[:5]
     # only requests sent before guardian had nginx mark it down may fail

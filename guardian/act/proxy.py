@@ -36,6 +36,9 @@ from .state import CorruptState, StateStore, atomic_write
 
 RETRY_S = 30.0
 JOB_TIMEOUT_S = 30.0
+# nginx's reload job ends when the signal is sent; its new workers start a moment later.
+NGINX_TAKEOVER_S = 5.0
+NGINX_POLL_S = 0.05
 OUTPUT_CHARS = 2000
 
 
@@ -67,6 +70,19 @@ def render_upstream(cfg: Config, upstream: str, down: frozenset[str]) -> str:
         params = " ".join(p for p in (cfg.proxy.server_params, "down" if r.name in down else "") if p)
         lines.append(f"server {server_address(cfg, r)}{' ' + params if params else ''};  # {r.name} ({r.unit})")
     return "\n".join(lines) + "\n"
+
+
+def nginx_workers(processes: list[tuple[int, str]]) -> frozenset[int]:
+    """The PIDs of nginx workers that take new requests: after a reload, the old ones are titled
+    "nginx: worker process is shutting down" and only finish what they had read. systemd quotes a
+    command line with spaces (252 does: "\"nginx: worker process\""), older ones do not."""
+    titles = ((pid, cmdline.strip().strip("\"'")) for pid, cmdline in processes)
+    return frozenset(pid for pid, t in titles if t.startswith("nginx: worker process") and "shutting down" not in t)
+
+
+def nginx_took_over(before: frozenset[int], now: frozenset[int]) -> bool:
+    """A reload is in effect once every worker that takes requests started after it."""
+    return bool(now) and not now & before
 
 
 def upstream_path(cfg: Config, upstream: str) -> Path:
@@ -209,13 +225,43 @@ class ProxySync:
             self.nginx_down = want
             self._say_written(want, changed, f"{p.nginx_unit} is not running, so it was not reloaded", began)
             return None
+        before = await self._workers()
         reload = await self._job("ReloadUnit", p.nginx_unit)
         if reload != JOB_DONE:
             self.nginx_down = None  # the files are new, nginx may still run the old ones: compare again
             return self._say_nginx(want, f"reload of {p.nginx_unit}: {reload} (the upstream file is written)")
+        how = f"{p.nginx_unit} reloaded"
+        if before:
+            took_s = await self._takeover(before)
+            if took_s is None:
+                self.nginx_down = None
+                return self._say_nginx(
+                    want,
+                    f"{p.nginx_unit} reloaded, but {NGINX_TAKEOVER_S:g} s later its workers from before the reload "
+                    f"still take requests (the upstream file is written; see journalctl -u {p.nginx_unit})",
+                )
+            how += f", its new workers in charge after {took_s:.2f} s"
+        else:
+            how += " (its workers could not be told apart: not confirmed that the new ones took over)"
         self.nginx_down = want
-        self._say_written(want, changed, f"{p.nginx_unit} reloaded", began)
+        self._say_written(want, changed, how, began)
         return None
+
+    async def _workers(self) -> frozenset[int]:
+        try:
+            return nginx_workers(await self.sd.unit_processes(self.cfg.proxy.nginx_unit))
+        except SystemdError:
+            return frozenset()
+
+    async def _takeover(self, before: frozenset[int]) -> float | None:
+        """Seconds until nginx's workers from before the reload no longer take requests, or None."""
+        start = self.clock().mono
+        while True:
+            if nginx_took_over(before, await self._workers()):
+                return self.clock().mono - start
+            if self.clock().mono - start >= NGINX_TAKEOVER_S:
+                return None
+            await asyncio.sleep(NGINX_POLL_S)
 
     def _say_written(self, want: frozenset[str], changed: dict[Path, str], how: str, began: Now) -> None:
         down = ", ".join(sorted(want)) or "none"

@@ -387,6 +387,11 @@ class Systemd:
         finally:
             self._jobs.pop(job_path, None)
 
+    async def unit_processes(self, name: str) -> list[tuple[int, str]]:
+        """(pid, command line) of each process in NAME's cgroup (GetUnitProcesses: no polkit verb)."""
+        (rows,) = await self._call(MANAGER, "GetUnitProcesses", "s", [name])
+        return [(int(pid), str(cmdline)) for _cgroup, pid, cmdline in rows]
+
     async def kill(self, name: str, signal: int = 9) -> None:
         """KillUnit(name, "all", SIGNAL): every process of the unit (polkit verb "kill")."""
         await self._call(MANAGER, "KillUnit", "ssi", [name, "all", signal])
