@@ -211,10 +211,6 @@ def test_dry_run_never_drains():
     assert not sim.core.drains and answers(acts)[0].ok and "DRY-RUN" in answers(acts)[0].message
 
 
-def test_persistent_view_default_has_nobody_down():
-    assert PersistentView().proxy_down == ()
-
-
 # --- the memory guard's lowerings drain first (M16, D11) -------------------------------------------
 
 class MemBox:

@@ -76,6 +76,8 @@ def test_update_over_a_corrupt_file_applies_the_change_once_and_says_so(tmp_path
     ('{"version": 1, "resumed_at": {"a": -Infinity}}', "not finite"),
     ('{"version": 1, "restarts": []}', "a section must be an object"),
     ('{"version": 1, "requests": {"r": {"replica": 5, "at": 1}}}', "a replica name is text"),
+    ('{"version": 1, "proxy_down": "a"}', "proxy_down is a list"),
+    ('{"version": 1, "proxy_down": [7]}', "a replica name is text"),
     ('{"version": 1, "restarts": {"a": ' + "[" * 100_000 + "]" * 100_000 + "}}", "nested 100k deep"),
 ])
 def test_state_of_the_wrong_shape_is_corrupt_said_once_and_moved_aside(tmp_path, content, why):
@@ -124,6 +126,14 @@ def test_after_a_reboot_only_the_wall_time_counts(tmp_path):
 def test_the_older_format_of_bare_wall_times_still_reads(tmp_path):
     (tmp_path / "state.json").write_text(json.dumps({"version": 1, "restarts": {"a": [NOW.wall - 60]}}))
     assert view(StateStore(tmp_path).read(), NOW).restarts["a"] == (NOW.mono - 60,)
+
+
+def test_what_the_proxy_was_told_survives_a_restart_and_a_file_from_before_the_proxy_has_nobody_down(tmp_path):
+    (tmp_path / "state.json").write_text(json.dumps({"version": 1, "restarts": {}}))
+    store = StateStore(tmp_path)
+    assert view(store.read(), NOW).proxy_down == ()
+    store.update(lambda d: d.__setitem__("proxy_down", ["b", "a", "b"]))
+    assert view(StateStore(tmp_path).read(), NOW).proxy_down == ("a", "b")
 
 
 def test_history_of_replicas_no_longer_configured_is_dropped():
