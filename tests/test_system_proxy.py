@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from systemd_box import wait_for
-from world import PROXY, World
+from world import PROXY, Replica, World
 
 pytestmark = pytest.mark.system
 
@@ -69,6 +69,8 @@ def test_a_planned_restart_under_load_drains_first_and_no_client_request_fails(w
 
 
 def test_a_hung_replica_is_marked_down_at_its_restart_and_no_new_request_goes_to_it(world):
+    # a takes 5 s to load after its restart: without its down line nginx would try it meanwhile
+    world.replicas = [Replica("a", 8001, load_time_s=5), Replica("b", 8002)]
     world = proxied_world(world)
     a, _ = world.replicas
     world.start_load()
@@ -86,10 +88,14 @@ def test_a_hung_replica_is_marked_down_at_its_restart_and_no_new_request_goes_to
     wait_for(lambda: "D9" in proxy_rules(world, "a"), 20, "a marked up again")
     up = [int(e["__REALTIME_TIMESTAMP"]) / 1e6 for e in world.guardian_lines("GUARDIAN_DECISION=proxy")
           if "marked down: none" in e["MESSAGE"] and int(e["__REALTIME_TIMESTAMP"]) / 1e6 > marked[0]]
+    # guardian decided to mark a up (D9) before it rewrote nginx's file: nginx had a down until then
+    up_decided = [t for t in (int(e["__REALTIME_TIMESTAMP"]) / 1e6
+                              for e in world.guardian_lines("GUARDIAN_REPLICA=a", "GUARDIAN_RULE=D9")) if t > marked[0]]
+    assert up_decided[0] < up[0] and up_decided[0] - marked[0] > 3, (marked, up_decided)
     world.wait_requests(20, after=up[0])
     reqs = world.stop_load()
-    # nginx reloaded with a down at marked[0]: from then until it was marked up, nothing went to a
-    sent_to_a = [q for q in reqs if marked[0] < q["t0"] < up[0] and "8001" in (q["upstream"] or "")]
+    # nginx's new workers had a down by marked[0]: from then until guardian marked it up, nothing went to a
+    sent_to_a = [q for q in reqs if marked[0] < q["t0"] < up_decided[0] and "8001" in (q["upstream"] or "")]
     assert sent_to_a == [], sent_to_a[:3]
     served = [q for q in reqs if frozen_at < q["t0"] and q["t1"] < up[0] and not q["failed"]]
     assert served, "b served the clients while a was hung and restarted"
