@@ -225,42 +225,45 @@ class ProxySync:
             self.nginx_down = want
             self._say_written(want, changed, f"{p.nginx_unit} is not running, so it was not reloaded", began)
             return None
-        before = await self._workers()
+        before, unread = await self._workers()
         reload = await self._job("ReloadUnit", p.nginx_unit)
         if reload != JOB_DONE:
             self.nginx_down = None  # the files are new, nginx may still run the old ones: compare again
             return self._say_nginx(want, f"reload of {p.nginx_unit}: {reload} (the upstream file is written)")
         how = f"{p.nginx_unit} reloaded"
         if before:
-            took_s = await self._takeover(before)
+            took_s, why = await self._takeover(before)
             if took_s is None:
                 self.nginx_down = None
                 return self._say_nginx(
                     want,
-                    f"{p.nginx_unit} reloaded, but {NGINX_TAKEOVER_S:g} s later its workers from before the reload "
-                    f"still take requests (the upstream file is written; see journalctl -u {p.nginx_unit})",
+                    f"{p.nginx_unit} reloaded, but {NGINX_TAKEOVER_S:g} s later {why} "
+                    f"(the upstream file is written; see journalctl -u {p.nginx_unit})",
                 )
             how += f", its new workers in charge after {took_s:.2f} s"
         else:
-            how += " (its workers could not be told apart: not confirmed that the new ones took over)"
+            how += f" (not confirmed that its new workers took over: {unread or 'no nginx worker found'})"
         self.nginx_down = want
         self._say_written(want, changed, how, began)
         return None
 
-    async def _workers(self) -> frozenset[int]:
+    async def _workers(self) -> tuple[frozenset[int], str | None]:
+        """nginx's workers that take requests, or none and why its processes could not be read."""
         try:
-            return nginx_workers(await self.sd.unit_processes(self.cfg.proxy.nginx_unit))
-        except SystemdError:
-            return frozenset()
+            return nginx_workers(await self.sd.unit_processes(self.cfg.proxy.nginx_unit)), None
+        except SystemdError as e:
+            return frozenset(), f"its processes could not be read: {e}"
 
-    async def _takeover(self, before: frozenset[int]) -> float | None:
-        """Seconds until nginx's workers from before the reload no longer take requests, or None."""
+    async def _takeover(self, before: frozenset[int]) -> tuple[float | None, str]:
+        """Seconds until nginx's workers from before the reload no longer take requests; None and
+        what was seen last if that did not happen in time."""
         start = self.clock().mono
         while True:
-            if nginx_took_over(before, await self._workers()):
-                return self.clock().mono - start
+            workers, unread = await self._workers()
+            if nginx_took_over(before, workers):
+                return self.clock().mono - start, ""
             if self.clock().mono - start >= NGINX_TAKEOVER_S:
-                return None
+                return None, unread or "its workers from before the reload still take requests"
             await asyncio.sleep(NGINX_POLL_S)
 
     def _say_written(self, want: frozenset[str], changed: dict[Path, str], how: str, began: Now) -> None:
