@@ -86,8 +86,12 @@ def test_a_hung_replica_is_marked_down_at_its_restart_and_no_new_request_goes_to
     marked = [int(e["__REALTIME_TIMESTAMP"]) / 1e6 for e in marked_lines]
     world.wait_states({"a": "healthy"}, timeout_s=30)
     wait_for(lambda: "D9" in proxy_rules(world, "a"), 20, "a marked up again")
-    up = [int(e["__REALTIME_TIMESTAMP"]) / 1e6 for e in world.guardian_lines("GUARDIAN_DECISION=proxy")
-          if "marked down: none" in e["MESSAGE"] and int(e["__REALTIME_TIMESTAMP"]) / 1e6 > marked[0]]
+
+    def marked_up() -> list[float]:  # the proxy's line comes after D9's, once nginx's new workers are in charge
+        return [int(e["__REALTIME_TIMESTAMP"]) / 1e6 for e in world.guardian_lines("GUARDIAN_DECISION=proxy")
+                if "marked down: none" in e["MESSAGE"] and int(e["__REALTIME_TIMESTAMP"]) / 1e6 > marked[0]]
+
+    up = wait_for(marked_up, 20, "nginx reloaded with a up")
     # guardian decided to mark a up (D9) before it rewrote nginx's file: nginx had a down until then
     up_decided = [t for t in (int(e["__REALTIME_TIMESTAMP"]) / 1e6
                               for e in world.guardian_lines("GUARDIAN_REPLICA=a", "GUARDIAN_RULE=D9")) if t > marked[0]]
