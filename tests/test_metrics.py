@@ -9,7 +9,7 @@ import pytest
 from guardian.observe.metrics import MetricsError, parse_vllm_metrics
 
 # A complete /metrics page from a real vLLM 0.32 server (copied from shared/).
-SAMPLE = Path(__file__).resolve().parent / "data" / "vllm-0.32-metrics-sample.txt"
+SAMPLE = Path(__file__).resolve().parent.parent / "vllm_sim" / "data" / "vllm-0.32-metrics-sample.txt"
 
 
 def test_real_vllm_page():
@@ -68,3 +68,28 @@ def test_a_fraction_that_is_no_fraction_is_not_read(label):
     """With "inf" guardian crashed in a squeeze; with "7.5" it wrote 7.46 to the env file (issue 10)."""
     page = _page("vllm:generation_tokens_total 0", f'vllm:cache_config_info{{gpu_memory_utilization="{label}"}} 1')
     assert parse_vllm_metrics(page).gpu_memory_utilization is None
+
+
+def test_the_selected_lines_give_the_same_sample_as_the_whole_page():
+    from guardian.observe.metrics import parse_vllm_page, select_lines
+
+    page = SAMPLE.read_bytes()
+    assert parse_vllm_page(page) == parse_vllm_metrics(page.decode())
+    kept = select_lines(page).splitlines()
+    assert 10 <= len(kept) <= 20 and len(select_lines(page)) < len(page) // 10  # about 15 of 600 samples
+    assert not any(line.startswith("vllm:num_requests_waiting_by_reason") for line in kept)  # a longer name
+
+
+def test_a_page_of_more_samples_than_the_cap_is_refused_in_the_linear_pass():
+    from guardian.observe.metrics import parse_vllm_page
+
+    page = _page("vllm:generation_tokens_total 0", *(f"other{{i=\"{i}\"}} 0" for i in range(20_001)))
+    with pytest.raises(MetricsError, match="more than 20000 samples"):
+        parse_vllm_page(page.encode())
+
+
+def test_a_page_of_blank_or_comment_lines_is_refused_in_the_linear_pass():
+    from guardian.observe.metrics import MAX_LINES, parse_vllm_page
+
+    with pytest.raises(MetricsError, match=f"more than {MAX_LINES} lines"):
+        parse_vllm_page(b"#\n" * (MAX_LINES + 1))

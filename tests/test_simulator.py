@@ -18,7 +18,7 @@ from guardian.observe.metrics import parse_vllm_metrics
 from systemd_box import wait_for
 
 # A complete /metrics page from a real vLLM 0.32 server (copied from shared/).
-SAMPLE = Path(__file__).resolve().parent / "data" / "vllm-0.32-metrics-sample.txt"
+SAMPLE = Path(__file__).resolve().parent.parent / "vllm_sim" / "data" / "vllm-0.32-metrics-sample.txt"
 
 
 def free_port() -> int:
@@ -101,7 +101,19 @@ def test_metric_families_match_the_real_sample(sim):
     assert {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
             "vllm:generation_tokens_total", "vllm:prompt_tokens_total", "vllm:request_success_total",
             "vllm:iteration_tokens_total", "vllm:cache_config_info"} <= mine
-    assert mine <= real, mine - real
+    assert mine == real, (mine - real, real - mine)
+
+
+def test_metrics_page_is_the_size_and_shape_of_the_real_one(sim):
+    """What guardian parses, and what that costs, must be measured on a real-size page."""
+    s = sim("--gpu-memory-utilization", "0.74").wait_up()
+    page, real = s.get("/metrics").text, SAMPLE.read_text()
+    samples = lambda text: sum(1 for line in text.splitlines() if line and not line.startswith("#"))
+    assert 0.8 * len(real) <= len(page) <= 1.2 * len(real), (len(page), len(real))
+    assert 0.8 * samples(real) <= samples(page) <= 1.2 * samples(real)
+    assert 'model_name="tiny"' not in page and 'model_name="m"' in page
+    info = [line for line in page.splitlines() if line.startswith("vllm:cache_config_info{")]
+    assert len(info) == 1 and len(info[0]) > 1000 and 'gpu_memory_utilization="0.74"' in info[0]
 
 
 def test_engine_dead_health_200_requests_hang_counters_flat(sim):

@@ -55,6 +55,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 from prometheus_client import (
     CollectorRegistry,
@@ -64,6 +65,7 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client import gc_collector, platform_collector, process_collector
+from prometheus_client.parser import text_string_to_metric_families
 
 VERSION = "0.32.0+sim"
 _ids = itertools.count(1)
@@ -96,13 +98,52 @@ class Metrics:
                                lab + ["finished_reason"], registry=r)
         self.iteration = Histogram("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.", lab,
                                    buckets=[1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384], registry=r)
-        cfg = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
-                    ["engine", "gpu_memory_utilization", "block_size", "cache_dtype"], registry=r)
-        cfg.labels(engine="0", gpu_memory_utilization=str(gpu_util), block_size="16", cache_dtype="auto").set(1)
+        # The real server's label set (36 labels, a 1 KiB line), with this replica's fraction.
+        info = dict(REAL_PAGE.cache_config_labels, engine="0", gpu_memory_utilization=str(gpu_util))
+        cfg = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", sorted(info), registry=r)
+        cfg.labels(**info).set(1)
         for reason in ("stop", "length", "abort", "error", "repetition"):
             self.success.labels(finished_reason=reason, **self.labels)
         for m in (self.running, self.waiting, self.kv, self.prompt, self.gen, self.iteration):
             m.labels(**self.labels)
+
+
+SAMPLE_PAGE = Path(__file__).resolve().parent / "data" / "vllm-0.32-metrics-sample.txt"
+
+
+class RealPage:
+    """The page of a real vLLM 0.32 server (39 vllm: families, histograms, _created series: 51 KB).
+
+    The simulator drives the families guardian reads; every other family of the real page is
+    emitted as the real server last showed it (with this replica's model name), so that what
+    guardian parses, and what that costs, is the size and shape of the real thing.
+    """
+
+    def __init__(self, path: Path = SAMPLE_PAGE) -> None:
+        self.blocks: list[tuple[str, str]] = []  # (family name of its HELP line, its lines)
+        self.cache_config_labels: dict[str, str] = {}
+        name, lines = None, []
+        for line in path.read_text().splitlines():
+            if line.startswith("# HELP "):
+                if name is not None:
+                    self.blocks.append((name, "\n".join(lines) + "\n"))
+                name, lines = line.split(" ", 3)[2], []
+            lines.append(line)
+            if line.startswith("vllm:cache_config_info{"):
+                for family in text_string_to_metric_families(line + "\n"):
+                    self.cache_config_labels = dict(family.samples[0].labels)
+        if name is not None:
+            self.blocks.append((name, "\n".join(lines) + "\n"))
+
+    def rest(self, driven: bytes, model: str) -> bytes:
+        """The real page's families that the page DRIVEN lacks, for MODEL."""
+        have = {line.split(b" ", 3)[2].decode() for line in driven.splitlines() if line.startswith(b"# HELP ")}
+        text = "".join(block for name, block in self.blocks if name not in have)
+        return text.replace('model_name="' + REAL_MODEL + '"', 'model_name="' + model.replace('"', "") + '"').encode()
+
+
+REAL_MODEL = "tiny"  # the model_name label on the real page
+REAL_PAGE = RealPage()
 
 
 class Engine:
@@ -312,7 +353,9 @@ def make_handler(sim: Sim):
                     {"id": served, "object": "model", "created": int(sim.started_at), "owned_by": "vllm",
                      "root": sim.args.model, "parent": None, "max_model_len": 4096}]})
             if path == "/metrics":
-                return self._send(200, generate_latest(sim.registry), "text/plain; version=0.0.4; charset=utf-8")
+                driven = generate_latest(sim.registry)
+                page = driven + REAL_PAGE.rest(driven, sim.model)
+                return self._send(200, page, "text/plain; version=0.0.4; charset=utf-8")
             if path == "/_sim/state":
                 return self._json(200, {"fault": sim.fault, "running": len(sim.engine.running),
                                         "waiting": len(sim.engine.waiting), "pid": os.getpid(),
