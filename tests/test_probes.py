@@ -94,13 +94,13 @@ def test_metrics_are_parsed_off_the_event_loop(hostile, monkeypatch):
     """A parse that only ends when the event loop runs proves the loop was free meanwhile."""
     page = "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 0\n"
     released = threading.Event()
-    real = probes.parse_vllm_metrics
+    real = probes.parse_vllm_page
 
-    def slow_parse(text: str):  # noqa: ANN202
+    def slow_parse(body: bytes):  # noqa: ANN202
         assert released.wait(5), "the event loop was blocked while /metrics was parsed"
-        return real(page + "vllm:num_requests_waiting 0\nvllm:generation_tokens_total 0\n")
+        return real((page + "vllm:num_requests_waiting 0\nvllm:generation_tokens_total 0\n").encode())
 
-    monkeypatch.setattr(probes, "parse_vllm_metrics", slow_parse)
+    monkeypatch.setattr(probes, "parse_vllm_page", slow_parse)
 
     async def fetch_ok(client, url):  # noqa: ANN001, ANN202
         return probes.Probe(True, 200, 0.0), page.encode()
@@ -115,3 +115,136 @@ def test_metrics_are_parsed_off_the_event_loop(hostile, monkeypatch):
 
     probe, sample = run(both)
     assert probe.ok and sample is not None and sample.running == 0
+
+
+# --- each probe judged on its own; the parser given a bounded input (issue 21, row 1) -------------
+
+REAL_LINES = (
+    "vllm:num_requests_running{engine=\"0\",model_name=\"m\"} 2\n"
+    "vllm:num_requests_waiting{engine=\"0\",model_name=\"m\"} 0\n"
+    "vllm:generation_tokens_total{engine=\"0\",model_name=\"m\"} 40\n"
+)
+
+
+class Pages(BaseHTTPRequestHandler):
+    """/health at once; /metrics as the test sets it, or held until the test lets it go."""
+
+    def log_message(self, *a: object) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        srv = self.server
+        srv.asked[self.path] = srv.asked.get(self.path, 0) + 1  # type: ignore[attr-defined]
+        if self.path == "/metrics":
+            if srv.hold_metrics.is_set():  # type: ignore[attr-defined]
+                srv.release.wait(30)  # type: ignore[attr-defined]
+            body = srv.page  # type: ignore[attr-defined]
+        elif self.path == "/v1/models":
+            body = b'{"data": [{"id": "m"}]}'
+        else:
+            body = b""
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+@pytest.fixture
+def pages() -> Iterator[tuple[ReplicaConfig, ThreadingHTTPServer]]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Pages)
+    server.daemon_threads = True
+    server.asked, server.page = {}, REAL_LINES.encode()  # type: ignore[attr-defined]
+    server.hold_metrics, server.release = threading.Event(), threading.Event()  # type: ignore[attr-defined]
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield ReplicaConfig(name="p", unit="p.service", url=f"http://127.0.0.1:{server.server_address[1]}", model="m",
+                        metrics_timeout_s=5, health_timeout_s=5), server
+    server.release.set()  # type: ignore[attr-defined]
+    server.shutdown()
+
+
+def test_a_health_answer_counts_while_metrics_are_still_in_flight(pages):
+    """The field's shape: /metrics slow (a page slow to fetch or parse) hid a /health 200 for 11 s,
+    and the replica was judged unresponsive. Each endpoint is carried on its own."""
+    from guardian.observe.replicas import ProbeCarry
+
+    r, server = pages
+    server.hold_metrics.set()
+
+    async def ticks():  # noqa: ANN202
+        carry = ProbeCarry()
+        seen = []
+        async with probes.make_client() as client:
+            for i in range(3):
+                tasks = carry.start(client, r, float(i))
+                await asyncio.wait(tasks, timeout=0.5)
+                seen.append(carry.take(r.name, float(i) + 0.5))
+            server.release.set()
+            await asyncio.wait(carry.start(client, r, 3.0), timeout=5)
+            seen.append(carry.take(r.name, 3.5))
+        return seen
+
+    seen = asyncio.run(ticks())
+    for (health, (mprobe, sample), (models_probe, _)), pending_s in seen[:3]:
+        assert health.ok and models_probe.ok and pending_s is None  # answered: news, not L16
+        assert not mprobe.ok and mprobe.status is None and "no answer yet" in mprobe.error and sample is None
+    (health, (mprobe, sample), _), pending_s = seen[3]
+    assert health.ok and mprobe.ok and sample is not None and sample.running == 2 and pending_s is None
+    assert server.asked["/metrics"] == 1 and server.asked["/health"] == 4  # the slow one is not sent twice
+
+
+def test_no_answer_at_all_with_a_probe_in_flight_is_no_news(pages):
+    from guardian.observe.replicas import ProbeCarry
+
+    r, _server = pages
+    r = r.model_copy(update={"url": "http://127.0.0.1:9"})  # nothing listens: refused at once
+
+    async def tick():  # noqa: ANN202
+        carry = ProbeCarry()
+        async with probes.make_client() as client:
+            await asyncio.wait(carry.start(client, r, 0.0), timeout=2)
+            first = carry.take(r.name, 2.0)
+            hung = asyncio.ensure_future(asyncio.sleep(3600))
+            carry.tasks[r.name]["health"] = (hung, 2.0)  # a /health sent to a frozen server
+            await asyncio.wait(carry.start(client, r, 4.0), timeout=0.2)
+            second = carry.take(r.name, 5.0)
+            carry.forget(set())
+            return first, second, hung
+
+    (_, first_pending), (results, second_pending), hung = asyncio.run(tick())
+    assert first_pending is None  # every probe ended (refused): a verdict can be made
+    assert second_pending == pytest.approx(3.0) and "in flight for 3.0 s" in results[0].error
+    assert hung.cancelled()
+
+
+def test_the_parser_is_given_only_the_series_guardian_reads(pages, monkeypatch):
+    """A 2.5 MiB page whose label value is all escapes kept one core busy for minutes in
+    prometheus_client's parser (quadratic): only the wanted lines may reach it."""
+    from guardian.observe import metrics
+
+    r, server = pages
+    escapes = '\\"' * (2**20 // 2)
+    server.page = (REAL_LINES + f'other_series{{label="{escapes}"}} 1\n' * 2).encode()
+    assert len(server.page) > 2 * 2**20
+    given: list[int] = []
+    real = metrics.text_string_to_metric_families
+
+    def recording(text: str):  # noqa: ANN202
+        given.append(len(text))
+        return real(text)
+
+    monkeypatch.setattr(metrics, "text_string_to_metric_families", recording)
+    probe, sample = run(lambda c: probes.probe_metrics(c, r))
+    assert probe.ok and sample is not None and sample.running == 2 and sample.generation_tokens == 40
+    assert given and max(given) <= metrics.MAX_SELECTED_BYTES
+
+
+@pytest.mark.parametrize("line, why", [
+    ('vllm:cache_config_info{gpu_memory_utilization="0.9",x="' + "y" * 20_000 + '"} 1', "vllm:cache_config_info line of"),
+    ('vllm:num_requests_waiting{engine="0",x="' + "y" * 20_000 + '"} 1', "vllm:num_requests_waiting line of"),
+])
+def test_a_wanted_line_over_its_cap_is_unreadable_not_no_answer(pages, line, why):
+    r, server = pages
+    server.page = (REAL_LINES + line + "\n").encode()
+    probe, sample = run(lambda c: probes.probe_metrics(c, r))
+    assert sample is None and not probe.ok and probe.status == 200 and probe.answered
+    assert probe.error.startswith("unreadable: a ") and why in probe.error

@@ -130,7 +130,7 @@ def test_shutdown_cancels_the_probes_carried_over_from_the_last_tick(tmp_path):
     async def go() -> None:
         d = Daemon(cfg, tmp_path / "guardian.toml", journal=Recorder(), notifier=Pings())
         hung = asyncio.ensure_future(asyncio.sleep(3600))  # a probe to a frozen replica
-        d.observer.carry.tasks["a"] = (hung, 0.0)  # type: ignore[assignment]
+        d.observer.carry.tasks["a"] = {"metrics": (hung, 0.0)}
         await d.shutdown()
         await asyncio.sleep(0)
         assert hung.cancelled() and d.observer.carry.tasks == {}

@@ -1,5 +1,12 @@
 """Turn a vLLM /metrics page into a VllmSample, with prometheus_client's parser.
 
+Only the lines of the few series guardian reads are parsed: one linear pass over the page picks
+them (by exact series name), each at most MAX_LINE_BYTES and all together at most
+MAX_SELECTED_BYTES, and prometheus_client parses just those. A real vLLM 0.32 page is 51 KB with
+about 600 samples, of which guardian needs about 15 lines: parsing it whole was half of guardian's
+CPU at idle. And the parser is quadratic on some inputs (a label value made of escapes: 1 MiB took
+6.6 s of a core), so what it is given must be bounded in size, not only the page.
+
 Values are summed over label sets (several engines, finished reasons). A page that does not
 parse, or that lacks the gauges guardian judges progress by, raises MetricsError: guardian
 then cannot tell busy from stalled and must not restart on that replica's metrics.
@@ -7,6 +14,7 @@ then cannot tell busy from stalled and must not restart on that replica's metric
 
 from __future__ import annotations
 
+import io
 import math
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -33,10 +41,60 @@ _SUMMED = {
 _REQUIRED = ("running", "waiting", "generation_tokens")
 
 
-# A real vLLM 0.32 page has about 600 samples (tests/data); a page with many more is not one
+# A real vLLM 0.32 page has about 600 samples (vllm_sim/data); a page with many more is not one
 # guardian should spend its tick on.
 MAX_SAMPLES = 20_000
+MAX_LINES = 4 * MAX_SAMPLES  # with its # HELP and # TYPE lines, and some blank ones
 MAX_MODEL_NAMES = 16
+# The longest line guardian reads on a real page is vllm:cache_config_info's (36 labels, 1 KiB).
+MAX_LINE_BYTES = 16 * 2**10
+# About 15 lines on a real page (a few engines or finished reasons more on a big server).
+MAX_SELECTED_BYTES = 256 * 2**10
+
+_WANTED = (*_SUMMED, "process_start_time_seconds", "vllm:cache_config_info")
+_WANTED_NAMES = frozenset(n.encode() for n in _WANTED)
+_WANTED_PREFIXES = tuple(_WANTED_NAMES)
+
+
+def select_lines(page: bytes) -> str:
+    """The sample lines of PAGE whose series guardian reads, as text for the parser.
+
+    Linear in the page's size. Comments (# HELP, # TYPE) are dropped: without them each kept
+    sample is an untyped family of its own name, which is all guardian reads. Raises
+    MetricsError on a page with more than MAX_SAMPLES samples, or a wanted line longer than
+    MAX_LINE_BYTES, or more than MAX_SELECTED_BYTES of them.
+    """
+    kept: list[bytes] = []
+    lines = samples = kept_bytes = 0
+    for raw in io.BytesIO(page):  # one line at a time: a page of 2M empty lines is not 2M objects
+        lines += 1
+        if lines > MAX_LINES:
+            raise MetricsError(f"more than {MAX_LINES} lines on the page")
+        line = raw.rstrip(b"\n")
+        if not line or line.startswith(b"#"):
+            continue
+        samples += 1
+        if samples > MAX_SAMPLES:
+            raise MetricsError(f"more than {MAX_SAMPLES} samples on the page")
+        if not line.startswith(_WANTED_PREFIXES):
+            continue
+        name = line.split(b"{", 1)[0].split(b" ", 1)[0]
+        if name not in _WANTED_NAMES:
+            continue  # a longer name with a wanted prefix (vllm:num_requests_waiting_by_reason)
+        shown = name.decode("ascii", "replace")
+        if len(line) > MAX_LINE_BYTES:
+            raise MetricsError(f"a {shown} line of {len(line)} bytes (at most {MAX_LINE_BYTES} are read)")
+        kept_bytes += len(line) + 1
+        if kept_bytes > MAX_SELECTED_BYTES:
+            raise MetricsError(f"more than {MAX_SELECTED_BYTES} bytes of the series guardian reads")
+        kept.append(line)
+    kept.append(b"")
+    return b"\n".join(kept).decode("utf-8", errors="replace")
+
+
+def parse_vllm_page(page: bytes) -> VllmSample:
+    """The VllmSample of a whole /metrics page as it came from the replica."""
+    return parse_vllm_metrics(select_lines(page))
 
 
 def parse_vllm_metrics(text: str) -> VllmSample:

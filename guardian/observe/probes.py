@@ -10,7 +10,7 @@ import httpx
 
 from ..config import ReplicaConfig
 from ..core.observations import CanaryResult, Probe, VllmSample
-from .metrics import MetricsError, parse_vllm_metrics
+from .metrics import MetricsError, parse_vllm_page
 
 # Every byte from a replica is bounded before it is decoded: guardian asks for no compression,
 # refuses a compressed answer (a 1 MB gzip can inflate to 1 GiB), and reads at most this much of
@@ -18,6 +18,7 @@ from .metrics import MetricsError, parse_vllm_metrics
 MAX_METRICS_BYTES = 4 * 2**20
 MAX_MODELS_BYTES = 2**20
 MAX_SMALL_BYTES = 64 * 2**10  # /health, a canary's answer
+PARSE_TIMEOUT_S = 1.0  # a real page's lines parse in about 1 ms
 HEADERS = {"Accept-Encoding": "identity"}
 
 
@@ -92,9 +93,14 @@ async def probe_metrics(client: httpx.AsyncClient, r: ReplicaConfig) -> tuple[Pr
         return probe, None
     try:
         # Off the event loop: a hostile page must not delay another replica's probes or a ping.
-        return probe, await asyncio.to_thread(parse_vllm_metrics, body.decode("utf-8", errors="replace"))
+        # Its cost is bounded by construction (metrics.select_lines); the time bound is for a box
+        # so loaded that even that is slow: the page was answered, so it is "unreadable", which
+        # never counts as "no answer".
+        return probe, await asyncio.wait_for(asyncio.to_thread(parse_vllm_page, body), PARSE_TIMEOUT_S)
     except MetricsError as e:
         return Probe(False, probe.status, probe.latency_s, f"unreadable: {e}"), None
+    except TimeoutError:
+        return Probe(False, probe.status, probe.latency_s, f"unreadable: not parsed within {PARSE_TIMEOUT_S:g} s"), None
 
 
 async def models_at(client: httpx.AsyncClient, base_url: str, timeout_s: float) -> tuple[Probe, tuple[str, ...] | None]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import httpx
 
@@ -161,39 +162,58 @@ class ProbeCarry:
     timeout, and the tick judges with "no answer yet". The next tick takes its result if it
     ended, and starts no second copy of it. So a hung replica cannot stretch the tick cadence,
     and a new process is seen as soon as it answers.
+
+    Each endpoint is carried on its own: a /health that answered is an answer whatever /metrics
+    does (a page slow to fetch or to parse once hid a fast /health 200 for 11 s, and the replica
+    was judged unresponsive and killed). Only when none of the three answered this tick and one
+    is still in flight is there no news (L16).
     """
 
-    def __init__(self) -> None:
-        self.tasks: dict[str, tuple[asyncio.Task[ProbeResults], float]] = {}
+    ENDPOINTS = ("health", "metrics", "models")
 
-    def start(self, client: httpx.AsyncClient, r: ReplicaConfig, mono: float) -> asyncio.Task[ProbeResults]:
-        entry = self.tasks.get(r.name)
-        if entry is None:
-            task = asyncio.ensure_future(_probe_all(client, r))
-            self.tasks[r.name] = entry = (task, mono)
-        return entry[0]
+    def __init__(self) -> None:
+        # replica -> endpoint -> (its probe in flight or finished and not yet taken, sent at)
+        self.tasks: dict[str, dict[str, tuple[asyncio.Task[Any], float]]] = {}
+
+    def start(self, client: httpx.AsyncClient, r: ReplicaConfig, mono: float) -> list[asyncio.Task[Any]]:
+        """Send each probe of R that is not already in flight; the tasks to wait for."""
+        slots = self.tasks.setdefault(r.name, {})
+        for endpoint in self.ENDPOINTS:
+            if endpoint not in slots:
+                slots[endpoint] = (asyncio.ensure_future(_send(client, r, endpoint)), mono)
+        return [task for task, _ in slots.values()]
 
     def take(self, name: str, mono: float) -> tuple[ProbeResults, float | None]:
-        """The finished probes of NAME (and forget them), or placeholders and how long they have run."""
-        task, since = self.tasks[name]
-        if task.done():
-            del self.tasks[name]
-            return task.result(), None
-        waiting = Probe(False, None, mono - since, f"no answer yet (in flight for {mono - since:.1f} s)")
-        return (waiting, (waiting, None), (waiting, None)), mono - since
+        """NAME's finished probes (forgotten once taken) and placeholders for those still running,
+        and, when none got an answer and one is still running, how long the oldest has run."""
+        slots = self.tasks.get(name, {})
+        got: dict[str, Any] = {}
+        running_s: list[float] = []
+        for endpoint in self.ENDPOINTS:
+            task, sent = slots.get(endpoint, (None, mono))
+            if task is not None and task.done():
+                got[endpoint] = task.result()
+                del slots[endpoint]
+                continue
+            running_s.append(mono - sent)
+            waiting = Probe(False, None, mono - sent, f"no answer yet (in flight for {mono - sent:.1f} s)")
+            got[endpoint] = waiting if endpoint == "health" else (waiting, None)
+        results: ProbeResults = (got["health"], got["metrics"], got["models"])
+        answered = results[0].answered or results[1][0].answered or results[2][0].answered
+        return results, (max(running_s) if running_s and not answered else None)
 
     def forget(self, keep: set[str]) -> None:
         for name in [n for n in self.tasks if n not in keep]:
-            self.tasks.pop(name)[0].cancel()
+            for task, _ in self.tasks.pop(name).values():
+                task.cancel()
 
 
-async def _probe_all(client: httpx.AsyncClient, r: ReplicaConfig) -> ProbeResults:
-    health, metrics, models = await asyncio.gather(
-        probes.probe_health(client, r),
-        probes.probe_metrics(client, r),
-        probes.probe_models(client, r),
-    )
-    return health, metrics, models
+async def _send(client: httpx.AsyncClient, r: ReplicaConfig, endpoint: str) -> Any:
+    if endpoint == "health":
+        return await probes.probe_health(client, r)
+    if endpoint == "metrics":
+        return await probes.probe_metrics(client, r)
+    return await probes.probe_models(client, r)
 
 
 def replica_observation(
@@ -241,7 +261,7 @@ async def observe_all(
     (see ProbeCarry); without, every probe is waited for (its own timeout bounds it)."""
     carry = carry if carry is not None else ProbeCarry()
     carry.forget({r.name for r in cfg.replicas})
-    tasks = [carry.start(client, r, at) for r in cfg.replicas]
+    tasks = [task for r in cfg.replicas for task in carry.start(client, r, at)]
     (owners, units), _ = await asyncio.gather(
         asyncio.gather(
             port_cache.get(sd, {r.port for r in cfg.replicas}),
