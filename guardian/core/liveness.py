@@ -75,8 +75,8 @@ RULES = (
     Rule(
         "L16",
         "(unchanged)",
-        "the probes sent at an earlier tick are still running (each bounded by its timeout): no news, "
-        "the verdict stands (L1-L8 still apply)",
+        "no probe answered this tick AND one sent at an earlier tick is still running (each bounded by "
+        "its timeout): no news, the verdict stands (L1-L8 still apply)",
     ),
     Rule("L9", S.BUSY, "progress this tick AND (/health failed OR took >= R.health_timeout_s)"),
     Rule("L10", S.HEALTHY, "progress this tick AND /health answered 2xx in < R.health_timeout_s"),
