@@ -126,7 +126,13 @@ async def _check_live(cfg: Config, no_systemd: bool) -> int:
             )
         except (EtcdError, OSError) as e:
             problems += 1
-            print(f"problem: fleet: etcd cannot be read ({e}); planned restarts would wait")
+            print(f"problem: fleet: etcd cannot be read ({_one_line(str(e))}); planned restarts would wait")
+        except Exception as e:  # noqa: BLE001 - a line and a problem counted, not a traceback
+            problems += 1
+            print(
+                f"problem: fleet: etcd cannot be read ({_one_line(f'{type(e).__name__}: {e}')}); planned "
+                "restarts would wait"
+            )
     async with make_client() as client:
         for r in cfg.replicas:
             health = await probes.probe_health(client, r)
@@ -259,7 +265,10 @@ def _fleet_status(args: argparse.Namespace) -> int:
     try:
         data = asyncio.run(fleet_status(cfg))
     except (EtcdError, OSError) as e:
-        print(f"guardian: cannot read the fleet from etcd: {e}", file=sys.stderr)
+        print(f"guardian: cannot read the fleet from etcd: {_one_line(str(e))}", file=sys.stderr)
+        return 1
+    except Exception as e:  # noqa: BLE001 - one line and exit status 1, not a traceback
+        print(f"guardian: cannot read the fleet from etcd: {_one_line(f'{type(e).__name__}: {e}')}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(data, indent=1, sort_keys=True))
@@ -277,7 +286,15 @@ def _fleet_status(args: argparse.Namespace) -> int:
     for box in sorted(data["boxes"]):
         for name, r in sorted(data["boxes"][box].items()):
             print(f"  {box + '/' + name:<24} {r.get('state')!s:<13} {r.get('unit')!s:<28} {r.get('model')}")
+    for bad in data["ignored"]:
+        print(f"  ignored {bad['key']!r}: {bad['why']} (not a guardian's)")
     return 0
+
+
+def _one_line(text: str, max_chars: int = 500) -> str:
+    """An error for the terminal: one line of printable text, of bounded length (it may quote etcd)."""
+    flat = " ".join("".join(c if c.isprintable() else " " for c in text[: 4 * max_chars]).split())
+    return flat if len(flat) <= max_chars else flat[:max_chars] + " [...]"
 
 
 def cmd_pause(args: argparse.Namespace) -> int:

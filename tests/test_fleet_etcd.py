@@ -16,7 +16,7 @@ from guardian.config import Config, FleetConfig, ReplicaConfig
 from guardian.core.liveness import Track
 from guardian.core.observations import FleetView
 from guardian.core.vocab import State
-from guardian.fleet.sync import FleetSync
+from guardian.fleet.sync import FleetSync, fleet_status
 from guardian.observe.clock import Now
 from test_shell import Recorder
 
@@ -191,6 +191,32 @@ def test_a_box_whose_clock_is_an_hour_off_decides_the_same(etcd):
         await ahead.close()  # a graceful stop revokes its lease: gone at once
         assert (await step(other)).slots == ()
         await other.close()
+    run(go())
+
+
+def test_a_member_writing_garbage_under_replicas_stops_no_other_box(etcd):
+    """Issue 21: one member wrote 100 KB of "[" under replicas/; parse_view raised RecursionError on
+    every box, every tick was abandoned, and systemd restarted every guardian in a loop."""
+    async def go():
+        name = fleet_name()
+        good, evil = box(etcd, "good", name), box(etcd, "evil", name)
+        await step(good)
+        await step(evil)
+        assert evil.etcd is not None and evil.lease is not None
+        prefix = f"/guardian/{name}/"
+        await evil.etcd.put(prefix + "replicas/evil/x", "[" * 100_000, evil.lease)
+        await evil.etcd.put(prefix + "replicas/evil/y", "[" * 5_000, evil.lease)  # small, too deep to parse
+        await evil.etcd.put(prefix + "replicas/evil/z", "[1, 2, 3]", evil.lease)
+        for _ in range(2):
+            v = await step(good)
+            assert v.ok and sorted(f"{m.box}/{m.name}" for m in v.members) == ["evil/a", "good/a"], v
+        ignored = [ln.message for ln, _ in good.journal.lines if "ignored" in ln.message]
+        assert len(ignored) == 3 and "replicas/evil/x' ignored: a value of 100000 characters" in ignored[0]
+        await good.acquire("a", "m")  # and the fleet still coordinates
+        assert "a" in (await step(good)).mine
+        await good.close()
+        await evil.close()
+        assert (await fleet_status(good.cfg))["boxes"] == {}  # evil's garbage went with its lease
     run(go())
 
 

@@ -9,11 +9,14 @@ Keys, under ``/guardian/FLEET/`` (F = the [fleet] config):
 - ``models/MODEL``: rewritten with every slot taken for MODEL, so that two boxes that read the same
   view cannot both take a slot for the same model (the transaction compares its revision).
 
-Once per tick, bounded by 2 x F.timeout_s, running beside the replicas' probes: renew the lease
-every lease_ttl_s / 3 (a new lease when it expired, and everything published again), publish the
-replicas whose state changed, and read the whole prefix (one range request). Slots are asked for
-and given back as the core says (AcquireSlot, ReleaseSlot), as tasks. When etcd cannot be reached
-this is said once; the view says so to the core, which holds planned restarts (core/fleet.py F3).
+Once per tick, bounded as a whole by 2 x F.timeout_s (waiting for the lock included), running
+beside the replicas' probes: renew the lease every lease_ttl_s / 3 (a new lease when it expired,
+and everything published again), publish the replicas whose state changed, and read the whole
+prefix (one range request). Slots are asked for and given back as the core says (AcquireSlot,
+ReleaseSlot), as tasks, each under the same bound. When etcd cannot be reached, or answers what is
+not etcd's, or anything at all goes wrong in the step, this is said once; the view says so to the
+core, which holds planned restarts (core/fleet.py F3). A value under the prefix that is not a
+guardian's is skipped, said once, and the rest of the view is used.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from ..core.liveness import Track
 from ..core.observations import FleetMember, FleetSlot, FleetView
 from ..core.vocab import Decision, Priority
 from ..observe.clock import Now
-from .etcd import KV, Compare, Etcd, EtcdError, delete_op, put_op
+from .etcd import KV, Compare, Etcd, EtcdError, delete_op, json_kind, put_op
 
 
 def box_name(cfg: Config) -> str:
@@ -54,20 +57,88 @@ def make_etcd(cfg: Config) -> Etcd:
     )
 
 
-def parse_view(box: str, prefix: str, kvs: list[KV]) -> tuple[list[FleetMember], list[tuple[FleetSlot, KV]]]:
-    """Members and slots from the keys under PREFIX; a value that is not ours is skipped."""
+# A guardian writes values of about 200 bytes, every field text. Anyone who can write under the
+# prefix can write anything: a value longer than this is not read at all (json.loads of 100 KB of
+# "[" raises RecursionError), and a field longer than MAX_FIELD_CHARS is not a guardian's either.
+MAX_VALUE_CHARS = 16 * 2**10
+MAX_FIELD_CHARS = 512
+MAX_SKIPPED_SAID = 3  # per tick, then one line for the rest: a flood of garbage is not a flood of lines
+
+
+class NotOurs(ValueError):
+    pass
+
+
+def read_value(value: str) -> dict[str, Any]:
+    """VALUE as a guardian wrote it: a JSON object; NotOurs says why not."""
+    if len(value) > MAX_VALUE_CHARS:
+        raise NotOurs(f"a value of {len(value)} characters, more than {MAX_VALUE_CHARS}")
+    try:
+        data = json.loads(value)
+    except (ValueError, RecursionError) as e:
+        raise NotOurs(f"not JSON ({type(e).__name__})") from e
+    if not isinstance(data, dict):
+        raise NotOurs(f"not a JSON object ({json_kind(data)})")
+    return data
+
+
+def _text(data: dict[str, Any], field: str) -> str:
+    value = data.get(field)
+    if not isinstance(value, str) or len(value) > MAX_FIELD_CHARS:
+        raise NotOurs(f"its {field!r} is not text of at most {MAX_FIELD_CHARS} characters")
+    return value
+
+
+def read_member(value: str) -> tuple[FleetMember, dict[str, Any]]:
+    data = read_value(value)
+    return FleetMember(_text(data, "box"), _text(data, "name"), _text(data, "model"), _text(data, "state")), data
+
+
+def read_slot(value: str) -> tuple[FleetSlot, dict[str, Any]]:
+    data = read_value(value)
+    return FleetSlot(_text(data, "box"), _text(data, "replica"), _text(data, "model")), data
+
+
+def _scalars(data: dict[str, Any]) -> dict[str, Any]:
+    """What `guardian status --fleet` may show of DATA: its short text and its numbers."""
+    return {
+        k: v
+        for k, v in data.items()
+        if (isinstance(v, str) and len(v) <= MAX_FIELD_CHARS)
+        or (isinstance(v, int | float) and not isinstance(v, bool))
+    }
+
+
+def parse_view(
+    box: str, prefix: str, kvs: list[KV], skipped: list[tuple[str, str]] | None = None
+) -> tuple[list[FleetMember], list[tuple[FleetSlot, KV]]]:
+    """Members and slots from the keys under PREFIX. A value that is not ours is skipped, never
+    raised about: (key, why) is added to SKIPPED when it is given."""
     members, slots = [], []
     for kv in kvs:
+        if not kv.key.startswith(prefix):
+            if skipped is not None:
+                skipped.append((kv.key, "outside the fleet's prefix"))
+            continue
         rest = kv.key[len(prefix) :]
         try:
-            data = json.loads(kv.value)
             if rest.startswith("replicas/"):
-                members.append(FleetMember(str(data["box"]), str(data["name"]), str(data["model"]), str(data["state"])))
+                members.append(read_member(kv.value)[0])
             elif rest.startswith("slots/"):
-                slots.append((FleetSlot(str(data["box"]), str(data["replica"]), str(data["model"])), kv))
-        except (ValueError, KeyError, TypeError):
-            continue
+                slots.append((read_slot(kv.value)[0], kv))
+        except NotOurs as e:
+            if skipped is not None:
+                skipped.append((kv.key, str(e)))
     return members, slots
+
+
+def _reason(e: Exception, deadline: asyncio.Timeout, deadline_s: float) -> str:
+    """Why the fleet could not be read, for the view and the journal."""
+    if isinstance(e, TimeoutError) and deadline.expired():
+        return f"etcd did not answer within {deadline_s:g} s"
+    if isinstance(e, EtcdError):
+        return str(e)
+    return f"{type(e).__name__}: {e}"
 
 
 class FleetSync:
@@ -85,31 +156,41 @@ class FleetSync:
         self.slot_kvs: list[tuple[FleetSlot, KV]] = []
         self.view: FleetView = FleetView(self.box, False, "not read yet")
         self.down_said = False
+        self.skipped_said: set[str] = set()  # keys whose value is not a guardian's, said once each
         self.lock = asyncio.Lock()
         self.tasks: set[asyncio.Task[None]] = set()
 
     # --- each tick -----------------------------------------------------------------------------
+    @property
+    def deadline_s(self) -> float:
+        """The bound on one whole step, slot request or slot release, waiting for the lock included."""
+        return 2 * self.cfg.fleet.timeout_s
+
     async def step(self, tracks: dict[str, Track], now: Now) -> FleetView:
+        deadline_s = self.deadline_s
+        deadline = asyncio.timeout(deadline_s)
         try:
-            async with self.lock:
-                await asyncio.wait_for(self._step(tracks, now), 2 * self.cfg.fleet.timeout_s)
-        except (EtcdError, OSError, TimeoutError) as e:
-            err = f"{type(e).__name__}: {e}" if not isinstance(e, EtcdError) else str(e)
-            if isinstance(e, TimeoutError):
-                err = f"etcd did not answer within {2 * self.cfg.fleet.timeout_s:g} s"
-            self.view = FleetView(self.box, False, err[:500])
-            self.published = {}  # etcd may have lost writes: everything is published again once it answers
-            if not self.down_said:
-                self.down_said = True
-                self._say(
-                    Priority.ERROR,
-                    f"fleet: etcd cannot be reached ({err[:300]}); planned restarts wait (a critical memory "
-                    "lowering goes ahead), hung replicas are still restarted; retried every tick",
-                )
-            return self.view
+            async with deadline:
+                async with self.lock:
+                    await self._step(tracks, now)
+        except Exception as e:  # noqa: BLE001 - whatever etcd sent, the tick goes on: the fleet is unreadable
+            return self.unreadable(_reason(e, deadline, deadline_s))
         if self.down_said:
             self.down_said = False
             self._say(Priority.INFO, "fleet: etcd answers again; this box's replicas are published again")
+        return self.view
+
+    def unreadable(self, reason: str) -> FleetView:
+        """This tick's view when the fleet could not be read for REASON: said once, at error."""
+        self.view = FleetView(self.box, False, reason[:500])
+        self.published = {}  # etcd may have lost writes: everything is published again once it answers
+        if not self.down_said:
+            self.down_said = True
+            self._say(
+                Priority.ERROR,
+                f"fleet: etcd cannot be reached or read ({reason[:300]}); planned restarts wait (a critical "
+                "memory lowering goes ahead), hung replicas are still restarted; retried every tick",
+            )
         return self.view
 
     async def _step(self, tracks: dict[str, Track], now: Now) -> None:
@@ -154,8 +235,25 @@ class FleetSync:
             del self.published[name]
         _rev, kvs = await self.etcd.range_prefix(self.prefix)
         self.kvs = {kv.key: kv for kv in kvs}
-        members, self.slot_kvs = parse_view(self.box, self.prefix, kvs)
+        skipped: list[tuple[str, str]] = []
+        members, self.slot_kvs = parse_view(self.box, self.prefix, kvs, skipped)
+        self._say_skipped(skipped)
         self.view = FleetView(self.box, True, None, tuple(members), tuple(s for s, _ in self.slot_kvs))
+
+    def _say_skipped(self, skipped: list[tuple[str, str]]) -> None:
+        new = [(k, why) for k, why in skipped if k not in self.skipped_said]
+        for key, why in new[:MAX_SKIPPED_SAID]:
+            self._say(
+                Priority.WARNING,
+                f"fleet: etcd key {key[:200]!r} ignored: {why}; it is not a guardian's, the rest of the fleet "
+                "view is used",
+            )
+        if len(new) > MAX_SKIPPED_SAID:
+            self._say(
+                Priority.WARNING,
+                f"fleet: {len(new) - MAX_SKIPPED_SAID} more etcd key(s) under {self.prefix} ignored: not a guardian's",
+            )
+        self.skipped_said = {k for k, _ in skipped}
 
     # --- slots ---------------------------------------------------------------------------------
     def perform(self, actions: list[Action]) -> None:
@@ -172,57 +270,63 @@ class FleetSync:
 
     async def acquire(self, replica: str, model: str) -> None:
         """F6: take a free slot, only if no slot was taken for MODEL since the view was read."""
-        async with self.lock:
-            if self.etcd is None or self.lease is None or not self.view.ok:
-                return
-            taken = {kv.key for _, kv in self.slot_kvs}
-            free = [
-                k
-                for k in (f"{self.prefix}slots/{i}" for i in range(self.cfg.fleet.max_planned_restarts))
-                if k not in taken
-            ]
-            if not free:
-                return
-            epoch = f"{self.prefix}models/{model}"
-            seen = self.kvs.get(epoch)
-            value = json.dumps(
-                {"box": self.box, "replica": replica, "model": model, "since": round(self.clock().wall, 3)}
-            )
-            try:
-                ok = await self.etcd.txn(
-                    [
-                        Compare(free[0], "CREATE", "EQUAL", 0),
-                        Compare(epoch, "MOD", "EQUAL", seen.mod_revision if seen else 0),
-                    ],
-                    [put_op(free[0], value, self.lease), put_op(epoch, value)],
-                )
-            except EtcdError as e:
-                self._say(Priority.ERROR, f"replica {replica}: asking etcd for a fleet slot failed: {e}", replica)
-                return
-            if ok:
-                n = free[0].rsplit("/", 1)[1]
-                self._say(Priority.INFO, f"replica {replica}: fleet slot {n} taken for a planned restart (F6)", replica)
+        deadline_s = self.deadline_s
+        deadline = asyncio.timeout(deadline_s)
+        try:
+            async with deadline:
+                async with self.lock:
+                    await self._acquire(replica, model)
+        except Exception as e:  # noqa: BLE001 - a task: nothing may escape it; the next view tells
+            reason = _reason(e, deadline, deadline_s)
+            self._say(Priority.ERROR, f"replica {replica}: asking etcd for a fleet slot failed: {reason}", replica)
+
+    async def _acquire(self, replica: str, model: str) -> None:
+        if self.etcd is None or self.lease is None or not self.view.ok:
+            return
+        taken = {k for k in self.kvs if k.startswith(f"{self.prefix}slots/")}  # one not a guardian's too
+        free = [
+            k for k in (f"{self.prefix}slots/{i}" for i in range(self.cfg.fleet.max_planned_restarts)) if k not in taken
+        ]
+        if not free:
+            return
+        epoch = f"{self.prefix}models/{model}"
+        seen = self.kvs.get(epoch)
+        value = json.dumps({"box": self.box, "replica": replica, "model": model, "since": round(self.clock().wall, 3)})
+        ok = await self.etcd.txn(
+            [
+                Compare(free[0], "CREATE", "EQUAL", 0),
+                Compare(epoch, "MOD", "EQUAL", seen.mod_revision if seen else 0),
+            ],
+            [put_op(free[0], value, self.lease), put_op(epoch, value)],
+        )
+        if ok:
+            n = free[0].rsplit("/", 1)[1]
+            self._say(Priority.INFO, f"replica {replica}: fleet slot {n} taken for a planned restart (F6)", replica)
 
     async def release(self, replica: str) -> None:
         """F7: delete this box's slot of REPLICA, if it is still the one we read."""
-        async with self.lock:
-            if self.etcd is None:
-                return
-            for slot, kv in self.slot_kvs:
-                if slot.box == self.box and slot.replica == replica:
-                    try:
-                        await self.etcd.txn([Compare(kv.key, "MOD", "EQUAL", kv.mod_revision)], [delete_op(kv.key)])
-                    except EtcdError as e:
-                        self._say(Priority.ERROR, f"replica {replica}: giving its fleet slot back failed: {e}", replica)
+        deadline_s = self.deadline_s
+        deadline = asyncio.timeout(deadline_s)
+        try:
+            async with deadline:
+                async with self.lock:
+                    if self.etcd is None:
+                        return
+                    for slot, kv in self.slot_kvs:
+                        if slot.box == self.box and slot.replica == replica:
+                            await self.etcd.txn([Compare(kv.key, "MOD", "EQUAL", kv.mod_revision)], [delete_op(kv.key)])
+        except Exception as e:  # noqa: BLE001 - a task: nothing may escape it; the lease frees the slot at worst
+            reason = _reason(e, deadline, deadline_s)
+            self._say(Priority.ERROR, f"replica {replica}: giving its fleet slot back failed: {reason}", replica)
 
     async def close(self) -> None:
         """At a graceful stop: this box leaves the fleet view at once (its lease is revoked)."""
         for t in list(self.tasks):
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(t, self.cfg.fleet.timeout_s)
+                await asyncio.wait_for(t, self.deadline_s)
         if self.etcd is not None:
             if self.lease is not None:
-                with contextlib.suppress(EtcdError, OSError):
+                with contextlib.suppress(Exception):  # unanswered: the lease expires by itself
                     await asyncio.wait_for(self.etcd.revoke(self.lease), self.cfg.fleet.timeout_s)
             await self.etcd.aclose()
 
@@ -231,27 +335,39 @@ class FleetSync:
         self.journal.line(LogLine(priority, text, Decision.FLEET, replica, r.unit if r else None))
 
 
+def read_deadline_s(cfg: Config) -> float:
+    """The bound on `guardian status --fleet` and check's read: every endpoint gets its turn."""
+    return cfg.fleet.timeout_s * max(2, len(cfg.fleet.endpoints))
+
+
 async def fleet_status(cfg: Config) -> dict[str, Any]:
     """The fleet view as `guardian status --fleet` shows it: boxes, replicas and states, slots and
-    their holders, read from etcd with this box's config. Raises EtcdError or OSError."""
+    their holders, read from etcd with this box's config, within read_deadline_s. Raises EtcdError
+    (etcd unreachable, slow or answering garbage) or OSError (the password file)."""
+    deadline_s = read_deadline_s(cfg)
     etcd = make_etcd(cfg)
     prefix = f"/guardian/{cfg.fleet.name}/"
     try:
-        revision, kvs = await etcd.range_prefix(prefix)
+        async with asyncio.timeout(deadline_s):
+            revision, kvs = await etcd.range_prefix(prefix)
+    except TimeoutError as e:  # each endpoint's own timeout is caught inside: this is the whole read's
+        raise EtcdError(f"etcd did not answer within {deadline_s:g} s") from e
     finally:
         await etcd.aclose()
     boxes: dict[str, dict[str, Any]] = {}
     slots = []
+    ignored = []
     for kv in kvs:
-        rest = kv.key[len(prefix) :]
+        rest = kv.key[len(prefix) :] if kv.key.startswith(prefix) else ""
         try:
-            data = json.loads(kv.value)
-        except ValueError:
-            continue
-        if rest.startswith("replicas/") and isinstance(data, dict):
-            boxes.setdefault(str(data.get("box")), {})[str(data.get("name"))] = data
-        elif rest.startswith("slots/") and isinstance(data, dict):
-            slots.append(data | {"slot": rest.split("/", 1)[1]})
+            if rest.startswith("replicas/"):
+                m, data = read_member(kv.value)
+                boxes.setdefault(m.box, {})[m.name] = _scalars(data)
+            elif rest.startswith("slots/"):
+                _, data = read_slot(kv.value)
+                slots.append(_scalars(data) | {"slot": rest.split("/", 1)[1][:MAX_FIELD_CHARS]})
+        except NotOurs as e:
+            ignored.append({"key": kv.key[:MAX_FIELD_CHARS], "why": str(e)})
     return {
         "fleet": cfg.fleet.name,
         "endpoints": cfg.fleet.endpoints,
@@ -260,4 +376,5 @@ async def fleet_status(cfg: Config) -> dict[str, Any]:
         "min_serving": cfg.fleet.min_serving,
         "boxes": boxes,
         "slots": slots,
+        "ignored": ignored,
     }
