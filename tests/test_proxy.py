@@ -14,6 +14,7 @@ from guardian.act.state import StateStore
 from guardian.config import Config, ProxyConfig, ReplicaConfig
 from guardian.core.vocab import Priority
 from guardian.observe.clock import now
+from systemd_box import wait_for
 from test_shell import Recorder
 
 
@@ -164,3 +165,122 @@ def test_only_nginx_workers_that_take_requests_count():
     # as systemd 252's GetUnitProcesses gives them: quoted
     quoted = [(pid, f'"{cmd}"') for pid, cmd in procs]
     assert nginx_workers(quoted) == frozenset({11})
+
+
+# --- hostile or careless hook commands (issue 21): bounded output, bounded waits, no leftovers ----------
+
+def _pids(path) -> list[int]:
+    return [int(x) for x in path.read_text().split()] if path.exists() else []
+
+
+def _gone(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _kill(pids: list[int]) -> None:
+    import psutil
+
+    for pid in pids:
+        try:
+            psutil.Process(pid).kill()
+        except psutil.Error:
+            pass
+
+
+def _apply_within(p: ProxySync, want: set[str], bound_s: float) -> float:
+    """Apply WANT; fail (instead of hanging the suite) if that takes longer than BOUND_S."""
+    import time
+
+    began = time.monotonic()
+    asyncio.run(asyncio.wait_for(apply(p, want), bound_s))
+    return time.monotonic() - began
+
+
+def test_a_command_that_floods_its_output_keeps_a_bounded_tail_and_is_killed_at_its_limit(tmp_path):
+    """`yes` for as long as the limit allows: what is kept of its output is the last few KiB, not
+    everything it wrote (730 MiB in 3 s before)."""
+    import tracemalloc
+
+    from guardian.act.proxy import HOOK_GRACE_S
+
+    p, journal = hooks(tmp_path, "yes", timeout_s=1.0)
+    tracemalloc.start()
+    try:
+        took_s = _apply_within(p, {"a"}, 1.0 + 2 * HOOK_GRACE_S + 5)
+        _, peak_bytes = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak_bytes < 8 * 2**20, f"{peak_bytes / 2**20:.0f} MiB held for the hook's output"
+    assert took_s < 1.0 + 2 * HOOK_GRACE_S + 2
+    error = p.view().error or ""
+    assert "did not finish within 1 s" in error and "y\ny\n" in error
+    line = next(line for line, _ in journal.lines if "did not finish" in line.message)
+    assert line.priority is Priority.ERROR and len(line.message) < 4096
+
+
+def test_run_command_keeps_only_the_last_bytes_and_counts_the_rest(tmp_path):
+    from guardian.act.proxy import HOOK_OUTPUT_MAX_BYTES, run_command
+
+    run = asyncio.run(run_command(["/bin/sh", "-c", "head -c 1000000 /dev/zero; echo the end"], dict(), 10.0))
+    assert run.returncode == 0 and not run.timed_out and not run.pipe_held
+    assert len(run.output) == HOOK_OUTPUT_MAX_BYTES and run.output.endswith(b"\0the end\n")
+    assert run.output_bytes == 1_000_000 + len("the end\n")
+
+
+def test_a_command_whose_setsid_child_holds_its_output_is_killed_whole_and_its_wait_is_bounded(tmp_path):
+    """An ssh ControlPersist master is such a child: in its own session, holding stdout. The hook
+    returned never before (ProxySync then never synced again); now it returns at its limit plus a
+    short grace, with the command and that child killed, as an error that is retried."""
+    from guardian.act.proxy import HOOK_GRACE_S
+
+    pids = tmp_path / "pids"
+    p, journal = hooks(tmp_path, f"setsid sleep 60 & echo $! $$ > {pids}; exec sleep 60", timeout_s=0.5)
+    try:
+        took_s = _apply_within(p, {"a"}, 0.5 + 2 * HOOK_GRACE_S + 5)
+        assert took_s < 0.5 + 2 * HOOK_GRACE_S + 2
+        assert len(_pids(pids)) == 2
+        assert "did not finish within 0.5 s" in (p.view().error or "")
+        assert p.view().applied == frozenset() and p.view().failed == frozenset({"a"})
+        assert any(line.priority is Priority.ERROR and "did not finish" in line.message for line, _ in journal.lines)
+        wait_for(lambda: all(_gone(pid) for pid in _pids(pids)), 5, "the command and its setsid child to be gone")
+    finally:
+        _kill(_pids(pids))
+
+
+def test_a_command_that_exits_0_leaving_a_child_that_holds_its_output_is_done(tmp_path):
+    """Its own process ended well: the drain is done (not "killed" at the limit), with a note that
+    something it left still holds its output. What it left is not killed: it may be meant to stay."""
+    from guardian.act.proxy import HOOK_GRACE_S
+
+    pids = tmp_path / "pids"
+    p, journal = hooks(tmp_path, f"echo drained; setsid sleep 60 & echo $! > {pids}", timeout_s=5.0)
+    try:
+        took_s = _apply_within(p, {"a"}, 10)
+        assert took_s < HOOK_GRACE_S + 2, "waited for the background child"
+        assert p.view().error is None and p.view().applied == frozenset({"a"})
+        line = next(line for line, _ in journal.lines if "drained" in line.message)
+        assert line.priority is Priority.INFO and " done in " in line.message and "still holds its output" in line.message
+        assert not _gone(_pids(pids)[0])
+    finally:
+        _kill(_pids(pids))
+
+
+def test_a_process_that_escaped_into_its_own_session_cannot_hold_the_hook_past_its_grace(tmp_path):
+    """Forked twice, then setsid: neither a descendant nor in the command's session, so nothing
+    finds it to kill; the hook still returns at its limit plus the grace, and says so."""
+    from guardian.act.proxy import HOOK_GRACE_S
+
+    pids = tmp_path / "pids"
+    p, _ = hooks(tmp_path, f"(setsid sleep 60 & echo $! > {pids}); exec sleep 60", timeout_s=0.5)
+    try:
+        took_s = _apply_within(p, {"a"}, 0.5 + 2 * HOOK_GRACE_S + 5)
+        assert took_s < 0.5 + 2 * HOOK_GRACE_S + 2
+        error = p.view().error or ""
+        assert "did not finish within 0.5 s" in error and "escaped the kill" in error, error
+    finally:
+        _kill(_pids(pids))
