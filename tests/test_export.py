@@ -277,3 +277,105 @@ def test_every_alert_expression_names_metrics_that_exist():
     for e in exprs:
         for name in NAME.findall(e):
             assert name in exported_names() or name in ("node_textfile_mtime_seconds", "up"), (e, name)
+
+
+# --- files others can plant in (issue 21): read back bounded, written without following links ---------
+
+def _sd_config(path) -> Config:
+    return Config(replicas=[ReplicaConfig(name="a", unit="vllm-a.service", url="http://127.0.0.1:8001", model="m")],
+                  metrics=MetricsConfig(file_sd_path=path))
+
+
+def _within(fn, timeout_s: float, unblock=lambda: None):
+    """fn() in a thread; fails (after UNBLOCK) if it does not return within TIMEOUT_S."""
+    out: list[object] = []
+
+    def go():
+        try:
+            out.append(fn())
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            out.append(e)
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        unblock()
+        pytest.fail(f"did not return within {timeout_s:g} s")
+    if isinstance(out[0], BaseException):
+        raise out[0]
+    return out[0]
+
+
+@pytest.mark.parametrize("plant", ["fifo", "link to /dev/zero", "link to a file", "large file"])
+def test_what_is_planted_at_the_file_sd_path_is_replaced_by_a_regular_file_never_read(tmp_path, plant):
+    """A FIFO blocked guardian's start and reload; a link to /dev/zero took 1308 MiB, then MemoryError."""
+    import os
+    import stat
+
+    from guardian.export.files import FILE_SD_MAX_BYTES, write_file_sd
+
+    path = tmp_path / "sd" / "guardian.json"
+    path.parent.mkdir()
+    cfg = _sd_config(path)
+    # what guardian would write, so that a link to it read through passes for "unchanged"
+    target = tmp_path / "target"
+    target.write_text(json.dumps(file_sd(cfg), indent=1, sort_keys=True) + "\n")
+    before = target.read_text()
+    if plant == "fifo":
+        os.mkfifo(path)
+    elif plant == "large file":
+        path.write_bytes(b"[" * (FILE_SD_MAX_BYTES + 1))
+    else:
+        path.symlink_to("/dev/zero" if "zero" in plant else target)
+    unblock = (lambda: os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))) if plant == "fifo" else (lambda: None)
+    assert _within(lambda: write_file_sd(cfg), 5, unblock) == path
+    st = os.lstat(path)
+    assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o644
+    assert json.loads(path.read_text()) == json.loads(json.dumps(file_sd(cfg)))
+    assert target.read_text() == before
+    assert write_file_sd(cfg) is None  # read back, the same: not written again
+
+
+def test_atomic_write_sets_the_mode_on_its_descriptor_and_renames_only_the_file_it_wrote(tmp_path, monkeypatch):
+    """Another user of a group-writable directory swaps the temporary file for a symlink between
+    the write and the rename: a chmod by name changed the link's target (a 0600 file became
+    0644), and the rename made guardian.prom that link."""
+    import os
+    import stat
+
+    from guardian.act.state import atomic_write
+    from guardian.export.files import TEXTFILE_NAME, write_textfile
+
+    victim = tmp_path / "secret"
+    victim.write_text("0600\n")
+    victim.chmod(0o600)
+    textfiles = tmp_path / "textfile"
+    textfiles.mkdir()
+    prom = textfiles / TEXTFILE_NAME
+    prom.symlink_to(victim)  # planted at the target: replaced, not followed
+    write_textfile(textfiles, b"guardian_x 1\n")
+    assert not prom.is_symlink() and prom.read_bytes() == b"guardian_x 1\n"
+    assert stat.S_IMODE(prom.stat().st_mode) == 0o644 and victim.read_text() == "0600\n"
+
+    real_fsync = os.fsync
+
+    def swap_then_fsync(fd: int) -> None:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            for tmp in textfiles.glob(f".{TEXTFILE_NAME}.*.tmp"):
+                tmp.unlink()
+                tmp.symlink_to(victim)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", swap_then_fsync)
+    with pytest.raises(OSError, match="replaced by another process"):
+        write_textfile(textfiles, b"guardian_x 2\n")
+    assert stat.S_IMODE(victim.stat().st_mode) == 0o600 and victim.read_text() == "0600\n"
+    assert not prom.is_symlink() and prom.read_bytes() == b"guardian_x 1\n"
+    assert [p.name for p in textfiles.iterdir()] == [TEXTFILE_NAME]
+    monkeypatch.setattr(os, "fsync", real_fsync)
+
+    # and no mode is ever set by name
+    monkeypatch.setattr(os, "chmod", lambda *a, **kw: pytest.fail(f"chmod by name: {a}"))
+    atomic_write(textfiles / "private", b"x", mode=0o600)
+    assert stat.S_IMODE((textfiles / "private").stat().st_mode) == 0o600

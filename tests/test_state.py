@@ -15,8 +15,13 @@ from guardian.observe.clock import Now, boot_id
 NOW = Now(mono=5000.0, wall=1_700_000_000.0)  # in the past: reads clamp the future
 
 
+def store_at(path) -> StateStore:
+    """A store whose reads clamp to NOW: a time after it cannot have been written yet."""
+    return StateStore(path, clock=lambda: NOW)
+
+
 def test_update_round_trips_and_leaves_no_temporary_files(tmp_path):
-    store = StateStore(tmp_path)
+    store = store_at(tmp_path)
     store.update(lambda d: record_restart(d, "a", NOW, keep_s=600))
     store.update(lambda d: d["pauses"].__setitem__("b", {"until": None, "reason": "operator"}))
     pv = view(store.read(), NOW)
@@ -35,7 +40,7 @@ def test_record_restart_forgets_what_is_older_than_keep():
                                      '{"version": 1, "restarts": {"a": ["x"]}}', "\x00\x01"])
 def test_corrupt_state_is_moved_aside(tmp_path, content):
     (tmp_path / "state.json").write_text(content)
-    store = StateStore(tmp_path)
+    store = store_at(tmp_path)
     with pytest.raises(CorruptState) as e:
         store.read()
     moved = e.value.moved_to
@@ -60,7 +65,7 @@ def test_atomic_write_failure_keeps_the_old_file(tmp_path, monkeypatch):
 
 def test_update_over_a_corrupt_file_applies_the_change_once_and_says_so(tmp_path):
     (tmp_path / "state.json").write_text("{garbage")
-    store = StateStore(tmp_path)
+    store = store_at(tmp_path)
     with pytest.raises(CorruptState):
         store.update(lambda d: record_restart(d, "a", NOW, keep_s=600))
     assert store.read()["restarts"] == {"a": [stamp(NOW)]}
@@ -79,10 +84,16 @@ def test_update_over_a_corrupt_file_applies_the_change_once_and_says_so(tmp_path
     ('{"version": 1, "proxy_down": "a"}', "proxy_down is a list"),
     ('{"version": 1, "proxy_down": [7]}', "a replica name is text"),
     ('{"version": 1, "restarts": {"a": ' + "[" * 100_000 + "]" * 100_000 + "}}", "nested 100k deep"),
+    # issue 21: numbers past every bound; float(10**400) raised OverflowError, a traceback and a loop
+    ('{"version": 1, "restarts": {"a": [' + "9" * 400 + "]}}", "a 400-digit integer"),
+    ('{"version": 1, "resumed_at": {"a": {"wall": 1, "mono": -' + "9" * 400 + "}}}", "a 400-digit monotonic time"),
+    ('{"version": 1, "restarts": {"a": [' + ", ".join(['{"wall": 1.7e9, "mono": 1e300}'] * 3) + "]}}",
+     "1e300 held a budget spent for a week"),
+    ('{"version": 1, "pauses": {"a": {"until": {"wall": 1e300, "mono": null}}}}', "a pause's end past every bound"),
 ])
 def test_state_of_the_wrong_shape_is_corrupt_said_once_and_moved_aside(tmp_path, content, why):
     (tmp_path / "state.json").write_text(content)
-    store = StateStore(tmp_path)
+    store = store_at(tmp_path)
     with pytest.raises(CorruptState):
         store.read()
     assert store.read()["restarts"] == {}, why
@@ -92,7 +103,7 @@ def test_times_in_the_future_are_clamped_to_now(tmp_path):
     future = 4_000_000_000.0  # year 2096: a clock that was stepped back since
     (tmp_path / "state.json").write_text(json.dumps({"version": 1, "restarts": {"a": [future]},
                                                      "resumed_at": {"a": future}}))
-    data = StateStore(tmp_path).read()
+    data = store_at(tmp_path).read()
     assert data["restarts"]["a"][0]["wall"] < future and data["resumed_at"]["a"]["wall"] < future
     pv = view(data, NOW)
     assert pv.restarts["a"] == (NOW.mono,) and pv.resumed_at["a"] == NOW.mono
@@ -101,7 +112,7 @@ def test_times_in_the_future_are_clamped_to_now(tmp_path):
 # --- two clocks: windows on the monotonic clock, wall time only persisted -------------------------
 
 def test_in_the_same_boot_the_monotonic_time_is_used_whatever_the_wall_clock_did(tmp_path):
-    store = StateStore(tmp_path)
+    store = store_at(tmp_path)
     store.update(lambda d: record_restart(d, "a", NOW, keep_s=3600))
     data = store.read()
     assert data["boot_id"] == boot_id()
@@ -111,7 +122,7 @@ def test_in_the_same_boot_the_monotonic_time_is_used_whatever_the_wall_clock_did
 
 
 def test_after_a_reboot_only_the_wall_time_counts(tmp_path):
-    store = StateStore(tmp_path)
+    store = store_at(tmp_path)
     store.update(lambda d: record_restart(d, "a", NOW, keep_s=3600))
     data = store.read()
     after_reboot = Now(mono=12.0, wall=NOW.wall + 100)
@@ -125,15 +136,15 @@ def test_after_a_reboot_only_the_wall_time_counts(tmp_path):
 
 def test_the_older_format_of_bare_wall_times_still_reads(tmp_path):
     (tmp_path / "state.json").write_text(json.dumps({"version": 1, "restarts": {"a": [NOW.wall - 60]}}))
-    assert view(StateStore(tmp_path).read(), NOW).restarts["a"] == (NOW.mono - 60,)
+    assert view(store_at(tmp_path).read(), NOW).restarts["a"] == (NOW.mono - 60,)
 
 
 def test_what_the_proxy_was_told_survives_a_restart_and_a_file_from_before_the_proxy_has_nobody_down(tmp_path):
     (tmp_path / "state.json").write_text(json.dumps({"version": 1, "restarts": {}}))
-    store = StateStore(tmp_path)
+    store = store_at(tmp_path)
     assert view(store.read(), NOW).proxy_down == ()
     store.update(lambda d: d.__setitem__("proxy_down", ["b", "a", "b"]))
-    assert view(StateStore(tmp_path).read(), NOW).proxy_down == ("a", "b")
+    assert view(store_at(tmp_path).read(), NOW).proxy_down == ("a", "b")
 
 
 def test_history_of_replicas_no_longer_configured_is_dropped():
@@ -148,5 +159,86 @@ def test_the_lock_file_is_never_followed_through_a_symlink(tmp_path):
     (tmp_path / "state").mkdir()
     (tmp_path / "state" / ".state.lock").symlink_to(target)
     with pytest.raises(OSError):
-        StateStore(tmp_path / "state").update(lambda d: None)
+        store_at(tmp_path / "state").update(lambda d: None)
     assert not target.exists()
+
+
+def test_monotonic_times_ahead_of_now_are_clamped_and_a_budget_they_spend_comes_back_after_one_window(tmp_path):
+    """Three restarts stamped a billion seconds ahead on this boot's monotonic clock (within the
+    bounds, so not corrupt) count as now, not as the future: one window later the budget is back."""
+    ahead = {"wall": NOW.wall - 10, "mono": NOW.mono + 1e9}
+    (tmp_path / "state.json").write_text(json.dumps({"version": 1, "boot_id": boot_id(),
+                                                     "restarts": {"a": [ahead] * 3}, "resumed_at": {"a": ahead}}))
+    data = store_at(tmp_path).read()
+    pv = view(data, NOW)
+    assert pv.restarts["a"] == (NOW.mono,) * 3 and pv.resumed_at["a"] == NOW.mono
+    window_s = 1800.0
+    later = Now(mono=NOW.mono + window_s + 1, wall=NOW.wall + window_s + 1)
+    assert [t for t in view(data, later).restarts["a"] if t > later.mono - window_s] == []
+
+
+def test_a_pause_ends_at_most_the_longest_pause_from_now(tmp_path):
+    from guardian.config import MAX_WINDOW_S
+
+    far = {"wall": NOW.wall + 1e10, "mono": NOW.mono + 1e10}
+    (tmp_path / "state.json").write_text(json.dumps({"version": 1, "boot_id": boot_id(),
+                                                     "pauses": {"a": {"until": far, "reason": "x"}}}))
+    until = view(store_at(tmp_path).read(), NOW).pauses["a"].until
+    assert until == NOW.mono + MAX_WINDOW_S
+
+
+def _read_in_a_thread(store: StateStore, fifo=None) -> object:
+    """store.read() in a thread; fails (and unblocks it) if it does not return within 5 s."""
+    import threading
+
+    out: list[object] = []
+
+    def read():
+        try:
+            out.append(store.read())
+        except Exception as e:  # noqa: BLE001 - handed to the test
+            out.append(e)
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    t.join(5)
+    if t.is_alive():
+        if fifo is not None:
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # a writer that leaves: the reader sees EOF
+        pytest.fail("store.read() did not return within 5 s")
+    return out[0]
+
+
+@pytest.mark.parametrize("plant", ["fifo", "link to /dev/zero", "link to a good file"])
+def test_a_fifo_or_a_link_at_the_state_file_is_moved_aside_not_read(tmp_path, plant):
+    path = tmp_path / "state.json"
+    good = tmp_path / "elsewhere.json"
+    good.write_text(json.dumps({"version": 1, "restarts": {"a": [NOW.wall]}}))
+    if plant == "fifo":
+        os.mkfifo(path)
+    else:
+        path.symlink_to("/dev/zero" if "zero" in plant else good)
+    result = _read_in_a_thread(store_at(tmp_path), path if plant == "fifo" else None)
+    assert isinstance(result, CorruptState), result
+    assert not os.path.lexists(path) and os.path.lexists(result.moved_to)
+    assert store_at(tmp_path).read()["restarts"] == {}
+    assert good.exists()  # the link was moved, not what it pointed to
+
+
+def test_a_state_file_past_its_size_cap_is_moved_aside_unread(tmp_path):
+    from guardian.act.state import STATE_MAX_BYTES
+
+    (tmp_path / "state.json").write_text('{"version": 1, "restarts": {}, "x": "' + "a" * STATE_MAX_BYTES + '"}')
+    with pytest.raises(CorruptState, match="larger than"):
+        store_at(tmp_path).read()
+
+
+def test_the_daemons_cache_says_a_400_digit_number_once_and_goes_on_from_defaults(tmp_path):
+    """It was an OverflowError out of the daemon: a traceback, exit 1, restarted into the same file."""
+    from guardian.act.state import StateCache
+
+    (tmp_path / "state.json").write_text('{"version": 1, "restarts": {"a": [' + "9" * 400 + "]}}")
+    cache = StateCache(store_at(tmp_path))
+    problems = cache.load()
+    assert len(problems) == 1 and "was corrupt" in problems[0] and "moved aside" in problems[0]
+    assert cache.data["restarts"] == {} and cache.load() == []

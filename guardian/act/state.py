@@ -13,41 +13,91 @@ Every persisted time is a stamp ``{"wall": epoch s, "mono": CLOCK_MONOTONIC s}``
 carries the ``boot_id`` its monotonic times belong to. Read in the same boot, the monotonic time
 is used, so a step of the wall clock moves no window; after a reboot only the wall time means
 anything, and a wall time in the future counts as now. A bare number (the older format) is a
-wall time.
+wall time. A persisted time beyond MAX_TIME_S either way makes the file corrupt; one ahead of now
+(wall or monotonic) is clamped to now, a pause's end to now + the longest pause.
+
+Files read back (here and by the exporters) are read with read_back: never through a symlink,
+only a regular file, only up to a size, so that a FIFO or a link to /dev/zero planted in a
+directory another user can write blocks or swallows nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
-import math
 import os
+import stat
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
+from ..config import MAX_WINDOW_S
 from ..core.observations import Pause, PersistentView, RestartRequest
 from ..observe.clock import Now, boot_id
+from ..observe.clock import now as clock_now
 
 STATE_FILE = "state.json"
 STATUS_FILE = "status.json"
 STATE_VERSION = 1
 ANSWERS_KEPT_S = 600.0  # an answer nobody fetched is dropped after this
+# Far beyond any epoch time (the year 5138) or uptime guardian will see, and small enough that
+# every sum or difference of two times stays exact to the millisecond.
+MAX_TIME_S = 1e11
+# A state file is a few KiB (restarts within a window, answers for 10 minutes): one this large
+# is not guardian's, and is moved aside rather than read.
+STATE_MAX_BYTES = 8 * 2**20
+
+
+def read_back(path: Path, max_bytes: int) -> bytes:
+    """PATH's bytes, when it is a regular file of at most MAX_BYTES that is not a symlink.
+
+    Opened with O_NOFOLLOW (a link is ELOOP) and O_NONBLOCK (a FIFO opens at once, and is then
+    refused), checked with fstat on the descriptor it reads. FileNotFoundError when absent;
+    another OSError naming PATH for anything else."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        if st.st_size > max_bytes:
+            raise OSError(errno.EFBIG, f"larger than {max_bytes} bytes", str(path))
+        chunks: list[bytes] = []
+        size = 0
+        while chunk := os.read(fd, min(2**16, max_bytes + 1 - size)):
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > max_bytes:  # it grew while read
+                raise OSError(errno.EFBIG, f"larger than {max_bytes} bytes", str(path))
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
+    """Replace PATH with DATA (mode MODE). Whatever is at PATH (a symlink, a FIFO) is replaced by
+    the rename, never written through.
+
+    The directory may be writable by another user (node_exporter's textfile directory is often
+    group-writable): the mode is set on the descriptor, since a chmod by name follows whatever
+    link was swapped in for the temporary file; and the rename is refused when the name no
+    longer holds the file written. (Such a user can still replace PATH itself at any time.)"""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), mode)
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
+            ours = os.fstat(f.fileno())
+            there = os.stat(tmp, follow_symlinks=False)
+            if (there.st_dev, there.st_ino) != (ours.st_dev, ours.st_ino):
+                raise OSError(errno.EEXIST, "replaced by another process before the rename; not renamed", tmp)
+            os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
@@ -93,18 +143,24 @@ def stamp(now: Now) -> Stamp:
 
 
 def _number(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ValueError(f"{value!r} is not a finite time")
+    # Compared before float(): float(10**400) and math.isfinite(10**400) raise OverflowError;
+    # NaN fails any comparison.
+    if isinstance(value, bool) or not isinstance(value, int | float) or not -MAX_TIME_S <= value <= MAX_TIME_S:
+        raise ValueError(f"{value!r:.40} is not a time (a finite number of seconds within +-{MAX_TIME_S:g})")
     return float(value)
 
 
-def _time(value: Any, wall_now: float) -> Stamp:
+def _time(value: Any, latest: Now) -> Stamp:
     """A persisted time: a stamp, or a bare number (a wall time, the older format). Wrong types
-    and non-finite numbers are corrupt; a wall time in the future is clamped to now."""
+    and numbers out of bounds are corrupt; a time after LATEST is clamped to it, on both clocks:
+    a monotonic time ahead of now cannot be of this boot, nor is one of another boot used."""
     if isinstance(value, dict):
         mono = value.get("mono")
-        return {"wall": min(_number(value.get("wall")), wall_now), "mono": None if mono is None else _number(mono)}
-    return {"wall": min(_number(value), wall_now), "mono": None}
+        return {
+            "wall": min(_number(value.get("wall")), latest.wall),
+            "mono": None if mono is None else min(_number(mono), latest.mono),
+        }
+    return {"wall": min(_number(value), latest.wall), "mono": None}
 
 
 def _text(value: Any, limit: int = 4096) -> str:
@@ -119,8 +175,8 @@ def _table(value: Any) -> dict[str, Any]:
     return value
 
 
-def _validate(data: Any, now: float) -> State:
-    """Typed validation: anything of the wrong type, or not finite, makes the file corrupt."""
+def _validate(data: Any, now: Now) -> State:
+    """Typed validation: anything of the wrong type, or not a time, makes the file corrupt."""
     if not isinstance(data, dict) or data.get("version") != STATE_VERSION:
         raise ValueError("not a guardian state file of version 1")
     out = _empty()
@@ -130,8 +186,8 @@ def _validate(data: Any, now: float) -> State:
         out["restarts"][name] = sorted((_time(t, now) for t in times), key=lambda st: st["wall"] or 0.0)
     for name, p in _table(data.get("pauses", {})).items():
         until = _table(p).get("until")
-        if until is not None:  # a pause's end lies in the future: not clamped
-            until = _time(until, math.inf)
+        if until is not None:  # a pause's end lies in the future, at most the longest pause away
+            until = _time(until, Now(now.mono + MAX_WINDOW_S, now.wall + MAX_WINDOW_S))
         out["pauses"][name] = {"until": until, "reason": _text(p.get("reason", "operator"))}
     for name, t in _table(data.get("resumed_at", {})).items():
         out["resumed_at"][name] = _time(t, now)
@@ -186,8 +242,9 @@ def forget_unconfigured(data: State, replicas: set[str]) -> None:
 
 
 class StateStore:
-    def __init__(self, state_dir: Path) -> None:
+    def __init__(self, state_dir: Path, clock: Callable[[], Now] = clock_now) -> None:
         self.dir = state_dir
+        self.clock = clock  # times read are clamped to its now
         self.path = state_dir / STATE_FILE
         self.lock_path = state_dir / ".state.lock"
 
@@ -205,15 +262,25 @@ class StateStore:
 
     def _read_unlocked(self) -> State:
         try:
-            raw = self.path.read_bytes()
+            raw = read_back(self.path, STATE_MAX_BYTES)
         except FileNotFoundError:
             return _empty()
+        except OSError as e:
+            planted = {errno.ELOOP: "a symbolic link", errno.ENXIO: "a socket"}
+            if e.errno not in (*planted, errno.EINVAL, errno.EFBIG):
+                raise  # unreadable (permissions, I/O): said by the caller, the file left alone
+            self._move_aside(planted.get(e.errno or 0) or e.strerror or str(e))  # or a FIFO, a device, too large
         try:
-            return _validate(json.loads(raw), time.time())
-        except (ValueError, TypeError, AttributeError, KeyError, RecursionError) as e:
-            moved = self.path.with_name(f"{STATE_FILE}.corrupt-{int(time.time())}")
-            os.replace(self.path, moved)
-            raise CorruptState(self.path, moved, str(e) or type(e).__name__) from None
+            return _validate(json.loads(raw), self.clock())
+        # ArithmeticError: what a number out of every range raises (OverflowError) is a corrupt
+        # file like any other, not a traceback that systemd restarts into the same file.
+        except (ValueError, TypeError, AttributeError, KeyError, RecursionError, ArithmeticError) as e:
+            self._move_aside(str(e) or type(e).__name__)
+
+    def _move_aside(self, reason: str) -> NoReturn:
+        moved = self.path.with_name(f"{STATE_FILE}.corrupt-{int(time.time())}")
+        os.replace(self.path, moved)
+        raise CorruptState(self.path, moved, reason) from None
 
     def read(self) -> State:
         with self._locked():

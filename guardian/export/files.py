@@ -1,6 +1,9 @@
 """Files for Prometheus: node_exporter's textfile (guardian.prom) and the replicas' file_sd targets.
 
-Both are written atomically (act/state.atomic_write): a scraper never reads half a file.
+Both are written atomically (act/state.atomic_write): a scraper never reads half a file. The
+file_sd file is read back (to write it only when it changed) with act/state.read_back: its
+directory may be writable by others, and what is planted there (a FIFO, a link to /dev/zero) is
+replaced, never read.
 """
 
 from __future__ import annotations
@@ -10,10 +13,12 @@ import socket
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from ..act.state import atomic_write
+from ..act.state import atomic_write, read_back
 from ..config import Config
 
 TEXTFILE_NAME = "guardian.prom"
+# A file_sd file of a thousand replicas is ~300 KiB; anything larger at that path is rewritten unread.
+FILE_SD_MAX_BYTES = 2**20
 
 
 def write_textfile(directory: Path, body: bytes) -> None:
@@ -48,9 +53,9 @@ def write_file_sd(cfg: Config) -> Path | None:
         return None
     data = (json.dumps(file_sd(cfg), indent=1, sort_keys=True) + "\n").encode()
     try:
-        if path.read_bytes() == data:
+        if read_back(path, FILE_SD_MAX_BYTES) == data:
             return None
     except OSError:
-        pass
+        pass  # absent, unreadable, not a regular file, too large: replaced by the rename
     atomic_write(path, data, mode=0o644)
     return path
