@@ -4,9 +4,11 @@ Precedence, highest first: ``GUARDIAN_*`` environment variables (nested keys wit
 e.g. ``GUARDIAN_WATCHDOG__STALL_WINDOW_S=90``), then the TOML file, then the defaults here.
 Unknown keys are errors: a typo must not silently leave a default in force. Numbers must be
 finite and within stated bounds; unit names follow systemd's grammar; a replica's URL is a plain
-base URL; ``interval_s`` and the probe timeouts stay well inside systemd's watchdog; and any
-failure to read or parse (deep nesting, bad JSON in an environment override) is a ConfigError,
-which the CLI turns into exit status 2 and a reload into "reload refused".
+base URL whose host is a host name, an IPv4 address or a bracketed IPv6 address (it is written
+into nginx's include file and the file_sd targets); ``interval_s`` and the probe timeouts stay
+well inside systemd's watchdog; and any failure to read or parse (deep nesting, bad JSON in an
+environment override) is a ConfigError, which the CLI turns into exit status 2 and a reload into
+"reload refused".
 """
 
 from __future__ import annotations
@@ -30,8 +32,19 @@ DEFAULT_CONFIG_PATH = Path("/etc/guardian/guardian.toml")
 CONFIG_ENV = "GUARDIAN_CONFIG"
 SHIPPED_WATCHDOG_S = 30.0  # WatchdogSec= of the shipped guardian.service
 MAX_WINDOW_S = 30 * 86400.0  # no window or timeout is longer than 30 days
+# The lowest gpu-memory-utilization fraction guardian believes or writes (core/wiring.parse_fraction):
+# 1% of a GPU holds no model vLLM serves; below it a value is a typo or hostile (1e-320).
+MIN_FRACTION = 0.01
 # systemd.unit(5): letters, digits, ":", "-", "_", ".", "\\"; "@" separates a template's instance.
 _UNIT_NAME = re.compile(r"[A-Za-z0-9:_.\\-]+(@[A-Za-z0-9:_.\\-]+)?\.service")
+# RFC 1123: letters, digits and '-', neither first nor last, at most 63.
+_HOST_LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+# A URL's authority once "@" is refused: a bracketed or a plain host, then an optional :PORT.
+_AUTHORITY = re.compile(r"(?P<host>\[[^\]]*\]|[^:\[\]]*)(:(?P<port>[0-9]+))?")
+HOST_GRAMMAR = (
+    "a host name (dot-separated labels of letters, digits and inner '-', the last not all digits), "
+    "an IPv4 address, or an IPv6 address in brackets such as [::1]"
+)
 
 
 def watchdog_s() -> float:
@@ -44,15 +57,42 @@ def watchdog_s() -> float:
     return usec / 1e6 if usec > 0 else SHIPPED_WATCHDOG_S
 
 
+def is_host(host: str) -> bool:
+    """HOST as written in a URL or an nginx server line: a host name (RFC 1123), an IPv4 address,
+    or an IPv6 address in brackets (without a zone: nginx takes none). Nothing else, so nothing
+    that means something to nginx (';', '{', quotes, '$') reaches its include file."""
+    if host.startswith("[") and host.endswith("]") and "%" not in host:
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+            return True
+        except ValueError:
+            return False
+    try:
+        ipaddress.IPv4Address(host)
+        return True
+    except ValueError:
+        pass
+    labels = host.split(".")
+    # An all-digit last label would be an IPv4 address (or 010.1, 256.0.0.1) in disguise.
+    return len(host) <= 253 and all(_HOST_LABEL.fullmatch(x) for x in labels) and not labels[-1].isdigit()
+
+
 def _check_base_url(v: str) -> str:
     """A replica's (or a peer's) own base URL: http(s), a host, a real port, nothing else."""
     if any(ord(c) < 0x21 or ord(c) == 0x7F for c in v):
         raise ValueError(f"has a control character or a space ({v!r})")
-    parts = urlsplit(v)
+    try:
+        parts = urlsplit(v)
+    except ValueError as e:  # e.g. an unclosed or invalid [IPv6] literal
+        raise ValueError(f"is not a URL: {e} (got {v!r})") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"must be an http:// or https:// URL with a host, e.g. http://127.0.0.1:8000 (got {v!r})")
     if "@" in parts.netloc:
         raise ValueError("must not carry a user or password (it would be printed in logs)")
+    authority = _AUTHORITY.fullmatch(parts.netloc)
+    if authority is None or not is_host(authority["host"]):
+        host = authority["host"] if authority is not None else re.sub(r":[0-9]*$", "", parts.netloc)
+        raise ValueError(f"host {host!r} is not {HOST_GRAMMAR} (got {v!r})")
     if parts.query or parts.fragment or v.endswith(("?", "#")):
         raise ValueError(f"must be a base URL without a query or fragment ({v!r})")
     try:
@@ -155,7 +195,7 @@ class MemoryConfig(_Strict):
     sustain_s: float = Field(default=30.0, ge=0, le=MAX_WINDOW_S)
     psi_some_threshold_pct: float | None = Field(default=None, ge=0, le=100)
     step: float = Field(default=0.04, gt=0, le=0.5)
-    floor: float = Field(default=0.50, gt=0, lt=1)
+    floor: float = Field(default=0.50, ge=MIN_FRACTION, lt=1)  # a lower fraction is not read back
     reserve_bytes: int = Field(default=2**30, ge=0)
     cooldown_s: float = Field(default=600.0, ge=0, le=MAX_WINDOW_S)
     device_total_bytes: int | None = Field(default=None, gt=0)
@@ -255,8 +295,8 @@ class ProxyConfig(_Strict):
     @field_validator("server_host")
     @classmethod
     def _host(cls, v: str) -> str:
-        if v and not re.fullmatch(r"[A-Za-z0-9.:\[\]_-]{1,253}", v):
-            raise ValueError(f"must be a host name or an IP address (got {v!r})")
+        if v and not is_host(v):
+            raise ValueError(f"host {v!r} is not {HOST_GRAMMAR}")
         return v
 
     @field_validator("server_params")

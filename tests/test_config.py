@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import pytest
-
+import json
 from pathlib import Path
+
+import pytest
 
 from guardian.config import ConfigError, load_config
 
@@ -73,6 +74,18 @@ def test_minimal_config_gets_documented_defaults(tmp_path):
      "replicas", "same address: 'a' and 'b'"),
     ('state_dir = ""\n', "state_dir", "absolute directory"),
     ("[memory]\npeer_urls = [\"http://u:p@box2:8000\"]\n", "memory", "user or password"),
+    # issue 21: a host that carries nginx syntax into its include file (nginx -t then always fails)
+    *[(GOOD_REPLICA.replace('"http://127.0.0.1:8001"', json.dumps(f"http://{host}:8001")), "replicas.0.url",
+       f"host {host!r} is not a host name")
+      for host in ("a;b", "a{b}", "a}", '"a"', "a'b", "$host", "`id`", "-a", "a-", "a..b", "a_b", "1.2.3.999",
+                   "256.0.0.1", "010.0.0.1", "example.123", "[fe80::1%25eth0]", "[::1]x", "x" * 64)],
+    (GOOD_REPLICA.replace("127.0.0.1", "[::1;]"), "replicas.0.url", "'::1;' does not appear to be an IPv4 or IPv6"),
+    (GOOD_REPLICA.replace("127.0.0.1", "[::1"), "replicas.0.url", "is not a URL"),
+    ("[memory]\npeer_urls = [\"http://box2;:8000\"]\n", "memory", "peer_urls: 'http://box2;:8000': host 'box2;'"),
+    ("[fleet]\nendpoints = [\"http://etcd{1}:2379\"]\n", "fleet.endpoints", "host 'etcd{1}' is not a host name"),
+    ("[proxy]\nserver_host = \"::1\"\n", "proxy.server_host", "host '::1' is not a host name"),
+    ("[proxy]\nserver_host = \"10.0.0.5;\"\n", "proxy.server_host", "host '10.0.0.5;' is not a host name"),
+    ("[memory]\nfloor = 0.001\n", "memory.floor", "greater than or equal to 0.01"),
 ])
 def test_config_errors_name_key_and_reason(tmp_path, text, key, reason):
     path = write(tmp_path, text)
@@ -146,3 +159,15 @@ def load_config_text(tmp, text):
         return load_config(Path(f.name))
     finally:
         Path(f.name).unlink()
+
+
+@pytest.mark.parametrize("host", ["localhost", "box-2", "gpu7.example.com", "A1.B2", "10.0.0.2", "[::1]",
+                                  "[2001:db8::7]", "[::ffff:10.0.0.1]", "x" * 63 + ".example"])
+def test_host_names_and_ip_literals_are_accepted_in_every_url(tmp_path, host):
+    text = GOOD_REPLICA.replace("127.0.0.1", host) + f'[memory]\npeer_urls = ["http://{host}:8000"]\n'
+    text += f'[fleet]\nendpoints = ["https://{host}:2379"]\n'
+    if not host.startswith("["):  # nginx takes an IPv6 server address in brackets too, checked above
+        text = f'[proxy]\nserver_host = "{host}"\n' + text
+    cfg = load_config(write(tmp_path, text))
+    assert cfg.replicas[0].url == f"http://{host}:8001"
+    assert cfg.memory.peer_urls == [f"http://{host}:8000"] and cfg.fleet.endpoints == [f"https://{host}:2379"]

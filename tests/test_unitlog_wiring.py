@@ -72,6 +72,23 @@ def test_env_file_reading(tmp_path):
     assert read_env_fraction(f) is None
     f.write_text("GPU_MEMORY_UTILIZATION=7.4\n")
     assert read_env_fraction(f) is None
+    f.write_text("GPU_MEMORY_UTILIZATION=1e-320\n")
+    assert read_env_fraction(f) is None
+
+
+@pytest.mark.parametrize("value, fraction", [
+    ("0.9", 0.9), ("0.74", 0.74), ("1", 1.0), ("1.0", 1.0), (".5", 0.5), ("0.01", 0.01), ("0.50000000000000001", 0.5),
+    # issue 21: float() takes all of these; none is a fraction vLLM runs with
+    ("1e-320", None), ("5e-324", None), ("9e-1", None), ("0.009", None), ("0", None), ("0.0", None), ("1.01", None),
+    ("-0.5", None), ("+0.5", None), ("nan", None), ("inf", None), ("0_9", None), ("0x1p-1", None), (" 0.9", None),
+    ("", None), ("0." + "9" * 40, None), ("٠.٥", None),
+])
+def test_a_fraction_is_a_plain_decimal_from_one_hundredth_to_one(value, fraction):
+    from guardian.core.wiring import cmdline_fraction, parse_fraction
+
+    assert parse_fraction(value) == fraction
+    assert cmdline_fraction(("vllm", "serve", "m", "--gpu-memory-utilization", value)) == fraction
+    assert cmdline_fraction(("vllm", f"--gpu-memory-utilization={value}")) == fraction
 
 
 def test_the_shipped_example_unit_is_wired_even_with_the_operators_file_setting_the_fraction():

@@ -16,11 +16,20 @@ replica really runs with is confirmed afterwards (core/memguard.py, M4/M5).
 
 from __future__ import annotations
 
-import math
+import re
 from dataclasses import dataclass
+
+from ..config import MIN_FRACTION
 
 VAR = "GPU_MEMORY_UTILIZATION"
 VAR_FORMS = ("${GPU_MEMORY_UTILIZATION}", "$GPU_MEMORY_UTILIZATION")
+# Below MIN_FRACTION a value is a typo or a hostile label (1e-320, a subnormal), and the memory
+# guard's arithmetic on it (steps, floors, bytes freed) would mean nothing; MemoryConfig.floor is
+# bounded by it too, so guardian never writes a fraction it would not read back.
+MAX_FRACTION = 1.0
+# What guardian writes ({:g} of a fraction >= MIN_FRACTION) and what vLLM's label and a person's
+# env file hold: digits and one point. No sign, exponent, underscore, inf or nan, as float() takes.
+_PLAIN_DECIMAL = re.compile(r"[0-9]{1,3}(\.[0-9]{0,17})?|\.[0-9]{1,17}")
 
 
 @dataclass(frozen=True)
@@ -46,14 +55,12 @@ def env_value(text: str, key: str = VAR) -> str | None:
 
 
 def parse_fraction(value: str | None) -> float | None:
-    """A gpu-memory-utilization value, or None when it is not a finite number in (0, 1]."""
-    if value is None:
+    """A gpu-memory-utilization value, or None when it is not a plain decimal within
+    [MIN_FRACTION, MAX_FRACTION]."""
+    if value is None or not _PLAIN_DECIMAL.fullmatch(value):
         return None
-    try:
-        f = float(value)
-    except ValueError:
-        return None
-    return f if math.isfinite(f) and 0 < f <= 1 else None
+    f = float(value)
+    return f if MIN_FRACTION <= f <= MAX_FRACTION else None
 
 
 def wiring_problem(unit: str, env_files: tuple[EnvFile, ...], exec_start: tuple[str, ...], env_path: str) -> str | None:
