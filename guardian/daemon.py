@@ -32,7 +32,8 @@ from .config import Config, ConfigError, load_config
 from .core import hazards, thresholds, tick
 from .core.actions import LogLine
 from .core.drain import Drain, Phase
-from .core.observations import MemorySample, TickObservation
+from .core.liveness import Track
+from .core.observations import FleetView, MemorySample, TickObservation
 from .core.vocab import Decision, Priority
 from .export.files import TEXTFILE_NAME, write_file_sd, write_textfile
 from .export.http import MetricsServer
@@ -49,6 +50,16 @@ from .status import LoopStats, status_dict, status_line
 
 class StartupError(Exception):
     pass
+
+
+async def fleet_step(fleet: FleetSync, tracks: dict[str, Track], now: Now) -> FleetView:
+    """The fleet's step, gathered with the probes: whatever it raises (it should catch everything
+    itself) is an unreadable fleet for this tick, said once, never a tick abandoned, which would
+    stop the watchdog's pings and have systemd restart guardian over something etcd sent."""
+    try:
+        return await fleet.step(tracks, now)
+    except Exception as e:  # noqa: BLE001 - planned restarts wait (F3); the tick acts on everything else
+        return fleet.unreadable(f"{type(e).__name__}: {e}")
 
 
 class Daemon:
@@ -186,7 +197,7 @@ class Daemon:
             tick.probe_wait_s(self.state, started.mono, self.cfg),
         )
         if self.fleet is not None:  # etcd is read beside the probes: neither waits for the other
-            obs, fleet_view = await asyncio.gather(observed, self.fleet.step(self.state.tracks, started))
+            obs, fleet_view = await asyncio.gather(observed, fleet_step(self.fleet, self.state.tracks, started))
             obs = replace(obs, fleet=fleet_view)
         else:
             obs = await observed
@@ -283,7 +294,12 @@ class Daemon:
         m = self.cfg.metrics
         if m.http:
             host, port = m.host_port
-            server = MetricsServer(host, port, stale_after_s=max(10.0, 5 * self.cfg.interval_s))
+            server = MetricsServer(
+                host,
+                port,
+                stale_after_s=max(10.0, 5 * self.cfg.interval_s),
+                on_refused=lambda message: self.journal.send(Priority.WARNING, message),  # on its thread: locked
+            )
             try:
                 server.start()
             except OSError as e:
