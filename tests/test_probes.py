@@ -248,3 +248,65 @@ def test_a_wanted_line_over_its_cap_is_unreadable_not_no_answer(pages, line, why
     probe, sample = run(lambda c: probes.probe_metrics(c, r))
     assert sample is None and not probe.ok and probe.status == 200 and probe.answered
     assert probe.error.startswith("unreadable: a ") and why in probe.error
+
+
+# --- the plain-HTTP GET (observe/plainhttp.py): what uvicorn and odd servers send -----------------
+
+def _raw_server(answer: bytes):  # noqa: ANN202
+    """A server that answers every connection with ANSWER, byte for byte, then closes."""
+    import socket
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(16)
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(65536)
+                conn.sendall(answer)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return srv, f"http://127.0.0.1:{srv.getsockname()[1]}"
+
+
+@pytest.mark.parametrize("answer, ok, status, body, error", [
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n",
+     True, 200, b"hello world", None),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nokEXTRA", True, 200, b"ok", None),
+    (b"HTTP/1.0 200 OK\r\n\r\nuntil close", True, 200, b"until close", None),  # no length: read to EOF
+    (b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n\r\n", False, 503, b"", "HTTP 503"),
+    (b"HTTP/1.1 301 Moved\r\nLocation: http://10.9.9.9/\r\nContent-Length: 0\r\n\r\n", False, 301, b"", "HTTP 301"),
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + (b"ffff\r\n" + b"x" * 0xFFFF + b"\r\n") * 2 + b"0\r\n\r\n",
+     False, 200, b"", "unreadable: answer larger than 65536 bytes"),  # chunked past the cap: it answered
+    (b"SSH-2.0-OpenSSH_9.2\r\n", False, None, b"", "closed before a complete answer"),
+    (b"SSH-2.0-OpenSSH_9.2\r\n\r\n", False, None, b"", "RemoteProtocolError"),  # a whole head, not HTTP
+    (b"", False, None, b"", "closed before a complete answer"),
+])
+def test_a_plain_get_reads_what_http_servers_send_within_its_bounds(answer, ok, status, body, error):
+    srv, url = _raw_server(answer)
+    try:
+        probe, data = run(lambda c: probes._get(c, url + "/health", 5, probes.MAX_SMALL_BYTES))
+    finally:
+        srv.close()
+    assert (probe.ok, probe.status, data) == (ok, status, body)
+    assert (probe.error is None) if error is None else (error in probe.error), probe.error
+
+
+def test_a_plain_get_to_nothing_is_refused_and_to_a_silent_server_times_out():
+    import socket
+
+    probe, _ = run(lambda c: probes._get(c, "http://127.0.0.1:9/health", 5, 100))
+    assert not probe.ok and probe.error == "connection refused"
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(1)  # accepts (the kernel does), never answers: a frozen API server
+    try:
+        probe, _ = run(lambda c: probes._get(c, f"http://127.0.0.1:{silent.getsockname()[1]}/health", 0.3, 100))
+    finally:
+        silent.close()
+    assert not probe.ok and probe.error == "timeout" and probe.status is None
