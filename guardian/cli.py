@@ -28,6 +28,7 @@ from .observe import clock, probes
 from .observe.memory import env_path, wiring_of
 from .observe.nvml import Nvml
 from .observe.probes import make_client
+from .observe.readback import Refused, read_back
 from .observe.replicas import PortOwnerCache, UnitInfoCache, observe_all, port_owners, unit_or_error
 from .observe.systemd import Systemd, SystemdError
 
@@ -183,17 +184,28 @@ def _runtime_dir(args: argparse.Namespace) -> Path:
         return Path(str(Config.model_fields["runtime_dir"].default))
 
 
+# status.json is a few KiB per replica; the rule a few hundred bytes per unit.
+STATUS_MAX_BYTES = 8 * 2**20
+POLKIT_RULE_MAX_BYTES = 2**20
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     if args.fleet:
         return _fleet_status(args)
     path = _runtime_dir(args) / STATUS_FILE
     try:
-        data = json.loads(path.read_text())
+        # Not followed, not a FIFO (it would hang a root `guardian status`), not without end.
+        data = json.loads(read_back(path, STATUS_MAX_BYTES))
+        if not isinstance(data, dict):
+            raise ValueError(f"a JSON {type(data).__name__}, not guardian's status object")
     except FileNotFoundError:
         print(f"guardian is not running (no {path})", file=sys.stderr)
         return 3
+    except Refused as e:
+        print(f"cannot read {path}: {e.strerror}", file=sys.stderr)
+        return 1
     except (OSError, ValueError) as e:
-        print(f"cannot read {path}: {e}", file=sys.stderr)
+        print(f"cannot read {path}: {e}".replace("\n", " "), file=sys.stderr)
         return 1
     age = time.time() - data.get("updated_at", 0)
     stale = age > max(30.0, 5 * data.get("interval_s", 2.0))
@@ -475,11 +487,13 @@ def cmd_polkit_rule(args: argparse.Namespace) -> int:
     out = Path(args.output)
     units = ", ".join(sorted({r.unit for r in cfg.replicas})) or "none"
     try:
-        if out.read_text() == text:
+        if read_back(out, POLKIT_RULE_MAX_BYTES) == text.encode():
             print(f"guardian: polkit rule {out} unchanged (units: {units})")
             return 0
-    except (OSError, UnicodeDecodeError):
-        pass
+    except Refused as e:  # a link, a FIFO, a device, a huge file: never read, replaced by the rename
+        print(f"guardian: {out} was not read ({e.strerror}): replaced by the rule", file=sys.stderr)
+    except OSError:
+        pass  # absent or unreadable: written
     atomic_write(out, text.encode(), mode=0o644)
     print(f"guardian: wrote polkit rule {out}: user guardian may {', '.join(polkit.VERBS)} {units}")
     return 0

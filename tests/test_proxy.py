@@ -15,7 +15,7 @@ from guardian.config import Config, ProxyConfig, ReplicaConfig
 from guardian.core.vocab import Priority
 from guardian.observe.clock import now
 from systemd_box import wait_for
-from test_shell import Recorder
+from test_shell import Recorder, returns_within
 
 
 def config(tmp_path, **proxy) -> Config:
@@ -284,3 +284,106 @@ def test_a_process_that_escaped_into_its_own_session_cannot_hold_the_hook_past_i
         assert "did not finish within 0.5 s" in error and "escaped the kill" in error, error
     finally:
         _kill(_pids(pids))
+
+
+# --- issue 21: the files read back are bounded and not followed -------------------------------
+class _Nginx:
+    """systemd as _nginx sees it: `nginx -t` passes (or not), nginx is not running (nothing to reload)."""
+
+    def __init__(self, check: str = "done") -> None:
+        self.check = check
+        self.jobs: list[tuple[str, str]] = []
+
+    async def run_job(self, member: str, unit: str, timeout_s: float) -> str:
+        self.jobs.append((member, unit))
+        return self.check if member == "StartUnit" else "done"
+
+    async def active_state(self, unit: str):
+        from guardian.core.vocab import ActiveState
+
+        return ActiveState.INACTIVE
+
+
+def _plant(path, what: str) -> None:
+    import os
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if what == "fifo":
+        os.mkfifo(path)
+    elif what == "dev-zero":
+        os.symlink("/dev/zero", path)
+    elif what == "link to a file":
+        (path.parent / "elsewhere").write_text("server 10.9.9.9:1;\n")
+        os.symlink(path.parent / "elsewhere", path)
+    else:
+        path.write_bytes(b"#" * (2**20 + 1))
+
+
+@pytest.mark.parametrize("what", ["fifo", "dev-zero", "link to a file", "oversized"])
+def test_what_is_planted_at_an_upstream_file_is_replaced_never_read(tmp_path, what):
+    import os
+    import stat
+
+    from guardian.act.proxy import upstream_path
+
+    cfg = config(tmp_path, nginx_upstream_dir=str(tmp_path / "up"))
+    journal = Recorder()
+    sd = _Nginx()
+    p = ProxySync(cfg, sd, StateStore(cfg.state_dir), journal, now)  # type: ignore[arg-type]
+    path = upstream_path(cfg, "llm")
+    _plant(path, what)
+    returns_within(5.0, asyncio.run, apply(p, {"a"}), unblock=[path])
+    assert p.view().error is None and p.view().applied == frozenset({"a"})
+    assert stat.S_ISREG(os.stat(path, follow_symlinks=False).st_mode)
+    assert path.read_text() == render_upstream(cfg, "llm", frozenset({"a"}))
+    assert sd.jobs == [("StartUnit", cfg.proxy.nginx_check_unit)]
+    said = [line.message for line, _ in journal.lines if line.priority is Priority.WARNING]
+    assert len(said) == 1 and f"{path} was not read" in said[0], said
+    if what == "link to a file":
+        assert (path.parent / "elsewhere").read_text() == "server 10.9.9.9:1;\n"  # not written through
+
+
+def test_when_nginx_t_fails_what_was_planted_is_not_put_back(tmp_path):
+    import os
+
+    from guardian.act.proxy import upstream_path
+
+    cfg = config(tmp_path, nginx_upstream_dir=str(tmp_path / "up"))
+    p = ProxySync(cfg, _Nginx("failed"), StateStore(cfg.state_dir), Recorder(), now)  # type: ignore[arg-type]
+    path = upstream_path(cfg, "llm")
+    _plant(path, "fifo")
+    upstream_path(cfg, "small").write_text("# the operator's\n")
+    returns_within(5.0, asyncio.run, apply(p, {"a"}), unblock=[path])
+    err = p.view().error or ""
+    assert "nginx -t" in err and f"{path} is not put back" in err, err
+    assert not os.path.lexists(path) and upstream_path(cfg, "small").read_text() == "# the operator's\n"
+
+
+def test_check_reads_no_fifo_and_no_huge_file_and_follows_debians_links(tmp_path):
+    """`guardian check` runs as root: a FIFO at an upstream file or in /etc/nginx must not hang it,
+    a huge file must not be read. sites-enabled/* are links to sites-available/*: followed."""
+    import os
+
+    from guardian.act.proxy import describe, upstream_path
+
+    cfg = config(tmp_path, nginx_upstream_dir=str(tmp_path / "up"))
+    conf = tmp_path / "nginx"
+    for d in ("sites-available", "sites-enabled", "conf.d"):
+        (conf / d).mkdir(parents=True)
+    (conf / "sites-available" / "llm").write_text(f"upstream llm {{\n    include {upstream_path(cfg, 'llm')};\n}}\n")
+    (conf / "sites-enabled" / "llm").symlink_to(conf / "sites-available" / "llm")
+    (conf / "conf.d" / "huge.conf").write_bytes(
+        f"upstream small {{\n    include {upstream_path(cfg, 'small')};\n}}\n".encode() + b"#" * 2**20)
+    os.mkfifo(conf / "conf.d" / "fifo.conf")
+    (conf / "conf.d" / "zero.conf").symlink_to("/dev/zero")
+    (conf / "conf.d" / "to-fifo.conf").symlink_to(conf / "conf.d" / "fifo.conf")
+    _plant(upstream_path(cfg, "llm"), "fifo")
+    _plant(upstream_path(cfg, "small"), "oversized")
+    fifos = [upstream_path(cfg, "llm"), conf / "conf.d" / "fifo.conf"]
+    out = returns_within(5.0, describe, cfg, frozenset(), conf, unblock=fifos)
+    found = {text.split(":")[1].strip(): (bad, text) for bad, text in out}
+    bad, text = found["upstream llm"]
+    assert bad and "not a regular file (a FIFO)" in text and "replaces it" in text, text
+    assert f"included by {conf / 'sites-available' / 'llm'}, {conf / 'sites-enabled' / 'llm'};" in text, text
+    bad, text = found["upstream small"]
+    assert bad and f"larger than {2**20} bytes" in text and "NOT included" in text, text

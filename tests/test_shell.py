@@ -136,3 +136,69 @@ def test_shutdown_cancels_the_probes_carried_over_from_the_last_tick(tmp_path):
         assert hung.cancelled() and d.observer.carry.tasks == {}
 
     asyncio.run(go())
+
+
+# --- issue 21: files read back are bounded and not followed ------------------------------------
+def returns_within(bound_s: float, fn, *args, unblock=()):
+    """FN(*ARGS)'s result, run in a thread: fails if it has not returned after BOUND_S (an open
+    of a FIFO with no writer never returns; a read of /dev/zero never ends). UNBLOCK: FIFOs
+    opened for writing and closed afterwards, so that a reader stuck on one ends too."""
+    import os
+    import threading
+
+    result: dict = {}
+
+    def run() -> None:
+        try:
+            result["value"] = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - raised again in the test's thread
+            result["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(bound_s)
+    blocked = t.is_alive()
+    for fifo in unblock:
+        try:
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:
+            pass  # no reader waits on it
+    if blocked:
+        t.join(bound_s)
+    assert not blocked, f"{getattr(fn, '__name__', fn)} did not return within {bound_s} s"
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
+def test_a_fifo_at_status_json_is_one_line_and_exit_1_not_a_hang(tmp_path, capsys):
+    """A FIFO planted in the runtime directory would hang a root `guardian status` for ever."""
+    import os
+
+    path = tmp_path / "guardian.toml"
+    path.write_text(f'runtime_dir = "{tmp_path / "run"}"\nstate_dir = "{tmp_path / "state"}"\n')
+    (tmp_path / "run").mkdir()
+    fifo = tmp_path / "run" / "status.json"
+    os.mkfifo(fifo)
+    assert returns_within(5.0, main, ["--config", str(path), "status"], unblock=[fifo]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"cannot read {fifo}" in err and "FIFO" in err, err
+    (tmp_path / "run" / "status.json").unlink()
+    os.symlink("/dev/zero", fifo)
+    assert returns_within(5.0, main, ["--config", str(path), "status"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "symbolic link" in err, err
+
+
+def test_a_fifo_at_the_polkit_rule_is_replaced_by_the_rule_not_read(tmp_path, capsys):
+    import os
+    import stat
+
+    path, out = tmp_path / "guardian.toml", tmp_path / "rules.d" / "50-guardian.rules"
+    path.write_text('[[replicas]]\nname = "a"\nunit = "llm-a.service"\nurl = "http://127.0.0.1:8001"\nmodel = "m"\n')
+    out.parent.mkdir()
+    os.mkfifo(out)
+    assert returns_within(5.0, main, ["--config", str(path), "polkit-rule", "--output", str(out)], unblock=[out]) == 0
+    assert stat.S_ISREG(os.stat(out, follow_symlinks=False).st_mode) and "llm-a.service" in out.read_text()
+    assert "not a regular file (a FIFO)" in capsys.readouterr().err
+    assert [p.name for p in out.parent.iterdir()] == ["50-guardian.rules"]

@@ -100,3 +100,35 @@ def test_the_shipped_example_unit_is_wired_even_with_the_operators_file_setting_
     found = tuple(EnvFile(e, "GPU_MEMORY_UTILIZATION=0.9\n" if e.startswith("/etc/") else None) for e in entries)
     assert wiring_problem("vllm-replica@a.service", found, tuple(exec_start.split()), ENV) is None
     assert "LimitNOFILE=65536" in text
+
+
+def test_a_fifo_or_a_device_as_an_environment_file_is_unreadable_not_a_hang(tmp_path):
+    """issue 21: the observer reads guardian's env file on the event loop and the units'
+    EnvironmentFile= paths in a thread; a FIFO there would block it for ever."""
+    import os
+
+    from guardian.observe.memory import read_env_file
+    from test_shell import returns_within
+
+    fifo = tmp_path / "a.env"
+    os.mkfifo(fifo)
+    assert returns_within(5.0, read_env_fraction, fifo, unblock=[fifo]) is None
+    e = returns_within(5.0, read_env_file, str(fifo), unblock=[fifo])
+    assert e.text is None and e.error == "not a regular file (a FIFO)"
+    p = wiring_problem("u.service", (EnvFile(ENV, ""), e), GOOD, ENV)
+    assert p is not None and f"{fifo} comes after" in p and "cannot be read" in p and "(not a regular file (a FIFO))" in p
+    zero = tmp_path / "zero.env"
+    os.symlink("/dev/zero", zero)
+    assert returns_within(5.0, read_env_fraction, zero) is None
+    assert returns_within(5.0, read_env_file, str(zero)).error == "not a regular file (a character device)"
+    big = tmp_path / "big.env"
+    big.write_bytes(b"#" * (2**20))
+    assert read_env_file(str(big)).error == f"larger than {64 * 2**10} bytes"
+    # an operator's env file may be a link to a regular file, as systemd follows it; guardian's own is never followed
+    real = tmp_path / "real.env"
+    real.write_text("GPU_MEMORY_UTILIZATION=0.5\n")
+    link = tmp_path / "link.env"
+    link.symlink_to(real)
+    assert read_env_file(str(link)).text == "GPU_MEMORY_UTILIZATION=0.5\n"
+    assert read_env_fraction(real) == 0.5 and read_env_fraction(link) is None
+    assert read_env_file(str(tmp_path / "absent.env")) == EnvFile(str(tmp_path / "absent.env"), None)

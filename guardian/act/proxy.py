@@ -5,7 +5,10 @@ nginx: guardian owns one file per upstream, ``P.nginx_upstream_dir/NAME.conf``, 
 that upstream, with ``down`` for a replica marked down. A change is written atomically, checked
 with ``nginx -t`` (the unit ``P.nginx_check_unit`` runs it as root: guardian has no rights on
 nginx's own files), and applied by reloading ``P.nginx_unit`` over D-Bus. If the check fails the
-previous file is put back and nothing is reloaded.
+previous file is put back and nothing is reloaded. The files are read back with read_back
+(observe/readback.py): what is at such a name that is not a regular file of at most
+UPSTREAM_MAX_BYTES (a link, a FIFO, a device) is never read, but replaced by the rename, and not
+put back if the check fails.
 
 Any other proxy: ``P.drain_command`` and ``P.undrain_command``, run for one replica each, with
 GUARDIAN_REPLICA, GUARDIAN_UNIT, GUARDIAN_URL and GUARDIAN_ACTION in the environment, bounded by
@@ -34,6 +37,7 @@ from ..core.actions import LogLine
 from ..core.observations import ProxyView
 from ..core.vocab import Decision, Priority
 from ..observe.clock import Now
+from ..observe.readback import Refused, read_back
 from ..observe.systemd import JOB_DONE, Systemd, SystemdError
 from ..observe.unitlog import unit_lines
 from .journal import Journal
@@ -50,6 +54,10 @@ HOOK_OUTPUT_MAX_BYTES = 4096
 # How long a command's output is read on after its own process ended (or was killed): a process it
 # left behind may hold the pipe for ever. Also how long a killed command is waited for.
 HOOK_GRACE_S = 1.0
+# An upstream file is a few lines per replica; an nginx configuration file is read by `guardian
+# check` only up to this size.
+UPSTREAM_MAX_BYTES = 2**20
+NGINX_CONF_MAX_BYTES = 2**20
 
 
 def upstreams(cfg: Config) -> dict[str, list[ReplicaConfig]]:
@@ -331,11 +339,14 @@ class ProxySync:
         p = cfg.proxy
         files = {upstream_path(cfg, u): render_upstream(cfg, u, want) for u in upstreams(cfg)}
         old: dict[Path, bytes | None] = {}
+        planted: dict[Path, str] = {}  # not a regular file guardian reads: replaced, never put back
         for path in files:
             try:
-                old[path] = path.read_bytes()
+                old[path] = read_back(path, UPSTREAM_MAX_BYTES)
             except FileNotFoundError:
                 old[path] = None
+            except Refused as e:
+                old[path], planted[path] = None, e.strerror or str(e)
             except OSError as e:
                 return self._say_nginx(want, f"cannot read {path}: {e}")
         changed = {path: text for path, text in files.items() if old[path] != text.encode()}
@@ -349,15 +360,24 @@ class ProxySync:
         except OSError as e:
             self._restore(old, changed)
             return self._say_nginx(want, f"cannot write {e.filename or p.nginx_upstream_dir}: {e.strerror or e}")
+        for path, why in planted.items():
+            self.journal.line(
+                LogLine(
+                    Priority.WARNING,
+                    f"proxy: {path} was not read ({why}): replaced by the upstream file guardian writes",
+                    Decision.PROXY,
+                )
+            )
         check = await self._job("StartUnit", p.nginx_check_unit)
         if check != JOB_DONE:
             said = await unit_lines(p.nginx_check_unit, began.wall, 8)
             detail = " | ".join(line for line in (said or []) if line.strip())[-OUTPUT_CHARS:]
             self._restore(old, changed)
+            gone = "".join(f"; {path} is not put back (it was {why}): removed" for path, why in planted.items())
             return self._say_nginx(
                 want,
                 f"nginx -t ({p.nginx_check_unit}) {check}: {detail or 'see journalctl -u ' + p.nginx_check_unit}; "
-                "the previous upstream file is back and nginx was not reloaded",
+                f"the previous upstream file is back and nginx was not reloaded{gone}",
             )
         try:
             running = (await self.sd.active_state(p.nginx_unit)).running
@@ -496,13 +516,14 @@ NGINX_CONF_DIR = Path("/etc/nginx")
 
 
 def includers(path: Path, conf_dir: Path = NGINX_CONF_DIR) -> list[Path]:
-    """Files under CONF_DIR with an `include` of PATH (exactly that path: no glob is expanded)."""
+    """Files under CONF_DIR with an `include` of PATH (exactly that path: no glob is expanded).
+
+    A link is followed (Debian's sites-enabled/* are links), to a regular file of at most
+    NGINX_CONF_MAX_BYTES only: a FIFO, a device or a huge file is skipped, never read."""
     found = []
     for f in sorted(conf_dir.rglob("*")) if conf_dir.is_dir() else []:
         try:
-            if not f.is_file():
-                continue
-            text = f.read_text(errors="replace")
+            text = read_back(f, NGINX_CONF_MAX_BYTES, follow_symlinks=True).decode(errors="replace")
         except OSError:
             continue
         for line in text.splitlines():
@@ -522,10 +543,13 @@ def describe(cfg: Config, down: frozenset[str], conf_dir: Path = NGINX_CONF_DIR)
     for upstream in upstreams(cfg):
         path = upstream_path(cfg, upstream)
         want = render_upstream(cfg, upstream, down)
+        planted = None
         try:
-            have: str | None = path.read_text()
+            have: str | None = read_back(path, UPSTREAM_MAX_BYTES).decode(errors="replace")
         except FileNotFoundError:
             have = None
+        except Refused as e:  # what the daemon does with it too
+            have, planted = None, e.strerror or str(e)
         except OSError as e:
             out.append((True, f"proxy: upstream {upstream}: cannot read {path}: {e}"))
             continue
@@ -535,7 +559,9 @@ def describe(cfg: Config, down: frozenset[str], conf_dir: Path = NGINX_CONF_DIR)
             if inc
             else f"NOT included by any file under {conf_dir} (add the snippet in README, Under a proxy)"
         )
-        if have is None:
+        if planted is not None:
+            change = f"{planted}: not read; guardian replaces it with its own file and reloads nginx"
+        elif have is None:
             change = "absent: guardian writes it at its next start"
         elif have == want:
             change = "as guardian would write it (a reload would change nothing)"
@@ -544,5 +570,5 @@ def describe(cfg: Config, down: frozenset[str], conf_dir: Path = NGINX_CONF_DIR)
             new = {ln for ln in want.splitlines() if ln.startswith("server ")}
             diff = [f"- {ln}" for ln in sorted(old - new)] + [f"+ {ln}" for ln in sorted(new - old)]
             change = "guardian would rewrite it and reload nginx: " + ("; ".join(diff) or "comments only")
-        out.append((not inc, f"proxy: upstream {upstream}: {path}, {where}; {change}"))
+        out.append((not inc or planted is not None, f"proxy: upstream {upstream}: {path}, {where}; {change}"))
     return out

@@ -16,9 +16,9 @@ anything, and a wall time in the future counts as now. A bare number (the older 
 wall time. A persisted time beyond MAX_TIME_S either way makes the file corrupt; one ahead of now
 (wall or monotonic) is clamped to now, a pause's end to now + the longest pause.
 
-Files read back (here and by the exporters) are read with read_back: never through a symlink,
-only a regular file, only up to a size, so that a FIFO or a link to /dev/zero planted in a
-directory another user can write blocks or swallows nothing.
+Files read back (here and by the exporters) are read with read_back (observe/readback.py): never
+through a symlink, only a regular file, only up to a size, so that a FIFO or a link to /dev/zero
+planted in a directory another user can write blocks or swallows nothing.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import errno
 import fcntl
 import json
 import os
-import stat
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -39,6 +38,7 @@ from ..config import MAX_WINDOW_S
 from ..core.observations import Pause, PersistentView, RestartRequest
 from ..observe.clock import Now, boot_id
 from ..observe.clock import now as clock_now
+from ..observe.readback import read_back as read_back  # re-exported: export/files.py imports it from here
 
 STATE_FILE = "state.json"
 STATUS_FILE = "status.json"
@@ -50,31 +50,6 @@ MAX_TIME_S = 1e11
 # A state file is a few KiB (restarts within a window, answers for 10 minutes): one this large
 # is not guardian's, and is moved aside rather than read.
 STATE_MAX_BYTES = 8 * 2**20
-
-
-def read_back(path: Path, max_bytes: int) -> bytes:
-    """PATH's bytes, when it is a regular file of at most MAX_BYTES that is not a symlink.
-
-    Opened with O_NOFOLLOW (a link is ELOOP) and O_NONBLOCK (a FIFO opens at once, and is then
-    refused), checked with fstat on the descriptor it reads. FileNotFoundError when absent;
-    another OSError naming PATH for anything else."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", str(path))
-        if st.st_size > max_bytes:
-            raise OSError(errno.EFBIG, f"larger than {max_bytes} bytes", str(path))
-        chunks: list[bytes] = []
-        size = 0
-        while chunk := os.read(fd, min(2**16, max_bytes + 1 - size)):
-            chunks.append(chunk)
-            size += len(chunk)
-            if size > max_bytes:  # it grew while read
-                raise OSError(errno.EFBIG, f"larger than {max_bytes} bytes", str(path))
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
 
 
 def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:

@@ -17,7 +17,11 @@ from . import probes, unitlog
 from .clock import Now
 from .meminfo import sample_memory
 from .nvml import Nvml
+from .readback import Refused, read_back
 from .systemd import Systemd, SystemdError
+
+# An environment file is a few lines; one larger than this is not one (and is not read).
+ENV_FILE_MAX_BYTES = 64 * 2**10
 
 
 def env_path(cfg: Config, replica: str) -> Path:
@@ -26,18 +30,24 @@ def env_path(cfg: Config, replica: str) -> Path:
 
 
 def read_env_fraction(path: Path) -> float | None:
-    """GPU_MEMORY_UTILIZATION from an env file; None if absent, unreadable or not a fraction."""
+    """GPU_MEMORY_UTILIZATION from guardian's env file; None if absent, unreadable, not a regular
+    file (a link is not followed: guardian writes it, atomically) or not a fraction. Read on the
+    event loop: read_back never blocks on a FIFO."""
     try:
-        return parse_fraction(env_value(path.read_text()))
+        return parse_fraction(env_value(read_back(path, ENV_FILE_MAX_BYTES).decode()))
     except (OSError, UnicodeDecodeError):
         return None
 
 
 def read_env_file(path: str) -> EnvFile:
+    """One of a unit's EnvironmentFile= entries. systemd follows a link there, so guardian does,
+    to a regular file of at most ENV_FILE_MAX_BYTES only: anything else is unreadable, and why."""
     try:
-        return EnvFile(path, Path(path).read_text())
+        return EnvFile(path, read_back(path, ENV_FILE_MAX_BYTES, follow_symlinks=True).decode())
     except FileNotFoundError:
         return EnvFile(path, None)
+    except Refused as e:
+        return EnvFile(path, None, e.strerror)
     except (OSError, UnicodeDecodeError) as e:
         return EnvFile(path, None, str(e))
 
