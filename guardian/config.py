@@ -186,6 +186,33 @@ class WatchdogConfig(_Strict):
     restart_window_s: float = Field(default=1800.0, gt=0, le=MAX_WINDOW_S)
     backoff_s: float = Field(default=60.0, ge=0, le=MAX_WINDOW_S)
     restart_job_timeout_s: float = Field(default=300.0, gt=0, le=MAX_WINDOW_S)
+    # The kernel's view of each replica's connections (README, What the kernel shows): a client
+    # whose request has had no byte of answer for this long, with nothing moving, is queued work.
+    client_wait_s: float = Field(default=3.0, gt=0, le=MAX_WINDOW_S)
+    # Peers that are not clients of their own: units ("x.service") or addresses. [proxy]'s
+    # nginx_unit counts as a proxy when [proxy] is on.
+    proxy_peers: list[str] = Field(default_factory=list, max_length=64)
+    monitoring_peers: list[str] = Field(default_factory=lambda: ["prometheus.service"], max_length=64)
+    # With a proxy configured, a client connected straight to a replica's port for this long is
+    # a hazard ("point it at the proxy").
+    bypass_after_s: float = Field(default=30.0, gt=0, le=MAX_WINDOW_S)
+
+    @field_validator("proxy_peers", "monitoring_peers")
+    @classmethod
+    def _peers(cls, v: list[str]) -> list[str]:
+        for peer in v:
+            unit = len(peer) <= 255 and _UNIT_NAME.fullmatch(peer) is not None
+            if not unit and not _is_address(peer):
+                raise ValueError(f"{peer!r} is neither a unit name (x.service) nor an IP address")
+        return v
+
+
+def _is_address(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
 
 
 class MemoryConfig(_Strict):

@@ -736,3 +736,113 @@ def test_traffic_while_a_canary_runs_is_still_traffic(during, counts):
     assert sim.tracks["a"].canary_in_flight_since == 131
     sim.tick(132, a=obs(t=132, s=during))
     assert (sim.tracks["a"].last_traffic_at == 132) == counts
+
+
+# --- the kernel's view (issue 20): responses flowing are progress, waiting clients queued work -----
+
+from guardian.core.observations import ConnView  # noqa: E402
+
+
+def conns(flowing=0, bytes_out=0, waiting=0, oldest_wait_s=0.0, since_s=2.0, cpu_s=None) -> ConnView:
+    return ConnView(connections=flowing + waiting + 1, flowing=flowing, bytes_out=bytes_out, waiting=waiting,
+                    oldest_wait_s=oldest_wait_s, since_s=since_s, cpu_s=cpu_s)
+
+
+def starved(t: float, flowing: int) -> ReplicaObservation:
+    """Every endpoint times out (the API server's loop is starved); the kernel sees FLOWING streams."""
+    return replace(obs(t=t, health=TIMEOUT), conns=conns(flowing=flowing, bytes_out=4000 * flowing))
+
+
+def test_a_replica_whose_endpoints_all_time_out_while_responses_flow_is_never_unresponsive():
+    """The false restart measured on a real vLLM 0.32 (issue 20): /health, /metrics and /v1/models
+    unanswered for 11 s while 5 streams kept delivering tokens; guardian killed it."""
+    sim = Sim(cfg(1, unresponsive_after_s=10))
+    healthy_start(sim)
+    for t in range(102, 160, 2):
+        sim.tick(t, a=starved(t, flowing=5))
+        assert sim.state() in (State.HEALTHY, State.BUSY), (t, sim.state(), sim.rule())
+    assert not restarts(sim.actions)
+    assert sim.rule() == "L9" and "responses flowing to 5 client connection(s), 20000 bytes" in sim.tracks["a"].evidence
+
+
+@pytest.mark.parametrize("last_flow_t, t, state, rule", [
+    (120.0, 129.9, State.BUSY, "L13"),  # 9.9 s after the last response flowed: not yet
+    (120.0, 130.0, State.UNRESPONSIVE, "L7"),  # at unresponsive_after_s: a frozen server sends nothing
+    (120.0, 130.1, State.UNRESPONSIVE, "L7"),
+])
+def test_when_the_flow_stops_too_the_window_runs_from_the_last_response_that_flowed(last_flow_t, t, state, rule):
+    sim = Sim(cfg(1, unresponsive_after_s=10))
+    healthy_start(sim)
+    tt = 102.0
+    while tt <= last_flow_t:
+        sim.tick(tt, a=starved(tt, flowing=3))
+        tt += 2.0
+    while tt < t - 1.0:
+        sim.tick(tt, a=starved(tt, flowing=0))
+        tt += 2.0
+    sim.tick(t, a=starved(t, flowing=0))
+    assert (sim.state(), sim.rule()) == (state, rule)
+
+
+def test_a_sigstopped_server_is_unresponsive_in_the_usual_window_with_its_kernel_view_read():
+    sim = Sim(cfg(1, unresponsive_after_s=10))
+    healthy_start(sim)
+    for t in (102.0, 104.0, 106.0, 108.0, 109.9):
+        sim.tick(t, a=replace(obs(t=t, health=TIMEOUT), conns=conns(cpu_s=0.0)))
+    assert sim.state() != State.UNRESPONSIVE
+    sim.tick(110.0, a=replace(obs(t=110.0, health=TIMEOUT), conns=conns(cpu_s=0.0)))
+    assert (sim.state(), sim.rule()) == (State.UNRESPONSIVE, "L7")
+    assert restarts(sim.actions)
+
+
+def frozen_between_steps(oldest_wait_s_at: callable, until: float, canary=None):  # noqa: ANN001
+    """Healthy and idle at 100 (3 canaries learned), frozen counters from 110; clients waiting as told."""
+    sim = Sim(cfg(1, stall_canary_after_s=10, client_wait_s=3))
+    healthy_start(sim)
+    frozen = sample()  # the counters as they stood at 100: nothing moves from here on
+    sim.tick(101, a=obs(t=101, s=frozen, canary=CanaryResult(True, 100.0, 0.1)))  # the idle canary at 100
+    sim.actions.clear()
+    t = 102.0
+    while t <= until:
+        wait = oldest_wait_s_at(t)
+        c = conns(waiting=4 if wait > 0 else 0, oldest_wait_s=max(0.0, wait))
+        sim.tick(t, a=replace(obs(t=t, s=frozen, canary=canary(t) if canary else None), conns=c))
+        t += 1.0
+    return sim
+
+
+@pytest.mark.parametrize("oldest_wait_s, queued", [(2.9, False), (3.0, True), (3.1, True)])
+def test_clients_waiting_at_least_client_wait_s_are_queued_work(oldest_wait_s, queued):
+    sim = frozen_between_steps(lambda t: oldest_wait_s if t == 130 else 0.0, until=130)
+    assert (sim.tracks["a"].work_since is not None) == queued
+    if queued:
+        assert sim.tracks["a"].work_since == pytest.approx(130 - oldest_wait_s)
+        assert "4 client(s) waiting for an answer" in sim.tracks["a"].evidence
+
+
+def test_an_engine_frozen_between_steps_with_clients_waiting_gets_a_stall_canary_then_is_stalled():
+    """0 running, 0 waiting, frozen counters, /health 200: only the waiting clients say work is queued."""
+    def wait_from_110(t: float) -> float:
+        return t - 110.0
+
+    sim = frozen_between_steps(wait_from_110, until=119)
+    assert not [a for a in sim.actions if isinstance(a, StartCanary)]  # 9 s since the work was queued
+    sim = frozen_between_steps(wait_from_110, until=120)
+    sent = [a for a in sim.actions if isinstance(a, StartCanary)]
+    assert len(sent) == 1  # stall_canary_after_s after the oldest client started waiting
+    failed = CanaryResult(False, 120.0, 3.0, "timeout")
+    sim = frozen_between_steps(wait_from_110, until=124, canary=lambda t: failed if t == 124 else None)
+    assert (sim.state(), sim.rule()) == (State.STALLED, "L17")
+    assert restarts(sim.actions)
+
+
+def test_an_idle_keep_alive_or_a_long_answer_with_counters_moving_is_not_a_stall():
+    sim = Sim(cfg(1, stall_canary_after_s=10, client_wait_s=3))
+    healthy_start(sim)
+    sim.tick(101, a=obs(t=101, canary=CanaryResult(True, 100.0, 0.1)))  # the idle canary at 100
+    sim.actions.clear()
+    for i, t in enumerate(range(102, 200, 2)):  # 4 clients waiting on long non-streaming answers
+        moving = sample(gen=10.0 * i, running=4)
+        sim.tick(t, a=replace(obs(t=t, s=moving), conns=conns(waiting=4, oldest_wait_s=float(t - 100))))
+        assert sim.state() == State.HEALTHY
+    assert not [a for a in sim.actions if isinstance(a, StartCanary)] and not restarts(sim.actions)

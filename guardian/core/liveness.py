@@ -9,9 +9,17 @@ Rules, first match wins: the rows of RULES below (ids L1-L15), rendered into the
 Progress means: any of generation_tokens_total, prompt_tokens_total,
 iteration_tokens_total_count/_sum, request_success_total went up, or kv_cache_usage_perc changed
 (it moves during a long chunked prefill when the token counters stand still), or a counter went
-down (the engine restarted), or a canary completed.
+down (the engine restarted), or a canary completed, or the kernel saw a response flowing to a
+client (ConnView.flowing > 0: bytes acked on a client connection since the last look while the
+client sent nothing). The last one is evidence of its own: /metrics is served by the same event
+loop as /health, so when a starved API server answers no probe, counters cannot show progress
+while its streams still deliver tokens (measured on vLLM 0.32: 11 s).
 
-Traffic means: running + waiting > 0, or a counter moved, at a tick with no canary of guardian's
+Queued work means: running + waiting > 0 on /metrics, or clients waiting: client connections
+whose request has had no byte of answer for >= W.client_wait_s (ConnView.waiting; an engine
+frozen between two steps shows 0 running and 0 waiting while its clients wait in the API server).
+
+Traffic means: queued work, or a counter moved, at a tick with no canary of guardian's
 in flight or just folded in (a canary's own token is not traffic); with one, running + waiting > 1,
 or generation_tokens_total or request_success_total up by more than 1 (more than the canary).
 
@@ -78,24 +86,34 @@ RULES = (
         "no probe answered this tick AND one sent at an earlier tick is still running (each bounded by "
         "its timeout): no news, the verdict stands (L1-L8 still apply)",
     ),
-    Rule("L9", S.BUSY, "progress this tick AND (/health failed OR took >= R.health_timeout_s)"),
-    Rule("L10", S.HEALTHY, "progress this tick AND /health answered 2xx in < R.health_timeout_s"),
+    Rule(
+        "L9",
+        S.BUSY,
+        "progress this tick (counters, or responses flowing to clients per the kernel) AND (/health failed "
+        "OR took >= R.health_timeout_s)",
+    ),
+    Rule(
+        "L10",
+        S.HEALTHY,
+        "progress this tick (counters, or responses flowing to clients per the kernel) AND /health answered "
+        "2xx in < R.health_timeout_s",
+    ),
     Rule(
         "L11",
         S.STALLED,
-        "/metrics readable AND running + waiting > 0 AND now - max(last progress, work first "
-        "queued) >= W.stall_window_s",
+        "/metrics readable AND queued work (running + waiting > 0, or clients waiting >= W.client_wait_s) "
+        "AND now - max(last progress, work first queued) >= W.stall_window_s",
     ),
     Rule(
         "L17",
         S.STALLED,
-        "/metrics readable AND running + waiting > 0 AND a canary sent after the last progress (and "
+        "/metrics readable AND queued work (as L11) AND a canary sent after the last progress (and "
         "after work was first queued) failed with no progress while it ran",
     ),
     Rule(
         "L12",
         S.IDLE_DEAD,
-        "/metrics readable AND running + waiting == 0 AND consecutive failed canaries >= W.canary_failures",
+        "/metrics readable AND no queued work AND consecutive failed canaries >= W.canary_failures",
     ),
     Rule("L13", S.BUSY, "/health failed AND last progress < W.stall_window_s ago"),
     Rule(
@@ -139,6 +157,21 @@ def _progressed(prev: VllmSample | None, cur: VllmSample | None) -> bool:
     if cur.kv_cache_usage != prev.kv_cache_usage:
         return True
     return any(c != p for c, p in zip(cur.progress_counters(), prev.progress_counters(), strict=False))
+
+
+def _flowing(obs: ReplicaObservation) -> bool:
+    """The kernel saw a response flowing to a client since its last look (ConnView)."""
+    return obs.conns is not None and obs.conns.flowing > 0
+
+
+def _clients_waiting(obs: ReplicaObservation, wcfg: WatchdogConfig) -> int:
+    """Client connections whose request has had no byte of answer for >= W.client_wait_s."""
+    c = obs.conns
+    return c.waiting if c is not None and c.waiting > 0 and c.oldest_wait_s >= wcfg.client_wait_s else 0
+
+
+def _queued(sample: VllmSample | None, waiting_clients: int) -> float:
+    return (sample.queued if sample is not None else 0.0) + waiting_clients
 
 
 def _beyond_a_canary(prev: VllmSample | None, cur: VllmSample) -> bool:
@@ -215,12 +248,15 @@ def step(
 
     # --- bookkeeping that every rule may read -------------------------------------------
     sample = obs.metrics
-    progressed = _progressed(t.last_sample, sample)  # a counter that went down (new engine) counts too
+    counters_moved = _progressed(t.last_sample, sample)  # a counter that went down (new engine) counts too
+    progressed = counters_moved or _flowing(obs)
+    waiting_clients = _clients_waiting(obs, wcfg)
+    queued = _queued(sample, waiting_clients)
     canary = obs.canary
     canary_failed = False
     ours = t.canary_in_flight_since is not None or canary is not None  # a canary's token is not traffic
     if sample is not None and (
-        (not ours and (progressed or sample.queued > 0)) or (ours and _beyond_a_canary(t.last_sample, sample))
+        (not ours and (counters_moved or queued > 0)) or (ours and _beyond_a_canary(t.last_sample, sample))
     ):
         t = replace(t, last_traffic_at=now)
     if canary is not None:
@@ -232,14 +268,16 @@ def step(
         elif t.last_progress_at is None or t.last_progress_at <= canary.started_at:
             canary_failed = True
             t = replace(t, canary_failures=t.canary_failures + 1)
-            if sample is not None and sample.queued > 0:
+            if sample is not None and queued > 0:
                 t = replace(t, stall_proof_at=canary.started_at)
     if progressed:
         t = replace(t, last_progress_at=now)
     if sample is not None:
-        if sample.queued > 0 and t.work_since is None:
-            t = replace(t, work_since=now)
-        elif sample.queued == 0:
+        if queued > 0 and t.work_since is None:
+            # clients waiting were queued from the moment the longest-waiting one spoke
+            queued_since = now - obs.conns.oldest_wait_s if waiting_clients and obs.conns is not None else now
+            t = replace(t, work_since=queued_since)
+        elif queued == 0:
             t = replace(t, work_since=None)
         t = replace(t, last_sample=sample)
     if obs.all_probes_failed or obs.probes_pending_s is not None:
@@ -257,7 +295,9 @@ def step(
     if health_in_time and not t.healthy_since_start:
         t = replace(t, healthy_since_start=True)
 
-    state, rule, evidence = _classify(t, obs, now, rcfg, wcfg, pause, progressed, health_in_time, canary_failed)
+    state, rule, evidence = _classify(
+        t, obs, now, rcfg, wcfg, pause, (counters_moved, progressed), health_in_time, canary_failed
+    )
 
     # --- canary scheduling ----------------------------------------------------------------
     want_canary: float | None = None
@@ -268,7 +308,7 @@ def step(
         and t.canary_in_flight_since is None
     ):
         due = False
-        if sample.queued == 0:
+        if queued == 0:
             if t.canary_failures:
                 due = now - max(x for x in (t.last_canary_at, 0.0) if x is not None) >= wcfg.canary_retry_s
             elif t.last_traffic_at is not None and (t.last_canary_at is None or t.last_canary_at < t.last_traffic_at):
@@ -297,10 +337,11 @@ def _classify(
     rcfg: ReplicaConfig,
     wcfg: WatchdogConfig,
     pause: Pause | None,
-    progressed: bool,
+    moved: tuple[bool, bool],  # (a counter moved, any progress: counters, canary or responses flowing)
     health_in_time: bool,
     canary_failed: bool,
 ) -> tuple[State, str, str]:
+    counters_moved, progressed = moved
     unit = obs.unit
     if pause is not None and (pause.until is None or now < pause.until):
         until = "until resumed" if pause.until is None else f"for {pause.until - now:.0f} s more"
@@ -348,39 +389,42 @@ def _classify(
     if obs.probes_pending_s is not None and t.observed:
         return t.state, "L16", t.evidence
     sample = obs.metrics
+    waiting_clients = _clients_waiting(obs, wcfg)
+    queued = _queued(sample, waiting_clients)
+    work = _work(sample, obs, waiting_clients)
     if progressed:
+        how = "counters advance" if counters_moved or not _flowing(obs) else _flow(obs)
         if health_in_time:
-            return State.HEALTHY, "L10", _work(sample) + ", tokens flowing"
+            return State.HEALTHY, "L10", work + (", tokens flowing" if counters_moved else f", {how}")
         return (
             State.BUSY,
             "L9",
-            f"/health {obs.health.error or f'took {obs.health.latency_s:.1f} s'}, "
-            f"but counters advance ({_work(sample)})",
+            f"/health {obs.health.error or f'took {obs.health.latency_s:.1f} s'}, but {how} ({work})",
         )
-    if sample is not None and sample.queued > 0:
+    if sample is not None and queued > 0:
         ref = max(x for x in (t.last_progress_at, t.work_since) if x is not None)
         if now - ref >= wcfg.stall_window_s:
             return (
                 State.STALLED,
                 "L11",
                 (
-                    f"{_work(sample)} and no counter progress for {now - ref:.0f} s "
+                    f"{work} and no counter progress for {now - ref:.0f} s "
                     f"(/health {'200' if obs.health.ok else obs.health.error})"
                 ),
             )
-    if sample is not None and sample.queued > 0 and t.stall_proof_at is not None:
+    if sample is not None and queued > 0 and t.stall_proof_at is not None:
         ref = max(x for x in (t.last_progress_at, t.work_since) if x is not None)
         if t.stall_proof_at >= ref:
             return (
                 State.STALLED,
                 "L17",
                 (
-                    f"{_work(sample)}, nothing moved for {now - ref:.0f} s, and a canary sent "
+                    f"{work}, nothing moved for {now - ref:.0f} s, and a canary sent "
                     f"{now - t.stall_proof_at:.0f} s ago failed with nothing moving "
                     f"(/health {'200' if obs.health.ok else obs.health.error})"
                 ),
             )
-    if sample is not None and sample.queued == 0 and t.canary_failures >= wcfg.canary_failures:
+    if sample is not None and queued == 0 and t.canary_failures >= wcfg.canary_failures:
         return (
             State.IDLE_DEAD,
             "L12",
@@ -401,10 +445,19 @@ def _classify(
         problems.append(f"{t.canary_failures} canary failure(s)")
     if problems:
         return State.DEGRADED, "L14", "; ".join(problems)
-    return State.HEALTHY, "L15", _work(sample) if sample is not None else "answering"
+    return State.HEALTHY, "L15", work if sample is not None else "answering"
 
 
-def _work(sample: VllmSample | None) -> str:
-    if sample is None:
-        return "queue unknown"
-    return f"{sample.running:.0f} running, {sample.waiting:.0f} waiting"
+def _work(sample: VllmSample | None, obs: ReplicaObservation | None = None, waiting_clients: int = 0) -> str:
+    text = "queue unknown" if sample is None else f"{sample.running:.0f} running, {sample.waiting:.0f} waiting"
+    if waiting_clients and obs is not None and obs.conns is not None:
+        text += f", {waiting_clients} client(s) waiting for an answer for up to {obs.conns.oldest_wait_s:.0f} s"
+    return text
+
+
+def _flow(obs: ReplicaObservation) -> str:
+    c = obs.conns
+    if c is None:
+        return "no kernel view"
+    over = f" in {c.since_s:.1f} s" if c.since_s is not None else ""
+    return f"responses flowing to {c.flowing} client connection(s), {c.bytes_out} bytes{over} (kernel)"

@@ -9,6 +9,7 @@ of the wall clock moves a window. Persisted wall-clock times are converted at th
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from .vocab import ActiveState, LoadState, PortOwner, UnitFileState
 
@@ -105,6 +106,48 @@ class RestartOutcome:
     ok: bool = False  # the job ended "done"
 
 
+class PeerKind(StrEnum):
+    """Who is at the other end of a connection to a replica's port."""
+
+    PROXY = "proxy"  # the [proxy]'s unit (nginx), or an address or unit in watchdog.proxy_peers
+    GUARDIAN = "guardian"  # guardian's own probes and canaries
+    MONITORING = "monitoring"  # a unit or address in watchdog.monitoring_peers (Prometheus)
+    OTHER = "other"  # a client: a local unit, or a remote address
+
+
+@dataclass(frozen=True)
+class Peer:
+    """Connections from one peer to a replica's port."""
+
+    kind: PeerKind
+    name: str  # the local peer's unit ("batch.service"), else its address ("10.0.0.7")
+    connections: int
+
+
+@dataclass(frozen=True)
+class ConnView:
+    """What the kernel shows of a replica's established connections at one look (sock_diag with
+    tcp_info), and of its unit's CPU; "clients" are the peers of kind PROXY and OTHER.
+
+    A response "flows" on a client connection when the replica sent it bytes that were acked
+    since the previous look while the client sent nothing in that time (tcp_info's
+    tcpi_bytes_acked up, tcpi_last_data_recv older than the previous look): a token stream, or
+    any answer that lasts longer than a look, not a quick answer to a new request. A client
+    "waits" when it spoke last (tcpi_last_data_recv more recent than tcpi_last_data_sent): its
+    request has had no byte of answer since.
+    """
+
+    connections: int  # established to the replica's port, every peer
+    flowing: int  # client connections with a response flowing since the previous look
+    bytes_out: int  # bytes acked on those since the previous look
+    waiting: int  # client connections waiting for an answer
+    oldest_wait_s: float  # how long the longest-waiting client has waited (0.0: none waits)
+    since_s: float | None  # seconds since the previous look (None: the first look: nothing flows yet)
+    cpu_s: float | None  # CPU time the unit's cgroup used since the previous look (None: unknown)
+    peers: tuple[Peer, ...] = ()
+    truncated: bool = False  # more sockets than guardian reads in one look: counts are partial
+
+
 @dataclass(frozen=True)
 class ReplicaObservation:
     name: str
@@ -122,6 +165,7 @@ class ReplicaObservation:
     # The probes sent earlier are still running (each bounded by its timeout): no news this
     # tick, and the three probes above are placeholders.
     probes_pending_s: float | None = None
+    conns: ConnView | None = None  # None: the kernel's view could not be read (said once)
 
     @property
     def all_probes_failed(self) -> bool:
