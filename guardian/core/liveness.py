@@ -372,7 +372,7 @@ def _classify(
             "L7",
             (
                 f"no HTTP answer for {now - t.failing_since:.0f} s (/health: {obs.health.error}), "
-                f"last progress {_ago(now, t.last_progress_at)}"
+                f"last progress {_ago(now, t.last_progress_at)}{_kernel_quiet(obs)}"
             ),
         )
     if (
@@ -453,6 +453,14 @@ def _work(sample: VllmSample | None, obs: ReplicaObservation | None = None, wait
     if waiting_clients and obs is not None and obs.conns is not None:
         text += f", {waiting_clients} client(s) waiting for an answer for up to {obs.conns.oldest_wait_s:.0f} s"
     return text
+
+
+def _kernel_quiet(obs: ReplicaObservation) -> str:
+    c = obs.conns
+    if c is None or c.since_s is None:
+        return ""
+    cpu = f", its unit used {1000 * c.cpu_s:.0f} ms of CPU" if c.cpu_s is not None else ""
+    return f"; kernel: nothing flowed to {c.connections} connection(s) in {c.since_s:.1f} s{cpu}"
 
 
 def _flow(obs: ReplicaObservation) -> str:

@@ -22,7 +22,7 @@ def markdown_table(rows: tuple[Rule, ...], outcome_header: str) -> str:
 
 def tables() -> dict[str, str]:
     """Every rule table, keyed by the README marker it is rendered under."""
-    from . import admission, drain, fleet, gates, liveness, memguard
+    from . import admission, bypass, drain, fleet, gates, liveness, memguard
 
     return {
         "liveness": markdown_table(liveness.RULES, "state"),
@@ -31,6 +31,7 @@ def tables() -> dict[str, str]:
         "memory": markdown_table(memguard.RULES, "verdict"),
         "drain": markdown_table(drain.RULES, "outcome"),
         "fleet": markdown_table(fleet.RULES, "outcome"),
+        "bypass": markdown_table(bypass.RULES, "outcome"),
     }
 
 

@@ -1,0 +1,80 @@
+"""Clients that bypass the proxy (the seed's incident: a batch job had one box's own address in its
+configuration; all its load went to one replica while the other had capacity to spare). Pure.
+
+Rules (the README's "What the kernel shows" renders them):
+- B1: only while a proxy is configured ([proxy] on, or watchdog.proxy_peers not empty): without
+  one, every client talks to the replicas directly, and that is the set-up.
+- B2: a peer of kind OTHER (not the proxy, not guardian, not monitoring) with connections to a
+  replica's own port at every look for >= W.bypass_after_s is bypassing: one hazard per
+  (replica, peer), said once, with the remedy, until it is gone at a look.
+- B3: a look without the kernel's view (None) keeps what was seen (no news is not "gone").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ..config import Config
+from .hazards import Hazard
+from .observations import ConnView, PeerKind
+from .rules import Rule
+
+RULES = (
+    Rule("B1", "(no hazard)", "no proxy configured ([proxy] off AND watchdog.proxy_peers empty)"),
+    Rule(
+        "B2",
+        "bypass",
+        "a peer of kind other has connections to the replica's own port at every look for >= W.bypass_after_s",
+    ),
+    Rule("B3", "(unchanged)", "the kernel's view could not be read at this look: what was seen stands"),
+)
+
+Seen = Mapping[tuple[str, str], float]  # (replica, peer) -> first look at which it was connected
+
+
+@dataclass(frozen=True)
+class Bypass:
+    replica: str
+    peer: str
+    connections: int
+    since: float
+
+    def hazard(self, cfg: Config, now: float) -> Hazard:
+        r = cfg.replica(self.replica)
+        unit = r.unit if r is not None else None
+        port = f" on port {r.port}" if r is not None else ""
+        return Hazard(
+            f"bypass:{self.replica}:{self.peer}",
+            f"replica {self.replica} ({unit}): {self.peer} talks to it directly{port}, not through the proxy "
+            f"({self.connections} connection(s), for {now - self.since:.0f} s): its load skips the proxy's "
+            "balancing and draining; point it at the proxy (B2)",
+            self.replica,
+            unit,
+        )
+
+
+def proxy_configured(cfg: Config) -> bool:
+    return cfg.proxy.enabled or bool(cfg.watchdog.proxy_peers)
+
+
+def update(
+    seen: Seen, views: Mapping[str, ConnView | None], now: float, cfg: Config
+) -> tuple[dict[tuple[str, str], float], list[Bypass]]:
+    """The peers seen connected from now on, and those bypassing the proxy (B1-B3)."""
+    if not proxy_configured(cfg):
+        return {}, []
+    out: dict[tuple[str, str], float] = {}
+    found: list[Bypass] = []
+    for replica, view in views.items():
+        if view is None:
+            out.update({k: v for k, v in seen.items() if k[0] == replica})
+            continue
+        for peer in view.peers:
+            if peer.kind is not PeerKind.OTHER or peer.connections <= 0:
+                continue
+            since = seen.get((replica, peer.name), now)
+            out[(replica, peer.name)] = since
+            if now - since >= cfg.watchdog.bypass_after_s:
+                found.append(Bypass(replica, peer.name, peer.connections, since))
+    return out, found

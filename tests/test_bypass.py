@@ -1,0 +1,63 @@
+"""Clients that bypass the proxy (core/bypass.py, rules B1-B3), at their boundaries."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from guardian.config import Config, ProxyConfig, ReplicaConfig, WatchdogConfig
+from guardian.core import bypass
+from guardian.core.observations import ConnView, Peer, PeerKind
+
+
+def cfg(proxy: bool = True, proxy_peers: list[str] | None = None) -> Config:
+    return Config(
+        replicas=[ReplicaConfig(name="a", unit="vllm-a.service", url="http://127.0.0.1:8001", model="m")],
+        watchdog=WatchdogConfig(bypass_after_s=30, proxy_peers=proxy_peers or []),
+        proxy=ProxyConfig(nginx_upstream_dir=Path("/var/lib/guardian/nginx")) if proxy else ProxyConfig(),
+    )
+
+
+def view(*peers: Peer) -> ConnView:
+    n = sum(p.connections for p in peers)
+    return ConnView(connections=n, flowing=0, bytes_out=0, waiting=0, oldest_wait_s=0.0, since_s=2.0, cpu_s=None,
+                    peers=peers)
+
+
+JOB = Peer(PeerKind.OTHER, "batch.service", 3)
+NGINX = Peer(PeerKind.PROXY, "nginx.service", 8)
+GUARDIAN = Peer(PeerKind.GUARDIAN, "guardian.service", 2)
+PROM = Peer(PeerKind.MONITORING, "prometheus.service", 1)
+
+
+def run(c: Config, looks: list[tuple[float, ConnView | None]]) -> list[bypass.Bypass]:
+    seen: dict = {}
+    found: list[bypass.Bypass] = []
+    for now, v in looks:
+        seen, found = bypass.update(seen, {"a": v}, now, c)
+    return found
+
+
+@pytest.mark.parametrize("last, bypassing", [(129.9, False), (130.0, True), (130.1, True)])
+def test_a_client_connected_straight_to_the_port_for_bypass_after_s_is_a_hazard(last, bypassing):
+    found = run(cfg(), [(100.0, view(JOB, NGINX)), (115.0, view(JOB, NGINX)), (last, view(JOB, NGINX))])
+    assert [(b.replica, b.peer) for b in found] == ([("a", "batch.service")] if bypassing else [])
+    if bypassing:
+        h = found[0].hazard(cfg(), last)
+        assert h.key == "bypass:a:batch.service" and "point it at the proxy" in h.message
+        assert "port 8001" in h.message and "vllm-a.service" in h.message and "3 connection(s)" in h.message
+
+
+def test_the_proxy_guardian_and_monitoring_are_never_bypassing():
+    assert run(cfg(), [(100.0, view(NGINX, GUARDIAN, PROM)), (200.0, view(NGINX, GUARDIAN, PROM))]) == []
+
+
+def test_without_a_proxy_every_client_is_direct_and_none_is_a_hazard():
+    assert run(cfg(proxy=False), [(100.0, view(JOB)), (200.0, view(JOB))]) == []
+    assert run(cfg(proxy=False, proxy_peers=["haproxy.service"]), [(100.0, view(JOB)), (200.0, view(JOB))])
+
+
+def test_a_look_without_the_peer_starts_its_time_again_and_a_look_without_a_view_keeps_it():
+    assert run(cfg(), [(100.0, view(JOB)), (110.0, view(NGINX)), (120.0, view(JOB)), (140.0, view(JOB))]) == []
+    assert run(cfg(), [(100.0, view(JOB)), (110.0, None), (130.0, view(JOB))])
