@@ -13,6 +13,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from . import __version__, polkit
 from .act import proxy
@@ -244,7 +245,22 @@ def cmd_status(args: argparse.Namespace) -> int:
             f"  {name:<12} {r['state']:<13} {r['unit']:<28} {frac_text:<14} "
             f"restarts {r['restarts_in_window']}/{r['restart_budget']}{extra}  {r['evidence']}"
         )
+        conns = r.get("connections")
+        if isinstance(conns, dict):
+            print(f"  {'':<12} {_connections_line(conns)}")
     return 0 if not stale else 3
+
+
+def _connections_line(c: dict[str, Any]) -> str:
+    """The kernel's view of one replica's port, as `guardian status` prints it."""
+    over = f" in {c['over_s']:.1f} s" if c.get("over_s") is not None else ""
+    line = f"connections {c['established']}: {c['flowing']} flowing ({c['bytes_out']} bytes{over})"
+    line += f", {c['waiting']} waiting" + (f" (longest {c['oldest_wait_s']:.0f} s)" if c["waiting"] else "")
+    if c.get("cpu_s") is not None:
+        line += f", unit CPU {1000 * c['cpu_s']:.0f} ms{over}"
+    peers = ", ".join(f"{p['kind']} {p['name']} x{p['connections']}" for p in c.get("peers", [])[:6])
+    partial = " (partial: too many sockets)" if c.get("truncated") else ""
+    return line + (f"; peers: {peers}" if peers else "") + partial
 
 
 def _need_replica(cfg: Config, name: str) -> None:

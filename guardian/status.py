@@ -11,7 +11,7 @@ from typing import Any
 from .config import Config
 from .core.admission import budget
 from .core.liveness import Track
-from .core.observations import MemorySample, PersistentView, TickObservation, gib
+from .core.observations import MemorySample, PersistentView, ReplicaObservation, TickObservation, gib
 from .core.tick import TickState
 from .observe.clock import Now
 
@@ -55,6 +55,24 @@ def _fraction(name: str, t: Track | None, obs: TickObservation | None) -> float 
     return t.last_sample.gpu_memory_utilization if t is not None and t.last_sample is not None else None
 
 
+def _connections(o: ReplicaObservation | None) -> dict[str, Any] | None:
+    """The kernel's view of the replica's port at the last look (What the kernel shows)."""
+    c = o.conns if o is not None else None
+    if c is None:
+        return None
+    return {
+        "established": c.connections,
+        "flowing": c.flowing,
+        "bytes_out": c.bytes_out,
+        "over_s": c.since_s,
+        "waiting": c.waiting,
+        "oldest_wait_s": c.oldest_wait_s,
+        "cpu_s": c.cpu_s,
+        "peers": [{"kind": str(p.kind), "name": p.name, "connections": p.connections} for p in c.peers],
+        "truncated": c.truncated,
+    }
+
+
 def status_dict(
     cfg: Config,
     config_path: str,
@@ -93,6 +111,7 @@ def status_dict(
             "memory_wiring": (wiring.get(r.name, "not checked yet") or "wired")
             if cfg.memory.enabled
             else "not checked (memory guard off)",
+            "connections": _connections(obs.replicas.get(r.name) if obs is not None else None),
         }
     ticks = sorted(stats.durations_s)
     m = state.mem

@@ -202,3 +202,31 @@ def test_a_fifo_at_the_polkit_rule_is_replaced_by_the_rule_not_read(tmp_path, ca
     assert stat.S_ISREG(os.stat(out, follow_symlinks=False).st_mode) and "llm-a.service" in out.read_text()
     assert "not a regular file (a FIFO)" in capsys.readouterr().err
     assert [p.name for p in out.parent.iterdir()] == ["50-guardian.rules"]
+
+
+def test_status_shows_each_replicas_connections_flowing_and_waiting_clients():
+    """issue 20: `guardian status` shows what the kernel sees of each replica's port."""
+    from guardian.cli import _connections_line
+    from guardian.core.observations import ConnView, Peer, PeerKind, Probe, ReplicaObservation, TickObservation
+    from guardian.core.tick import TickState
+    from guardian.observe.clock import Now
+    from guardian.status import LoopStats, status_dict
+
+    cfg = Config(replicas=[ReplicaConfig(name="a", unit="vllm-a.service", url="http://127.0.0.1:8001", model="m")])
+    view = ConnView(connections=9, flowing=5, bytes_out=20480, waiting=2, oldest_wait_s=4.2, since_s=2.0, cpu_s=0.35,
+                    peers=(Peer(PeerKind.PROXY, "nginx.service", 7), Peer(PeerKind.OTHER, "batch.service", 2)))
+    ok = Probe(True, 200, 0.01)
+    o = ReplicaObservation(name="a", at=0.0, unit=None, health=ok, metrics_probe=ok, metrics=None, models_probe=ok,
+                           models=None, conns=view)
+    now = Now(mono=10.0, wall=1000.0)
+    from guardian.core.observations import PersistentView
+
+    data = status_dict(cfg, "/etc/guardian/guardian.toml", TickState(), PersistentView(),
+                       TickObservation({"a": o}, PersistentView()), None, {}, LoopStats(), True, now)
+    c = data["replicas"]["a"]["connections"]
+    assert (c["established"], c["flowing"], c["bytes_out"], c["waiting"]) == (9, 5, 20480, 2)
+    line = _connections_line(c)
+    assert line.startswith("connections 9: 5 flowing (20480 bytes in 2.0 s), 2 waiting (longest 4 s)")
+    assert "unit CPU 350 ms" in line and "proxy nginx.service x7, other batch.service x2" in line
+    none = status_dict(cfg, "x", TickState(), PersistentView(), None, None, {}, LoopStats(), True, now)
+    assert none["replicas"]["a"]["connections"] is None
