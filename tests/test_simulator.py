@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -57,6 +59,56 @@ class Running:
             psutil.Process(self.proc.pid).resume()
             self.proc.kill()
         self.proc.wait(5)
+
+
+def stream_tokens(s: Running, max_tokens: int) -> list[float]:
+    """Start a streaming completion on a thread; the list fills with when each token arrived."""
+    stamps: list[float] = []
+
+    def read() -> None:
+        try:
+            with httpx.stream("POST", s.url + "/v1/completions", timeout=30,
+                              json={"model": "m", "prompt": "x", "max_tokens": max_tokens, "stream": True}) as resp:
+                for line in resp.iter_lines():
+                    if line.startswith("data: {"):
+                        stamps.append(time.monotonic())
+        except httpx.HTTPError:
+            pass  # the simulator was stopped under it
+    threading.Thread(target=read, daemon=True).start()
+    return stamps
+
+
+def timed_get(s: Running, path: str, timeout: float) -> tuple[object, float]:
+    """GET PATH: (its status code, or the exception that ended it; when that was)."""
+    try:
+        got: object = s.get(path, timeout=timeout).status_code
+    except httpx.HTTPError as e:
+        got = e
+    return got, time.monotonic()
+
+
+def raw_post(s: Running, body: dict) -> socket.socket:
+    """A completion request on a plain socket, to see every byte of the answer (or that none comes)."""
+    data = json.dumps(body).encode()
+    conn = socket.create_connection(("127.0.0.1", s.port), timeout=5)
+    conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: sim\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(data) + data)
+    return conn
+
+
+def read_for(conn: socket.socket, seconds: float) -> tuple[bytes, bool]:
+    """Every byte CONN receives within SECONDS, and whether it got EOF."""
+    got, deadline = b"", time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        conn.settimeout(left)
+        try:
+            chunk = conn.recv(65536)
+        except TimeoutError:
+            break
+        if not chunk:
+            return got, True
+        got += chunk
+    return got, False
 
 
 @pytest.fixture
@@ -221,6 +273,61 @@ def test_engine_frozen_between_steps_looks_idle_while_requests_hang(sim):
     assert (later.running, later.waiting) == (0, 0)  # the request that hangs is not even "waiting"
     assert later.generation_tokens == frozen.generation_tokens and later.request_success == frozen.request_success
     assert s.get("/health").status_code == 200
+
+
+def test_between_steps_holds_new_requests_open_stream_headers_only(sim):
+    """What the kernel shows of a client waiting on a frozen engine: an established connection;
+    no byte of answer to a plain completion; a stream's 200 headers (sent at once, as vLLM's
+    Starlette StreamingResponse does) and then no event."""
+    s = sim().wait_up()
+    s.post("/_sim/load", {"streams": 3, "max_tokens": 8})
+    wait_for(lambda: s.sample().running == 3, 5, "load to run")
+    s.post("/_sim/fault", {"fault": "between-steps"})
+    wait_for(lambda: s.sample().running == 0, 5, "the batch to finish")
+    plain = raw_post(s, {"model": "m", "prompt": "x", "max_tokens": 1})
+    stream = raw_post(s, {"model": "m", "prompt": "x", "max_tokens": 1, "stream": True})
+    try:
+        assert read_for(plain, 2.0) == (b"", False)  # no status line, no EOF: still waiting
+        head, eof = read_for(stream, 2.0)
+        assert not eof and head.startswith(b"HTTP/1.1 200 ") and head.endswith(b"\r\n\r\n"), head
+        assert b"text/event-stream" in head and b"data:" not in head  # the headers, no token
+        server_side = {c.raddr.port for c in psutil.Process(s.proc.pid).net_connections("tcp")
+                       if c.laddr and c.laddr.port == s.port and c.raddr and c.status == psutil.CONN_ESTABLISHED}
+        assert {plain.getsockname()[1], stream.getsockname()[1]} <= server_side
+    finally:
+        plain.close()
+        stream.close()
+
+
+def test_stall_endpoints_holds_every_probe_while_streams_flow(sim):
+    """Measured on a real vLLM 0.32 (2 cores, 8 streams through nginx): its /health, /metrics and
+    /v1/models went unanswered for 11 s while its streams kept delivering tokens."""
+    s = sim().wait_up()
+    streams = [stream_tokens(s, 1000), stream_tokens(s, 1000)]  # 20 s at 50 tokens/s: they outlast the stall
+    wait_for(lambda: all(streams), 5, "both streams to deliver tokens")
+    stall_s = 4.0
+    t0 = time.monotonic()
+    assert s.post("/_sim/fault", {"fault": "stall-endpoints", "stall_s": stall_s}).status_code == 200
+    t1 = time.monotonic()  # the stall ends between t0 + stall_s and t1 + stall_s
+    with ThreadPoolExecutor(6) as pool:
+        patient = pool.submit(timed_get, s, "/health", 10.0)
+        quick = [pool.submit(timed_get, s, path, 1.0) for path in ("/health", "/metrics", "/v1/models", "/version")]
+        completion = pool.submit(lambda: s.post("/v1/completions", {"model": "m", "prompt": "x", "max_tokens": 3}))
+        timed_out = [f.result() for f in quick]
+        assert all(isinstance(got, httpx.TimeoutException) for got, _ in timed_out), timed_out
+        held_until = min(at for _, at in timed_out)
+        assert held_until < t0 + stall_s  # they gave up during the stall, not after it
+        done = completion.result()
+        assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 3
+        assert time.monotonic() < t0 + stall_s  # a new completion is served while the probes are held
+        for stamps in streams:
+            assert sum(1 for at in stamps if t1 < at < held_until) > 0  # tokens kept flowing
+        got, answered_at = patient.result()
+    assert got == 200 and t0 + stall_s <= answered_at < t1 + stall_s + 1.0  # held, then answered at the end
+    t = time.monotonic()
+    assert s.get("/health", timeout=1.0).status_code == 200 and s.get("/metrics", timeout=1.0).status_code == 200
+    assert time.monotonic() - t < 1.0
+    wait_for(lambda: s.get("/_sim/state").json()["fault"] == {}, 5, "the stall to clear itself")
 
 
 @pytest.mark.parametrize("coschedule", [False, True])

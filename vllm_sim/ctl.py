@@ -2,6 +2,7 @@
 
     python3 -m vllm_sim.ctl URL fault engine-dead
     python3 -m vllm_sim.ctl URL fault slow-health '{"delay_s": 4}'
+    python3 -m vllm_sim.ctl URL fault stall-endpoints '{"stall_s": 20}'
     python3 -m vllm_sim.ctl URL load 4
     python3 -m vllm_sim.ctl URL clear | state
 """

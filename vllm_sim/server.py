@@ -17,11 +17,21 @@ Faults, at start (``--fault NAME``, with ``--fault-after-s``) or at run time
   engine-dead      engine stops iterating; /health 200, metrics frozen, requests hang
   between-steps    the engine freezes at the first step with nothing running (the load it was
                    serving finishes first): /metrics shows 0 running, 0 waiting and frozen
-                   counters, /health 200, and every new request is accepted and never answered
+                   counters, /health 200, and every new request is accepted and never answered:
+                   its connection stays open; a plain completion gets no byte; a streaming one
+                   gets its 200 status line and headers at once and then no event, as from vLLM
+                   (its handler returns the StreamingResponse before the engine has the request,
+                   and Starlette/uvicorn write the headers before the first chunk)
   engine-killed    /health 503, completions 500; exits with status 0 after ``exit_after_s``
                    (default 4 s, as vLLM's API server does); ``exit_after_s: null`` stays up
                    (VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1)
   slow-health      /health takes ``delay_s`` (default 5 s) while requests run; tokens still flow
+  stall-endpoints  the API server's event loop is starved (measured on vLLM 0.32, 2 cores, 8 streams
+                   through nginx: 11 s): for ``stall_s`` (default 11 s) from the injection, every
+                   request to /health /ping /version /v1/models /metrics is held unanswered (the
+                   request is read, no byte of answer) and answered normally when the stall ends,
+                   if its client still waits; streams in flight keep their pace, new completions
+                   are served as usual, the engine keeps iterating. The fault then clears itself
   wrong-model      /v1/models lists ``model`` (default "other-model") instead
   frozen           the whole process stops itself with SIGSTOP (what ``kill -STOP`` does)
   fail-startup     exit 1 before serving, with an error (start-time only)
@@ -280,6 +290,8 @@ class Sim:
         self.engine = Engine(args, self.metrics)
         self.fault: dict = {}
         self.started_at = time.time()
+        self.stall_until = 0.0  # stall-endpoints: time.monotonic() at which the held requests go on
+        self.stall_cond = threading.Condition()
 
     def set_fault(self, spec: dict) -> None:
         name = spec.get("fault")
@@ -298,14 +310,41 @@ class Sim:
             self.engine.freeze_when_idle = True
         elif name == "frozen":
             threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGSTOP)).start()
+        elif name == "stall-endpoints":
+            stall_s = float(spec.get("stall_s", 11.0))
+            with self.stall_cond:
+                self.stall_until = time.monotonic() + stall_s
+            fault = self.fault
+            timer = threading.Timer(stall_s, self._stall_over, [fault])
+            timer.daemon = True
+            timer.start()
         elif name not in ("slow-health", "wrong-model"):
             raise ValueError(f"unknown fault {name!r}")
 
+    def _stall_over(self, fault: dict[str, object]) -> None:
+        """stall-endpoints clears itself (unless cleared, or another fault injected, meanwhile)."""
+        if self.fault is fault:
+            self.fault = {}
+            log("SIM fault over: stall-endpoints")
+
+    def wait_stall(self) -> None:
+        """Hold the caller while stall-endpoints lasts."""
+        with self.stall_cond:
+            while (left := self.stall_until - time.monotonic()) > 0:
+                self.stall_cond.wait(left)
+
     def clear(self) -> None:
         self.fault = {}
+        with self.stall_cond:
+            self.stall_until = 0.0
+            self.stall_cond.notify_all()
         self.engine.freeze_when_idle = False
         self.engine.dead = False
         self.engine.killed = False
+
+
+# What stall-endpoints holds: every endpoint but the completions (and the simulator's own /_sim/).
+STALLED_PATHS = ("/health", "/ping", "/version", "/v1/models", "/metrics")
 
 
 def log(msg: str) -> None:
@@ -320,11 +359,19 @@ def make_handler(sim: Sim):
             pass
 
         def _send(self, code: int, body: bytes, ctype="application/json") -> None:
-            self.send_response(code)
-            self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            try:
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+            except (BrokenPipeError, ConnectionResetError):
+                self.close_connection = True  # its client gave up (a held probe): nothing to answer
+
+        def do_GET(self) -> None:
+            if self.path.split("?")[0] in STALLED_PATHS:
+                sim.wait_stall()  # stall-endpoints: the starved API server has not got to it yet
+            self._get()
 
         def _json(self, code: int, obj) -> None:
             self._send(code, json.dumps(obj).encode())
@@ -336,7 +383,7 @@ def make_handler(sim: Sim):
             except json.JSONDecodeError:
                 return {}
 
-        def do_GET(self):
+        def _get(self) -> None:
             fault = sim.fault.get("fault")
             path = self.path.split("?")[0]
             if path in ("/health", "/ping"):
@@ -416,6 +463,8 @@ def make_handler(sim: Sim):
                                        "total_tokens": req.prompt_tokens + req.generated}})
 
         def _stream(self, req: Req, chat: bool) -> None:
+            # As vLLM: the status line and headers go out at once, before the engine has produced
+            # (or even seen) anything; the events follow the tokens.
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Transfer-Encoding", "chunked")
