@@ -311,8 +311,11 @@ class Bench:
         w.write_config(w.config_text(many))
         w.box.systemctl("restart", "guardian.service")
         w.wait_states({r.name: "healthy" for r in many}, timeout_s=180)
+        pid = self.box.prop("guardian.service", "MainPID")
+        c0, t0 = self.cpu_seconds(pid), time.monotonic()
         time.sleep(window_s)  # a measurement window
-        ticks = w.status()["ticks"]
+        c1, t1 = self.cpu_seconds(pid), time.monotonic()
+        ticks = dict(w.status()["ticks"], cpu_pct=100 * (c1 - c0) / (t1 - t0), rss_mib=self.rss_mib(pid))
         self.box.systemctl("disable", "--now", *[r.unit for r in many], check=False)
         for r in many:
             self.box.run(["rm", "-f", f"/usr/lib/systemd/system/{r.unit}"], check=False)
@@ -593,7 +596,7 @@ def write_report(path: Path, r: dict, quick: bool, took_s: float, date: str | No
         text, limit = targets[fault]
         rows.append(f"| {fault} | {g.cell()} | {k.cell()} | {text} | {_verdict(g, limit)} |")
     g_false, k_false = r["false"]
-    cpu_ok = "met" if cost["cpu_pct"] <= 1.0 else "**missed**"
+    cpu_ok = "met" if cost["cpu_pct"] <= 0.5 else "**missed**"
     rss_ok = "met" if cost["rss_mib"] <= 60 else "**missed**"
     many_ok = ("met" if many["p99_s"] is not None and many["p99_s"] <= 2.0 and many["max_watchdog_ping_gap_s"] <= 15
                else "**missed**")
@@ -644,10 +647,13 @@ def write_report(path: Path, r: dict, quick: bool, took_s: float, date: str | No
         "## Cost",
         "",
         f"- 2 replicas, default interval: {cost['cpu_pct']:.2f}% of one core ({cost['cpu_s_per_h']:.0f} CPU s per hour), "
-        f"RSS {cost['rss_mib']:.0f} MiB. Targets: <= 1% ({cpu_ok}) and <= 60 MiB ({rss_ok}).",
+        f"RSS {cost['rss_mib']:.0f} MiB, each replica serving the real vLLM 0.32 page (51 KB, ~600 samples). "
+        f"Targets: <= 0.5% ({cpu_ok}) and <= 60 MiB ({rss_ok}).",
         f"- 32 replicas: tick p50 {_s(many['p50_s'])}, p99 {_s(many['p99_s'])}, max {_s(many['max_s'])} "
         f"(interval 2 s); largest gap between watchdog pings {many['max_watchdog_ping_gap_s']:.2f} s "
-        f"(WatchdogSec=30s: late means > 15 s). Target: p99 <= the interval and no late ping: {many_ok}.",
+        f"(WatchdogSec=30s: late means > 15 s). Target: p99 <= the interval and no late ping: {many_ok}."
+        + (f" guardian at {many['cpu_pct']:.2f}% of one core, RSS {many['rss_mib']:.0f} MiB." if "cpu_pct" in many
+           else ""),
         "",
         "## Memory guard",
         "",
