@@ -222,7 +222,7 @@ def test_unit_restarted_by_anyone_starts_a_new_grace():
 # --- idle-dead and canaries ---------------------------------------------------------------------
 
 def test_canary_only_when_idle_and_due():
-    sim = Sim(cfg(1, canary_interval_s=30))
+    sim = Sim(cfg(1, canary_interval_s=30), LEARNED)
     healthy_start(sim, t0=100.0)  # start_ts 0: the first canary is due at once
     assert any(isinstance(a, StartCanary) for a in sim.actions)
     sim.actions.clear()
@@ -575,7 +575,7 @@ def canaries(sim) -> list:
 
 def idle_after_traffic(after_s: float):
     """Healthy and idle; traffic (tokens moving) until 200, then nothing: a tick at 200 + AFTER_S."""
-    sim = Sim(cfg(1, canary_after_traffic_s=5, canary_interval_s=30))
+    sim = Sim(cfg(1, canary_after_traffic_s=5, canary_interval_s=30), LEARNED)
     healthy_start(sim)
     sim.tick(101, a=obs(t=101, canary=CanaryResult(True, 100.0, 0.1)))
     for i, t in enumerate(range(150, 201, 2)):
@@ -610,7 +610,7 @@ QUEUED = sample(gen=50, running=12, waiting=4)
 
 @pytest.mark.parametrize("quiet_s, sent", [(9.9, False), (10.0, True)])
 def test_a_quiet_queue_gets_a_canary_after_stall_canary_after_s(quiet_s, sent):
-    sim = Sim(cfg(1, stall_canary_after_s=10))
+    sim = Sim(cfg(1, stall_canary_after_s=10), LEARNED)
     healthy_start(sim)
     sim.tick(101, a=obs(t=101, canary=CanaryResult(True, 100.0, 0.1)))
     sim.tick(110, a=obs(t=110, s=sample(gen=40, running=12, waiting=4)))
@@ -729,7 +729,7 @@ def test_traffic_while_a_canary_runs_is_still_traffic(during, counts):
     """A short batch of clients' requests that starts and ends while guardian's canary is in
     flight: it must still count as traffic, or no canary follows it (an engine frozen right
     after it would be found by the 30 s idle cycle instead)."""
-    sim = Sim(cfg(1, canary_after_traffic_s=5, canary_interval_s=30))
+    sim = Sim(cfg(1, canary_after_traffic_s=5, canary_interval_s=30), LEARNED)
     healthy_start(sim)
     sim.tick(101, a=obs(t=101, canary=CanaryResult(True, 100.0, 0.1)))
     sim.tick(131, a=obs(t=131))  # the idle canary is due: sent
@@ -797,7 +797,7 @@ def test_a_sigstopped_server_is_unresponsive_in_the_usual_window_with_its_kernel
 
 def frozen_between_steps(oldest_wait_s_at: callable, until: float, canary=None):  # noqa: ANN001
     """Healthy and idle at 100 (3 canaries learned), frozen counters from 110; clients waiting as told."""
-    sim = Sim(cfg(1, stall_canary_after_s=10, client_wait_s=3))
+    sim = Sim(cfg(1, stall_canary_after_s=10, client_wait_s=3), LEARNED)
     healthy_start(sim)
     frozen = sample()  # the counters as they stood at 100: nothing moves from here on
     sim.tick(101, a=obs(t=101, s=frozen, canary=CanaryResult(True, 100.0, 0.1)))  # the idle canary at 100
@@ -846,3 +846,111 @@ def test_an_idle_keep_alive_or_a_long_answer_with_counters_moving_is_not_a_stall
         sim.tick(t, a=replace(obs(t=t, s=moving), conns=conns(waiting=4, oldest_wait_s=float(t - 100))))
         assert sim.state() == State.HEALTHY
     assert not [a for a in sim.actions if isinstance(a, StartCanary)] and not restarts(sim.actions)
+
+
+# --- learned canary deadlines: kept in the state file, learned within seconds (issue 20) ----------
+
+from guardian.core.actions import RecordCanaryLatencies  # noqa: E402
+from guardian.core.liveness import LEARNING_CANARIES  # noqa: E402
+
+# Three canaries of 0.1 s learned, as the state file keeps them (the tests above that count idle
+# canaries start from it: with nothing learned, a replica first gets its learning canaries).
+LEARNED = PersistentView(canary_latencies={"a": (0.1, 0.1, 0.1)})
+STARTED_95 = unit(inactive_exit_mono=95.0)  # the idle interval's first canary is due at 125
+
+
+def started_at_95(t: float, **kw) -> ReplicaObservation:
+    return obs(t=t, u=STARTED_95, **kw)
+
+
+def sent_at(sim: Sim) -> dict[float, float]:
+    """When each canary was asked for -> its deadline."""
+    return {sim.tracks["a"].canary_in_flight_since: a.timeout_s for a in canaries(sim)}
+
+
+def test_a_replica_that_first_serves_with_nothing_learned_gets_a_canary_at_each_tick_until_3_succeed():
+    """Measured on a real vLLM (issue 20): an engine frozen 77 s after guardian started was found
+    only at the unlearned 15 s deadline. Now the deadline is learned in the first seconds."""
+    sim = Sim(cfg(1, canary_interval_s=30))
+    asked: dict[float, float] = {}
+    for t, canary in ((100.0, None), (102.0, CanaryResult(True, 100.0, 0.5)), (104.0, CanaryResult(True, 102.0, 0.6)),
+                      (106.0, CanaryResult(True, 104.0, 0.7))):
+        sim.actions.clear()
+        sim.tick(t, a=started_at_95(t, canary=canary))
+        asked |= sent_at(sim)
+        assert sim.state() is State.HEALTHY
+    assert asked == {100.0: 15.0, 102.0: 15.0, 104.0: 15.0}  # one a tick, at canary_timeout_s until 3 succeeded
+    assert sim.tracks["a"].canary_latencies == (0.5, 0.6, 0.7) and sim.tracks["a"].learning_canaries == 3
+    sim.actions.clear()
+    for t in range(108, 136):  # idle, nothing learned is missing: the interval applies (30 s after 106)
+        sim.tick(float(t), a=started_at_95(float(t)))
+    assert canaries(sim) == []
+    sim.tick(136.0, a=started_at_95(136.0))
+    assert [a.timeout_s for a in canaries(sim)] == [3.0]  # learned: 4 x 0.7 = 2.8, raised to the floor
+
+
+def test_learning_canaries_are_at_most_3_even_when_they_fail_and_a_restart_of_the_replica_gives_no_more():
+    sim = Sim(cfg(1, canary_interval_s=30, canary_retry_s=30, canary_failures=5))
+    asked: dict[float, float] = {}
+    for t in (100.0, 102.0, 104.0, 106.0, *range(108, 136)):
+        sim.actions.clear()
+        failed = CanaryResult(False, t - 2, 2.0, "timeout") if t in (102.0, 104.0, 106.0) else None
+        sim.tick(t, a=started_at_95(t, canary=failed))
+        asked |= sent_at(sim)
+    assert asked == {100.0: 15.0, 102.0: 15.0, 104.0: 15.0}  # degraded after a failure: still one a tick
+    assert LEARNING_CANARIES == 3 and sim.tracks["a"].learning_canaries == 3
+    assert sim.tracks["a"].canary_failures == 3 and sim.state() is State.DEGRADED  # counted as any failure
+    assert sim.tracks["a"].canary_latencies == ()
+    sim.actions.clear()
+    restarted = unit(inactive_exit_mono=140.0)  # the replica restarted (by anyone): serving again at 141
+    for t in range(141, 170):
+        sim.tick(float(t), a=obs(t=float(t), u=restarted))
+        assert sim.state() is State.HEALTHY
+    assert canaries(sim) == []  # no burst again: its first canary is the idle interval's, at 170
+    sim.tick(170.0, a=obs(t=170.0, u=restarted))
+    assert [a.timeout_s for a in canaries(sim)] == [15.0]
+
+
+def test_a_replica_whose_latencies_the_state_file_kept_gets_its_learned_deadline_at_once_and_no_burst():
+    sim = Sim(cfg(1, canary_interval_s=30), PersistentView(canary_latencies={"a": (0.5, 1.0, 2.0)}))
+    for t in range(100, 125):
+        sim.tick(float(t), a=started_at_95(float(t)))
+    assert canaries(sim) == [] and sim.tracks["a"].learning_canaries == 0
+    assert not [a for a in sim.actions if isinstance(a, RecordCanaryLatencies)]  # read, not changed
+    sim.tick(125.0, a=started_at_95(125.0))
+    assert [a.timeout_s for a in canaries(sim)] == [8.0]  # 4 x 2.0, not canary_timeout_s
+
+
+def test_a_replica_with_fewer_than_3_kept_gets_only_the_canaries_it_misses():
+    sim = Sim(cfg(1, canary_interval_s=30), PersistentView(canary_latencies={"a": (0.5, 1.0)}))
+    sim.tick(100.0, a=started_at_95(100.0))
+    sim.tick(102.0, a=started_at_95(102.0, canary=CanaryResult(True, 100.0, 0.4)))
+    sim.tick(104.0, a=started_at_95(104.0))
+    assert [a.timeout_s for a in canaries(sim)] == [15.0]
+    assert sim.tracks["a"].canary_latencies == (0.5, 1.0, 0.4) and sim.tracks["a"].learning_canaries == 1
+
+
+def test_a_track_that_exists_keeps_its_own_latencies_whatever_the_state_file_says():
+    sim = Sim(cfg(1), LEARNED)
+    healthy_start(sim)
+    sim.persistent = PersistentView(canary_latencies={"a": (9.0, 9.0, 9.0)})  # written since (a reload re-reads)
+    sim.tick(102.0)
+    assert sim.tracks["a"].canary_latencies == (0.1, 0.1, 0.1)
+
+
+def test_learned_latencies_go_to_the_state_file_once_per_change_and_a_new_guardian_starts_from_them():
+    """A guardian restarted: the latencies the first one recorded seed the second one's tracks."""
+    sim = Sim(cfg(1, canary_interval_s=30))
+    records: list[list] = []
+    for t, canary in ((100.0, None), (102.0, CanaryResult(True, 100.0, 0.5)), (103.0, None),
+                      (104.0, CanaryResult(True, 102.0, 0.6)), (105.0, None), (106.0, CanaryResult(True, 104.0, 0.7)),
+                      (107.0, None)):
+        acts = sim.tick(t, a=started_at_95(t, canary=canary))
+        records.append([a for a in acts if isinstance(a, RecordCanaryLatencies)])
+    assert [len(r) for r in records] == [0, 1, 0, 1, 0, 1, 0]  # only at ticks where a canary succeeded
+    assert records[-2] == [RecordCanaryLatencies((("a", (0.5, 0.6, 0.7)),))]
+    again = Sim(cfg(1, canary_interval_s=30), PersistentView(canary_latencies=dict(records[-2][0].latencies)))
+    for t in range(200, 230):
+        again.tick(float(t), a=obs(t=float(t), u=unit(inactive_exit_mono=200.0)))
+    again.tick(230.0, a=obs(t=230.0, u=unit(inactive_exit_mono=200.0)))
+    assert [a.timeout_s for a in canaries(again)] == [3.0]  # learned: no burst, no 15 s deadline

@@ -8,7 +8,8 @@ import os
 import pytest
 
 from guardian.act.state import (
-    CorruptState, StateStore, atomic_write_json, forget_unconfigured, record_restart, stamp, view,
+    CorruptState, StateStore, atomic_write_json, forget_unconfigured, record_canary_latencies, record_restart, stamp,
+    view,
 )
 from guardian.observe.clock import Now, boot_id
 
@@ -148,9 +149,10 @@ def test_what_the_proxy_was_told_survives_a_restart_and_a_file_from_before_the_p
 
 
 def test_history_of_replicas_no_longer_configured_is_dropped():
-    d = {"restarts": {"a": [1.0], "gone": [2.0]}, "pauses": {"gone": {"until": None}}, "resumed_at": {"gone": 3.0}}
+    d = {"restarts": {"a": [1.0], "gone": [2.0]}, "pauses": {"gone": {"until": None}}, "resumed_at": {"gone": 3.0},
+         "canary_latencies": {"a": [0.5], "gone": [0.25]}}
     forget_unconfigured(d, {"a"})
-    assert d == {"restarts": {"a": [1.0]}, "pauses": {}, "resumed_at": {}}
+    assert d == {"restarts": {"a": [1.0]}, "pauses": {}, "resumed_at": {}, "canary_latencies": {"a": [0.5]}}
 
 
 def test_the_lock_file_is_never_followed_through_a_symlink(tmp_path):
@@ -242,3 +244,63 @@ def test_the_daemons_cache_says_a_400_digit_number_once_and_goes_on_from_default
     problems = cache.load()
     assert len(problems) == 1 and "was corrupt" in problems[0] and "moved aside" in problems[0]
     assert cache.data["restarts"] == {} and cache.load() == []
+
+
+# --- canary latencies (issue 20): learned deadlines survive a restart of guardian -------------------
+
+def executor_on(store: StateStore):
+    from guardian.act.executor import Executor
+    from guardian.act.journal import Journal
+    from guardian.config import Config
+
+    return Executor(Config(), None, None, store, Journal(socket_path="/nonexistent"), clock=lambda: NOW)
+
+
+def test_canary_latencies_round_trip_through_the_executor_and_the_view(tmp_path):
+    from guardian.core.actions import RecordCanaryLatencies
+
+    store = store_at(tmp_path)
+    store.update(lambda d: record_restart(d, "a", NOW, keep_s=600))
+    ex = executor_on(store)
+    ex.perform([RecordCanaryLatencies((("a", (0.5, 0.25, 0.75)), ("b", (1.0,))))])
+    ex.perform([RecordCanaryLatencies((("b", (1.0, 2.0)),))])  # only what changed: a's are kept
+    pv = view(store_at(tmp_path).read(), NOW)
+    assert pv.canary_latencies == {"a": (0.5, 0.25, 0.75), "b": (1.0, 2.0)}
+    assert pv.restarts == {"a": (NOW.mono,)}  # the rest of the file untouched
+    # the newest 8 only; a canary_timeout_s may be longer than the file's bound: brought within it
+    ex.perform([RecordCanaryLatencies((("a", tuple(float(i) for i in range(1, 10)) + (7200.0,)),))])
+    assert view(store_at(tmp_path).read(), NOW).canary_latencies["a"] == (3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 3600.0)
+
+
+@pytest.mark.parametrize("latencies", ["[0]", "[-0.5]", "[3600.001]", "[NaN]", "[Infinity]", "[true]", '["0.5"]',
+                                       "[null]", "0.5", "[" + "9" * 400 + "]", "[[0.5]]"])
+def test_a_canary_latency_that_is_not_a_number_in_0_to_3600_makes_the_file_corrupt(tmp_path, latencies):
+    (tmp_path / "state.json").write_text('{"version": 1, "canary_latencies": {"a": ' + latencies + "}}")
+    store = store_at(tmp_path)
+    with pytest.raises(CorruptState):
+        store.read()
+    assert store.read()["canary_latencies"] == {}
+
+
+def test_canary_latencies_at_their_bounds_and_a_longer_list_read_back(tmp_path):
+    longer = [9, 9, *([0.5] * 7), 2]  # 10: written by a guardian that kept more; the newest 8 are read
+    (tmp_path / "state.json").write_text(json.dumps({"version": 1, "canary_latencies": {
+        "a": [1e-9, 3600], "b": longer, "c": []}}))
+    pv = view(store_at(tmp_path).read(), NOW)
+    assert pv.canary_latencies == {"a": (1e-9, 3600.0), "b": (*([0.5] * 7), 2.0), "c": ()}
+
+
+def test_a_state_file_from_before_canary_latencies_reads_as_nothing_learned(tmp_path):
+    (tmp_path / "state.json").write_text(json.dumps({"version": 1, "restarts": {"a": [NOW.wall - 60]}}))
+    store = store_at(tmp_path)
+    pv = view(store.read(), NOW)
+    assert pv.canary_latencies == {} and pv.restarts["a"] == (NOW.mono - 60,)
+    store.update(lambda d: None)  # written back with the new section
+    assert json.loads((tmp_path / "state.json").read_text())["canary_latencies"] == {}
+
+
+def test_the_canary_latencies_of_replicas_no_longer_configured_are_dropped_from_the_file(tmp_path):
+    store = store_at(tmp_path)
+    store.update(lambda d: record_canary_latencies(d, (("a", (0.5,)), ("gone", (0.25,)))))
+    store.update(lambda d: forget_unconfigured(d, {"a"}))
+    assert view(store.read(), NOW).canary_latencies == {"a": (0.5,)}

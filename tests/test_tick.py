@@ -205,3 +205,27 @@ def test_an_overridden_fraction_stops_further_lowerings_of_that_replica():
     # after the cooldown, squeezed again: a is not lowered again (it is not wired), b is
     box.step(800.0, memory(5, a=0.74, cmdline=0.78))
     assert [lf.replica for lf in box.of(LowerFraction)] == ["a", "b"]
+
+
+# --- canary latencies kept in the state file: one action a tick, only on a change (issue 20) -----------
+
+def test_changed_canary_latencies_of_every_replica_are_recorded_in_one_action_and_nothing_when_unchanged():
+    from guardian.core.actions import RecordCanaryLatencies
+    from guardian.core.observations import CanaryResult
+
+    def recorded(acts: list) -> list:
+        return [a for a in acts if isinstance(a, RecordCanaryLatencies)]
+
+    box = Box(config(memory=False), PersistentView(canary_latencies={"b": (0.2, 0.2, 0.2)}))
+    assert recorded(box.step(100.0)) == []  # a learning canary to a, none to b (kept: learned)
+    assert box.state.tracks["b"].canary_latencies == (0.2, 0.2, 0.2)
+    ok = CanaryResult(True, 100.0, 0.5)
+    assert recorded(box.step(102.0, a=obs("a", 102.0, canary=ok), b=obs("b", 102.0, canary=ok))) == [
+        RecordCanaryLatencies((("a", (0.5,)), ("b", (0.2, 0.2, 0.2, 0.5))))
+    ]  # both changed in the same tick: one write
+    failed = CanaryResult(False, 102.0, 1.0, "timeout")
+    assert recorded(box.step(104.0, a=obs("a", 104.0, canary=failed))) == []  # a failure changes nothing kept
+    assert recorded(box.step(106.0)) == []  # a's next learning canary is in flight
+    assert recorded(box.step(108.0, a=obs("a", 108.0, canary=CanaryResult(True, 104.0, 0.3)))) == [
+        RecordCanaryLatencies((("a", (0.5, 0.3)),))  # a's third learning canary, sent at 104
+    ]

@@ -13,7 +13,15 @@ import httpx
 
 from ..config import Config, ReplicaConfig
 from ..core import gates
-from ..core.actions import Action, AnswerRequest, LogLine, LowerFraction, RestartUnit, StartCanary
+from ..core.actions import (
+    Action,
+    AnswerRequest,
+    LogLine,
+    LowerFraction,
+    RecordCanaryLatencies,
+    RestartUnit,
+    StartCanary,
+)
 from ..core.observations import CanaryResult, RestartOutcome
 from ..core.vocab import ActiveState, Decision, Gate, Priority
 from ..observe import probes
@@ -23,7 +31,14 @@ from ..observe.memory import env_path
 from ..observe.replicas import port_owners, unit_or_error
 from ..observe.systemd import JOB_DONE, Systemd, SystemdError
 from .journal import Journal
-from .state import CorruptState, StateStore, atomic_write, record_answer, record_restart
+from .state import (
+    CorruptState,
+    StateStore,
+    atomic_write,
+    record_answer,
+    record_canary_latencies,
+    record_restart,
+)
 
 STOP_POLL_S = 0.2  # how often a bounded stop asks systemd whether the unit is still stopping
 
@@ -222,6 +237,8 @@ class Executor:
                 self._spawn(self._lower(a))
             elif isinstance(a, AnswerRequest):
                 self.answer(a.request_id, a.replica, a.ok, a.message)
+            elif isinstance(a, RecordCanaryLatencies):
+                self.record_canary_latencies(a)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)
@@ -235,6 +252,16 @@ class Executor:
             self.journal.send(Priority.ERROR, str(e))
         except OSError as e:
             self.journal.send(Priority.ERROR, f"cannot record the answer to a restart request in {self.store.dir}: {e}")
+
+    def record_canary_latencies(self, a: RecordCanaryLatencies) -> None:
+        """Kept in the state file, so that a guardian restarted or reloaded need not learn the
+        canary deadlines anew. Not kept: said, and the deadlines still hold in memory."""
+        try:
+            self.store.update(lambda d: record_canary_latencies(d, a.latencies))
+        except CorruptState as e:
+            self.journal.send(Priority.ERROR, str(e))
+        except OSError as e:
+            self.journal.send(Priority.ERROR, f"cannot record canary latencies in {self.store.dir}: {e}")
 
     async def _canary(self, name: str, timeout_s: float) -> None:
         r = self.cfg.replica(name)

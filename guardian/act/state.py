@@ -16,6 +16,11 @@ anything, and a wall time in the future counts as now. A bare number (the older 
 wall time. A persisted time beyond MAX_TIME_S either way makes the file corrupt; one ahead of now
 (wall or monotonic) is clamped to now, a pause's end to now + the longest pause.
 
+"canary_latencies" keeps, per replica, its last successful canaries' latencies in seconds (newest
+last), from which the core learns its canary deadline (core/liveness.py): a guardian restarted or
+reloaded starts from them instead of learning anew. Each is a number in (0, MAX_LATENCY_S]; any
+other value makes the file corrupt, and of a longer list the newest CANARY_LATENCIES_KEPT are read.
+
 Files read back (here and by the exporters) are read with read_back (observe/readback.py): never
 through a symlink, only a regular file, only up to a size, so that a FIFO or a link to /dev/zero
 planted in a directory another user can write blocks or swallows nothing.
@@ -27,6 +32,7 @@ import contextlib
 import errno
 import fcntl
 import json
+import math
 import os
 import tempfile
 import time
@@ -35,6 +41,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from ..config import MAX_WINDOW_S
+from ..core.liveness import CANARY_LATENCIES_KEPT
 from ..core.observations import Pause, PersistentView, RestartRequest
 from ..observe.clock import Now, boot_id
 from ..observe.clock import now as clock_now
@@ -50,6 +57,7 @@ MAX_TIME_S = 1e11
 # A state file is a few KiB (restarts within a window, answers for 10 minutes): one this large
 # is not guardian's, and is moved aside rather than read.
 STATE_MAX_BYTES = 8 * 2**20
+MAX_LATENCY_S = 3600.0  # a canary latency kept in the file: within (0, this]
 
 
 def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
@@ -107,6 +115,7 @@ def _empty() -> State:
         "requests": {},
         "answers": {},
         "proxy_down": [],
+        "canary_latencies": {},
     }
 
 
@@ -122,6 +131,13 @@ def _number(value: Any) -> float:
     # NaN fails any comparison.
     if isinstance(value, bool) or not isinstance(value, int | float) or not -MAX_TIME_S <= value <= MAX_TIME_S:
         raise ValueError(f"{value!r:.40} is not a time (a finite number of seconds within +-{MAX_TIME_S:g})")
+    return float(value)
+
+
+def _latency(value: Any) -> float:
+    # Compared before float(), as _number: an int too large for a float, NaN and inf all fail.
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= MAX_LATENCY_S:
+        raise ValueError(f"{value!r:.40} is not a canary latency (a number of seconds in (0, {MAX_LATENCY_S:g}])")
     return float(value)
 
 
@@ -178,6 +194,10 @@ def _validate(data: Any, now: Now) -> State:
             "message": _text(a["message"]),
             "at": _time(a["at"], now),
         }
+    for name, latencies in _table(data.get("canary_latencies", {})).items():
+        if not isinstance(latencies, list):
+            raise ValueError(f"canary_latencies of {name!r} is not a list")
+        out["canary_latencies"][name] = [_latency(x) for x in latencies][-CANARY_LATENCIES_KEPT:]
     down = data.get("proxy_down", [])
     if not isinstance(down, list):
         raise ValueError("proxy_down is not a list")
@@ -211,8 +231,8 @@ def _adopt_boot(data: State, this_boot: str) -> None:
 
 
 def forget_unconfigured(data: State, replicas: set[str]) -> None:
-    """Drop the history and pauses of replicas that are no longer in the config."""
-    for section in ("restarts", "pauses", "resumed_at"):
+    """Drop the history, pauses and canary latencies of replicas that are no longer in the config."""
+    for section in ("restarts", "pauses", "resumed_at", "canary_latencies"):
         data[section] = {k: v for k, v in data[section].items() if k in replicas}
 
 
@@ -309,12 +329,21 @@ def view(data: State, now: Now, this_boot: str | None = None) -> PersistentView:
             )
         ),
         proxy_down=tuple(data["proxy_down"]),
+        canary_latencies={k: tuple(v) for k, v in data["canary_latencies"].items()},
     )
 
 
 def record_restart(data: State, replica: str, now: Now, keep_s: float) -> None:
     times = [st for st in data["restarts"].get(replica, []) if (st.get("wall") or 0.0) > now.wall - keep_s]
     data["restarts"][replica] = [*times, stamp(now)]
+
+
+def record_canary_latencies(data: State, latencies: tuple[tuple[str, tuple[float, ...]], ...]) -> None:
+    """Keep each replica's canary latencies (newest last), the newest CANARY_LATENCIES_KEPT, each
+    brought within (0, MAX_LATENCY_S] so that the file reads back (a canary_timeout_s may be longer)."""
+    for name, values in latencies:
+        kept = [min(max(x, 1e-6), MAX_LATENCY_S) for x in values if math.isfinite(x)]
+        data["canary_latencies"][name] = kept[-CANARY_LATENCIES_KEPT:]
 
 
 def record_answer(data: State, request_id: str, replica: str, ok: bool, message: str, now: Now) -> None:

@@ -40,6 +40,14 @@ class StartCanary:
 
 
 @dataclass(frozen=True)
+class RecordCanaryLatencies:
+    """Write these replicas' canary latencies (newest last) to the state file, where a Track
+    created later (guardian restarted or reloaded) starts from them. At most one a tick."""
+
+    latencies: tuple[tuple[str, tuple[float, ...]], ...]  # (replica, latencies), for those that changed
+
+
+@dataclass(frozen=True)
 class LowerFraction:
     """Write NEW to the replica's env file, then (if RESTART) restart its unit through the gates."""
 
@@ -87,4 +95,13 @@ class ReleaseSlot:
     replica: str
 
 
-Action = LogLine | RestartUnit | StartCanary | LowerFraction | AnswerRequest | AcquireSlot | ReleaseSlot
+Action = (
+    LogLine
+    | RestartUnit
+    | StartCanary
+    | RecordCanaryLatencies
+    | LowerFraction
+    | AnswerRequest
+    | AcquireSlot
+    | ReleaseSlot
+)

@@ -32,14 +32,20 @@ and none is in flight, and one of:
   (W.canary_retry_s after a failure);
 - work queued (running + waiting > 0) and nothing moved for >= W.stall_canary_after_s, and no
   canary yet in this quiet spell (W.canary_retry_s after a failure).
+- learning: healthy or degraded, idle, and fewer than 3 canaries have succeeded: one at once,
+  at every tick, at most LEARNING_CANARIES (3) times per replica per guardian run (a restart of the
+  replica does not give it more), so that its deadline is learned within seconds of it first
+  serving; a failed one counts as any failed canary.
 Its deadline is canary_deadline(): R.canary_timeout_s until 3 canaries have succeeded, then
 W.canary_deadline_factor x the slowest of the last 8 successful ones, within
-[W.canary_deadline_floor_s, R.canary_timeout_s].
+[W.canary_deadline_floor_s, R.canary_timeout_s]. The latencies are kept in the state file
+(act/state.py), so a guardian restart or reload, or a restart of the replica, learns nothing anew.
 A failed canary counts only if no progress was seen while it ran (real traffic proves the
 engine; a kv change during a long prefill proves it too).
 
 When the unit's start time changes (it was restarted, by anyone), everything but the restart
-bookkeeping is forgotten and rule 5 applies afresh.
+bookkeeping, the canary latencies and the count of learning canaries is forgotten, and rule L5
+applies afresh.
 """
 
 from __future__ import annotations
@@ -143,6 +149,7 @@ class Track:
     last_canary_at: float | None = None
     canary_failures: int = 0
     canary_latencies: tuple[float, ...] = ()  # the last successful canaries' latencies, newest last
+    learning_canaries: int = 0  # canaries sent at once to learn the deadline (at most LEARNING_CANARIES)
     stall_proof_at: float | None = None  # start of a canary that failed with work queued and nothing moving
     last_traffic_at: float | None = None
     restart_in_flight: bool = False
@@ -186,6 +193,7 @@ def _beyond_a_canary(prev: VllmSample | None, cur: VllmSample) -> bool:
 
 CANARY_LATENCIES_KEPT = 8
 CANARY_LATENCIES_NEEDED = 3
+LEARNING_CANARIES = 3  # canaries sent at once, one a tick, to a replica with nothing learned
 
 
 def canary_deadline(t: Track, rcfg: ReplicaConfig, wcfg: WatchdogConfig) -> float:
@@ -223,6 +231,7 @@ def _fresh_start(track: Track, start_ts: float | None) -> Track:
         restart_issued_at=track.restart_issued_at,
         last_notice=None,
         canary_latencies=track.canary_latencies,  # the same model on the same box: still a fair guide
+        learning_canaries=track.learning_canaries,  # at most LEARNING_CANARIES per guardian run
     )
 
 
@@ -308,7 +317,16 @@ def step(
         and t.canary_in_flight_since is None
     ):
         due = False
-        if queued == 0:
+        learning = (
+            state in (State.HEALTHY, State.DEGRADED)
+            and queued == 0
+            and len(t.canary_latencies) < CANARY_LATENCIES_NEEDED
+            and t.learning_canaries < LEARNING_CANARIES
+        )
+        if learning:
+            due = True
+            t = replace(t, learning_canaries=t.learning_canaries + 1)
+        elif queued == 0:
             if t.canary_failures:
                 due = now - max(x for x in (t.last_canary_at, 0.0) if x is not None) >= wcfg.canary_retry_s
             elif t.last_traffic_at is not None and (t.last_canary_at is None or t.last_canary_at < t.last_traffic_at):

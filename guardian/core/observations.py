@@ -196,6 +196,8 @@ class PersistentView:
     resumed_at: dict[str, float] = field(default_factory=dict)  # budget counts restarts after this only
     requests: tuple[RestartRequest, ...] = ()  # operators' restart requests not answered yet
     proxy_down: tuple[str, ...] = ()  # replicas guardian last marked down at the proxy
+    # replica -> its last successful canaries' latencies (s), newest last: a Track starts from them
+    canary_latencies: dict[str, tuple[float, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,9 @@ This is the whole of guardian's judgement; the daemon observes, calls this once,
 the actions. In order:
 
 1. liveness: each replica's observation is folded into its track (core/liveness.py, L1-L15);
-   state changes and unreadable /metrics are logged once; canaries are asked for;
+   state changes and unreadable /metrics are logged once; canaries are asked for; canary
+   latencies that changed are recorded in the state file (one action a tick), where a track
+   created later starts from them;
 2. drains in progress (core/drain.py, D3-D7, D9-D10): a drained replica is restarted, a drain
    that cannot go on is abandoned, a replica back in service is marked up at the proxy;
 3. unplanned restarts: a replica whose verdict asks for one (stalled, unresponsive, idle-dead)
@@ -34,6 +36,7 @@ from .actions import (
     DrainReplica,
     LogLine,
     LowerFraction,
+    RecordCanaryLatencies,
     ReleaseSlot,
     RestartUnit,
     StartCanary,
@@ -79,7 +82,9 @@ def decide(state: TickState, obs: TickObservation, now: float, cfg: Config) -> t
         slots_released=state.slots_released,
     )
     for r in cfg.replicas:
-        _liveness(out, r, state.tracks.get(r.name, Track(state_since=now)), obs.replicas[r.name], obs, now, cfg)
+        old = state.tracks[r.name] if r.name in state.tracks else _new_track(r.name, obs, now)
+        _liveness(out, r, old, obs.replicas[r.name], obs, now, cfg)
+    _record_canary_latencies(out, state.tracks, obs)
     issued = any(t.restart_in_flight for t in out.tracks.values())
     for r in cfg.replicas:
         issued = _drain_step(out, r, obs, now, cfg, issued) or issued
@@ -130,6 +135,30 @@ def probe_wait_s(state: TickState, now: float, cfg: Config) -> float:
 
 
 # --- 1. liveness ------------------------------------------------------------------------------
+
+
+def _kept(name: str, obs: TickObservation) -> tuple[float, ...]:
+    """NAME's canary latencies as the state file kept them."""
+    return obs.persistent.canary_latencies.get(name, ())[-liveness.CANARY_LATENCIES_KEPT :]
+
+
+def _new_track(name: str, obs: TickObservation, now: float) -> Track:
+    """A replica guardian has no track of yet (guardian started, or the replica was added by a
+    reload) starts from the canary latencies the state file kept: with 3 or more, its learned
+    deadline holds from its first canary, and it gets no learning canaries."""
+    return Track(state_since=now, canary_latencies=_kept(name, obs))
+
+
+def _record_canary_latencies(out: _Out, before: dict[str, Track], obs: TickObservation) -> None:
+    """One action for all the replicas whose canary latencies changed this tick (a canary
+    succeeded), none when nothing changed: the state file is written at most once a tick."""
+    changed = tuple(
+        (name, t.canary_latencies)
+        for name, t in out.tracks.items()
+        if t.canary_latencies != (before[name].canary_latencies if name in before else _kept(name, obs))
+    )
+    if changed:
+        out.actions.append(RecordCanaryLatencies(changed))
 
 
 def _liveness(
