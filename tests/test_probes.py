@@ -90,9 +90,11 @@ def test_a_huge_model_id_is_cut_to_a_bounded_length(hostile):
     assert probe.ok and models is not None and len(models[0]) <= probes.MAX_MODEL_ID_CHARS + 3
 
 
-def test_metrics_are_parsed_off_the_event_loop(hostile, monkeypatch):
-    """A parse that only ends when the event loop runs proves the loop was free meanwhile."""
+def test_a_large_metrics_page_is_parsed_off_the_event_loop(hostile, monkeypatch):
+    """A parse that only ends when the event loop runs proves the loop was free meanwhile. A page
+    up to INLINE_PARSE_BYTES (a real one is 51 KB) is parsed inline: that is cheaper than a thread."""
     page = "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 0\n"
+    page += "# padding\n" * (probes.INLINE_PARSE_BYTES // 10 + 1)
     released = threading.Event()
     real = probes.parse_vllm_page
 
