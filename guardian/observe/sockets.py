@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import struct
+from collections.abc import Generator, Iterator
+from dataclasses import dataclass
 
 import psutil
 
@@ -38,8 +41,9 @@ _NLMSG_HDR = struct.Struct("=IHHII")
 _DIAG_REQ = struct.Struct("=BBBxI48x")  # inet_diag_req_v2, an all-zero inet_diag_sockid
 _DIAG_MSG_SPORT = struct.Struct(">H")  # at offset 4 of inet_diag_msg
 _DIAG_MSG_INODE = struct.Struct("=I")  # at offset 68
-_DIAG_MSG_SIZE = 72
+DIAG_MSG_SIZE = 72
 _RTA_HDR = struct.Struct("=HH")
+_INET_DIAG_REQ_BYTECODE = 1  # the request's attribute carrying a filter
 _INET_DIAG_CGROUP_ID = 21  # Linux >= 5.7: the cgroup the socket was created in, always sent
 _U64 = struct.Struct("=Q")
 
@@ -48,25 +52,40 @@ class SockDiagError(OSError):
     pass
 
 
-def _cgroup_id(data: bytes, start: int, end: int) -> int | None:
-    """INET_DIAG_CGROUP_ID among the attributes that follow an inet_diag_msg, if the kernel sent it."""
+def diag_attributes(data: bytes, start: int, end: int) -> Iterator[tuple[int, int, int]]:
+    """(type, start, end of the value) of each attribute that follows an inet_diag_msg in DATA[START:END]."""
     while start + _RTA_HDR.size <= end:
         length, kind = _RTA_HDR.unpack_from(data, start)
         if length < _RTA_HDR.size:
-            return None
-        if kind == _INET_DIAG_CGROUP_ID and length >= _RTA_HDR.size + _U64.size:
-            return int(_U64.unpack_from(data, start + _RTA_HDR.size)[0])
+            return
+        yield kind, start + _RTA_HDR.size, min(start + length, end)
         start += (length + 3) & ~3
+
+
+def _cgroup_id(data: bytes, start: int, end: int) -> int | None:
+    """INET_DIAG_CGROUP_ID among the attributes that follow an inet_diag_msg, if the kernel sent it."""
+    for kind, value, value_end in diag_attributes(data, start, end):
+        if kind == _INET_DIAG_CGROUP_ID and value_end - value >= _U64.size:
+            return int(_U64.unpack_from(data, value)[0])
     return None
 
 
-def _sock_diag_listeners(family: int) -> list[tuple[int, int, int | None]]:
-    """(port, inode, cgroup id) of every listening TCP socket of FAMILY in guardian's network namespace."""
-    req = _DIAG_REQ.pack(family, socket.IPPROTO_TCP, 0, 1 << _TCP_LISTEN)
+def sock_diag_dump(
+    family: int, states: int, ext: int = 0, bytecode: bytes = b"", timeout_s: float = 2.0
+) -> Generator[tuple[bytes, int, int], None, None]:
+    """Each TCP socket of FAMILY in one of STATES (a mask of 1 << TCP state) that the kernel dumps,
+    as (buffer, start of its inet_diag_msg, end of its message): the attributes follow the
+    message's DIAG_MSG_SIZE bytes. EXT asks for extensions (1 << (INET_DIAG_x - 1)); BYTECODE is
+    an inet_diag filter the kernel runs on each socket. TIMEOUT_S bounds each read. Raises OSError
+    (SockDiagError for the kernel's own error). The netlink socket is closed when the generator
+    is, so a reader may stop early.
+    """
+    req = _DIAG_REQ.pack(family, socket.IPPROTO_TCP, ext, states)
+    if bytecode:
+        req += _RTA_HDR.pack(_RTA_HDR.size + len(bytecode), _INET_DIAG_REQ_BYTECODE) + bytecode
     hdr = _NLMSG_HDR.pack(_NLMSG_HDR.size + len(req), _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST | _NLM_F_DUMP, 1, 0)
-    out: list[tuple[int, int, int | None]] = []
     with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, _NETLINK_SOCK_DIAG) as nl:
-        nl.settimeout(2.0)
+        nl.settimeout(timeout_s)
         nl.sendall(hdr + req)
         while True:
             data = nl.recv(65536)
@@ -79,16 +98,23 @@ def _sock_diag_listeners(family: int) -> list[tuple[int, int, int | None]]:
                     raise SockDiagError("sock_diag: malformed reply")
                 body = offset + _NLMSG_HDR.size
                 if kind == _NLMSG_DONE:
-                    return out
+                    return
                 if kind == _NLMSG_ERROR:
                     (errno_neg,) = struct.unpack_from("=i", data, body)
                     raise SockDiagError(-errno_neg, f"sock_diag: {os.strerror(-errno_neg)}")
-                if kind == _SOCK_DIAG_BY_FAMILY and length >= _NLMSG_HDR.size + _DIAG_MSG_SIZE:
-                    (port,) = _DIAG_MSG_SPORT.unpack_from(data, body + 4)
-                    (inode,) = _DIAG_MSG_INODE.unpack_from(data, body + 68)
-                    end = min(offset + length, len(data))
-                    out.append((port, inode, _cgroup_id(data, body + _DIAG_MSG_SIZE, end)))
+                if kind == _SOCK_DIAG_BY_FAMILY and length >= _NLMSG_HDR.size + DIAG_MSG_SIZE:
+                    yield data, body, min(offset + length, len(data))
                 offset += (length + 3) & ~3
+
+
+def _sock_diag_listeners(family: int) -> list[tuple[int, int, int | None]]:
+    """(port, inode, cgroup id) of every listening TCP socket of FAMILY in guardian's network namespace."""
+    out: list[tuple[int, int, int | None]] = []
+    for data, body, end in sock_diag_dump(family, 1 << _TCP_LISTEN):
+        (port,) = _DIAG_MSG_SPORT.unpack_from(data, body + 4)
+        (inode,) = _DIAG_MSG_INODE.unpack_from(data, body + 68)
+        out.append((port, inode, _cgroup_id(data, body + DIAG_MSG_SIZE, end)))
+    return out
 
 
 Listening = tuple[int, int | None]  # (socket inode, cgroup id of its creator; None: not known)
@@ -121,6 +147,58 @@ CGROUP_ROOT = "/sys/fs/cgroup"
 _UNIT_SUFFIXES = (".service", ".scope", ".socket", ".mount", ".swap")
 _NOT_AN_OWNER = frozenset({"init.scope"})
 _MAX_CGROUP_DIRS = 100_000
+
+
+MOUNTINFO = "/proc/self/mountinfo"
+
+
+@dataclass(frozen=True)
+class CgroupMounts:
+    """Where the cgroup hierarchies are mounted: CGROUP_ROOT on a pure cgroup v2 box (DGX OS),
+    /sys/fs/cgroup/unified under systemd's hybrid layout, none of v2 on a v1-only one."""
+
+    unified: str | None = None  # the cgroup2 hierarchy: socket cgroup ids are its directories' inodes
+    cpuacct: str | None = None  # cgroup v1's cpuacct controller (cpuacct.usage), where there is one
+
+
+def _unescape(field: str) -> str:
+    """A mountinfo path field: space, tab, newline and backslash are written as octal escapes."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def _best(mounts: list[tuple[str, str]]) -> str | None:
+    """The first mount of a hierarchy's root, else the first mount (ROOT, MOUNT POINT) of it."""
+    return next((point for root, point in mounts if root == "/"), mounts[0][1] if mounts else None)
+
+
+def parse_mountinfo(text: str) -> CgroupMounts:
+    """The cgroup mounts in TEXT, a /proc/PID/mountinfo."""
+    unified: list[tuple[str, str]] = []
+    cpuacct: list[tuple[str, str]] = []
+    for line in text.splitlines():
+        fields = line.split()
+        try:
+            sep = fields.index("-", 6)
+        except ValueError:
+            continue
+        if len(fields) < sep + 4:
+            continue
+        mount = (_unescape(fields[3]), _unescape(fields[4]))
+        fstype, options = fields[sep + 1], fields[sep + 3].split(",")
+        if fstype == "cgroup2":
+            unified.append(mount)
+        elif fstype == "cgroup" and "cpuacct" in options:
+            cpuacct.append(mount)
+    return CgroupMounts(unified=_best(unified), cpuacct=_best(cpuacct))
+
+
+def cgroup_mounts(mountinfo: str = MOUNTINFO) -> CgroupMounts:
+    """This process's cgroup mounts (none known if mountinfo cannot be read)."""
+    try:
+        with open(mountinfo) as f:
+            return parse_mountinfo(f.read())
+    except OSError:
+        return CgroupMounts()
 
 
 def cgroup_dirs(root: str = CGROUP_ROOT) -> dict[int, str]:

@@ -1,0 +1,608 @@
+"""The kernel's view of each replica's clients (issue 20): ConnView.
+
+A vLLM API server under load can leave /health, /metrics and /v1/models unanswered for seconds
+while its token streams keep flowing. The kernel knows: one sock_diag dump of the established TCP
+sockets on the replicas' ports, with tcp_info (bytes acked and received, how long ago data was
+last sent and received), says which clients are being answered and which wait. Unprivileged:
+sock_diag shows every user's sockets with their tcp_info, and a socket's cgroup id (the inode of
+its cgroup v2 directory) names the unit of a local peer without reading anyone's /proc/PID.
+
+The parts: read_table (netlink, thin, in a thread), conn_views (pure: socket records, the
+previous look's memory and who is who, to views), ConnObserver (the two, the cgroup lookups and
+the unit's CPU time, look after look).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import os
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from ..config import Config
+from ..core.observations import ConnView, Peer, PeerKind
+from .sockets import (
+    DIAG_MSG_SIZE,
+    CgroupMounts,
+    cgroup_dirs,
+    cgroup_mounts,
+    diag_attributes,
+    sock_diag_dump,
+    unit_of_cgroup,
+)
+
+MAX_SOCKETS = 50_000  # messages read in one look; past it the view is partial (truncated)
+MAX_PEERS = 16  # peers named per replica
+READ_TIMEOUT_S = 1.0  # each read from the netlink socket (the kernel answers in microseconds)
+READ_BUDGET_S = 1.0  # a whole look's dump; past it the view is partial (truncated)
+
+_TCP_ESTABLISHED = 1
+_INET_DIAG_INFO = 2  # the attribute carrying struct tcp_info
+_EXT_INFO = 1 << (_INET_DIAG_INFO - 1)
+
+# struct tcp_info (include/uapi/linux/tcp.h): 8 u8 fields, then u32 tcpi_rto at 8 ... tcpi_fackets
+# at 40; tcpi_last_data_sent 44, tcpi_last_ack_sent 48, tcpi_last_data_recv 52 (ms ago); u32
+# metrics up to tcpi_total_retrans at 100; u64 tcpi_pacing_rate 104, tcpi_max_pacing_rate 112,
+# tcpi_bytes_acked 120, tcpi_bytes_received 128 (Linux >= 4.1); u32 tcpi_segs_out 136, segs_in
+# 140, notsent_bytes 144, min_rtt 148, data_segs_in 152, tcpi_data_segs_out 156 (Linux >= 4.6).
+# Checked against getsockopt(TCP_INFO) and bytes sent over loopback (tests/test_conns.py). A
+# shorter attribute (an older kernel) lacks the later fields: they are unknown.
+_TCPI_LAST_DATA_SENT = 44
+_TCPI_LAST_DATA_RECV = 52
+_TCPI_BYTES_ACKED = 120
+_TCPI_BYTES_RECEIVED = 128
+_TCPI_DATA_SEGS_OUT = 156
+_U32 = struct.Struct("=I")
+_U64 = struct.Struct("=Q")
+
+# struct inet_diag_msg: family, state, timer, retrans (u8); inet_diag_sockid: sport, dport
+# (big-endian u16) at 4 and 6, src and dst (16 bytes each, IPv4 in the first 4) at 8 and 24,
+# interface, cookie; then expires, rqueue, wqueue, uid, inode (u32) at 68.
+_PORTS = struct.Struct(">HH")
+_INODE = struct.Struct("=I")
+_V4_MAPPED = bytes(10) + b"\xff\xff"
+
+# inet_diag bytecode (include/uapi/linux/inet_diag.h), run by the kernel on each socket.
+_BC_OP = struct.Struct("=BBH")  # code, yes (bytes to the next op if true), no (if false)
+_BC_JMP, _BC_S_GE, _BC_S_LE, _BC_D_GE, _BC_D_LE = 1, 2, 3, 4, 5
+
+Key = tuple[str, int, str, int]  # (local address, local port, remote address, remote port)
+CpuSample = tuple[int, float]  # (inode of the unit's cgroup directory, CPU seconds it has used)
+
+
+@dataclass(frozen=True, slots=True)
+class Sock:
+    """One established TCP socket as the kernel shows it. Addresses are text, an IPv4-mapped IPv6
+    address as IPv4; a tcp_info field is None where the kernel did not send it."""
+
+    local: str
+    lport: int
+    remote: str
+    rport: int
+    inode: int = 0  # 0: not accepted yet (no file)
+    cgroup_id: int | None = None  # the cgroup (v2) of the process that created it (Linux >= 5.7)
+    last_sent_ms: int | None = None  # tcpi_last_data_sent: ms since data was last sent
+    last_recv_ms: int | None = None  # tcpi_last_data_recv: ms since data was last received
+    bytes_acked: int | None = None  # tcpi_bytes_acked: bytes sent and acked by the peer
+    bytes_received: int | None = None  # tcpi_bytes_received
+    data_segs_out: int | None = None  # tcpi_data_segs_out: segments with data sent
+
+    @property
+    def key(self) -> Key:
+        return (self.local, self.lport, self.remote, self.rport)
+
+    @property
+    def peer_key(self) -> Key:
+        """The key of the socket at the other end, if it is on this machine."""
+        return (self.remote, self.rport, self.local, self.lport)
+
+
+@dataclass(frozen=True)
+class Table:
+    socks: tuple[Sock, ...]
+    truncated: bool = False
+
+
+# --- the kernel (netlink) ----------------------------------------------------------------------
+
+
+def port_filter(ports: Iterable[int]) -> bytes:
+    """inet_diag bytecode for "the local or the remote port is one of PORTS", as `ss` builds
+    `sport = :P or dport = :P ...`: the kernel sends only those sockets, however many others the
+    box has. Each alternative is a >= and a <= test (16 bytes); a true one jumps to the end (the
+    socket is sent), a false one to the next alternative, past the end after the last (not sent).
+    """
+    conds = [(_BC_S_GE, _BC_S_LE, p) for p in sorted(set(ports))]
+    conds += [(_BC_D_GE, _BC_D_LE, p) for p in sorted(set(ports))]
+    total = 20 * len(conds) - 4
+    out = bytearray()
+    for i, (ge, le, port) in enumerate(conds):
+        out += _BC_OP.pack(ge, 8, 20) + _BC_OP.pack(0, 0, port)
+        out += _BC_OP.pack(le, 8, 12) + _BC_OP.pack(0, 0, port)
+        if i < len(conds) - 1:
+            out += _BC_OP.pack(_BC_JMP, 4, total - len(out))  # both true: to the end
+    return bytes(out)
+
+
+def _address(family: int, raw: bytes) -> str:
+    if family == socket.AF_INET:
+        return socket.inet_ntop(socket.AF_INET, raw[:4])
+    if raw[:12] == _V4_MAPPED:
+        return socket.inet_ntop(socket.AF_INET, raw[12:16])
+    return socket.inet_ntop(socket.AF_INET6, raw)
+
+
+def _field(info: bytes, offset: int, fmt: struct.Struct) -> int | None:
+    return int(fmt.unpack_from(info, offset)[0]) if len(info) >= offset + fmt.size else None
+
+
+def parse_sock(data: bytes, body: int, end: int) -> Sock:
+    """One inet_diag_msg at DATA[BODY:END] (sock_diag_dump's triple) and its attributes."""
+    family = data[body]
+    sport, dport = _PORTS.unpack_from(data, body + 4)
+    (inode,) = _INODE.unpack_from(data, body + 68)
+    cgroup_id: int | None = None
+    info = b""
+    for kind, start, stop in diag_attributes(data, body + DIAG_MSG_SIZE, end):
+        if kind == _INET_DIAG_INFO:
+            info = data[start:stop]
+        elif kind == 21 and stop - start >= _U64.size:  # INET_DIAG_CGROUP_ID
+            cgroup_id = int(_U64.unpack_from(data, start)[0])
+    return Sock(
+        local=_address(family, data[body + 8 : body + 24]),
+        lport=sport,
+        remote=_address(family, data[body + 24 : body + 40]),
+        rport=dport,
+        inode=inode,
+        cgroup_id=cgroup_id,
+        last_sent_ms=_field(info, _TCPI_LAST_DATA_SENT, _U32),
+        last_recv_ms=_field(info, _TCPI_LAST_DATA_RECV, _U32),
+        bytes_acked=_field(info, _TCPI_BYTES_ACKED, _U64),
+        bytes_received=_field(info, _TCPI_BYTES_RECEIVED, _U64),
+        data_segs_out=_field(info, _TCPI_DATA_SEGS_OUT, _U32),
+    )
+
+
+def read_table(
+    ports: Iterable[int],
+    limit: int = MAX_SOCKETS,
+    timeout_s: float = READ_TIMEOUT_S,
+    budget_s: float = READ_BUDGET_S,
+) -> Table:
+    """The established TCP sockets (IPv4, then IPv6) whose local or remote port is one of PORTS,
+    with tcp_info and cgroup id: one dump per family. At most LIMIT messages are read and for at
+    most BUDGET_S (then truncated); each read waits at most TIMEOUT_S. Raises OSError."""
+    wanted = frozenset(ports)
+    if not wanted:
+        return Table(())
+    bytecode = port_filter(wanted)
+    deadline = time.monotonic() + budget_s
+    socks: list[Sock] = []
+    read = 0
+    for family in (socket.AF_INET, socket.AF_INET6):
+        dump = sock_diag_dump(family, 1 << _TCP_ESTABLISHED, _EXT_INFO, bytecode, timeout_s)
+        with contextlib.closing(dump):
+            for data, body, end in dump:
+                read += 1
+                if read > limit or time.monotonic() > deadline:
+                    return Table(tuple(socks), truncated=True)
+                sock = parse_sock(data, body, end)
+                if sock.lport in wanted or sock.rport in wanted:  # the kernel's filter, checked
+                    socks.append(sock)
+    return Table(tuple(socks))
+
+
+# --- who is at the other end (pure) ------------------------------------------------------------
+
+
+def _normal(peer: str) -> str:
+    """An address as the kernel's side is written (IPv4-mapped as IPv4); a unit name unchanged."""
+    try:
+        ip = ipaddress.ip_address(peer)
+    except ValueError:
+        return peer
+    mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
+    return str(mapped or ip)
+
+
+@dataclass(frozen=True)
+class Who:
+    """What names the peers: cgroup id -> path, guardian's own cgroup and sockets, and the units
+    and addresses that are proxies or monitoring."""
+
+    cgroups: Mapping[int, str] = field(default_factory=dict)
+    guardian_cgroup: str | None = None  # guardian's unit's cgroup path ("/system.slice/guardian.service")
+    guardian_sockets: frozenset[int] = frozenset()  # inodes of guardian's own sockets
+    proxy: frozenset[str] = frozenset()  # units and addresses
+    monitoring: frozenset[str] = frozenset()
+
+    @classmethod
+    def of(
+        cls,
+        cfg: Config,
+        cgroups: Mapping[int, str] | None = None,
+        guardian_cgroup: str | None = None,
+        guardian_sockets: frozenset[int] = frozenset(),
+    ) -> Who:
+        proxy = {_normal(p) for p in cfg.watchdog.proxy_peers}
+        if cfg.proxy.enabled:
+            proxy.add(cfg.proxy.nginx_unit)
+        return cls(
+            cgroups=cgroups or {},
+            guardian_cgroup=guardian_cgroup,
+            guardian_sockets=guardian_sockets,
+            proxy=frozenset(proxy),
+            monitoring=frozenset(_normal(p) for p in cfg.watchdog.monitoring_peers),
+        )
+
+
+def classify(server: Sock, client: Sock | None, who: Who) -> tuple[PeerKind, str]:
+    """The peer of SERVER, a socket on a replica's port; CLIENT is the socket at the other end
+    when it is on this machine. Named by its unit when the kernel tells it, else by address."""
+    unit: str | None = None
+    mine = False
+    if client is not None:
+        path = who.cgroups.get(client.cgroup_id) if client.cgroup_id is not None else None
+        unit = unit_of_cgroup(path) if path is not None else None
+        g = who.guardian_cgroup
+        mine = (client.inode != 0 and client.inode in who.guardian_sockets) or (
+            g is not None and path is not None and (path == g or path.startswith(g + "/"))
+        )
+    name = unit or server.remote
+    if mine:
+        return PeerKind.GUARDIAN, name
+    names = {server.remote} if unit is None else {server.remote, unit}
+    if names & who.proxy:
+        return PeerKind.PROXY, name
+    if names & who.monitoring:
+        return PeerKind.MONITORING, name
+    return PeerKind.OTHER, name
+
+
+# --- views (pure) ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Memory:
+    """The previous look: its time, and each server-side socket's bytes acked then (with its
+    inode, so that a 4-tuple reused by a new connection is not taken for the old one)."""
+
+    at: float | None = None
+    acked: Mapping[Key, tuple[int, int]] = field(default_factory=dict)
+
+
+_CLIENTS = (PeerKind.PROXY, PeerKind.OTHER)
+_KIND_ORDER = {k: i for i, k in enumerate(PeerKind)}
+
+
+@dataclass
+class _Tally:
+    connections: int = 0
+    flowing: int = 0
+    bytes_out: int = 0
+    waiting: int = 0
+    oldest_wait_ms: int = 0
+    peers: dict[tuple[PeerKind, str], int] = field(default_factory=dict)
+
+
+def _flowed(s: Sock, before: tuple[int, int] | None, since_s: float | None) -> int:
+    """Bytes acked on S since the previous look if a response flowed on it (0 if none did): more
+    acked, and the client sent nothing since then."""
+    if since_s is None or before is None or s.bytes_acked is None or s.last_recv_ms is None:
+        return 0
+    inode, acked = before
+    if inode not in (0, s.inode):  # another connection on the same 4-tuple
+        return 0
+    delta = s.bytes_acked - acked
+    return delta if delta > 0 and s.last_recv_ms >= since_s * 1000 else 0
+
+
+def _waits(s: Sock) -> bool:
+    """The client spoke last: its request has had no byte of answer since. The two times are
+    jiffies: a server socket's both start when it is accepted, so a request sent with the
+    connection's first ACK leaves them equal; then the client spoke last if the server never sent
+    data (an answer in the same jiffy as the request leaves them equal too, with data sent)."""
+    recv, sent = s.last_recv_ms, s.last_sent_ms
+    if recv is None or sent is None:
+        return False
+    if recv != sent:
+        return recv < sent
+    never_sent = s.data_segs_out == 0 if s.data_segs_out is not None else s.bytes_acked == 0
+    return never_sent and bool(s.bytes_received)
+
+
+def local_peers(socks: Iterable[Sock], ports: Iterable[int]) -> list[Sock]:
+    """The client-side sockets at the other end of the server-side ones on PORTS (local peers)."""
+    ports = frozenset(ports)
+    servers = {s.peer_key for s in socks if s.lport in ports}
+    return [s for s in socks if s.rport in ports and s.key in servers]
+
+
+def conn_views(
+    socks: Sequence[Sock],
+    replicas: Sequence[tuple[str, int]],
+    who: Who,
+    prev: Memory,
+    now: float,
+    truncated: bool = False,
+    cpu: Mapping[str, float | None] | None = None,
+) -> tuple[dict[str, ConnView], Memory]:
+    """Each replica's ConnView (REPLICAS: (name, port)) from the sockets of one look at NOW
+    (monotonic seconds), and the memory for the next look. CPU: each replica's CPU seconds
+    since the previous look, None or absent where unknown."""
+    ports = {port for _name, port in replicas}
+    clients = {s.key: s for s in socks if s.rport in ports}
+    since_s = None if prev.at is None else max(0.0, now - prev.at)
+    acked: dict[Key, tuple[int, int]] = {}
+    tallies: dict[int, _Tally] = {}
+    for s in socks:
+        if s.lport not in ports:
+            continue
+        kind, name = classify(s, clients.get(s.peer_key), who)
+        t = tallies.setdefault(s.lport, _Tally())
+        t.connections += 1
+        t.peers[kind, name] = t.peers.get((kind, name), 0) + 1
+        if s.bytes_acked is not None:
+            acked[s.key] = (s.inode, s.bytes_acked)
+        if kind not in _CLIENTS:
+            continue
+        flowed = _flowed(s, prev.acked.get(s.key), since_s)
+        if flowed:
+            t.flowing += 1
+            t.bytes_out += flowed
+        if _waits(s):
+            t.waiting += 1
+            t.oldest_wait_ms = max(t.oldest_wait_ms, s.last_recv_ms or 0)
+    views: dict[str, ConnView] = {}
+    for name, port in replicas:
+        t = tallies.get(port, _Tally())
+        ranked = sorted(t.peers.items(), key=lambda kv: (_KIND_ORDER[kv[0][0]], -kv[1], kv[0][1]))
+        views[name] = ConnView(
+            connections=t.connections,
+            flowing=t.flowing,
+            bytes_out=t.bytes_out,
+            waiting=t.waiting,
+            oldest_wait_s=t.oldest_wait_ms / 1000,
+            since_s=since_s,
+            cpu_s=(cpu or {}).get(name),
+            peers=tuple(Peer(kind, peer, n) for (kind, peer), n in ranked[:MAX_PEERS]),
+            truncated=truncated,
+        )
+    return views, Memory(at=now, acked=acked)
+
+
+# --- a unit's CPU time (pure parts) ------------------------------------------------------------
+
+
+def parse_cpu_stat(text: str) -> float | None:
+    """CPU seconds from a cgroup v2 cpu.stat (usage_usec)."""
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        if key == "usage_usec":
+            try:
+                return int(value) / 1e6
+            except ValueError:
+                return None
+    return None
+
+
+def parse_cpuacct_usage(text: str) -> float | None:
+    """CPU seconds from a cgroup v1 cpuacct.usage (ns)."""
+    try:
+        return int(text.strip()) / 1e9
+    except ValueError:
+        return None
+
+
+def cpu_delta(before: CpuSample | None, after: CpuSample | None) -> float | None:
+    """CPU seconds used between two samples of a unit's cgroup; None if either is unknown or the
+    cgroup is not the same one (the unit was restarted: a new directory)."""
+    if before is None or after is None or before[0] != after[0] or after[1] < before[1]:
+        return None
+    return after[1] - before[1]
+
+
+def guardian_cgroup_of(text: str) -> str | None:
+    """Guardian's unit's cgroup (v2) path from /proc/self/cgroup's TEXT; None outside a unit (a
+    shell, the root cgroup), where a cgroup would name others as well."""
+    for line in text.splitlines():
+        if line.startswith("0::"):
+            path = line[3:].strip()
+            unit = unit_of_cgroup(path)
+            if unit is None:
+                return None
+            parts = path.strip("/").split("/")
+            last = max(i for i, part in enumerate(parts) if part == unit)
+            return "/" + "/".join(parts[: last + 1])
+    return None
+
+
+def own_socket_inodes(fd_dir: str = "/proc/self/fd") -> frozenset[int]:
+    """The inodes of this process's sockets."""
+    out: set[int] = set()
+    try:
+        names = os.listdir(fd_dir)
+    except OSError:
+        return frozenset()
+    for name in names:
+        try:
+            target = os.readlink(f"{fd_dir}/{name}")
+        except OSError:
+            continue
+        if target.startswith("socket:[") and target.endswith("]"):
+            with contextlib.suppress(ValueError):
+                out.add(int(target[8:-1]))
+    return frozenset(out)
+
+
+# --- the observer ------------------------------------------------------------------------------
+
+
+class _Tree:
+    """One cgroup hierarchy: inode -> path, walked again at most once a look when a cgroup id or a
+    unit is not in it. An id still missing after a walk is a cgroup removed since (ids are never
+    reused; a socket keeps its cgroup's id): it is not looked for again."""
+
+    def __init__(self, root: str | None) -> None:
+        self.root = root
+        self.dirs: dict[int, str] = {}
+        self._units: dict[str, str] = {}
+        self._gone: set[int] = set()
+        self._walked = False
+
+    def new_look(self) -> None:
+        self._walked = False
+
+    def _walk(self) -> bool:
+        if self.root is None or self._walked:
+            return False
+        self._walked = True
+        self.dirs = cgroup_dirs(self.root)
+        return True
+
+    def paths(self, ids: Iterable[int]) -> Mapping[int, str]:
+        unknown = {i for i in ids if i not in self.dirs and i not in self._gone}
+        if unknown and self._walk():
+            if len(self._gone) > _MAX_GONE:
+                self._gone.clear()
+            self._gone |= unknown - self.dirs.keys()
+        return self.dirs
+
+    def unit_path(self, unit: str) -> str | None:
+        """The cgroup path of UNIT (system.slice/UNIT, or wherever its slice puts it)."""
+        if self.root is None:
+            return None
+        for path in (self._units.get(unit), f"/system.slice/{unit}"):
+            if path is not None and os.path.isdir(self.root + path):
+                self._units[unit] = path
+                return path
+        while True:
+            named = sorted((p for p in self.dirs.values() if p.rsplit("/", 1)[-1] == unit), key=len)
+            found = next((p for p in named if os.path.isdir(self.root + p)), None)
+            if found is not None:
+                self._units[unit] = found
+                return found
+            if not self._walk():
+                return None
+
+
+_MAX_GONE = 10_000
+
+
+def _read(path: str) -> tuple[int, str] | None:
+    """(inode of the file's directory, the file's text)."""
+    try:
+        ino = os.stat(os.path.dirname(path)).st_ino
+        with open(path) as f:
+            return ino, f.read(4096)
+    except OSError:
+        return None
+
+
+class ConnObserver:
+    """The kernel's view of each replica's connections, look after look (the daemon's tick); two
+    looks at once run one after the other."""
+
+    def __init__(
+        self,
+        recognise_self: bool = True,
+        mounts: CgroupMounts | None = None,
+        proc_self_cgroup: str = "/proc/self/cgroup",
+        limit: int = MAX_SOCKETS,
+    ) -> None:
+        # Why the kernel's view could not be had at the last look (None: it could). The caller
+        # says it once, when it changes.
+        self.unavailable: str | None = None
+        self._recognise_self = recognise_self
+        self._mounts = mounts
+        self._proc_self_cgroup = proc_self_cgroup
+        self._limit = limit
+        self._memory = Memory()
+        self._cpu: dict[str, CpuSample] = {}
+        self._v2: _Tree | None = None
+        self._v1: _Tree | None = None
+        self._guardian_cgroup: str | None = None
+        self._lock = threading.Lock()  # a look abandoned by its caller still runs in its thread
+
+    async def look(self, cfg: Config, mono_now: float) -> dict[str, ConnView | None]:
+        """Each replica's view at MONO_NOW (time.monotonic()), by replica name; None for every
+        replica when the kernel's socket table cannot be read (self.unavailable says why)."""
+        return await asyncio.to_thread(self.look_now, cfg, mono_now)
+
+    def _trees(self) -> tuple[_Tree, _Tree]:
+        if self._v2 is None or self._v1 is None:
+            mounts = self._mounts or cgroup_mounts()
+            self._v2, self._v1 = _Tree(mounts.unified), _Tree(mounts.cpuacct)
+            if self._recognise_self:
+                try:
+                    with open(self._proc_self_cgroup) as f:
+                        self._guardian_cgroup = guardian_cgroup_of(f.read())
+                except OSError:
+                    self._guardian_cgroup = None
+        return self._v2, self._v1
+
+    def look_now(self, cfg: Config, mono_now: float) -> dict[str, ConnView | None]:
+        """look, in the caller's thread."""
+        with self._lock:
+            return self._look(cfg, mono_now)
+
+    def _look(self, cfg: Config, mono_now: float) -> dict[str, ConnView | None]:
+        v2, v1 = self._trees()
+        v2.new_look()
+        v1.new_look()
+        replicas = [(r.name, r.port) for r in cfg.replicas]
+        ports = {port for _name, port in replicas}
+        try:
+            table = read_table(ports, limit=self._limit)
+        except OSError as e:
+            self.unavailable = f"the kernel's socket table could not be read (sock_diag: {e})"
+            self._memory, self._cpu = Memory(), {}
+            return {name: None for name, _port in replicas}
+        old = [s for s in table.socks if s.lport in ports and (s.bytes_acked is None or s.last_recv_ms is None)]
+        if old:
+            self.unavailable = "the kernel sends no tcp_info with bytes acked (Linux >= 4.1 does)"
+            self._memory, self._cpu = Memory(), {}
+            return {name: None for name, _port in replicas}
+        self.unavailable = None
+        peers = local_peers(table.socks, ports)
+        ids = {s.cgroup_id for s in peers if s.cgroup_id is not None}
+        who = Who.of(
+            cfg,
+            cgroups=v2.paths(ids) if ids else {},
+            guardian_cgroup=self._guardian_cgroup,
+            guardian_sockets=own_socket_inodes() if peers and self._recognise_self else frozenset(),
+        )
+        cpu: dict[str, float | None] = {}
+        samples: dict[str, CpuSample] = {}
+        for r in cfg.replicas:
+            sample = self._cpu_sample(r.unit, v2, v1)
+            cpu[r.name] = cpu_delta(self._cpu.get(r.name), sample)
+            if sample is not None:
+                samples[r.name] = sample
+        self._cpu = samples
+        views, self._memory = conn_views(table.socks, replicas, who, self._memory, mono_now, table.truncated, cpu)
+        return dict(views)
+
+    @staticmethod
+    def _cpu_sample(unit: str, v2: _Tree, v1: _Tree) -> CpuSample | None:
+        """The CPU time UNIT's cgroup has used: cpu.stat usage_usec (v2), else cpuacct.usage (v1)."""
+        path = v2.unit_path(unit)
+        if path is not None and v2.root is not None:
+            got = _read(f"{v2.root}{path}/cpu.stat")
+            seconds = parse_cpu_stat(got[1]) if got is not None else None
+            if got is not None and seconds is not None:
+                return got[0], seconds
+        if v1.root is None:
+            return None
+        v1_path = path if path is not None and os.path.isdir(v1.root + path) else v1.unit_path(unit)
+        if v1_path is None:
+            return None
+        got = _read(f"{v1.root}{v1_path}/cpuacct.usage")
+        seconds = parse_cpuacct_usage(got[1]) if got is not None else None
+        return (got[0], seconds) if got is not None and seconds is not None else None

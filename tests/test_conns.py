@@ -1,0 +1,727 @@
+"""The kernel's view of a replica's clients (observe/conns.py): real loopback sockets read back
+through sock_diag, and the pure rules table by table."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import struct
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from guardian.config import Config, ProxyConfig, ReplicaConfig, WatchdogConfig
+from guardian.core.observations import ConnView, Peer, PeerKind
+from guardian.observe import conns
+from guardian.observe.conns import (
+    MAX_PEERS,
+    ConnObserver,
+    Memory,
+    Sock,
+    Table,
+    Who,
+    classify,
+    conn_views,
+    cpu_delta,
+    guardian_cgroup_of,
+    parse_cpu_stat,
+    parse_cpuacct_usage,
+    parse_sock,
+    port_filter,
+    read_table,
+)
+from guardian.observe.sockets import DIAG_MSG_SIZE, CgroupMounts, cgroup_dirs, parse_mountinfo
+
+DEADLINE_S = 5.0
+
+
+def _cfg(port: int, **kw: object) -> Config:
+    return Config(
+        replicas=[ReplicaConfig(name="a", unit="vllm-a.service", url=f"http://127.0.0.1:{port}", model="m")],
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def _until(what: Callable[[], object], why: str) -> object:
+    """WHAT's value once it is truthy (the kernel's state, read again until then)."""
+    end = time.monotonic() + DEADLINE_S
+    while True:
+        got = what()
+        if got:
+            return got
+        assert time.monotonic() < end, f"timed out waiting for {why}"
+        time.sleep(0.005)
+
+
+class Loop:
+    """A listener on loopback and connections to it, both ends in this process."""
+
+    def __init__(self, family: int = socket.AF_INET, host: str = "127.0.0.1") -> None:
+        self.srv = socket.socket(family, socket.SOCK_STREAM)
+        self.srv.bind((host, 0))
+        self.srv.listen()
+        self.port: int = self.srv.getsockname()[1]
+        self.open: list[socket.socket] = [self.srv]
+
+    def connect(self, host: str = "127.0.0.1") -> tuple[socket.socket, socket.socket]:
+        client = socket.create_connection((host, self.port))
+        server, _ = self.srv.accept()
+        self.open += [client, server]
+        return client, server
+
+    def close(self) -> None:
+        for s in self.open:
+            s.close()
+
+
+@pytest.fixture
+def loop() -> Iterator[Loop]:
+    lp = Loop()
+    yield lp
+    lp.close()
+
+
+def _recv_exactly(s: socket.socket, n: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        chunk = s.recv(n - len(out))
+        assert chunk, "connection closed"
+        out += chunk
+    return out
+
+
+def _kernel(server: socket.socket) -> Sock | None:
+    """The kernel's record of SERVER (a server-side socket of this process), by inode."""
+    inode = os.fstat(server.fileno()).st_ino
+    port = server.getsockname()[1]
+    return next((s for s in read_table({port}).socks if s.inode == inode), None)
+
+
+def _field(server: socket.socket, name: str, at_least: int) -> Sock:
+    got = _until(
+        lambda: (k := _kernel(server)) is not None and getattr(k, name) >= at_least and k,
+        f"{name} >= {at_least}",
+    )
+    assert isinstance(got, Sock)
+    return got
+
+
+def _observer() -> ConnObserver:
+    # This process is both ends: not recognised as guardian; no cgroups (peers named by address).
+    return ConnObserver(recognise_self=False, mounts=CgroupMounts())
+
+
+def _look(ob: ConnObserver, cfg: Config) -> ConnView:
+    view = ob.look_now(cfg, time.monotonic())["a"]
+    assert view is not None, ob.unavailable
+    return view
+
+
+# --- real sockets ------------------------------------------------------------------------------
+
+
+def test_tcp_info_offsets_bytes_each_way(loop):
+    client, server = loop.connect()
+    n, m = 12_345, 777
+    client.sendall(b"q" * n)
+    _recv_exactly(server, n)
+    server.sendall(b"r" * m)
+    _recv_exactly(client, m)
+    srv = _field(server, "bytes_acked", m)
+    assert srv.bytes_acked == m  # the passive side counts no SYN
+    assert srv.bytes_received == n
+    assert srv.data_segs_out is not None and srv.data_segs_out >= 1
+    assert (srv.lport, srv.remote, srv.local) == (loop.port, "127.0.0.1", "127.0.0.1")
+    assert srv.rport == client.getsockname()[1]
+    cli = next(s for s in read_table({loop.port}).socks if s.inode == os.fstat(client.fileno()).st_ino)
+    assert cli.bytes_received == m
+    assert cli.bytes_acked is not None and cli.bytes_acked - n in (0, 1)  # the active side's SYN may count
+    assert (cli.rport, cli.lport) == (loop.port, srv.rport)
+
+
+def test_tcp_info_offsets_the_two_times(loop):
+    """last_data_sent and last_data_recv are the ones named (not the ack times, not swapped)."""
+    client, server = loop.connect()
+    server.sendall(b"answer")
+    _recv_exactly(client, 6)
+    _field(server, "last_sent_ms", 150)  # the server sent 150 ms ago at least
+    client.sendall(b"request")
+    _recv_exactly(server, 7)
+    k = _kernel(server)
+    assert k is not None and k.last_sent_ms is not None and k.last_recv_ms is not None
+    assert k.last_sent_ms >= 150 > 100 > k.last_recv_ms
+
+
+def test_a_fresh_server_socket_has_sent_no_data(loop):
+    client, server = loop.connect()
+    client.sendall(b"GET")
+    _recv_exactly(server, 3)
+    k = _kernel(server)
+    assert k is not None and k.data_segs_out == 0 and k.bytes_acked == 0 and k.bytes_received == 3
+
+
+def test_ipv6_and_ipv4_mapped_addresses():
+    v6 = Loop(socket.AF_INET6, "::1")
+    dual = socket.socket(socket.AF_INET6)
+    dual.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+    dual.bind(("::", 0))
+    dual.listen()
+    try:
+        v6.connect("::1")
+        client = socket.create_connection(("127.0.0.1", dual.getsockname()[1]))
+        server, _ = dual.accept()
+        try:
+            by_port = {s.lport: s for s in read_table({v6.port, dual.getsockname()[1]}).socks}
+            assert (by_port[v6.port].local, by_port[v6.port].remote) == ("::1", "::1")
+            mapped = by_port[dual.getsockname()[1]]
+            assert (mapped.local, mapped.remote, mapped.rport) == ("127.0.0.1", "127.0.0.1", client.getsockname()[1])
+        finally:
+            client.close()
+            server.close()
+    finally:
+        v6.close()
+        dual.close()
+
+
+def test_the_kernel_sends_only_the_replicas_ports(loop):
+    other = Loop()
+    try:
+        other.connect()
+        loop.connect()
+        socks = read_table({loop.port}).socks
+        assert len(socks) == 2  # the server and the client side of the one connection
+        assert all(loop.port in (s.lport, s.rport) for s in socks)
+    finally:
+        other.close()
+
+
+def test_port_filter_is_accepted_for_many_ports(loop):
+    loop.connect()
+    ports = {loop.port, *range(20_000, 20_030)}
+    assert {s.lport for s in read_table(ports).socks} >= {loop.port}
+    assert len(port_filter(ports)) == 20 * 2 * len(ports) - 4
+
+
+def test_streaming_to_a_silent_client_flows(loop):
+    client, server = loop.connect()
+    cfg = _cfg(loop.port)
+    client.sendall(b"POST /v1/completions")
+    _recv_exactly(server, 20)
+    _field(server, "last_recv_ms", 20)  # the request is older than the first look by a jiffy at least
+    ob = _observer()
+    first = _look(ob, cfg)
+    assert (first.connections, first.flowing, first.waiting, first.since_s) == (1, 0, 1, None)
+    for _ in range(5):
+        server.sendall(b"data: token\n\n")
+        _recv_exactly(client, 13)
+    _field(server, "bytes_acked", 65)
+    second = _look(ob, cfg)
+    assert (second.flowing, second.bytes_out, second.waiting) == (1, 65, 0)
+    assert second.since_s is not None and second.since_s > 0
+    assert second.peers == (Peer(PeerKind.OTHER, "127.0.0.1", 1),)
+
+
+def test_an_idle_keep_alive_connection_neither_flows_nor_waits(loop):
+    client, server = loop.connect()
+    cfg = _cfg(loop.port)
+    client.sendall(b"GET /v1/models")
+    _recv_exactly(server, 14)
+    server.sendall(b"200 OK")
+    _recv_exactly(client, 6)
+    _field(server, "bytes_acked", 6)
+    ob = _observer()
+    _look(ob, cfg)
+    _field(server, "last_sent_ms", 20)
+    second = _look(ob, cfg)
+    assert (second.connections, second.flowing, second.bytes_out, second.waiting) == (1, 0, 0, 0)
+
+
+@pytest.mark.parametrize("keep_alive", [False, True])
+def test_an_unanswered_request_waits_longer_at_each_look(loop, keep_alive):
+    client, server = loop.connect()
+    cfg = _cfg(loop.port)
+    if keep_alive:  # an earlier request was answered: the new one is more recent than that answer
+        client.sendall(b"GET /health")
+        _recv_exactly(server, 11)
+        server.sendall(b"200 OK")
+        _recv_exactly(client, 6)
+        _field(server, "last_sent_ms", 20)
+    client.sendall(b"POST /v1/chat/completions")  # a fresh connection: sent with the handshake's ACK
+    _recv_exactly(server, 25)
+    ob = _observer()
+    first = _look(ob, cfg)
+    assert (first.waiting, first.flowing) == (1, 0)
+    k = _field(server, "last_recv_ms", int(first.oldest_wait_s * 1000) + 30)
+    assert k.last_recv_ms is not None
+    second = _look(ob, cfg)
+    assert (second.waiting, second.flowing) == (1, 0)
+    assert second.oldest_wait_s >= k.last_recv_ms / 1000 > first.oldest_wait_s
+
+
+def test_quick_answers_to_a_new_request_each_look_do_not_flow(loop):
+    client, server = loop.connect()
+    cfg = _cfg(loop.port)
+    ob = _observer()
+    acked = 0
+    views = []
+    for i in range(3):
+        client.sendall(b"GET /v1/models")
+        _recv_exactly(server, 14)
+        server.sendall(b"x" * 1000)
+        _recv_exactly(client, 1000)
+        acked += 1000
+        _field(server, "bytes_acked", acked)  # the answer went out since the previous look
+        views.append(_look(ob, cfg))
+        after = _kernel(server)
+        assert after is not None and after.last_sent_ms is not None
+        # the next request a few jiffies after this look (the kernel's times are in jiffies)
+        _field(server, "last_sent_ms", after.last_sent_ms + 20)
+    assert [(v.flowing, v.bytes_out, v.waiting) for v in views] == [(0, 0, 0)] * 3
+    assert all(v.since_s is not None for v in views[1:])
+
+
+def test_guardians_own_connection_is_recognised_by_its_socket(loop):
+    client, server = loop.connect()
+    client.sendall(b"GET /health")
+    _recv_exactly(server, 11)
+    ob = ConnObserver(mounts=CgroupMounts())  # recognises this process as guardian
+    view = _look(ob, _cfg(loop.port))
+    assert view.peers == (Peer(PeerKind.GUARDIAN, "127.0.0.1", 1),)
+    assert (view.connections, view.waiting) == (1, 0)
+
+
+def test_more_sockets_than_the_limit_are_a_partial_view(loop):
+    for _ in range(3):
+        loop.connect()
+    full = _look(_observer(), _cfg(loop.port))
+    assert (full.connections, full.truncated) == (3, False)
+    partial = _look(ConnObserver(recognise_self=False, mounts=CgroupMounts(), limit=2), _cfg(loop.port))
+    assert partial.truncated and partial.connections <= 2
+
+
+def test_look_runs_in_a_thread(loop):
+    loop.connect()
+    views = asyncio.run(_observer().look(_cfg(loop.port), time.monotonic()))
+    assert views["a"] is not None and views["a"].connections == 1
+
+
+def test_an_unreadable_table_is_none_for_every_replica_and_says_why(monkeypatch, loop):
+    cfg = Config(
+        replicas=[
+            ReplicaConfig(name="a", unit="vllm-a.service", url=f"http://127.0.0.1:{loop.port}", model="m"),
+            ReplicaConfig(name="b", unit="vllm-b.service", url="http://127.0.0.1:1", model="m"),
+        ]
+    )
+    ob = _observer()
+    assert ob.look_now(cfg, 1.0)["a"] is not None and ob.unavailable is None
+
+    def refused(*_a: object, **_k: object) -> Table:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(conns, "read_table", refused)
+    assert ob.look_now(cfg, 2.0) == {"a": None, "b": None}
+    assert ob.unavailable is not None and "Permission denied" in ob.unavailable
+    monkeypatch.undo()
+    again = ob.look_now(cfg, 3.0)["a"]
+    assert ob.unavailable is None
+    assert again is not None and again.since_s is None  # the memory went with the failed look
+
+
+def test_a_kernel_without_bytes_acked_gives_no_view(monkeypatch):
+    old = Sock("127.0.0.1", 8000, "10.0.0.1", 5000, inode=1, last_sent_ms=5, last_recv_ms=3)
+    monkeypatch.setattr(conns, "read_table", lambda *_a, **_k: Table((old,)))
+    ob = _observer()
+    assert ob.look_now(_cfg(8000), 1.0) == {"a": None}
+    assert ob.unavailable is not None and "tcp_info" in ob.unavailable
+
+
+# --- parsing a message -------------------------------------------------------------------------
+
+
+def _message(info_len: int | None, cgroup_id: int | None = 77) -> bytes:
+    msg = bytearray(DIAG_MSG_SIZE)
+    msg[0] = socket.AF_INET
+    struct.pack_into(">HH", msg, 4, 8000, 40000)
+    msg[8:12] = socket.inet_aton("10.0.0.1")
+    msg[24:28] = socket.inet_aton("10.0.0.2")
+    struct.pack_into("=I", msg, 68, 4242)
+    if info_len is not None:
+        info = bytearray(info_len)
+        for off, fmt, value in ((44, "=I", 11), (52, "=I", 22), (120, "=Q", 333), (128, "=Q", 444), (156, "=I", 5)):
+            if off + struct.calcsize(fmt) <= info_len:
+                struct.pack_into(fmt, info, off, value)
+        msg += struct.pack("=HH", 4 + info_len, 2) + info + bytes(-info_len % 4)
+    if cgroup_id is not None:
+        msg += struct.pack("=HHQ", 12, 21, cgroup_id)
+    return bytes(msg)
+
+
+@pytest.mark.parametrize(
+    ("info_len", "want"),
+    [
+        (232, (11, 22, 333, 444, 5)),
+        (136, (11, 22, 333, 444, None)),  # Linux 4.1 to 4.5: no data_segs_out
+        (104, (11, 22, None, None, None)),  # before 4.1: no bytes counts
+        (None, (None, None, None, None, None)),  # no INET_DIAG_INFO at all
+    ],
+)
+def test_a_short_tcp_info_leaves_the_later_fields_unknown(info_len, want):
+    data = _message(info_len)
+    s = parse_sock(data, 0, len(data))
+    assert (s.last_sent_ms, s.last_recv_ms, s.bytes_acked, s.bytes_received, s.data_segs_out) == want
+    assert (s.local, s.lport, s.remote, s.rport, s.inode, s.cgroup_id) == ("10.0.0.1", 8000, "10.0.0.2", 40000, 4242, 77)
+
+
+def test_no_cgroup_id_before_linux_5_7():
+    data = _message(232, cgroup_id=None)
+    assert parse_sock(data, 0, len(data)).cgroup_id is None
+
+
+# --- the rules (pure) --------------------------------------------------------------------------
+
+PORT = 8000
+REPLICAS = [("a", PORT)]
+
+
+def _srv(
+    remote: str = "10.0.0.9",
+    rport: int = 40000,
+    inode: int = 100,
+    acked: int | None = 0,
+    recv_ms: int | None = 5000,
+    sent_ms: int | None = 5000,
+    received: int | None = 100,
+    segs: int | None = 1,
+) -> Sock:
+    return Sock(
+        "10.0.0.1", PORT, remote, rport, inode, None, sent_ms, recv_ms, acked, received, segs
+    )
+
+
+def _one(socks: list[Sock], prev: Memory = Memory(), now: float = 12.0, who: Who = Who()) -> ConnView:
+    return conn_views(socks, REPLICAS, who, prev, now)[0]["a"]
+
+
+def _prev(acked: int = 1000, inode: int = 100, at: float = 10.0) -> Memory:
+    return Memory(at=at, acked={("10.0.0.1", PORT, "10.0.0.9", 40000): (inode, acked)})
+
+
+@pytest.mark.parametrize(
+    ("sock", "prev", "flowing", "bytes_out"),
+    [
+        (_srv(acked=1500, recv_ms=2000, sent_ms=1), _prev(), 1, 500),  # silent exactly since the last look
+        (_srv(acked=1500, recv_ms=9000, sent_ms=1), _prev(), 1, 500),
+        (_srv(acked=1500, recv_ms=1999, sent_ms=1), _prev(), 0, 0),  # the client spoke since
+        (_srv(acked=1000, recv_ms=9000, sent_ms=1), _prev(), 0, 0),  # nothing more acked
+        (_srv(acked=1500, recv_ms=9000, sent_ms=1, inode=101), _prev(), 0, 0),  # another connection
+        (_srv(acked=1500, recv_ms=9000, sent_ms=1, inode=101), _prev(inode=0), 1, 500),  # accepted since
+        (_srv(acked=1500, recv_ms=9000, sent_ms=1), Memory(at=10.0), 0, 0),  # new since the last look
+        (_srv(acked=1500, recv_ms=9000, sent_ms=1), Memory(), 0, 0),  # the first look
+        (_srv(acked=None, recv_ms=9000, sent_ms=1), _prev(), 0, 0),  # no tcp_info
+    ],
+)
+def test_flowing(sock, prev, flowing, bytes_out):
+    view = _one([sock], prev)
+    assert (view.flowing, view.bytes_out) == (flowing, bytes_out)
+    assert view.since_s == (None if prev.at is None else 2.0)
+
+
+@pytest.mark.parametrize(
+    ("recv_ms", "sent_ms", "received", "segs", "acked", "waits"),
+    [
+        (100, 101, 10, 1, 5, True),  # the client spoke last
+        (101, 100, 10, 1, 5, False),
+        (100, 100, 10, 1, 5, False),  # answered within the jiffy of the request
+        (100, 100, 10, 0, 0, True),  # a fresh connection's request: no data ever sent
+        (100, 100, 0, 0, 0, False),  # connected, nothing said either way
+        (100, 100, 10, None, 0, True),  # no data_segs_out: nothing acked says the same
+        (100, 100, 10, None, 5, False),
+        (None, 100, 10, 1, 5, False),
+        (100, None, 10, 1, 5, False),
+    ],
+)
+def test_waiting(recv_ms, sent_ms, received, segs, acked, waits):
+    view = _one([_srv(recv_ms=recv_ms, sent_ms=sent_ms, received=received, segs=segs, acked=acked)])
+    assert (view.waiting, view.oldest_wait_s) == ((1, recv_ms / 1000) if waits else (0, 0.0))
+
+
+def test_the_oldest_wait_is_the_longest():
+    socks = [_srv(rport=40000 + i, inode=100 + i, recv_ms=ms, sent_ms=9000) for i, ms in enumerate((300, 4200, 10))]
+    view = _one(socks)
+    assert (view.waiting, view.oldest_wait_s, view.connections) == (3, 4.2, 3)
+
+
+def test_guardian_and_monitoring_never_flow_nor_wait():
+    who = Who(proxy=frozenset({"10.0.0.9"}), monitoring=frozenset({"10.0.0.8"}), guardian_sockets=frozenset({7}))
+    flowing = {"acked": 1500, "recv_ms": 9000, "sent_ms": 1}
+    waiting = {"recv_ms": 10, "sent_ms": 900}
+    guardian_client = Sock("127.0.0.1", 41000, "10.0.0.1", PORT, inode=7)
+    socks = [
+        _srv(remote="10.0.0.8", **flowing),  # type: ignore[arg-type]
+        _srv(remote="10.0.0.8", rport=40001, inode=101, **waiting),  # type: ignore[arg-type]
+        _srv(remote="127.0.0.1", rport=41000, inode=102, **waiting),  # type: ignore[arg-type]
+        guardian_client,
+    ]
+    prev = Memory(at=10.0, acked={("10.0.0.1", PORT, "10.0.0.8", 40000): (100, 1000)})
+    view = _one(socks, prev, who=who)
+    assert (view.connections, view.flowing, view.waiting) == (3, 0, 0)
+    assert {p.kind for p in view.peers} == {PeerKind.GUARDIAN, PeerKind.MONITORING}
+    # the same sockets from a proxy's address count
+    view = _one([_srv(**flowing), _srv(rport=40001, inode=101, **waiting)], _prev(), who=who)  # type: ignore[arg-type]
+    assert (view.flowing, view.waiting, view.peers) == (1, 1, (Peer(PeerKind.PROXY, "10.0.0.9", 2),))
+
+
+def test_memory_keeps_the_sockets_of_this_look_only():
+    _v, mem = conn_views([_srv(acked=5)], REPLICAS, Who(), _prev(), 12.0)
+    assert mem == Memory(at=12.0, acked={("10.0.0.1", PORT, "10.0.0.9", 40000): (100, 5)})
+    _v, mem = conn_views([], REPLICAS, Who(), mem, 14.0)
+    assert mem == Memory(at=14.0, acked={})
+
+
+def test_a_replica_without_connections_and_cpu():
+    views, _ = conn_views([], [("a", PORT), ("b", 9000)], Who(), Memory(), 1.0, cpu={"b": 0.25})
+    assert views["a"] == ConnView(0, 0, 0, 0, 0.0, None, None)
+    assert views["b"].cpu_s == 0.25
+
+
+# --- who is at the other end -------------------------------------------------------------------
+
+GUARDIAN_CG = "/system.slice/guardian.service"
+CGROUPS = {
+    1: GUARDIAN_CG,
+    2: GUARDIAN_CG + "/canary",
+    3: "/system.slice/nginx.service",
+    4: "/system.slice/prometheus.service",
+    5: "/system.slice/batch.service",
+    6: "/system.slice/haproxy.service",
+    7: "/user.slice/user-1000.slice/session-4.scope",
+    8: "/system.slice",
+}
+
+
+def _local(cgroup_id: int | None, inode: int = 500) -> tuple[Sock, Sock]:
+    server = _srv(remote="127.0.0.1", rport=41000)
+    client = Sock("127.0.0.1", 41000, "10.0.0.1", PORT, inode=inode, cgroup_id=cgroup_id)
+    return server, client
+
+
+def _who(**kw: object) -> Who:
+    cfg = Config(
+        watchdog=WatchdogConfig(
+            proxy_peers=["haproxy.service", "10.0.0.5", "::ffff:10.0.0.6"], monitoring_peers=["prometheus.service", "10.0.0.4"]
+        ),
+        **kw,  # type: ignore[arg-type]
+    )
+    return Who.of(cfg, cgroups=CGROUPS, guardian_cgroup=GUARDIAN_CG, guardian_sockets=frozenset({900}))
+
+
+PROXY_ON = {"proxy": ProxyConfig(drain_command=["/bin/true"])}
+
+
+@pytest.mark.parametrize(
+    ("cgroup_id", "inode", "proxy", "kind", "name"),
+    [
+        (1, 500, {}, PeerKind.GUARDIAN, "guardian.service"),
+        (2, 500, {}, PeerKind.GUARDIAN, "guardian.service"),  # a sub-cgroup of guardian's
+        (None, 900, {}, PeerKind.GUARDIAN, "127.0.0.1"),  # guardian's own socket, no cgroup id
+        (3, 500, PROXY_ON, PeerKind.PROXY, "nginx.service"),
+        (3, 500, {}, PeerKind.OTHER, "nginx.service"),  # [proxy] off: nginx is a client like any
+        (6, 500, {}, PeerKind.PROXY, "haproxy.service"),  # watchdog.proxy_peers
+        (4, 500, {}, PeerKind.MONITORING, "prometheus.service"),
+        (5, 500, {}, PeerKind.OTHER, "batch.service"),
+        (7, 500, {}, PeerKind.OTHER, "session-4.scope"),
+        (8, 500, {}, PeerKind.OTHER, "127.0.0.1"),  # a cgroup that names no unit
+        (99, 500, {}, PeerKind.OTHER, "127.0.0.1"),  # an unknown cgroup id
+        (None, 500, {}, PeerKind.OTHER, "127.0.0.1"),  # no cgroup id (Linux < 5.7)
+    ],
+)
+def test_local_peers(cgroup_id, inode, proxy, kind, name):
+    server, client = _local(cgroup_id, inode)
+    assert classify(server, client, _who(**proxy)) == (kind, name)
+
+
+@pytest.mark.parametrize(
+    ("address", "kind"),
+    [
+        ("10.0.0.5", PeerKind.PROXY),
+        ("10.0.0.6", PeerKind.PROXY),  # written IPv4-mapped in the config
+        ("10.0.0.4", PeerKind.MONITORING),
+        ("10.0.0.7", PeerKind.OTHER),
+        ("2001:db8::7", PeerKind.OTHER),
+    ],
+)
+def test_remote_peers_by_address(address, kind):
+    assert classify(_srv(remote=address), None, _who(**PROXY_ON)) == (kind, address)
+
+
+def test_peers_are_counted_sorted_and_capped():
+    socks = [_srv(remote="10.0.0.5", rport=30000 + i, inode=1000 + i) for i in range(3)]  # the proxy
+    socks += [_srv(remote="10.0.0.4", rport=31000, inode=2000)]  # monitoring
+    socks += [
+        _srv(remote=f"10.1.{i}.0", rport=32000 + 10 * i + j, inode=3000 + 10 * i + j)
+        for i in range(20)
+        for j in range(1 + (i == 7) * 2)
+    ]
+    server, client = _local(1)
+    view = _one([*socks, server, client], who=_who())
+    assert view.connections == 3 + 1 + 22 + 1
+    assert len(view.peers) == MAX_PEERS
+    assert view.peers[:5] == (
+        Peer(PeerKind.PROXY, "10.0.0.5", 3),
+        Peer(PeerKind.GUARDIAN, "guardian.service", 1),
+        Peer(PeerKind.MONITORING, "10.0.0.4", 1),
+        Peer(PeerKind.OTHER, "10.1.7.0", 3),  # the most connections first
+        Peer(PeerKind.OTHER, "10.1.0.0", 1),
+    )
+
+
+def test_a_local_peer_is_found_by_its_socket_not_its_address():
+    """A peer at one of this box's own addresses (not loopback) is local all the same."""
+    server = _srv(remote="10.0.0.1", rport=41000)
+    client = Sock("10.0.0.1", 41000, "10.0.0.1", PORT, inode=500, cgroup_id=5)
+    view = _one([server, client], who=_who())
+    assert view.peers == (Peer(PeerKind.OTHER, "batch.service", 1),)
+
+
+# --- cgroups and CPU ---------------------------------------------------------------------------
+
+
+def test_parse_cpu_stat_and_cpuacct_usage():
+    assert parse_cpu_stat("usage_usec 2500000\nuser_usec 2000000\nsystem_usec 500000\n") == 2.5
+    assert parse_cpu_stat("user_usec 1\n") is None
+    assert parse_cpu_stat("usage_usec x\n") is None
+    assert parse_cpuacct_usage("1500000000\n") == 1.5
+    assert parse_cpuacct_usage("") is None
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "delta"),
+    [
+        ((7, 2.0), (7, 2.75), 0.75),
+        ((7, 2.0), (7, 2.0), 0.0),
+        ((7, 2.0), (8, 3.0), None),  # a new cgroup directory: the unit was restarted
+        ((7, 2.0), (7, 1.0), None),
+        (None, (7, 1.0), None),  # the first look
+        ((7, 2.0), None, None),
+    ],
+)
+def test_cpu_delta(before, after, delta):
+    assert cpu_delta(before, after) == delta
+
+
+def test_cpu_of_the_unit_on_cgroup_v2(tmp_path, monkeypatch):
+    unit_dir = tmp_path / "system.slice/vllm-a.service"
+    unit_dir.mkdir(parents=True)
+    (unit_dir / "cpu.stat").write_text("usage_usec 1000000\n")
+    monkeypatch.setattr(conns, "read_table", lambda *_a, **_k: Table(()))
+    ob = ConnObserver(recognise_self=False, mounts=CgroupMounts(unified=str(tmp_path)))
+    first = ob.look_now(_cfg(8000), 1.0)["a"]
+    assert first is not None and first.cpu_s is None
+    (unit_dir / "cpu.stat").write_text("usage_usec 1750000\n")
+    second = ob.look_now(_cfg(8000), 3.0)["a"]
+    assert second is not None and second.cpu_s == 0.75
+
+
+def test_cpu_of_a_templated_unit_on_cgroup_v1_only(tmp_path, monkeypatch):
+    unit_dir = tmp_path / "system.slice/system-vllm.slice/vllm@a.service"
+    unit_dir.mkdir(parents=True)
+    (unit_dir / "cpuacct.usage").write_text("2000000000\n")
+    monkeypatch.setattr(conns, "read_table", lambda *_a, **_k: Table(()))
+    cfg = Config(replicas=[ReplicaConfig(name="a", unit="vllm@a.service", url="http://127.0.0.1:8000", model="m")])
+    ob = ConnObserver(recognise_self=False, mounts=CgroupMounts(cpuacct=str(tmp_path)))
+    assert ob.look_now(cfg, 1.0)["a"].cpu_s is None  # type: ignore[union-attr]
+    (unit_dir / "cpuacct.usage").write_text("2500000000\n")
+    assert ob.look_now(cfg, 3.0)["a"].cpu_s == 0.5  # type: ignore[union-attr]
+    (unit_dir / "cpuacct.usage").unlink()
+    assert ob.look_now(cfg, 5.0)["a"].cpu_s is None  # type: ignore[union-attr]
+
+
+def test_a_removed_cgroup_is_not_looked_for_again(tmp_path, monkeypatch):
+    (tmp_path / "system.slice/batch.service").mkdir(parents=True)
+    walks: list[str] = []
+
+    def counting(root: str) -> dict[int, str]:
+        walks.append(root)
+        return cgroup_dirs(root)
+
+    socks = [_srv(remote="127.0.0.1", rport=41000), Sock("127.0.0.1", 41000, "10.0.0.1", PORT, inode=5, cgroup_id=10**9)]
+    monkeypatch.setattr(conns, "cgroup_dirs", counting)
+    monkeypatch.setattr(conns, "read_table", lambda *_a, **_k: Table(tuple(socks)))
+    ob = ConnObserver(recognise_self=False, mounts=CgroupMounts(unified=str(tmp_path)))
+    cfg = Config(replicas=[ReplicaConfig(name="a", unit="batch.service", url=f"http://127.0.0.1:{PORT}", model="m")])
+    ob.look_now(cfg, 1.0)
+    assert len(walks) == 1
+    ob.look_now(cfg, 2.0)
+    assert len(walks) == 1  # the id is gone; the unit's cgroup is where it was
+    socks.append(Sock("127.0.0.1", 41001, "10.0.0.1", PORT, inode=6, cgroup_id=10**9 + 1))
+    socks.append(_srv(remote="127.0.0.1", rport=41001, inode=101))
+    ob.look_now(cfg, 3.0)
+    assert len(walks) == 2  # a new id: walked again
+
+
+def test_local_peers_are_named_through_the_cgroup2_tree(tmp_path, monkeypatch):
+    batch = tmp_path / "system.slice/batch.service"
+    batch.mkdir(parents=True)
+    server = _srv(remote="127.0.0.1", rport=41000, acked=5)
+    client = Sock("127.0.0.1", 41000, "10.0.0.1", PORT, inode=500, cgroup_id=os.stat(batch).st_ino)
+    monkeypatch.setattr(conns, "read_table", lambda *_a, **_k: Table((server, client)))
+    ob = ConnObserver(recognise_self=False, mounts=CgroupMounts(unified=str(tmp_path)))
+    view = ob.look_now(_cfg(PORT), 1.0)["a"]
+    assert view is not None and view.peers == (Peer(PeerKind.OTHER, "batch.service", 1),)
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        ("0::/system.slice/guardian.service\n", "/system.slice/guardian.service"),
+        ("0::/system.slice/guardian.service/main\n", "/system.slice/guardian.service"),
+        ("1:name=systemd:/system.slice/guardian.service\n0::/system.slice/guardian.service\n",
+         "/system.slice/guardian.service"),
+        ("0::/\n", None),  # the root cgroup holds everyone
+        ("0::/user.slice/user-0.slice\n", None),
+        ("4:memory:/x\n", None),  # cgroup v1 only
+    ],
+)
+def test_guardian_cgroup_of(text, want):
+    assert guardian_cgroup_of(text) == want
+
+
+HYBRID = """\
+31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755
+32 31 0:29 / /sys/fs/cgroup/cpu,cpuacct rw,relatime shared:9 - cgroup cgroup rw,cpu,cpuacct
+40 31 0:37 / /sys/fs/cgroup/systemd rw,relatime - cgroup cgroup rw,name=systemd
+41 31 0:38 / /sys/fs/cgroup/unified rw,relatime shared:5 - cgroup2 cgroup2 rw,nsdelegate
+"""
+UNIFIED = "27 22 0:26 / /sys/fs/cgroup rw,nosuid,nodev shared:4 - cgroup2 cgroup2 rw,nsdelegate,memory_recursiveprot\n"
+V1 = "33 31 0:30 / /sys/fs/cgroup/cpuacct rw,relatime - cgroup cgroup rw,cpuacct\n"
+ESCAPED = "50 1 0:40 /sub /mnt/a\\040b rw - cgroup2 cgroup2 rw\n51 1 0:40 / /mnt/c\\040d rw - cgroup2 cgroup2 rw\n"
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        (HYBRID, CgroupMounts("/sys/fs/cgroup/unified", "/sys/fs/cgroup/cpu,cpuacct")),
+        (UNIFIED, CgroupMounts("/sys/fs/cgroup", None)),
+        (V1, CgroupMounts(None, "/sys/fs/cgroup/cpuacct")),
+        (ESCAPED, CgroupMounts("/mnt/c d", None)),  # the hierarchy's root first
+        ("", CgroupMounts()),
+    ],
+)
+def test_parse_mountinfo(text, want):
+    assert parse_mountinfo(text) == want
+
+
+def test_this_boxs_cgroup2_mount_holds_the_sockets_cgroups(loop):
+    """The socket's cgroup id is the inode of its cgroup's directory in the cgroup2 mount found."""
+    from guardian.observe.sockets import cgroup_mounts
+
+    mounts = cgroup_mounts()
+    if mounts.unified is None:
+        pytest.skip("no cgroup2 on this box")
+    loop.connect()
+    ids = {s.cgroup_id for s in read_table({loop.port}).socks}
+    with open("/proc/self/cgroup") as f:
+        own = next(line[3:].strip() for line in f if line.startswith("0::"))
+    assert ids == {os.stat(mounts.unified + own).st_ino}
