@@ -61,3 +61,28 @@ def test_without_a_proxy_every_client_is_direct_and_none_is_a_hazard():
 def test_a_look_without_the_peer_starts_its_time_again_and_a_look_without_a_view_keeps_it():
     assert run(cfg(), [(100.0, view(JOB)), (110.0, view(NGINX)), (120.0, view(JOB)), (140.0, view(JOB))]) == []
     assert run(cfg(), [(100.0, view(JOB)), (110.0, None), (130.0, view(JOB))])
+
+
+def test_the_tick_says_a_bypass_once_at_warning_and_once_more_when_it_has_gone():
+    """Through the real tick.decide: one hazard line per (replica, peer), with its rule and key."""
+    from guardian.core import tick
+    from guardian.core.actions import LogLine
+    from guardian.core.observations import PersistentView, Probe, ReplicaObservation, TickObservation
+    from guardian.core.vocab import Decision, Priority
+
+    c = cfg()
+    ok = Probe(True, 200, 0.01)
+    state, said = tick.TickState(), []
+    for now, v in [(100.0, view(JOB, NGINX)), (120.0, view(JOB, NGINX)), (130.0, view(JOB, NGINX)),
+                   (140.0, view(JOB, NGINX)), (150.0, view(NGINX))]:
+        o = ReplicaObservation(name="a", at=now, unit=None, health=ok, metrics_probe=ok, metrics=None,
+                               models_probe=ok, models=None, conns=v)
+        state, actions = tick.decide(state, TickObservation({"a": o}, PersistentView()), now, c)
+        said += [(now, a) for a in actions if isinstance(a, LogLine) and a.decision is Decision.HAZARD]
+        if now == 140.0:
+            assert [(b.replica, b.peer) for b in state.bypassing] == [("a", "batch.service")]
+    assert [(t, a.priority, a.rule, a.hazard) for t, a in said] == [
+        (130.0, Priority.WARNING, "B2", "bypass:a:batch.service"),
+        (150.0, Priority.INFO, "B2", "bypass:a:batch.service"),
+    ]
+    assert "point it at the proxy" in said[0][1].message and state.bypassing == ()

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from ..config import Config, ReplicaConfig
-from . import admission, drain, fleet, liveness, memguard
+from . import admission, bypass, drain, fleet, liveness, memguard
 from .actions import (
     AcquireSlot,
     Action,
@@ -56,6 +56,8 @@ class TickState:
     drains: dict[str, Drain] = field(default_factory=dict)  # replicas marked down at the proxy (core/drain.py)
     fleet_said: dict[str, tuple[str, ...]] = field(default_factory=dict)  # request id -> why it waits, as last said
     slots_released: frozenset[str] = frozenset()  # fleet slots given back that the view may still show
+    bypass_seen: dict[tuple[str, str], float] = field(default_factory=dict)  # (replica, peer) -> connected since
+    bypassing: tuple[bypass.Bypass, ...] = ()  # clients bypassing the proxy now (core/bypass.py B2)
 
     @property
     def proxy_down(self) -> frozenset[str]:
@@ -100,7 +102,46 @@ def decide(state: TickState, obs: TickObservation, now: float, cfg: Config) -> t
         out.drains = {n: d for n, d in out.drains.items() if not (d.for_memory and d.phase is Phase.DRAINING)}
     waiting = {q.replica for q in obs.persistent.requests if q.id not in taken}
     released = _release_slots(out, obs, mem, waiting, state.slots_released)
-    return TickState(out.tracks, mem, taken, out.drains, out.fleet_said, released), out.actions
+    seen, bypassing = _bypass(out, state, obs, now, cfg)
+    return TickState(out.tracks, mem, taken, out.drains, out.fleet_said, released, seen, bypassing), out.actions
+
+
+def _bypass(
+    out: _Out, state: TickState, obs: TickObservation, now: float, cfg: Config
+) -> tuple[dict[tuple[str, str], float], tuple[bypass.Bypass, ...]]:
+    """B1-B3: each client that starts bypassing the proxy is said once at warning, and once more
+    when it has gone."""
+    seen, found = bypass.update(state.bypass_seen, {n: o.conns for n, o in obs.replicas.items()}, now, cfg)
+    before = {(b.replica, b.peer) for b in state.bypassing}
+    for b in found:
+        if (b.replica, b.peer) not in before:
+            h = b.hazard(cfg, now)
+            out.log(
+                LogLine(
+                    Priority.WARNING,
+                    f"hazard: {h.message}",
+                    Decision.HAZARD,
+                    h.replica,
+                    h.unit,
+                    rule="B2",
+                    hazard=h.key,
+                )
+            )
+    for b in state.bypassing:
+        if (b.replica, b.peer) not in {(f.replica, f.peer) for f in found}:
+            r = cfg.replica(b.replica)
+            out.log(
+                LogLine(
+                    Priority.INFO,
+                    f"replica {b.replica}: {b.peer} no longer talks to it directly",
+                    Decision.HAZARD,
+                    b.replica,
+                    r.unit if r is not None else None,
+                    rule="B2",
+                    hazard=f"bypass:{b.replica}:{b.peer}",
+                )
+            )
+    return seen, tuple(found)
 
 
 def next_tick_at(state: TickState, last_started: float, now: float, cfg: Config) -> float:
