@@ -173,8 +173,40 @@ async def _check_live(cfg: Config, no_systemd: bool) -> int:
                     f"guardian could NOT restart it: {refusal.text()}" if refusal else "restartable"
                 )
             print(line)
+    problems += _check_connections(cfg)
     sd.close()
     print("ok" if problems == 0 else f"{problems} problem(s)")
+
+
+def _check_connections(cfg: Config) -> int:
+    """The kernel's view of each replica's port, once; with a proxy configured, a client connected
+    straight to a replica is a problem (B2 needs W.bypass_after_s of it; check shows it now)."""
+    from .core.bypass import proxy_configured
+    from .core.observations import PeerKind
+    from .observe.conns import ConnObserver
+
+    observer = ConnObserver()
+    views = observer.look_now(cfg, time.monotonic())
+    if observer.unavailable is not None:
+        print(f"connections: the kernel's view is not available: {observer.unavailable}")
+        return 0
+    problems = 0
+    for r in cfg.replicas:
+        v = views.get(r.name)
+        if v is None:
+            continue
+        peers = ", ".join(f"{p.kind} {p.name} x{p.connections}" for p in v.peers) or "none"
+        print(f"replica {r.name}: {v.connections} connection(s) to port {r.port}; peers: {peers}")
+        if not proxy_configured(cfg):
+            continue
+        for p in v.peers:
+            if p.kind is PeerKind.OTHER:
+                problems += 1
+                print(
+                    f"warning: replica {r.name} ({r.unit}): {p.name} talks to it directly on port {r.port}, "
+                    f"not through the proxy ({p.connections} connection(s)); point it at the proxy"
+                )
+    return problems
     return 0 if problems == 0 else 1
 
 

@@ -99,6 +99,7 @@ class Daemon:
         self.last_completed_mono = time.monotonic()
         self.bus_events: list[SystemdEvent] = []
         self.blind_said = False  # the reason to stop pinging was said (bus gone, or no tick completing)
+        self.kernel_view_said: str | None = None  # why the kernel's view was last said to be missing
         self.metrics = Metrics(__version__)
         self.metrics_server: MetricsServer | None = None
         self.export_errors: set[str] = set()  # said once each, until the export works again
@@ -211,9 +212,26 @@ class Daemon:
             self.fleet.perform(actions)
         self.proxy.sync(self.state.proxy_down)
         self.metrics.fold(self.cfg, self.state.tracks, obs, actions, self.persistent.view(now), now)
+        self.metrics.set_bypass(self.state.bypassing)
+        self._say_kernel_view()
         self.last_observation = obs
         self.memory = obs.memory.sample if obs.memory else await asyncio.to_thread(sample_memory)
         self.write_status(now)
+
+    def _say_kernel_view(self) -> None:
+        """Once when the kernel's view of the replicas' connections is lost, once when it is back."""
+        why = self.observer.conns.unavailable
+        if why == self.kernel_view_said:
+            return
+        if why is not None:
+            self.journal.send(
+                Priority.WARNING,
+                f"the kernel's view of the replicas' connections is not available: {why}; responses flowing "
+                "and clients waiting are not seen, so replicas are judged from their probes alone",
+            )
+        else:
+            self.journal.send(Priority.INFO, "the kernel's view of the replicas' connections is available again")
+        self.kernel_view_said = why
 
     def _say_bus_events(self) -> None:
         for event in self.bus_events:

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from ..config import Config
 from ..core import admission
 from ..core.actions import Action, LogLine, LowerFraction, RestartUnit
+from ..core.bypass import Bypass
 from ..core.hazards import Hazard
 from ..core.liveness import Track
 from ..core.observations import PersistentView, TickObservation
@@ -25,6 +26,7 @@ DETECTION_BUCKETS_S = (1, 2, 5, 10, 15, 20, 30, 45, 60, 90, 120, 300)
 TO_SERVING_BUCKETS_S = (1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 1800)
 CANARY_BUCKETS_S = (0.1, 0.25, 0.5, 1, 2, 5, 10, 15, 30)
 TICK_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5)
+MAX_BYPASS_PEERS = 8
 
 
 def detection_start(t: Track) -> float | None:
@@ -121,6 +123,12 @@ class Metrics:
             "guardian_memory_lowerings", "fractions the memory guard lowered", ["replica"], registry=r
         )
         self.hazards = Gauge("guardian_hazards", "1 for each hazard present now", ["kind", "unit"], registry=r)
+        self.bypass = Gauge(
+            "guardian_bypass_connections",
+            "connections to a replica's own port from a client that bypasses the proxy (at most 8 per replica)",
+            ["replica", "peer"],
+            registry=r,
+        )
         self.tick = Histogram(
             "guardian_tick_duration_seconds", "one tick, observe to act", buckets=TICK_BUCKETS_S, registry=r
         )
@@ -191,6 +199,16 @@ class Metrics:
         self.hazards.clear()
         for h in found:
             self.hazards.labels(h.key.split(":", 1)[0], h.unit or "").set(1)
+
+    def set_bypass(self, bypassing: Iterable[Bypass]) -> None:
+        """Bounded in cardinality: the 8 peers with the most connections per replica."""
+        self.bypass.clear()
+        per: dict[str, list[Bypass]] = {}
+        for b in bypassing:
+            per.setdefault(b.replica, []).append(b)
+        for replica, found in per.items():
+            for b in sorted(found, key=lambda b: (-b.connections, b.peer))[:MAX_BYPASS_PEERS]:
+                self.bypass.labels(replica, b.peer).set(b.connections)
 
     def tick_done(self, duration_s: float, now: Now) -> None:
         self.tick.observe(duration_s)

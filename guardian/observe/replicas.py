@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -26,7 +27,17 @@ from ..core.observations import (
 from ..core.vocab import HeldBy, Hidden, Nobody, PortOwner, Unreadable
 from . import probes
 from .clock import Now
-from .sockets import Listening, cgroup_dirs, first_pid, listeners, listening, unit_of_cgroup
+from .conns import ConnObserver
+from .sockets import (
+    CGROUP_ROOT,
+    Listening,
+    cgroup_dirs,
+    cgroup_mounts,
+    first_pid,
+    listeners,
+    listening,
+    unit_of_cgroup,
+)
 from .systemd import Systemd, SystemdError
 
 UnitView = tuple[UnitInfo | None, str | None]  # the unit, or None and why systemd could not be asked
@@ -43,13 +54,16 @@ def _owners_by_cgroup(table: dict[int, Listening]) -> dict[int, HeldBy]:
     """The ports whose socket's cgroup names a unit (see sockets.py), without /proc."""
     if not any(cg is not None for _inode, cg in table.values()):
         return {}
-    dirs = cgroup_dirs()
+    # The cgroup2 hierarchy itself: under systemd's hybrid layout /sys/fs/cgroup holds the v1
+    # trees, whose inodes can collide with v2 cgroup ids.
+    root = cgroup_mounts().unified or CGROUP_ROOT
+    dirs = cgroup_dirs(root)
     out: dict[int, HeldBy] = {}
     for port, (_inode, cg) in table.items():
         path = dirs.get(cg) if cg is not None else None
         unit = unit_of_cgroup(path) if path is not None else None
         if path is not None and unit is not None:
-            out[port] = HeldBy(port, first_pid(path), unit)
+            out[port] = HeldBy(port, first_pid(path, root), unit)
     return out
 
 
@@ -296,6 +310,7 @@ class WorldObserver:
         self.unit_cache = UnitInfoCache()
         self.carry = ProbeCarry()
         self.memory = MemoryObserver(sd, client)
+        self.conns = ConnObserver()
 
     def invalidate(self) -> None:
         """systemd reloaded, unit files changed, or the bus dropped: no cached unit view is trusted."""
@@ -311,17 +326,23 @@ class WorldObserver:
         now: Now,
         wait_s: float | None = None,
     ) -> TickObservation:
-        replicas = await observe_all(
-            cfg,
-            self.sd,
-            self.client,
-            now.mono,
-            canaries,
-            outcomes,
-            self.port_cache,
-            self.unit_cache,
-            self.carry,
-            wait_s=cfg.probe_wait_s if wait_s is None else wait_s,
+        # The kernel's view is taken beside the probes, at the tick's start: what flowed since the
+        # last look is measured over the same span as the probes' wait.
+        replicas, views = await asyncio.gather(
+            observe_all(
+                cfg,
+                self.sd,
+                self.client,
+                now.mono,
+                canaries,
+                outcomes,
+                self.port_cache,
+                self.unit_cache,
+                self.carry,
+                wait_s=cfg.probe_wait_s if wait_s is None else wait_s,
+            ),
+            self.conns.look(cfg, now.mono),
         )
+        replicas = {n: replace(o, conns=views.get(n)) for n, o in replicas.items()}
         memory = await self.memory.observe(cfg, replicas, pending, now) if cfg.memory.enabled else None
         return TickObservation(replicas, persistent, memory)
