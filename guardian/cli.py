@@ -176,6 +176,7 @@ async def _check_live(cfg: Config, no_systemd: bool) -> int:
     problems += _check_connections(cfg)
     sd.close()
     print("ok" if problems == 0 else f"{problems} problem(s)")
+    return 0 if problems == 0 else 1
 
 
 def _check_connections(cfg: Config) -> int:
@@ -207,7 +208,6 @@ def _check_connections(cfg: Config) -> int:
                     f"not through the proxy ({p.connections} connection(s)); point it at the proxy"
                 )
     return problems
-    return 0 if problems == 0 else 1
 
 
 def _runtime_dir(args: argparse.Namespace) -> Path:
