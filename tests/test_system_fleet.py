@@ -4,6 +4,7 @@ so each wants one lowering, which is a planned restart: the fleet lets one happe
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -98,3 +99,47 @@ def test_with_etcd_down_a_hung_replica_is_restarted_planned_restarts_wait_then_r
     wait_for(lambda: any("etcd answers again" in e["MESSAGE"] for e in fleet.lines(1)), 60, "box1 back in the fleet")
     asked = fleet.box.run(["guardian", "--config", "/etc/guardian/box1.toml", "restart", "a"], check=False, timeout=120)
     assert asked.returncode == 0, asked.stdout + asked.stderr
+
+
+def test_garbage_written_under_the_prefix_by_one_member_does_not_stop_a_restart_on_another_box(fleet):
+    """Issue 21, row 2: a 100 KB value of '[' under replicas/ made every box's view raise, every tick
+    was abandoned, the watchdog pings stopped and systemd restarted the guardians in a loop. Now a
+    value that is not a member's is skipped; a frozen replica is restarted as fast as ever."""
+    import base64
+
+    fleet.n, fleet.models = 2, 1
+    fleet.setup(memory_squeezed=False)
+    fleet.start_guardians()
+    for i in range(fleet.n):
+        wait_for(lambda i=i: any("joined fleet" in e["MESSAGE"] for e in fleet.lines(i)), 30, f"box{i} in the fleet")
+    b64 = lambda raw: base64.b64encode(raw).decode()  # noqa: E731
+    garbage = {
+        "replicas/box1/evil": b"[" * 100_000,
+        "replicas/box1/deep": b"[" * 50_000 + b"]" * 50_000,  # valid JSON, too deep to decode recursively
+        "replicas/box1/list": b'["box", "name"]',
+        "replicas/box1/bytes": b"\xff\xfe\x00garbage",
+        "slots/7": b"{not json",
+    }
+    # what box1, a fleet member, may write under the prefix (too large for a command line: a file)
+    puts = [{"key": b64(f"/guardian/test/{key}".encode()), "value": b64(value)} for key, value in garbage.items()]
+    fleet.box.write("/tmp/garbage.json", json.dumps(puts))
+    script = ("import json,urllib.request\n"
+              "for body in json.load(open('/tmp/garbage.json')):\n"
+              f"  r=urllib.request.urlopen(urllib.request.Request({fleet.endpoints[0] + '/v3/kv/put'!r}, "
+              "data=json.dumps(body).encode(), headers={'Content-Type': 'application/json'}), timeout=5)\n"
+              "  assert r.status == 200, r.status\n")
+    fleet.box.run(["python3", "-c", script])
+    pid = fleet.box.prop(fleet.replica_unit(0), "MainPID")
+    fleet.box.run(["kill", "-STOP", pid])
+    frozen = time.time()
+    wait_for(lambda: fleet.lines(0, "GUARDIAN_DECISION=restart"), 30, "box0's frozen replica restarted")
+    decided = int(fleet.lines(0, "GUARDIAN_DECISION=restart")[0]["__REALTIME_TIMESTAMP"]) / 1e6
+    # unresponsive_after_s = 4 and a 1 s tick: as fast as without garbage (the watchdog test's bound)
+    assert decided - frozen <= 10, decided - frozen
+    for i in range(fleet.n):
+        said = [e["MESSAGE"] for e in fleet.lines(i)]
+        assert not [m for m in said if "abandoned" in m or "etcd cannot be reached" in m], said
+        assert fleet.box.prop(fleet.unit(i), "NRestarts") == "0"
+    out = fleet.box.run(["guardian", "--config", "/etc/guardian/box1.toml", "status", "--fleet"], check=False)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stdout + out.stderr
+    assert "2 box(es)" in out.stdout, out.stdout
