@@ -32,7 +32,6 @@ from .sockets import (
     CgroupMounts,
     cgroup_dirs,
     cgroup_mounts,
-    diag_attributes,
     sock_diag_dump,
     unit_of_cgroup,
 )
@@ -142,18 +141,41 @@ def _field(info: bytes, offset: int, fmt: struct.Struct) -> int | None:
     return int(fmt.unpack_from(info, offset)[0]) if len(info) >= offset + fmt.size else None
 
 
+# The five tcp_info fields in one unpack, from tcpi_last_data_sent (44) to past tcpi_data_segs_out
+# (156): a look parses every socket on the replicas' ports, both ends of a local connection.
+_TCPI_ALL = struct.Struct("=I4xI64xQQ20xI")
+_TCPI_ALL_END = _TCPI_LAST_DATA_SENT + _TCPI_ALL.size
+_RTA = struct.Struct("=HH")
+_ATTRS_AT = DIAG_MSG_SIZE
+
+
 def parse_sock(data: bytes, body: int, end: int) -> Sock:
     """One inet_diag_msg at DATA[BODY:END] (sock_diag_dump's triple) and its attributes."""
     family = data[body]
     sport, dport = _PORTS.unpack_from(data, body + 4)
     (inode,) = _INODE.unpack_from(data, body + 68)
     cgroup_id: int | None = None
-    info = b""
-    for kind, start, stop in diag_attributes(data, body + DIAG_MSG_SIZE, end):
+    info_at, info_len = -1, 0
+    at = body + _ATTRS_AT
+    while at + 4 <= end:  # the attributes (diag_attributes, inline: this runs once per socket)
+        length, kind = _RTA.unpack_from(data, at)
+        if length < 4:
+            break
         if kind == _INET_DIAG_INFO:
-            info = data[start:stop]
-        elif kind == 21 and stop - start >= _U64.size:  # INET_DIAG_CGROUP_ID
-            cgroup_id = int(_U64.unpack_from(data, start)[0])
+            info_at, info_len = at + 4, min(length, end - at) - 4
+        elif kind == 21 and length >= 12:  # INET_DIAG_CGROUP_ID
+            (cgroup_id,) = _U64.unpack_from(data, at + 4)
+        at += (length + 3) & ~3
+    sent = recv = acked = received = segs = None
+    if info_len >= _TCPI_ALL_END:
+        sent, recv, acked, received, segs = _TCPI_ALL.unpack_from(data, info_at + _TCPI_LAST_DATA_SENT)
+    elif info_at >= 0:  # an older kernel's shorter tcp_info: the fields it has
+        info = data[info_at : info_at + info_len]
+        sent = _field(info, _TCPI_LAST_DATA_SENT, _U32)
+        recv = _field(info, _TCPI_LAST_DATA_RECV, _U32)
+        acked = _field(info, _TCPI_BYTES_ACKED, _U64)
+        received = _field(info, _TCPI_BYTES_RECEIVED, _U64)
+        segs = _field(info, _TCPI_DATA_SEGS_OUT, _U32)
     return Sock(
         local=_address(family, data[body + 8 : body + 24]),
         lport=sport,
@@ -161,11 +183,11 @@ def parse_sock(data: bytes, body: int, end: int) -> Sock:
         rport=dport,
         inode=inode,
         cgroup_id=cgroup_id,
-        last_sent_ms=_field(info, _TCPI_LAST_DATA_SENT, _U32),
-        last_recv_ms=_field(info, _TCPI_LAST_DATA_RECV, _U32),
-        bytes_acked=_field(info, _TCPI_BYTES_ACKED, _U64),
-        bytes_received=_field(info, _TCPI_BYTES_RECEIVED, _U64),
-        data_segs_out=_field(info, _TCPI_DATA_SEGS_OUT, _U32),
+        last_sent_ms=sent,
+        last_recv_ms=recv,
+        bytes_acked=acked,
+        bytes_received=received,
+        data_segs_out=segs,
     )
 
 
