@@ -221,6 +221,8 @@ def test_streaming_to_a_silent_client_flows(loop):
     assert (second.flowing, second.bytes_out, second.waiting) == (1, 65, 0)
     assert second.since_s is not None and second.since_s > 0
     assert second.peers == (Peer(PeerKind.OTHER, "127.0.0.1", 1),)
+    assert first.last_flow_s is None  # nothing flowed
+    assert second.last_flow_s is not None and 0 <= second.last_flow_s <= second.since_s  # the last token's send
 
 
 def test_an_idle_keep_alive_connection_neither_flows_nor_waits(loop):

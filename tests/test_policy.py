@@ -954,3 +954,17 @@ def test_learned_latencies_go_to_the_state_file_once_per_change_and_a_new_guardi
         again.tick(float(t), a=obs(t=float(t), u=unit(inactive_exit_mono=200.0)))
     again.tick(230.0, a=obs(t=230.0, u=unit(inactive_exit_mono=200.0)))
     assert [a.timeout_s for a in canaries(again)] == [3.0]  # learned: no burst, no 15 s deadline
+
+
+@pytest.mark.parametrize("t, state", [(127.4, State.BUSY), (127.5, State.UNRESPONSIVE)])
+def test_the_window_runs_from_the_last_byte_that_flowed_not_from_the_look_that_saw_it(t, state):
+    """A frozen server's last bytes are acked after the freeze: the look after it still sees a flow,
+    sent 0.5 s before that look (tcpi_last_data_sent). L7 counts from the send, not the look."""
+    sim = Sim(cfg(1, unresponsive_after_s=10))
+    healthy_start(sim)
+    for tt in (102.0, 104.0, 106.0, 118.0):
+        sim.tick(tt, a=replace(starved(tt, flowing=3), conns=conns(flowing=3, bytes_out=100) if tt < 118
+                               else replace(conns(flowing=3, bytes_out=100), last_flow_s=0.5)))
+    assert sim.tracks["a"].last_progress_at == 117.5
+    sim.tick(t, a=starved(t, flowing=0))
+    assert sim.state() == state, (sim.state(), sim.rule())

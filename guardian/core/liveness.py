@@ -171,6 +171,16 @@ def _flowing(obs: ReplicaObservation) -> bool:
     return obs.conns is not None and obs.conns.flowing > 0
 
 
+def _progress_at(t: Track, obs: ReplicaObservation, now: float, seen_now: bool) -> float:
+    """When the progress seen at this tick happened: now for counters and canaries; for a response
+    flowing, when its last byte was sent (a frozen server's last bytes are acked after the freeze:
+    counted at the look, they would stretch L7's window by up to a tick)."""
+    c = obs.conns
+    if seen_now or c is None or c.last_flow_s is None:
+        return now
+    return max(now - c.last_flow_s, t.last_progress_at if t.last_progress_at is not None else float("-inf"))
+
+
 def _clients_waiting(obs: ReplicaObservation, wcfg: WatchdogConfig) -> int:
     """Client connections whose request has had no byte of answer for >= W.client_wait_s."""
     c = obs.conns
@@ -280,7 +290,7 @@ def step(
             if sample is not None and queued > 0:
                 t = replace(t, stall_proof_at=canary.started_at)
     if progressed:
-        t = replace(t, last_progress_at=now)
+        t = replace(t, last_progress_at=_progress_at(t, obs, now, counters_moved or (canary is not None and canary.ok)))
     if sample is not None:
         if queued > 0 and t.work_since is None:
             # clients waiting were queued from the moment the longest-waiting one spoke

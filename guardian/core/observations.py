@@ -146,6 +146,9 @@ class ConnView:
     cpu_s: float | None  # CPU time the unit's cgroup used since the previous look (None: unknown)
     peers: tuple[Peer, ...] = ()
     truncated: bool = False  # more sockets than guardian reads in one look: counts are partial
+    # seconds since the last byte was sent on a connection where a response flowed (tcp_info's
+    # tcpi_last_data_sent): when the flow was last seen alive, not when it was looked at
+    last_flow_s: float | None = None
 
 
 @dataclass(frozen=True)

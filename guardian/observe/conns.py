@@ -310,6 +310,7 @@ class _Tally:
     bytes_out: int = 0
     waiting: int = 0
     oldest_wait_ms: int = 0
+    last_flow_ms: int | None = None
     peers: dict[tuple[PeerKind, str], int] = field(default_factory=dict)
 
 
@@ -378,6 +379,8 @@ def conn_views(
         if flowed:
             t.flowing += 1
             t.bytes_out += flowed
+            sent_ms = s.last_sent_ms if s.last_sent_ms is not None else 0
+            t.last_flow_ms = sent_ms if t.last_flow_ms is None else min(t.last_flow_ms, sent_ms)
         if _waits(s):
             t.waiting += 1
             t.oldest_wait_ms = max(t.oldest_wait_ms, s.last_recv_ms or 0)
@@ -395,6 +398,7 @@ def conn_views(
             cpu_s=(cpu or {}).get(name),
             peers=tuple(Peer(kind, peer, n) for (kind, peer), n in ranked[:MAX_PEERS]),
             truncated=truncated,
+            last_flow_s=t.last_flow_ms / 1000 if t.last_flow_ms is not None else None,
         )
     return views, Memory(at=now, acked=acked)
 
