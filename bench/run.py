@@ -33,8 +33,9 @@ from world import PROXY, Replica, World  # noqa: E402
 from guardian.observe.meminfo import sample_memory  # noqa: E402  (the one MemAvailable reader)
 
 GiB = 2**30
-PARTS = ("detection", "false", "prefill", "cost", "many", "memory", "scrape", "clients", "fleet")
-FAULTS = ("frozen", "dead-200", "stalled", "between-steps", "idle-dead")
+PARTS = ("detection", "false", "prefill", "stall", "cost", "many", "conns", "memory", "scrape", "clients", "fleet")
+# between-steps-fresh: between-steps with guardian started 20 s before the fault with nothing learned
+FAULTS = ("frozen", "dead-200", "stalled", "between-steps", "between-steps-fresh", "idle-dead")
 BASELINE = "baseline-prober"
 
 
@@ -105,7 +106,7 @@ class Bench:
         for r in (self.a, self.b):
             if fault == "frozen":
                 w.kill(r.unit, "STOP")
-            elif fault == "between-steps":
+            elif fault in ("between-steps", "between-steps-fresh"):
                 w.fault(r, "between-steps")
             else:  # dead-200, stalled, idle-dead: the engine dies, /health stays 200; they differ in the load
                 w.fault(r, "engine-dead")
@@ -117,11 +118,25 @@ class Bench:
                 w.sim(r, "load", "2", json.dumps({"max_tokens": 100000}))
             elif fault == "stalled":
                 w.sim(r, "load", "16", json.dumps({"max_tokens": 100000}))  # 12 running, 4 waiting
-            elif fault == "between-steps":
+            elif fault in ("between-steps", "between-steps-fresh"):
                 w.sim(r, "load", "3", json.dumps({"max_tokens": 20}))  # short requests: the batch ends within 1 s
-        if fault in ("dead-200", "stalled", "between-steps"):
+        if fault == "between-steps-fresh":
+            self.fresh_guardian(20.0)
+        if fault in ("dead-200", "stalled", "between-steps", "between-steps-fresh"):
             wait_for(lambda: w.states().get(self.a.name) == "healthy" and self.running(self.a) > 0
                      and self.running(self.b) > 0, 30, "load to run")
+
+    def fresh_guardian(self, before_s: float) -> None:
+        """guardian restarted with nothing learned (no canary latencies in its state file), BEFORE_S
+        before the fault: as on a box where it was just installed."""
+        self.box.systemctl("stop", "guardian.service")
+        self.box.run(["python3", "-c", "import json; p='/var/lib/guardian/state.json'; d=json.load(open(p)); "
+                      "d['canary_latencies']={}; json.dump(d, open(p, 'w'))"])
+        self.box.systemctl("start", "guardian.service")
+        started = time.monotonic()
+        self.box.run(["guardian", "pause", self.b.name])  # b is the baseline's
+        wait_for(lambda: time.monotonic() - started >= before_s, before_s + 5, "guardian's head start",
+                 interval_s=0.2)
 
     def running(self, r: Replica) -> int:
         code, body = self.box.http(r.url + "/_sim/state")
@@ -216,6 +231,40 @@ class Bench:
         self.box.systemctl("stop", f"{BASELINE}.service", check=False)
         self.box.systemctl("reset-failed", f"{BASELINE}.service", check=False)
         return len(self.restart_lines_after("guardian", t0)), len(self.restart_lines_after("baseline", t0))
+
+    def false_stall(self, trials: int, stall_s: float = 20.0) -> dict:
+        """8 real clients stream tokens from replica a while every endpoint of its API server stalls
+        for STALL_S (a starved event loop, measured at 11 s on a real vLLM 0.32): restarts by guardian
+        and by the baseline, and the client requests that failed."""
+        w, a = self.world, self.a
+        out = {"trials": trials, "stall_s": stall_s, "guardian": 0, "baseline": 0, "failed": 0, "requests": 0}
+        for i in range(trials):
+            self.clean()
+            self.box.run(["rm", "-f", "/run/stall.stop", "/run/stall.jsonl"])
+            self.box.run(["systemd-run", "--unit=stall-clients", "-p", "Restart=no", "/usr/bin/python3",
+                          "/opt/guardian/src/tests/loadgen.py", a.url, a.model, "/run/stall.jsonl", "--clients", "8",
+                          "--max-tokens", "2000", "--mode", "stream", "--stop-file", "/run/stall.stop"])
+            wait_for(lambda: self.running(a) >= 8, 30, "8 streams")
+            t0 = time.time()
+            self.baseline(True, a)
+            w.fault(a, "stall-endpoints", stall_s=stall_s)
+            end = time.monotonic() + stall_s + 10
+            while time.monotonic() < end:
+                time.sleep(0.5)  # a measurement window, not a wait for a condition
+            self.baseline(False)
+            self.box.run(["touch", "/run/stall.stop"])
+            self.box.systemctl("kill", "-s", "KILL", "stall-clients.service", check=False)
+            self.box.systemctl("reset-failed", "stall-clients.service", check=False)
+            recs = [json.loads(x) for x in self.box.run(["cat", "/run/stall.jsonl"], check=False).stdout.splitlines()
+                    if x.strip()]
+            g, k = len(self.restart_lines_after("guardian", t0)), len(self.restart_lines_after("baseline", t0))
+            failed = sum(1 for q in recs if q["failed"] and q["t0"] < t0 + stall_s)
+            out["guardian"] += g
+            out["baseline"] += k
+            out["failed"] += failed
+            out["requests"] += len(recs)
+            self.say(f"  stall trial {i + 1}: guardian {g} restart(s), baseline {k}, {failed} client request(s) failed")
+        return out
 
     def false_prefill(self, coschedule: bool, chunks: int = 34, chunk_s: float = 2.7) -> tuple[int, int, float]:
         """A prompt prefilled in CHUNKS chunks of 512 tokens, CHUNK_S apart (the real vLLM 0.32
@@ -323,6 +372,63 @@ class Bench:
         w.write_config()
         w.box.systemctl("restart", "guardian.service")
         return ticks
+
+    # --- the kernel's view: the cost of one look -----------------------------------------------
+    def conns_cost(self, replicas: tuple[int, ...] = (2, 32), per_replica: int = 200, looks: int = 50) -> dict:
+        """CPU per look of guardian's connection dump (observe/conns.py) with PER_REPLICA open client
+        connections to each of N replicas' ports, on this machine: another process holds the
+        listeners and both ends of every connection (as replicas and nginx would), so the table
+        has 2 x N x PER_REPLICA sockets on the replicas' ports."""
+        import resource
+        import subprocess
+
+        from guardian.config import Config, ReplicaConfig
+        from guardian.observe.conns import ConnObserver
+
+        holder = (
+            "import socket, sys, resource\n"
+            "n, per = int(sys.argv[1]), int(sys.argv[2])\n"
+            "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+            "resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))\n"
+            "keep = []\n"
+            "for _ in range(n):\n"
+            "    srv = socket.socket(); srv.bind(('127.0.0.1', 0)); srv.listen(per + 16); keep.append(srv)\n"
+            "    for _ in range(per):\n"
+            "        keep.append(socket.create_connection(srv.getsockname())); keep.append(srv.accept()[0])\n"
+            "    print(srv.getsockname()[1], flush=True)\n"
+            "print('ready', flush=True)\n"
+            "sys.stdin.read()\n"
+        )
+        out = {}
+        for n in replicas:
+            proc = subprocess.Popen([sys.executable, "-c", holder, str(n), str(per_replica)], stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, text=True)
+            try:
+                ports = []
+                for line in proc.stdout:
+                    if line.strip() == "ready":
+                        break
+                    ports.append(int(line))
+                cfg = Config(replicas=[ReplicaConfig(name=f"r{i}", unit=f"r{i}.service",
+                                                     url=f"http://127.0.0.1:{port}", model="m")
+                                       for i, port in enumerate(ports)])
+                observer = ConnObserver()
+                observer.look_now(cfg, time.monotonic())
+                r0 = resource.getrusage(resource.RUSAGE_SELF)
+                t0 = time.monotonic()
+                for _ in range(looks):
+                    views = observer.look_now(cfg, time.monotonic())
+                r1 = resource.getrusage(resource.RUSAGE_SELF)
+                cpu_ms = 1000 * ((r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)) / looks
+                seen = sum(v.connections for v in views.values() if v is not None)
+                out[str(n)] = {"cpu_ms_per_look": cpu_ms, "wall_ms_per_look": 1000 * (time.monotonic() - t0) / looks,
+                               "connections_seen": seen, "connections": n * per_replica,
+                               "cpu_pct_at_2s": cpu_ms / 2000 * 100}
+                self.say(f"  conns: {n} replicas x {per_replica}: {cpu_ms:.2f} ms of CPU per look, saw {seen}")
+            finally:
+                proc.stdin.close()
+                proc.wait(30)
+        return out
 
     # --- what clients see through nginx ---------------------------------------------------------
     def clients(self, trials: int) -> dict:
@@ -529,7 +635,7 @@ def main() -> int:
             # The baseline restarts a failing /health within 3 periods + its timeout (31 s at
             # worst): 75 s gives it more than twice that.
             for fault, window in (("frozen", 90), ("dead-200", 150), ("stalled", 150), ("between-steps", 150),
-                                  ("idle-dead", 150)):
+                                  ("between-steps-fresh", 150), ("idle-dead", 150)):
                 if fault not in args.faults.split(","):
                     continue
                 b.say(f"detection: {fault}")
@@ -540,7 +646,10 @@ def main() -> int:
                                 ("prefill", "false restarts: a long chunked prefill",
                                  lambda: (b.false_prefill(False, chunks=4 if args.quick else 34),
                                           b.false_prefill(True, chunks=4 if args.quick else 34))),
+                                ("stall", "false restarts: every endpoint stalls while streams flow",
+                                 lambda: b.false_stall(1 if args.quick else 3)),
                                 ("cost", "cost at 2 replicas", lambda: b.cost(cost_s)),
+                                ("conns", "the kernel's view: cost of one look", lambda: b.conns_cost()),
                                 ("many", "32 replicas", lambda: b.many_replicas(32, many_s)),
                                 ("memory", "memory guard", lambda: b.memory(trials)),
                                 ("scrape", "metrics endpoint", lambda: b.scrape(cost_s / 5)),
@@ -589,8 +698,9 @@ def write_report(path: Path, r: dict, quick: bool, took_s: float, date: str | No
     mem_action, mem_headroom = r["memory"]
     rows = []
     targets = {"frozen": ("<= 10 s", 10.0), "dead-200": ("<= 30 s", 30.0), "stalled": ("<= 30 s", 30.0),
-               "between-steps": ("<= 30 s", 30.0), "idle-dead": ("<= 30 s", 30.0)}
-    faults = [f for f in ("frozen", "dead-200", "stalled", "between-steps", "idle-dead") if f in r]
+               "between-steps": ("<= 30 s", 30.0), "between-steps-fresh": ("<= 30 s", 30.0),
+               "idle-dead": ("<= 30 s", 30.0)}
+    faults = [f for f in FAULTS if f in r]
     for fault in faults:
         g, k = r[fault][0], r[fault][1]
         text, limit = targets[fault]
@@ -630,7 +740,9 @@ def write_report(path: Path, r: dict, quick: bool, took_s: float, date: str | No
         "dead-200: the engine stops with 2 requests in flight, `/health` keeps answering 200; stalled: the same with "
         "12 running and 4 waiting; between-steps: the engine stops right after a batch of short requests ends "
         "(`/metrics` shows 0 running, 0 waiting, frozen counters; new requests hang); idle-dead: the engine stops "
-        "with nothing queued, long after the last traffic (found by the idle canary).",
+        "with nothing queued, long after the last traffic (found by the idle canary); between-steps-fresh: "
+        "between-steps with guardian restarted 20 s before the fault with nothing learned (no canary latencies "
+        "in its state file), so its deadlines come from its learning canaries.",
         "",
         "Restart decision -> the unit's new process started (guardian kills a hung replica's processes as the "
         "restart job begins):",
@@ -644,6 +756,7 @@ def write_report(path: Path, r: dict, quick: bool, took_s: float, date: str | No
         f"{'met' if g_false == 0 else '**missed**'}.",
         "",
         *_prefill_lines(r.get("prefill")),
+        *_stall_lines(r.get("stall")),
         "## Cost",
         "",
         f"- 2 replicas, default interval: {cost['cpu_pct']:.2f}% of one core ({cost['cpu_s_per_h']:.0f} CPU s per hour), "
@@ -654,6 +767,7 @@ def write_report(path: Path, r: dict, quick: bool, took_s: float, date: str | No
         f"(WatchdogSec=30s: late means > 15 s). Target: p99 <= the interval and no late ping: {many_ok}."
         + (f" guardian at {many['cpu_pct']:.2f}% of one core, RSS {many['rss_mib']:.0f} MiB." if "cpu_pct" in many
            else ""),
+        *_conns_lines(r.get("conns")),
         "",
         "## Memory guard",
         "",
@@ -677,6 +791,29 @@ def write_report(path: Path, r: dict, quick: bool, took_s: float, date: str | No
     ]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines))
+
+
+def _stall_lines(st) -> list[str]:
+    if not st:
+        return []
+    return [
+        f"Every endpoint of the API server stalls for {st['stall_s']:.0f} s (`/health`, `/metrics`, `/v1/models` "
+        "unanswered, as a starved vLLM 0.32 event loop did for 11 s) while 8 real clients stream tokens from it "
+        f"directly, {st['trials']} trials: **guardian {st['guardian']}** restarts, baseline {st['baseline']}; "
+        f"{st['failed']} of {st['requests']} client requests failed during the stall. Target: 0 for guardian: "
+        f"{'met' if st['guardian'] == 0 else '**missed**'}. guardian sees the streams flow in the kernel's view of "
+        "the replica's connections (README, What the kernel shows).",
+        "",
+    ]
+
+
+def _conns_lines(c) -> list[str]:
+    if not c:
+        return []
+    return [f"- the kernel's view (one sock_diag dump of the replicas' established connections, with tcp_info), "
+            f"{n} replicas x 200 open client connections: {v['cpu_ms_per_look']:.2f} ms of CPU per look "
+            f"({v['cpu_pct_at_2s']:.2f}% of a core at one look every 2 s), {v['connections_seen']} connections seen"
+            for n, v in c.items()]
 
 
 def _prefill_lines(p) -> list[str]:

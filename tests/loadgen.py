@@ -1,9 +1,9 @@
 """Clients of the replicas through the proxy, run inside the test container: stdlib only.
 
-    python3 loadgen.py URL MODEL OUT.jsonl [--clients 8] [--max-tokens 40] [--stop-file F]
+    python3 loadgen.py URL MODEL OUT.jsonl [--clients 8] [--max-tokens 40] [--stop-file F] [--mode M]
 
-Each client loops: a streaming completion, then a plain one, and so on, until the stop file
-exists. Every request is one JSON line in OUT: start and end (wall time), whether it failed, and
+Each client loops: a streaming completion, then a plain one, and so on (--mode stream or plain:
+only those), until the stop file exists. Every request is one JSON line in OUT: start and end (wall time), whether it failed, and
 how (HTTP status, "reset", "timeout", "truncated": a stream that ended without [DONE]), and which
 upstream nginx used (its X-Upstream header, when the test's nginx adds one).
 """
@@ -46,14 +46,15 @@ def one(url: str, model: str, max_tokens: int, stream: bool, timeout_s: float) -
 
 
 def client(args: argparse.Namespace, out, i: int) -> None:
-    stream = i % 2 == 0
+    stream = i % 2 == 0 if args.mode == "mixed" else args.mode == "stream"
     while not os.path.exists(args.stop_file):
         rec = one(args.url, args.model, args.max_tokens, stream, args.timeout_s)
         rec["client"] = i
         with LOCK:
             out.write(json.dumps(rec) + "\n")
             out.flush()
-        stream = not stream
+        if args.mode == "mixed":
+            stream = not stream
 
 
 def main() -> int:
@@ -65,6 +66,8 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=40)
     p.add_argument("--timeout-s", type=float, default=60.0)
     p.add_argument("--stop-file", default="/run/loadgen.stop")
+    p.add_argument("--mode", choices=["mixed", "stream", "plain"], default="mixed",
+                   help="mixed: each client alternates streaming and plain completions")
     args = p.parse_args()
     with open(args.out, "a", buffering=1) as out:
         threads = [threading.Thread(target=client, args=(args, out, i)) for i in range(args.clients)]

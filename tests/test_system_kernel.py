@@ -1,0 +1,134 @@
+"""The kernel's view of each replica's connections, in a real systemd with real sockets (issue 20):
+responses flowing are progress, clients waiting are queued work, a client that bypasses nginx is
+named. Clients are tests/loadgen.py in units of their own, so that the kernel names them."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from systemd_box import wait_for
+from world import PROXY, PROXY_URL, World
+
+pytestmark = pytest.mark.system
+
+
+def clients(world: World, unit: str, url: str, n: int, mode: str, max_tokens: int) -> None:
+    """N looping clients of URL in their own unit (stream: long token streams; plain: each waits
+    for its whole answer)."""
+    world.box.run(["rm", "-f", f"/run/{unit}.stop", f"/run/{unit}.jsonl"])
+    world.box.run(["systemd-run", f"--unit={unit}", "-p", "Restart=no", "/usr/bin/python3",
+                   "/opt/guardian/src/tests/loadgen.py", url, world.replicas[0].model, f"/run/{unit}.jsonl",
+                   "--clients", str(n), "--max-tokens", str(max_tokens), "--mode", mode,
+                   "--stop-file", f"/run/{unit}.stop"])
+    world.extra_units.append(f"{unit}.service")
+
+
+def stop_clients(world: World, unit: str) -> list[dict]:
+    world.box.run(["touch", f"/run/{unit}.stop"])
+    world.box.systemctl("kill", "-s", "KILL", f"{unit}.service", check=False)
+    out = world.box.run(["cat", f"/run/{unit}.jsonl"], check=False).stdout
+    return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+
+def decision_after(world: World, r, t0_wall: float) -> float | None:
+    lines = [e for e in world.restarts_of(r) if int(e["__REALTIME_TIMESTAMP"]) / 1e6 >= t0_wall]
+    return int(lines[0]["__REALTIME_TIMESTAMP"]) / 1e6 - t0_wall if lines else None
+
+
+def test_a_replica_whose_endpoints_all_stall_while_streams_flow_is_not_restarted(world):
+    """The false restart measured on a real vLLM 0.32: every endpoint unanswered while 8 streams
+    kept delivering tokens. Without the kernel's view guardian judged it unresponsive (L7) after
+    unresponsive_after_s (4 s here) and killed it."""
+    world.setup()
+    a = world.replicas[0]
+    clients(world, "streams", a.url, 8, "stream", 2000)  # 100 s streams at 20 tokens/s
+    wait_for(lambda: (world.status()["replicas"]["a"].get("connections") or {}).get("flowing", 0) >= 4, 30,
+             "the kernel to see a's streams flow")
+    old = world.box.identity(a.unit)
+    world.fault(a, "stall-endpoints", stall_s=20)
+    stalled_at = time.monotonic()
+    seen = set()
+    while time.monotonic() - stalled_at < 24:  # the stall and a few ticks after it
+        seen.add(world.states().get("a"))
+        code, _ = world.box.http(a.url + "/_sim/state", timeout_s=2)
+        assert code == 200
+        time.sleep(0.5)
+    records = stop_clients(world, "streams")
+    assert world.box.identity(a.unit) == old and world.restarts_of(a) == []
+    assert seen <= {"healthy", "busy"}, seen
+    assert not [q for q in records if q["failed"]], [q["failed"] for q in records if q["failed"]][:3]
+    busy = [e["MESSAGE"] for e in world.guardian_lines("GUARDIAN_REPLICA=a", "GUARDIAN_STATE=busy")]
+    assert any("responses flowing to" in m and "(kernel)" in m for m in busy), busy
+
+
+def test_a_sigstopped_server_under_load_is_still_restarted_within_its_window(world):
+    """Streams were flowing; a frozen server sends nothing on any socket: unresponsive 10 s after its
+    last answer and its last response that flowed (guardian's default window)."""
+    world.watchdog["unresponsive_after_s"] = 10
+    world.setup()
+    a = world.replicas[0]
+    clients(world, "streams", a.url, 4, "stream", 2000)
+    wait_for(lambda: (world.status()["replicas"]["a"].get("connections") or {}).get("flowing", 0) >= 2, 30,
+             "the kernel to see a's streams flow")
+    frozen_at = time.time()
+    world.kill(a.unit, "STOP")
+    wait_for(lambda: decision_after(world, a, frozen_at) is not None, 30, "a's restart")
+    took = decision_after(world, a, frozen_at)
+    stop_clients(world, "streams")
+    print(f"SIGSTOP under load -> restart decision: {took:.1f} s")
+    assert took is not None and took <= 10.5, took
+    line = world.restarts_of(a)[-1]["MESSAGE"]
+    assert "unresponsive" in line and "kernel: nothing flowed to" in line, line
+
+
+def test_an_engine_frozen_between_steps_with_clients_waiting_is_restarted_within_15_s(world):
+    """0 running, 0 waiting and frozen counters on /metrics, /health 200; 4 clients' plain requests
+    wait in the API server. guardian runs at its default windows and was started 20 s before the
+    fault, so its canary deadline is learned from its first canaries (the learning burst)."""
+    world.watchdog = {"restart_budget": 3, "backoff_s": 0, "restart_job_timeout_s": 30}
+    world.top = {"interval_s": 2.0}
+    world.replica_defaults = True
+    world.setup()
+    started = time.monotonic()
+    a = world.replicas[0]
+    clients(world, "plain", a.url, 4, "plain", 10)
+    wait_for(lambda: time.monotonic() - started >= 20, 30, "guardian to have run 20 s", interval_s=0.5)
+    frozen_at = time.time()
+    world.fault(a, "between-steps")
+    wait_for(lambda: decision_after(world, a, frozen_at) is not None, 60, "a's restart")
+    took = decision_after(world, a, frozen_at)
+    stop_clients(world, "plain")
+    line = world.restarts_of(a)[-1]["MESSAGE"]
+    print(f"between steps with 4 clients waiting -> restart decision: {took:.1f} s: {line}")
+    assert took is not None and took <= 15, (took, line)
+    assert "client(s) waiting for an answer" in line, line
+
+
+def test_a_job_that_talks_to_a_replica_directly_is_named_and_nginx_is_not(world):
+    world.proxy = dict(PROXY)
+    world.watchdog["bypass_after_s"] = 3
+    world.setup()
+    world.start_nginx()
+    a = world.replicas[0]
+    clients(world, "through-nginx", PROXY_URL, 4, "stream", 400)
+    clients(world, "batch-job", a.url, 2, "stream", 400)
+    line = wait_for(lambda: next(iter(world.guardian_lines("GUARDIAN_HAZARD=bypass:a:batch-job.service")), None), 30,
+                    "the bypass to be named")
+    assert line["PRIORITY"] == "4" and line["GUARDIAN_RULE"] == "B2" and line["GUARDIAN_UNIT"] == a.unit
+    assert "batch-job.service talks to it directly on port 8001" in line["MESSAGE"]
+    assert "point it at the proxy" in line["MESSAGE"]
+    peers = world.status()["replicas"]["a"]["connections"]["peers"]
+    kinds = {p["name"]: p["kind"] for p in peers}
+    assert kinds.get("nginx.service") == "proxy" and kinds.get("batch-job.service") == "other", peers
+    hazards = [e["MESSAGE"] for e in world.guardian_lines("GUARDIAN_DECISION=hazard")]
+    assert not [m for m in hazards if "nginx" in m], hazards
+    check = world.box.run(["guardian", "check"], check=False)
+    assert "batch-job.service talks to it directly" in check.stdout, check.stdout
+    stop_clients(world, "batch-job")
+    stop_clients(world, "through-nginx")
+    wait_for(lambda: any("no longer talks to it directly" in m for m in
+                         (e["MESSAGE"] for e in world.guardian_lines("GUARDIAN_DECISION=hazard"))), 30,
+             "the bypass to be said gone")
