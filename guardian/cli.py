@@ -269,6 +269,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(line)
         else:
             print("memory guard: off")
+    for text in data.get("bypassing", []):
+        print(f"hazard: {text}")
     for name, r in data.get("replicas", {}).items():
         extra = " GAVE UP (restart budget spent)" if r.get("gave_up") else ""
         frac = r.get("gpu_memory_utilization")

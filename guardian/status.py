@@ -130,6 +130,7 @@ def status_dict(
         },
         "config": config_path,
         "status": status_line(cfg, state, persistent, memory, now.mono),
+        "bypassing": [b.hazard(cfg, now.mono).message for b in state.bypassing],
         "replicas": replicas,
         "memory": None
         if memory is None

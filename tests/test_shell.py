@@ -229,4 +229,9 @@ def test_status_shows_each_replicas_connections_flowing_and_waiting_clients():
     assert line.startswith("connections 9: 5 flowing (20480 bytes in 2.0 s), 2 waiting (longest 4 s)")
     assert "unit CPU 350 ms" in line and "proxy nginx.service x7, other batch.service x2" in line
     none = status_dict(cfg, "x", TickState(), PersistentView(), None, None, {}, LoopStats(), True, now)
-    assert none["replicas"]["a"]["connections"] is None
+    assert none["replicas"]["a"]["connections"] is None and none["bypassing"] == []
+    from guardian.core.bypass import Bypass
+
+    bypassing = TickState(bypassing=(Bypass("a", "batch.service", 2, 5.0),))
+    data = status_dict(cfg, "x", bypassing, PersistentView(), None, None, {}, LoopStats(), True, now)
+    assert len(data["bypassing"]) == 1 and "batch.service talks to it directly" in data["bypassing"][0]
