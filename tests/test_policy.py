@@ -690,8 +690,11 @@ def test_a_deadline_counts_from_the_later_of_the_last_answer_and_the_last_progre
 
 @pytest.mark.parametrize("setup", ["healthy", "stopped", "unresponsive"])
 def test_no_deadline_for_a_replica_that_answers_is_down_or_already_judged(setup):
-    sim = Sim(cfg(1, unresponsive_after_s=10))
+    sim = Sim(cfg(1, unresponsive_after_s=10), LEARNED)
     healthy_start(sim, t0=200.0)
+    if setup == "healthy":  # its canary answered: nothing in flight, no work queued
+        sim.tick(201, a=obs(t=201, canary=CanaryResult(True, 200.0, 0.1)))
+        assert sim.tracks["a"].canary_due_at is None
     if setup == "stopped":
         sim.tick(202, a=obs(t=202, u=unit(active_state="inactive")))
     elif setup == "unresponsive":
@@ -968,3 +971,19 @@ def test_the_window_runs_from_the_last_byte_that_flowed_not_from_the_look_that_s
     assert sim.tracks["a"].last_progress_at == 117.5
     sim.tick(t, a=starved(t, flowing=0))
     assert sim.state() == state, (sim.state(), sim.rule())
+
+
+def test_a_canary_in_flight_and_a_stall_canary_falling_due_are_deadlines_of_their_own():
+    """The tick lands on them (next_tick_at), not up to an interval later: an engine frozen between
+    steps with clients waiting is judged as soon as its canary's deadline passes."""
+    sim = Sim(cfg(1, stall_canary_after_s=10, client_wait_s=3), LEARNED)
+    healthy_start(sim)
+    assert sim.tracks["a"].canary_due_at == 100.0 + 3.0  # the canary sent at 100, its learned deadline (floor)
+    assert tick.liveness.next_deadline(sim.tracks["a"], sim.cfg.watchdog) == 103.0 + 0.25
+    sim.tick(101, a=obs(t=101, canary=CanaryResult(True, 100.0, 0.1)))
+    assert tick.liveness.next_deadline(sim.tracks["a"], sim.cfg.watchdog) is None
+    sim.tick(104, a=replace(obs(t=104), conns=conns(waiting=4, oldest_wait_s=3.0)))  # queued since 101
+    assert sim.tracks["a"].work_since == 101.0
+    assert tick.liveness.next_deadline(sim.tracks["a"], sim.cfg.watchdog) == 111.0
+    # the tick starts a probe wait early, so that its judgment lands on the due moment
+    assert tick.next_tick_at(sim.core, 108.5, 109.0, sim.cfg) == pytest.approx(111.0 - sim.cfg.probe_wait_s)

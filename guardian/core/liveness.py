@@ -146,6 +146,7 @@ class Track:
     failing_since: float | None = None  # no answer since then (the last answer, else the first failure)
     dead_503_since: float | None = None
     canary_in_flight_since: float | None = None
+    canary_due_at: float | None = None  # when the canary in flight has failed if it has not answered
     last_canary_at: float | None = None
     canary_failures: int = 0
     canary_latencies: tuple[float, ...] = ()  # the last successful canaries' latencies, newest last
@@ -214,10 +215,17 @@ def canary_deadline(t: Track, rcfg: ReplicaConfig, wcfg: WatchdogConfig) -> floa
     return min(rcfg.canary_timeout_s, max(wcfg.canary_deadline_floor_s, learned))
 
 
+# A canary's result is taken at the tick after its deadline; its task ends a little after it.
+CANARY_JUDGE_MARGIN_S = 0.25
+
+
 def next_deadline(t: Track, wcfg: WatchdogConfig) -> float | None:
-    """The moment at which T's verdict turns unresponsive (L7, L8) if no answer and no progress
-    comes before it, or None. The daemon judges at that moment instead of at the next tick mark:
-    a frozen server is then found U seconds after its last answer, not up to a tick later."""
+    """The next moment at which T's verdict may change with no news, or None: its unresponsive
+    window ends (L7, L8) if no answer and no progress comes before it; the canary in flight has
+    failed (its deadline); a stall canary falls due (queued work, nothing moving for
+    W.stall_canary_after_s). The daemon judges at that moment instead of at the next tick mark:
+    a frozen server is then found U seconds after its last answer, and a frozen engine with work
+    queued as soon as its canary's deadline passes, not up to a tick later."""
     if t.state not in (State.HEALTHY, State.BUSY, State.DEGRADED):
         return None
     quiet_from = t.last_progress_at if t.last_progress_at is not None else float("-inf")
@@ -226,6 +234,12 @@ def next_deadline(t: Track, wcfg: WatchdogConfig) -> float | None:
         for since in (t.failing_since, t.dead_503_since)
         if since is not None
     ]
+    if t.canary_due_at is not None:
+        ends.append(t.canary_due_at + CANARY_JUDGE_MARGIN_S)
+    elif t.work_since is not None:
+        quiet_ref = max(x for x in (t.last_progress_at, t.work_since) if x is not None)
+        if t.last_canary_at is None or t.last_canary_at < quiet_ref:
+            ends.append(quiet_ref + wcfg.stall_canary_after_s)
     return min(ends) if ends else None
 
 
@@ -279,7 +293,9 @@ def step(
     ):
         t = replace(t, last_traffic_at=now)
     if canary is not None:
-        t = replace(t, canary_in_flight_since=None, last_canary_at=canary.started_at + canary.latency_s)
+        t = replace(
+            t, canary_in_flight_since=None, canary_due_at=None, last_canary_at=canary.started_at + canary.latency_s
+        )
         if canary.ok:
             progressed = True
             kept = (*t.canary_latencies, canary.latency_s)[-CANARY_LATENCIES_KEPT:]
@@ -351,7 +367,7 @@ def step(
                 due = not asked or now - (t.last_canary_at or 0.0) >= wcfg.canary_retry_s
         if due:
             want_canary = canary_deadline(t, rcfg, wcfg)
-            t = replace(t, canary_in_flight_since=now)
+            t = replace(t, canary_in_flight_since=now, canary_due_at=now + want_canary)
 
     if state != t.state:
         t = replace(t, state=state, state_since=now)
