@@ -987,3 +987,15 @@ def test_a_canary_in_flight_and_a_stall_canary_falling_due_are_deadlines_of_thei
     assert tick.liveness.next_deadline(sim.tracks["a"], sim.cfg.watchdog) == 111.0
     # the tick starts a probe wait early, so that its judgment lands on the due moment
     assert tick.next_tick_at(sim.core, 108.5, 109.0, sim.cfg) == pytest.approx(111.0 - sim.cfg.probe_wait_s)
+
+
+def test_a_replica_never_idle_still_learns_its_canary_deadline():
+    """Measured in the container: 4 clients looping kept the replica busy from its first tick, no
+    learning canary went out, and when its engine froze the first canary had the unlearned 15 s."""
+    sim = Sim(cfg(1))
+    for i, t in enumerate((100.0, 102.0, 104.0, 106.0)):
+        done = CanaryResult(True, t - 2.0, 0.4) if i else None
+        sim.tick(t, a=obs(t=t, s=sample(gen=10.0 * (i + 1), running=4), canary=done))
+    sent = [a for a in sim.actions if isinstance(a, StartCanary)]
+    assert len(sent) == 3 and all(c.timeout_s == 15.0 for c in sent)  # one a tick until 3 succeeded
+    assert tick.liveness.canary_deadline(sim.tracks["a"], sim.cfg.replicas[0], sim.cfg.watchdog) == pytest.approx(3.0)

@@ -32,7 +32,7 @@ and none is in flight, and one of:
   (W.canary_retry_s after a failure);
 - work queued (running + waiting > 0) and nothing moved for >= W.stall_canary_after_s, and no
   canary yet in this quiet spell (W.canary_retry_s after a failure).
-- learning: healthy or degraded, idle, and fewer than 3 canaries have succeeded: one at once,
+- learning: healthy or degraded (idle or not), and fewer than 3 canaries have succeeded: one at once,
   at every tick, at most LEARNING_CANARIES (3) times per replica per guardian run (a restart of the
   replica does not give it more), so that its deadline is learned within seconds of it first
   serving; a failed one counts as any failed canary.
@@ -343,9 +343,10 @@ def step(
         and t.canary_in_flight_since is None
     ):
         due = False
+        # Under load too: a replica that is never idle must still learn its deadline (its canaries
+        # then wait their turn, and the learned deadline is the longer for it).
         learning = (
             state in (State.HEALTHY, State.DEGRADED)
-            and queued == 0
             and len(t.canary_latencies) < CANARY_LATENCIES_NEEDED
             and t.learning_canaries < LEARNING_CANARIES
         )
