@@ -96,8 +96,12 @@ def test_an_engine_frozen_between_steps_with_clients_waiting_is_restarted_within
     a = world.replicas[0]
     clients(world, "plain", a.url, 4, "plain", 10)
     wait_for(lambda: time.monotonic() - started >= 20, 30, "guardian to have run 20 s", interval_s=0.5)
-    frozen_at = time.time()
+    injected_at = time.time()
     world.fault(a, "between-steps")
+    frozen = wait_for(lambda: next(iter(e for e in world.box.journal(f"_SYSTEMD_UNIT={a.unit}", since=injected_at)
+                                        if "SIM engine frozen between steps" in e.get("MESSAGE", "")), None), 30,
+                      "the engine to freeze at its next step with nothing running")
+    frozen_at = int(frozen["__REALTIME_TIMESTAMP"]) / 1e6
     wait_for(lambda: decision_after(world, a, frozen_at) is not None, 60, "a's restart")
     took = decision_after(world, a, frozen_at)
     stop_clients(world, "plain")

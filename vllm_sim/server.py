@@ -201,6 +201,7 @@ class Engine:
                 self.dead = True
                 self.m.running.labels(**self.m.labels).set(0)
                 self.m.waiting.labels(**self.m.labels).set(0)
+                log("SIM engine frozen between steps")  # the moment of the freeze, for the tests' clocks
                 return
             if self.prefill is not None and self._prefill_step() and not self.prefill_coschedule:
                 return  # the long prompt takes the whole step: everything else waits
