@@ -19,6 +19,7 @@ from guardian.observe.conns import (
     MAX_PEERS,
     ConnObserver,
     Memory,
+    Seen,
     Sock,
     Table,
     Who,
@@ -218,11 +219,18 @@ def test_streaming_to_a_silent_client_flows(loop):
         _recv_exactly(client, 13)
     _field(server, "bytes_acked", 65)
     second = _look(ob, cfg)
-    assert (second.flowing, second.bytes_out, second.waiting) == (1, 65, 0)
-    assert second.since_s is not None and second.since_s > 0
-    assert second.peers == (Peer(PeerKind.OTHER, "127.0.0.1", 1),)
-    assert first.last_flow_s is None  # nothing flowed
-    assert second.last_flow_s is not None and 0 <= second.last_flow_s <= second.since_s  # the last token's send
+    # one interval of bytes could be a quick answer: a response flows from its second interval on
+    assert (second.flowing, second.bytes_out, second.waiting) == (0, 0, 0)
+    for _ in range(5):
+        server.sendall(b"data: token\n\n")
+        _recv_exactly(client, 13)
+    _field(server, "bytes_acked", 130)
+    third = _look(ob, cfg)
+    assert (third.flowing, third.bytes_out, third.waiting) == (1, 65, 0)
+    assert third.since_s is not None and third.since_s > 0
+    assert third.peers == (Peer(PeerKind.OTHER, "127.0.0.1", 1),)
+    assert first.last_flow_s is None and second.last_flow_s is None  # nothing flowed yet
+    assert third.last_flow_s is not None and 0 <= third.last_flow_s <= third.since_s  # the last token's send
 
 
 def test_an_idle_keep_alive_connection_neither_flows_nor_waits(loop):
@@ -406,8 +414,9 @@ def _one(socks: list[Sock], prev: Memory = Memory(), now: float = 12.0, who: Who
     return conn_views(socks, REPLICAS, who, prev, now)[0]["a"]
 
 
-def _prev(acked: int = 1000, inode: int = 100, at: float = 10.0) -> Memory:
-    return Memory(at=at, acked={("10.0.0.1", PORT, "10.0.0.9", 40000): (inode, acked)})
+def _prev(acked: int = 1000, inode: int = 100, at: float = 10.0, moving: bool = True) -> Memory:
+    """The previous look; MOVING: a response was already moving on it in the interval before."""
+    return Memory(at=at, acked={("10.0.0.1", PORT, "10.0.0.9", 40000): Seen(inode, acked, moving, 100, 1)})
 
 
 @pytest.mark.parametrize(
@@ -422,6 +431,9 @@ def _prev(acked: int = 1000, inode: int = 100, at: float = 10.0) -> Memory:
         (_srv(acked=1500, recv_ms=9000, sent_ms=1), Memory(at=10.0), 0, 0),  # new since the last look
         (_srv(acked=1500, recv_ms=9000, sent_ms=1), Memory(), 0, 0),  # the first look
         (_srv(acked=None, recv_ms=9000, sent_ms=1), _prev(), 0, 0),  # no tcp_info
+        # a quick answer to a request that spanned one look (a dead engine's 500): not a response flowing
+        (_srv(acked=1500, recv_ms=2001, sent_ms=1999), _prev(moving=False), 0, 0),
+        (_srv(acked=1500, recv_ms=9000, sent_ms=1), _prev(moving=False), 0, 0),  # its first interval only
     ],
 )
 def test_flowing(sock, prev, flowing, bytes_out):
@@ -466,7 +478,7 @@ def test_guardian_and_monitoring_never_flow_nor_wait():
         _srv(remote="127.0.0.1", rport=41000, inode=102, **waiting),  # type: ignore[arg-type]
         guardian_client,
     ]
-    prev = Memory(at=10.0, acked={("10.0.0.1", PORT, "10.0.0.8", 40000): (100, 1000)})
+    prev = Memory(at=10.0, acked={("10.0.0.1", PORT, "10.0.0.8", 40000): Seen(100, 1000, True)})
     view = _one(socks, prev, who=who)
     assert (view.connections, view.flowing, view.waiting) == (3, 0, 0)
     assert {p.kind for p in view.peers} == {PeerKind.GUARDIAN, PeerKind.MONITORING}
@@ -477,14 +489,14 @@ def test_guardian_and_monitoring_never_flow_nor_wait():
 
 def test_memory_keeps_the_sockets_of_this_look_only():
     _v, mem = conn_views([_srv(acked=5)], REPLICAS, Who(), _prev(), 12.0)
-    assert mem == Memory(at=12.0, acked={("10.0.0.1", PORT, "10.0.0.9", 40000): (100, 5)})
+    assert mem == Memory(at=12.0, acked={("10.0.0.1", PORT, "10.0.0.9", 40000): Seen(100, 5, False, 100, 1)})
     _v, mem = conn_views([], REPLICAS, Who(), mem, 14.0)
     assert mem == Memory(at=14.0, acked={})
 
 
 def test_a_replica_without_connections_and_cpu():
     views, _ = conn_views([], [("a", PORT), ("b", 9000)], Who(), Memory(), 1.0, cpu={"b": 0.25})
-    assert views["a"] == ConnView(0, 0, 0, 0, 0.0, None, None)
+    assert views["a"] == ConnView(0, 0, 0, 0, 0.0, None, None, at=1.0)
     assert views["b"].cpu_s == 0.25
 
 
@@ -727,3 +739,14 @@ def test_this_boxs_cgroup2_mount_holds_the_sockets_cgroups(loop):
     with open("/proc/self/cgroup") as f:
         own = next(line[3:].strip() for line in f if line.startswith("0::"))
     assert ids == {os.stat(mounts.unified + own).st_ino}
+
+
+def test_a_request_sent_within_the_jiffy_of_the_last_answer_waits():
+    """nginx reuses an upstream connection at once under load: the request lands in the jiffy of
+    the previous answer, the two times stay equal, and only the counters show who spoke last."""
+    key = ("10.0.0.1", PORT, "10.0.0.9", 40000)
+    prev = Memory(at=10.0, acked={key: Seen(100, 1000, False, 100, 4)})
+    asked = _srv(acked=1000, recv_ms=700, sent_ms=700, received=180, segs=4)  # 80 bytes more, nothing out
+    assert _one([asked], prev).waiting == 1
+    answered = _srv(acked=1000, recv_ms=700, sent_ms=700, received=180, segs=5)  # a data segment went out
+    assert _one([answered], prev).waiting == 0

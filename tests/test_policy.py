@@ -840,7 +840,7 @@ def test_an_engine_frozen_between_steps_with_clients_waiting_gets_a_stall_canary
 
 
 def test_an_idle_keep_alive_or_a_long_answer_with_counters_moving_is_not_a_stall():
-    sim = Sim(cfg(1, stall_canary_after_s=10, client_wait_s=3))
+    sim = Sim(cfg(1, stall_canary_after_s=10, client_wait_s=3), LEARNED)
     healthy_start(sim)
     sim.tick(101, a=obs(t=101, canary=CanaryResult(True, 100.0, 0.1)))  # the idle canary at 100
     sim.actions.clear()
@@ -999,3 +999,52 @@ def test_a_replica_never_idle_still_learns_its_canary_deadline():
     sent = [a for a in sim.actions if isinstance(a, StartCanary)]
     assert len(sent) == 3 and all(c.timeout_s == 15.0 for c in sent)  # one a tick until 3 succeeded
     assert tick.liveness.canary_deadline(sim.tracks["a"], sim.cfg.replicas[0], sim.cfg.watchdog) == pytest.approx(3.0)
+
+
+def test_clients_that_waited_before_guardian_first_looked_are_not_a_stall_at_its_first_tick():
+    """guardian (re)started while a long non-streaming answer was being computed: the client had
+    waited 90 s. Counting its wait from before guardian watched made L11 fire at once."""
+    sim = Sim(cfg(1), LEARNED)
+    sim.tick(100.0, a=replace(obs(t=100.0, s=sample(gen=5000, running=1)), conns=conns(waiting=1, oldest_wait_s=90)))
+    assert sim.state() != State.STALLED and not restarts(sim.actions)
+    assert sim.tracks["a"].work_since == 100.0
+
+
+def test_a_client_stuck_since_before_the_last_good_canary_is_not_queued_work():
+    """An upload stuck half-way (uvicorn has no timeout for it) waits for ever; once a canary has
+    succeeded after it began, it says nothing about the engine, and one failed canary is no stall."""
+    sim = Sim(cfg(1, client_wait_s=3), LEARNED)
+    healthy_start(sim)
+    stuck = lambda t: replace(conns(waiting=1, oldest_wait_s=t - 90.0), waits_s=(t - 90.0,), at=t)  # noqa: E731
+    sim.tick(101, a=replace(obs(t=101, canary=CanaryResult(True, 100.0, 0.1)), conns=stuck(101)))
+    assert sim.tracks["a"].work_since is None  # it began at 90, before the canary that succeeded at 100
+    sim.tick(140, a=replace(obs(t=140, canary=CanaryResult(False, 131.0, 3.0, "timeout")), conns=stuck(140)))
+    assert sim.state() != State.STALLED and not restarts(sim.actions)
+
+
+def test_times_from_the_kernel_count_from_when_it_was_read_not_from_the_judgment():
+    """The tick reads the kernel at its start and judges after its probe wait (1 s here)."""
+    sim = Sim(cfg(1), LEARNED)
+    healthy_start(sim)
+    for t in (102.0, 104.0):
+        sim.tick(t, a=replace(obs(t=t), conns=replace(conns(flowing=2, bytes_out=10), last_flow_s=0.5, at=t - 1.0)))
+    assert sim.tracks["a"].last_progress_at == 104.0 - 1.0 - 0.5
+
+
+def test_a_deadline_already_past_does_not_shorten_every_tick_and_a_lost_canary_is_forgotten():
+    """A stall canary that cannot be sent (/health failing) leaves its due moment in the past; and
+    a canary whose result never came (the executor lost it) would block every later canary."""
+    sim = Sim(cfg(1, stall_canary_after_s=10, unresponsive_after_s=100), LEARNED)
+    healthy_start(sim)
+    sim.tick(101, a=obs(t=101, s=sample(running=4), canary=CanaryResult(True, 100.0, 0.1)))  # queued from 101
+    slow = Probe(False, None, 2.0, "timeout")  # /health times out, /metrics answers: no canary can go
+    sim.tick(113, a=replace(obs(t=113, s=sample(running=4)), health=slow))
+    assert sim.state() is State.BUSY and tick.liveness.next_deadline(sim.tracks["a"], sim.cfg.watchdog) == 111.0
+    assert tick.probe_wait_s(sim.core, 113.5, sim.cfg) == pytest.approx(1.0)  # not the 0.05 floor
+    s2 = Sim(cfg(1), LEARNED)
+    healthy_start(s2)  # its canary went out at 100, due at 103
+    s2.tick(133.0)
+    assert s2.tracks["a"].canary_due_at == 103.0  # not yet given up: 30 s past its deadline
+    s2.tick(133.5)
+    assert s2.tracks["a"].canary_in_flight_since is None or s2.tracks["a"].canary_in_flight_since == 133.5
+    assert s2.tracks["a"].canary_due_at != 103.0

@@ -147,6 +147,8 @@ class Track:
     dead_503_since: float | None = None
     canary_in_flight_since: float | None = None
     canary_due_at: float | None = None  # when the canary in flight has failed if it has not answered
+    last_canary_ok_at: float | None = None  # when the last successful canary was sent
+    first_seen_at: float | None = None  # guardian's first observation of this replica (this run)
     last_canary_at: float | None = None
     canary_failures: int = 0
     canary_latencies: tuple[float, ...] = ()  # the last successful canaries' latencies, newest last
@@ -175,17 +177,30 @@ def _flowing(obs: ReplicaObservation) -> bool:
 def _progress_at(t: Track, obs: ReplicaObservation, now: float, seen_now: bool) -> float:
     """When the progress seen at this tick happened: now for counters and canaries; for a response
     flowing, when its last byte was sent (a frozen server's last bytes are acked after the freeze:
-    counted at the look, they would stretch L7's window by up to a tick)."""
+    counted at the look, they would stretch L7's window by up to a tick), counted from when the
+    kernel was read (the tick judges after its probe wait)."""
     c = obs.conns
     if seen_now or c is None or c.last_flow_s is None:
         return now
-    return max(now - c.last_flow_s, t.last_progress_at if t.last_progress_at is not None else float("-inf"))
+    at = min(now, c.at if c.at is not None else now)
+    return max(at - c.last_flow_s, t.last_progress_at if t.last_progress_at is not None else float("-inf"))
 
 
-def _clients_waiting(obs: ReplicaObservation, wcfg: WatchdogConfig) -> int:
-    """Client connections whose request has had no byte of answer for >= W.client_wait_s."""
+def _waits(t: Track, obs: ReplicaObservation, now: float, wcfg: WatchdogConfig) -> tuple[int, float]:
+    """Client connections whose request has had no byte of answer for >= W.client_wait_s, and when
+    the longest-waiting of them spoke. A client waiting since before the last successful canary
+    (an upload stuck half-way: uvicorn has no timeout for it) proves nothing about the engine,
+    and none counts from before guardian first saw the replica."""
     c = obs.conns
-    return c.waiting if c is not None and c.waiting > 0 and c.oldest_wait_s >= wcfg.client_wait_s else 0
+    if c is None or c.waiting == 0:
+        return 0, now
+    at = min(now, c.at if c.at is not None else now)
+    waits = c.waits_s or (c.oldest_wait_s,) * c.waiting
+    after = max(x for x in (t.last_canary_ok_at, t.first_seen_at, float("-inf")) if x is not None)
+    counted = [w for w in waits if w >= wcfg.client_wait_s and at - w >= after]
+    if not counted:
+        return 0, now
+    return len(counted), max(at - max(counted), t.first_seen_at if t.first_seen_at is not None else float("-inf"))
 
 
 def _queued(sample: VllmSample | None, waiting_clients: int) -> float:
@@ -217,6 +232,7 @@ def canary_deadline(t: Track, rcfg: ReplicaConfig, wcfg: WatchdogConfig) -> floa
 
 # A canary's result is taken at the tick after its deadline; its task ends a little after it.
 CANARY_JUDGE_MARGIN_S = 0.25
+CANARY_LOST_AFTER_S = 30.0  # past its deadline with no result: forgotten, as if never sent
 
 
 def next_deadline(t: Track, wcfg: WatchdogConfig) -> float | None:
@@ -278,12 +294,17 @@ def step(
         t = _fresh_start(t, unit.inactive_exit_mono)
     if obs.restart_outcome is not None:
         t = replace(t, restart_in_flight=False)
+    if obs.canary is None and t.canary_due_at is not None and now > t.canary_due_at + CANARY_LOST_AFTER_S:
+        # its result never came (the executor lost it): no canary would ever be sent again
+        t = replace(t, canary_in_flight_since=None, canary_due_at=None)
 
     # --- bookkeeping that every rule may read -------------------------------------------
     sample = obs.metrics
+    if t.first_seen_at is None:
+        t = replace(t, first_seen_at=now)
     counters_moved = _progressed(t.last_sample, sample)  # a counter that went down (new engine) counts too
     progressed = counters_moved or _flowing(obs)
-    waiting_clients = _clients_waiting(obs, wcfg)
+    waiting_clients, waiting_since = _waits(t, obs, now, wcfg)
     queued = _queued(sample, waiting_clients)
     canary = obs.canary
     canary_failed = False
@@ -298,6 +319,7 @@ def step(
         )
         if canary.ok:
             progressed = True
+            t = replace(t, last_canary_ok_at=canary.started_at)
             kept = (*t.canary_latencies, canary.latency_s)[-CANARY_LATENCIES_KEPT:]
             t = replace(t, canary_failures=0, canary_latencies=kept)
         elif t.last_progress_at is None or t.last_progress_at <= canary.started_at:
@@ -310,8 +332,7 @@ def step(
     if sample is not None:
         if queued > 0 and t.work_since is None:
             # clients waiting were queued from the moment the longest-waiting one spoke
-            queued_since = now - obs.conns.oldest_wait_s if waiting_clients and obs.conns is not None else now
-            t = replace(t, work_since=queued_since)
+            t = replace(t, work_since=waiting_since if waiting_clients else now)
         elif queued == 0:
             t = replace(t, work_since=None)
         t = replace(t, last_sample=sample)
@@ -434,7 +455,7 @@ def _classify(
     if obs.probes_pending_s is not None and t.observed:
         return t.state, "L16", t.evidence
     sample = obs.metrics
-    waiting_clients = _clients_waiting(obs, wcfg)
+    waiting_clients, _since = _waits(t, obs, now, wcfg)
     queued = _queued(sample, waiting_clients)
     work = _work(sample, obs, waiting_clients)
     if progressed:

@@ -149,6 +149,8 @@ class ConnView:
     # seconds since the last byte was sent on a connection where a response flowed (tcp_info's
     # tcpi_last_data_sent): when the flow was last seen alive, not when it was looked at
     last_flow_s: float | None = None
+    at: float | None = None  # when the kernel was read (monotonic): the times above count from it
+    waits_s: tuple[float, ...] = ()  # how long each waiting client has waited, longest first (at most 16)
 
 
 @dataclass(frozen=True)

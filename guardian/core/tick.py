@@ -170,7 +170,7 @@ def probe_wait_s(state: TickState, now: float, cfg: Config) -> float:
     wait = cfg.probe_wait_s
     for t in state.tracks.values():
         deadline = liveness.next_deadline(t, cfg.watchdog)
-        if deadline is not None:
+        if deadline is not None and deadline >= now:  # one already past must not shorten every tick
             wait = min(wait, max(deadline - now, PROBE_WAIT_FLOOR_S))
     return wait
 

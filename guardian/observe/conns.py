@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from ..config import Config
 from ..core.observations import ConnView, Peer, PeerKind
@@ -290,13 +291,22 @@ def classify(server: Sock, client: Sock | None, who: Who) -> tuple[PeerKind, str
 # --- views (pure) ------------------------------------------------------------------------------
 
 
+class Seen(NamedTuple):
+    """A server-side socket at the previous look."""
+
+    inode: int  # so that a 4-tuple reused by a new connection is not taken for the old one
+    acked: int  # tcpi_bytes_acked
+    moving: bool = False  # more was acked in the interval before that look, the client silent
+    received: int | None = None  # tcpi_bytes_received
+    segs_out: int | None = None  # tcpi_data_segs_out
+
+
 @dataclass(frozen=True)
 class Memory:
-    """The previous look: its time, and each server-side socket's bytes acked then (with its
-    inode, so that a 4-tuple reused by a new connection is not taken for the old one)."""
+    """The previous look: its time, and each server-side socket then."""
 
     at: float | None = None
-    acked: Mapping[Key, tuple[int, int]] = field(default_factory=dict)
+    acked: Mapping[Key, Seen] = field(default_factory=dict)
 
 
 _CLIENTS = (PeerKind.PROXY, PeerKind.OTHER)
@@ -310,34 +320,56 @@ class _Tally:
     bytes_out: int = 0
     waiting: int = 0
     oldest_wait_ms: int = 0
+    waits_ms: list[int] = field(default_factory=list)
     last_flow_ms: int | None = None
     peers: dict[tuple[PeerKind, str], int] = field(default_factory=dict)
 
 
-def _flowed(s: Sock, before: tuple[int, int] | None, since_s: float | None) -> int:
-    """Bytes acked on S since the previous look if a response flowed on it (0 if none did): more
-    acked, and the client sent nothing since then."""
+def _same(s: Sock, before: Seen | None) -> Seen | None:
+    """BEFORE if it was this connection (not another one on the same 4-tuple)."""
+    return before if before is not None and before.inode in (0, s.inode) else None
+
+
+def _moving(s: Sock, before: Seen | None, since_s: float | None) -> int:
+    """Bytes acked on S since the previous look while the client sent nothing (0 if not)."""
     if since_s is None or before is None or s.bytes_acked is None or s.last_recv_ms is None:
         return 0
-    inode, acked = before
-    if inode not in (0, s.inode):  # another connection on the same 4-tuple
-        return 0
-    delta = s.bytes_acked - acked
+    delta = s.bytes_acked - before.acked
     return delta if delta > 0 and s.last_recv_ms >= since_s * 1000 else 0
 
 
-def _waits(s: Sock) -> bool:
+def _flowed(s: Sock, before: Seen | None, moved: int) -> int:
+    """Bytes of a response that flowed on S since the previous look: it moved in this interval and
+    in the one before, the client silent throughout. A quick answer to a request that happened to
+    span one look (a dead engine's 500, a stream's 200 headers sent by the API server alone) is
+    not a response flowing; a token stream is, from its third look on."""
+    return moved if moved and before is not None and before.moving else 0
+
+
+def _waits(s: Sock, before: Seen | None) -> bool:
     """The client spoke last: its request has had no byte of answer since. The two times are
     jiffies: a server socket's both start when it is accepted, so a request sent with the
     connection's first ACK leaves them equal; then the client spoke last if the server never sent
-    data (an answer in the same jiffy as the request leaves them equal too, with data sent)."""
+    data (an answer in the same jiffy as the request leaves them equal too, with data sent). On a
+    kept-alive connection a request sent within the jiffy of the last answer leaves them equal as
+    well: then the client spoke last if it sent more since the previous look and no data segment
+    went out since."""
     recv, sent = s.last_recv_ms, s.last_sent_ms
     if recv is None or sent is None:
         return False
     if recv != sent:
         return recv < sent
     never_sent = s.data_segs_out == 0 if s.data_segs_out is not None else s.bytes_acked == 0
-    return never_sent and bool(s.bytes_received)
+    if never_sent and bool(s.bytes_received):
+        return True
+    return (
+        before is not None
+        and s.bytes_received is not None
+        and before.received is not None
+        and s.bytes_received > before.received
+        and s.data_segs_out is not None
+        and s.data_segs_out == before.segs_out
+    )
 
 
 def local_peers(socks: Iterable[Sock], ports: Iterable[int]) -> list[Sock]:
@@ -362,7 +394,7 @@ def conn_views(
     ports = {port for _name, port in replicas}
     clients = {s.key: s for s in socks if s.rport in ports}
     since_s = None if prev.at is None else max(0.0, now - prev.at)
-    acked: dict[Key, tuple[int, int]] = {}
+    acked: dict[Key, Seen] = {}
     tallies: dict[int, _Tally] = {}
     for s in socks:
         if s.lport not in ports:
@@ -371,19 +403,22 @@ def conn_views(
         t = tallies.setdefault(s.lport, _Tally())
         t.connections += 1
         t.peers[kind, name] = t.peers.get((kind, name), 0) + 1
+        before = _same(s, prev.acked.get(s.key))
+        moved = _moving(s, before, since_s)
         if s.bytes_acked is not None:
-            acked[s.key] = (s.inode, s.bytes_acked)
+            acked[s.key] = Seen(s.inode, s.bytes_acked, moved > 0, s.bytes_received, s.data_segs_out)
         if kind not in _CLIENTS:
             continue
-        flowed = _flowed(s, prev.acked.get(s.key), since_s)
+        flowed = _flowed(s, before, moved)
         if flowed:
             t.flowing += 1
             t.bytes_out += flowed
             sent_ms = s.last_sent_ms if s.last_sent_ms is not None else 0
             t.last_flow_ms = sent_ms if t.last_flow_ms is None else min(t.last_flow_ms, sent_ms)
-        if _waits(s):
+        if _waits(s, before):
             t.waiting += 1
             t.oldest_wait_ms = max(t.oldest_wait_ms, s.last_recv_ms or 0)
+            t.waits_ms.append(s.last_recv_ms or 0)
     views: dict[str, ConnView] = {}
     for name, port in replicas:
         t = tallies.get(port, _Tally())
@@ -399,6 +434,8 @@ def conn_views(
             peers=tuple(Peer(kind, peer, n) for (kind, peer), n in ranked[:MAX_PEERS]),
             truncated=truncated,
             last_flow_s=t.last_flow_ms / 1000 if t.last_flow_ms is not None else None,
+            at=now,
+            waits_s=tuple(ms / 1000 for ms in sorted(t.waits_ms, reverse=True)[:MAX_PEERS]),
         )
     return views, Memory(at=now, acked=acked)
 

@@ -16,6 +16,7 @@ from ..config import Config, ReplicaConfig
 from ..core.memguard import Pending
 from ..core.observations import (
     CanaryResult,
+    ConnView,
     PersistentView,
     Probe,
     ReplicaObservation,
@@ -312,6 +313,15 @@ class WorldObserver:
         self.memory = MemoryObserver(sd, client)
         self.conns = ConnObserver()
 
+    async def _look(self, cfg: Config, mono: float) -> dict[str, ConnView | None]:
+        """The kernel's view, never an exception: beside the probes, a failure here would lose
+        their results and the canaries' (taken from the executor as they are read)."""
+        try:
+            return await self.conns.look(cfg, mono)
+        except Exception as e:  # noqa: BLE001 - a surprise here is "no kernel view", said once by the daemon
+            self.conns.unavailable = f"the kernel's view failed: {type(e).__name__}: {e}"[:300]
+            return {}
+
     def invalidate(self) -> None:
         """systemd reloaded, unit files changed, or the bus dropped: no cached unit view is trusted."""
         self.unit_cache.invalidate()
@@ -341,7 +351,7 @@ class WorldObserver:
                 self.carry,
                 wait_s=cfg.probe_wait_s if wait_s is None else wait_s,
             ),
-            self.conns.look(cfg, now.mono),
+            self._look(cfg, now.mono),
         )
         replicas = {n: replace(o, conns=views.get(n)) for n, o in replicas.items()}
         memory = await self.memory.observe(cfg, replicas, pending, now) if cfg.memory.enabled else None
