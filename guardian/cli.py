@@ -192,6 +192,11 @@ def _check_connections(cfg: Config) -> int:
         print(f"connections: the kernel's view is not available: {observer.unavailable}")
         return 0
     problems = 0
+    if cfg.proxy.enabled and not proxy_configured(cfg):
+        print(
+            "connections: a proxy is driven by drain commands but its address is not known: set "
+            "watchdog.proxy_peers to it so that clients bypassing it can be told from it (B1)"
+        )
     for r in cfg.replicas:
         v = views.get(r.name)
         if v is None:

@@ -86,3 +86,31 @@ def test_the_tick_says_a_bypass_once_at_warning_and_once_more_when_it_has_gone()
         (150.0, Priority.INFO, "B2", "bypass:a:batch.service"),
     ]
     assert "point it at the proxy" in said[0][1].message and state.bypassing == ()
+
+
+def test_with_only_drain_commands_the_proxys_address_is_unknown_and_no_client_is_a_bypass():
+    c = Config(
+        replicas=[ReplicaConfig(name="a", unit="vllm-a.service", url="http://127.0.0.1:8001", model="m")],
+        watchdog=WatchdogConfig(bypass_after_s=30),
+        proxy=ProxyConfig(drain_command=["/usr/local/bin/drain"]),
+    )
+    remote_proxy = Peer(PeerKind.OTHER, "10.0.0.5", 8)
+    assert run(c, [(100.0, view(remote_proxy)), (200.0, view(remote_proxy))]) == []
+    c2 = c.model_copy(update={"watchdog": WatchdogConfig(bypass_after_s=30, proxy_peers=["10.0.0.5"])})
+    assert [b.peer for b in run(c2, [(100.0, view(JOB)), (200.0, view(JOB))])] == ["batch.service"]
+
+
+def test_a_look_without_the_kernels_view_does_not_say_a_bypass_gone_and_back():
+    from guardian.core import tick
+    from guardian.core.actions import LogLine
+    from guardian.core.observations import PersistentView, Probe, ReplicaObservation, TickObservation
+    from guardian.core.vocab import Decision
+
+    c, ok, state, said = cfg(), Probe(True, 200, 0.01), tick.TickState(), []
+    for now, v in [(100.0, view(JOB)), (130.0, view(JOB)), (132.0, None), (134.0, view(JOB))]:
+        o = ReplicaObservation(name="a", at=now, unit=None, health=ok, metrics_probe=ok, metrics=None,
+                               models_probe=ok, models=None, conns=v)
+        state, actions = tick.decide(state, TickObservation({"a": o}, PersistentView()), now, c)
+        said += [a.message for a in actions if isinstance(a, LogLine) and a.decision is Decision.HAZARD]
+    assert len(said) == 1 and "point it at the proxy" in said[0], said
+    assert [b.peer for b in state.bypassing] == ["batch.service"]

@@ -510,6 +510,28 @@ def test_an_endpoint_that_drips_is_given_up_on_and_the_next_one_answers(gw, gw2)
     run(go())
 
 
+def test_an_endpoint_that_is_not_etcd_is_passed_over_and_etcds_own_refusal_is_not(gw, gw2):
+    """A stale first endpoint now served by something else (a 404 page) must not stop the fleet:
+    the next endpoint is tried. etcd's own refusal (its JSON error shape) is final."""
+    for path in GOOD:
+        gw.routes[path] = answer(raw=b"<html>404 Not Found</html>", status=404)
+
+    async def go() -> None:
+        s = sync(gw.url, gw2.url)
+        v = await step(s)
+        assert v.ok and [m.box for m in v.members] == ["box2"], v
+        await s.close()
+        for path in GOOD:
+            gw.routes[path] = answer({"error": "etcdserver: permission denied", "code": 7,
+                                      "message": "etcdserver: permission denied"}, status=403)
+        s = sync(gw.url, gw2.url)
+        v = await step(s)
+        assert not v.ok and "permission denied" in (v.error or ""), v
+        await s.close()
+
+    run(go())
+
+
 def test_status_fleet_read_from_a_dripping_etcd_is_an_etcd_error_within_its_deadline(gw):
     gw.routes["/v3/kv/range"] = drip()
 

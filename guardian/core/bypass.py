@@ -2,12 +2,15 @@
 configuration; all its load went to one replica while the other had capacity to spare). Pure.
 
 Rules (the README's "What the kernel shows" renders them):
-- B1: only while a proxy is configured ([proxy] on, or watchdog.proxy_peers not empty): without
-  one, every client talks to the replicas directly, and that is the set-up.
+- B1: only while guardian knows the proxy's connections ([proxy] with nginx on this box, or
+  watchdog.proxy_peers not empty): without one, every client talks to the replicas directly, and
+  that is the set-up; with only drain commands (a proxy elsewhere) its address is not known, and
+  it would itself look like a client bypassing it.
 - B2: a peer of kind OTHER (not the proxy, not guardian, not monitoring) with connections to a
   replica's own port at every look for >= W.bypass_after_s is bypassing: one hazard per
   (replica, peer), said once, with the remedy, until it is gone at a look.
-- B3: a look without the kernel's view (None) keeps what was seen (no news is not "gone").
+- B3: a look without the kernel's view (None) keeps what was seen and who was bypassing (no news
+  is not "gone").
 """
 
 from __future__ import annotations
@@ -21,13 +24,19 @@ from .observations import ConnView, PeerKind
 from .rules import Rule
 
 RULES = (
-    Rule("B1", "(no hazard)", "no proxy configured ([proxy] off AND watchdog.proxy_peers empty)"),
+    Rule(
+        "B1",
+        "(no hazard)",
+        "no proxy whose connections guardian knows (proxy.nginx_upstream_dir unset AND watchdog.proxy_peers empty)",
+    ),
     Rule(
         "B2",
         "bypass",
         "a peer of kind other has connections to the replica's own port at every look for >= W.bypass_after_s",
     ),
-    Rule("B3", "(unchanged)", "the kernel's view could not be read at this look: what was seen stands"),
+    Rule(
+        "B3", "(unchanged)", "the kernel's view could not be read at this look: what was seen, and who bypasses, stands"
+    ),
 )
 
 Seen = Mapping[tuple[str, str], float]  # (replica, peer) -> first look at which it was connected
@@ -55,7 +64,8 @@ class Bypass:
 
 
 def proxy_configured(cfg: Config) -> bool:
-    return cfg.proxy.enabled or bool(cfg.watchdog.proxy_peers)
+    """B1: guardian knows the proxy's connections (nginx on this box, or proxy_peers)."""
+    return cfg.proxy.nginx_upstream_dir is not None or bool(cfg.watchdog.proxy_peers)
 
 
 def update(

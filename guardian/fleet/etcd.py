@@ -110,6 +110,15 @@ def _error_text(value: object) -> str:
     return value[:MAX_DETAIL_CHARS] if isinstance(value, str) else _shown(value)
 
 
+def _etcd_error(raw: bytes) -> bool:
+    """RAW is the gateway's own error shape ({"code": N, "message": "..."}, or "error"): etcd refused."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(data, dict) and ("code" in data or "error" in data) and ("message" in data or "error" in data)
+
+
 def _flat(raw: bytes) -> str:
     """A refusal's body as one short line of text."""
     return " ".join(raw.decode(errors="replace").split())[:MAX_DETAIL_CHARS]
@@ -314,8 +323,9 @@ class Etcd:
             await self._authenticate(base)
             return await self._post_one(base, path, body, parse, retried=True)
         if status != 200:
-            if status >= 500:
-                raise BadAnswer(f"HTTP {status}: {_flat(raw)}")  # this member cannot answer: try the next
+            if status >= 500 or not _etcd_error(raw):
+                # this member cannot answer, or it is not etcd (a stale URL, a proxy's 404): the next
+                raise BadAnswer(f"HTTP {status}: {_flat(raw)}")
             raise EtcdError(f"etcd refused {path}: HTTP {status}: {_flat(raw)}")
         if len(raw) > INLINE_PARSE_BYTES:
             return await asyncio.to_thread(_decode, raw, path, parse)
