@@ -750,3 +750,22 @@ def test_a_request_sent_within_the_jiffy_of_the_last_answer_waits():
     assert _one([asked], prev).waiting == 1
     answered = _srv(acked=1000, recv_ms=700, sent_ms=700, received=180, segs=5)  # a data segment went out
     assert _one([answered], prev).waiting == 0
+
+
+def test_a_unit_without_a_cgroup_is_not_searched_for_by_a_walk_at_every_look(tmp_path, monkeypatch):
+    """A stopped or crash-looping replica has no cgroup: the walk of the whole tree (up to 100k
+    directories on a container host) is done once per ABSENT_LOOKS looks, not at each."""
+    from guardian.observe import conns as c
+
+    (tmp_path / "system.slice" / "other.service").mkdir(parents=True)
+    walks: list[str] = []
+    real = c.cgroup_dirs
+    monkeypatch.setattr(c, "cgroup_dirs", lambda root: walks.append(root) or real(root))
+    tree = c._Tree(str(tmp_path))
+    for _ in range(c.ABSENT_LOOKS):
+        tree.new_look()
+        assert tree.unit_path("vllm-a.service") is None
+    assert len(walks) == 1
+    (tmp_path / "system.slice" / "vllm-a.service").mkdir()
+    tree.new_look()
+    assert tree.unit_path("vllm-a.service") == "/system.slice/vllm-a.service"  # found where it usually is

@@ -518,9 +518,12 @@ class _Tree:
         self._units: dict[str, str] = {}
         self._gone: set[int] = set()
         self._walked = False
+        self._absent: dict[str, int] = {}  # unit -> looks left before its cgroup is searched for again
+        self._looks = 0
 
     def new_look(self) -> None:
         self._walked = False
+        self._looks += 1
 
     def _walk(self) -> bool:
         if self.root is None or self._walked:
@@ -545,17 +548,24 @@ class _Tree:
             if path is not None and os.path.isdir(self.root + path):
                 self._units[unit] = path
                 return path
+        if self._absent.get(unit, -1) > self._looks:
+            return None  # a stopped or crash-looping unit has no cgroup: not walked for at every look
         while True:
             named = sorted((p for p in self.dirs.values() if p.rsplit("/", 1)[-1] == unit), key=len)
             found = next((p for p in named if os.path.isdir(self.root + p)), None)
             if found is not None:
                 self._units[unit] = found
+                self._absent.pop(unit, None)
                 return found
             if not self._walk():
+                self._absent[unit] = self._looks + ABSENT_LOOKS
                 return None
 
 
 _MAX_GONE = 10_000
+# A unit with no cgroup (stopped) is searched for again (a walk of the whole tree) every this many
+# looks, not at every one; system.slice/UNIT, where nearly every unit is, is still tried each look.
+ABSENT_LOOKS = 15
 
 
 def _read(path: str) -> tuple[int, str] | None:
