@@ -232,14 +232,16 @@ class Bench:
         self.box.systemctl("reset-failed", f"{BASELINE}.service", check=False)
         return len(self.restart_lines_after("guardian", t0)), len(self.restart_lines_after("baseline", t0))
 
-    def false_stall(self, trials: int, stall_s: float = 20.0) -> dict:
+    def false_stall(self, trials: int, stall_s: float = 30.0) -> dict:
         """8 real clients stream tokens from replica a while every endpoint of its API server stalls
-        for STALL_S (a starved event loop, measured at 11 s on a real vLLM 0.32): restarts by guardian
-        and by the baseline, and the client requests that failed."""
+        for STALL_S (a starved event loop, measured at 11 s on a real vLLM 0.32; 30 s here, so that
+        the baseline's 3 failures 10 s apart fit in it): restarts by guardian and by the baseline,
+        and the client requests that failed."""
         w, a = self.world, self.a
         out = {"trials": trials, "stall_s": stall_s, "guardian": 0, "baseline": 0, "failed": 0, "requests": 0}
         for i in range(trials):
             self.clean()
+            wait_for(lambda: self.running(a) == 0, 30, "the last trial's streams gone")
             self.box.run(["rm", "-f", "/run/stall.stop", "/run/stall.jsonl"])
             self.box.run(["systemd-run", "--unit=stall-clients", "-p", "Restart=no", "/usr/bin/python3",
                           "/opt/guardian/src/tests/loadgen.py", a.url, a.model, "/run/stall.jsonl", "--clients", "8",

@@ -347,3 +347,23 @@ def test_a_long_chunked_prefill_moves_only_the_kv_cache_and_blocks_others_unless
             s.post("/v1/completions", {"model": "m", "prompt": "x", "max_tokens": 1}, timeout=0.8)
     wait_for(lambda: s.sample().prompt_tokens >= before.prompt_tokens + 4096, 10, "the prefill to complete")
     assert s.sample().running == 0 or coschedule
+
+
+def test_a_stream_whose_client_goes_away_is_aborted_as_vllm_does(sim):
+    """vLLM aborts a request whose client disconnected; without that, streams of killed clients
+    kept their places in the batch and new clients waited behind them (seen in the benchmark)."""
+    import socket
+
+    s = sim().wait_up()
+    port = int(s.url.rsplit(":", 1)[1])
+    conns = []
+    for _ in range(3):
+        c = socket.create_connection(("127.0.0.1", port))
+        body = json.dumps({"model": "m", "prompt": "x", "max_tokens": 100000, "stream": True}).encode()
+        c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        conns.append(c)
+    wait_for(lambda: s.sample().running == 3, 10, "3 streams running")
+    for c in conns:
+        c.close()
+    wait_for(lambda: s.sample().running == 0, 10, "the streams of the clients that went away aborted")

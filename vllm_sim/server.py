@@ -180,6 +180,16 @@ class Engine:
                 return  # stays in the API server's queue: the frozen engine never sees it
             self.waiting.append(req)
 
+    def abort(self, req: Req) -> None:
+        """The client went away: vLLM aborts its request (it leaves the batch, counted as no success)."""
+        with self.lock:
+            for queue in (self.running, self.waiting):
+                if req in queue:
+                    queue.remove(req)
+        with req.cond:
+            req.failed = req.failed or "aborted: the client disconnected"
+            req.cond.notify_all()
+
     def _refill_synthetic(self) -> None:
         have = sum(1 for r in self.running + self.waiting if r.synthetic)
         for _ in range(self.synthetic_target - have):
@@ -495,7 +505,7 @@ def make_handler(sim: Sim):
                         break
                 self.wfile.write(b"0\r\n\r\n")
             except (BrokenPipeError, ConnectionResetError):
-                pass
+                sim.engine.abort(req)  # as vLLM: a client that went away takes its request with it
 
     return Handler
 
