@@ -83,6 +83,9 @@ def test_units_verify_and_security_exposure(box):
     assert m, out[-500:]
     print(f"systemd-analyze security guardian.service: {m.group(0)}")
     assert float(m.group(1)) <= 3.0, out  # README states the measured value
+    # guardian's memory is the GPU's on a GB10: bounded by the unit (issue 21, row 5)
+    assert box.prop("guardian.service", "MemoryHigh") == str(256 * 2**20)
+    assert box.prop("guardian.service", "MemoryMax") == str(512 * 2**20)
 
 
 def test_upgrade_keeps_config_and_state_remove_stops_purge_cleans(world, tmp_path):
