@@ -21,7 +21,7 @@ def cfg(proxy: bool = True, proxy_peers: list[str] | None = None) -> Config:
 
 def view(*peers: Peer) -> ConnView:
     n = sum(p.connections for p in peers)
-    return ConnView(connections=n, flowing=0, bytes_out=0, waiting=0, oldest_wait_s=0.0, since_s=2.0, cpu_s=None,
+    return ConnView(connections=n, flowing=0, bytes_out=0, waiting=0, since_s=2.0, cpu_s=None,
                     peers=peers)
 
 

@@ -496,7 +496,7 @@ def test_memory_keeps_the_sockets_of_this_look_only():
 
 def test_a_replica_without_connections_and_cpu():
     views, _ = conn_views([], [("a", PORT), ("b", 9000)], Who(), Memory(), 1.0, cpu={"b": 0.25})
-    assert views["a"] == ConnView(0, 0, 0, 0, 0.0, None, None, at=1.0)
+    assert views["a"] == ConnView(0, 0, 0, 0, None, None, at=1.0)
     assert views["b"].cpu_s == 0.25
 
 

@@ -748,7 +748,7 @@ from guardian.core.observations import ConnView  # noqa: E402
 
 def conns(flowing=0, bytes_out=0, waiting=0, oldest_wait_s=0.0, since_s=2.0, cpu_s=None) -> ConnView:
     return ConnView(connections=flowing + waiting + 1, flowing=flowing, bytes_out=bytes_out, waiting=waiting,
-                    oldest_wait_s=oldest_wait_s, since_s=since_s, cpu_s=cpu_s)
+                    since_s=since_s, cpu_s=cpu_s, waits_s=(oldest_wait_s,) * waiting)
 
 
 def starved(t: float, flowing: int) -> ReplicaObservation:
@@ -1015,7 +1015,7 @@ def test_a_client_stuck_since_before_the_last_good_canary_is_not_queued_work():
     succeeded after it began, it says nothing about the engine, and one failed canary is no stall."""
     sim = Sim(cfg(1, client_wait_s=3), LEARNED)
     healthy_start(sim)
-    stuck = lambda t: replace(conns(waiting=1, oldest_wait_s=t - 90.0), waits_s=(t - 90.0,), at=t)  # noqa: E731
+    stuck = lambda t: replace(conns(waiting=1, oldest_wait_s=t - 90.0), at=t)  # noqa: E731
     sim.tick(101, a=replace(obs(t=101, canary=CanaryResult(True, 100.0, 0.1)), conns=stuck(101)))
     assert sim.tracks["a"].work_since is None  # it began at 90, before the canary that succeeded at 100
     sim.tick(140, a=replace(obs(t=140, canary=CanaryResult(False, 131.0, 3.0, "timeout")), conns=stuck(140)))

@@ -213,7 +213,7 @@ def test_status_shows_each_replicas_connections_flowing_and_waiting_clients():
     from guardian.status import LoopStats, status_dict
 
     cfg = Config(replicas=[ReplicaConfig(name="a", unit="vllm-a.service", url="http://127.0.0.1:8001", model="m")])
-    view = ConnView(connections=9, flowing=5, bytes_out=20480, waiting=2, oldest_wait_s=4.2, since_s=2.0, cpu_s=0.35,
+    view = ConnView(connections=9, flowing=5, bytes_out=20480, waiting=2, waits_s=(4.2, 1.0), since_s=2.0, cpu_s=0.35,
                     peers=(Peer(PeerKind.PROXY, "nginx.service", 7), Peer(PeerKind.OTHER, "batch.service", 2)))
     ok = Probe(True, 200, 0.01)
     o = ReplicaObservation(name="a", at=0.0, unit=None, health=ok, metrics_probe=ok, metrics=None, models_probe=ok,

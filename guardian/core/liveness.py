@@ -195,7 +195,7 @@ def _waits(t: Track, obs: ReplicaObservation, now: float, wcfg: WatchdogConfig) 
     if c is None or c.waiting == 0:
         return 0, now
     at = min(now, c.at if c.at is not None else now)
-    waits = c.waits_s or (c.oldest_wait_s,) * c.waiting
+    waits = c.waits_s
     after = max(x for x in (t.last_canary_ok_at, t.first_seen_at, float("-inf")) if x is not None)
     counted = [w for w in waits if w >= wcfg.client_wait_s and at - w >= after]
     if not counted:
@@ -279,6 +279,19 @@ def _ago(now: float, t: float | None) -> str:
     return "none seen yet" if t is None else f"{now - t:.0f} s ago"
 
 
+@dataclass(frozen=True)
+class _Seen:
+    """What this observation shows, worked out once for the rules and the canary schedule."""
+
+    counters_moved: bool  # a counter moved or the kv cache changed
+    progressed: bool  # any progress: counters, a canary that answered, or a response flowing
+    waiting_clients: int  # clients waiting that count as queued work (_waits)
+    waiting_since: float  # when the longest-waiting of them spoke
+    queued: float  # running + waiting on /metrics, plus those clients
+    health_in_time: bool
+    canary_failed: bool  # a canary failed this tick with no progress while it ran
+
+
 def step(
     track: Track,
     obs: ReplicaObservation,
@@ -288,8 +301,19 @@ def step(
     pause: Pause | None = None,
 ) -> tuple[Track, float | None]:
     """Fold one observation into the track. Returns (new track, the deadline of a canary to start, or None)."""
+    t = _carry_over(track, obs, now)
+    t, seen = _fold(t, obs, now, rcfg, wcfg)
+    state, rule, evidence = _classify(t, obs, now, rcfg, wcfg, pause, seen)
+    t, want_canary = _schedule_canary(t, obs, state, seen, now, rcfg, wcfg)
+    if state != t.state:
+        t = replace(t, state=state, state_since=now)
+    return replace(t, rule=rule, evidence=evidence, observed=True), want_canary
+
+
+def _carry_over(t: Track, obs: ReplicaObservation, now: float) -> Track:
+    """What outlives this observation: a new start of the unit forgets, a restart's outcome ends it,
+    a canary whose result never came is given up."""
     unit = obs.unit
-    t = track
     if unit is not None and unit.inactive_exit_mono != t.start_ts:
         t = _fresh_start(t, unit.inactive_exit_mono)
     if obs.restart_outcome is not None:
@@ -297,38 +321,29 @@ def step(
     if obs.canary is None and t.canary_due_at is not None and now > t.canary_due_at + CANARY_LOST_AFTER_S:
         # its result never came (the executor lost it): no canary would ever be sent again
         t = replace(t, canary_in_flight_since=None, canary_due_at=None)
-
-    # --- bookkeeping that every rule may read -------------------------------------------
-    sample = obs.metrics
     if t.first_seen_at is None:
         t = replace(t, first_seen_at=now)
+    return t
+
+
+def _fold(
+    t: Track, obs: ReplicaObservation, now: float, rcfg: ReplicaConfig, wcfg: WatchdogConfig
+) -> tuple[Track, _Seen]:
+    """The bookkeeping that every rule may read: progress, queued work, traffic, the canary that
+    came back, answers and 503s."""
+    sample = obs.metrics
     counters_moved = _progressed(t.last_sample, sample)  # a counter that went down (new engine) counts too
-    progressed = counters_moved or _flowing(obs)
     waiting_clients, waiting_since = _waits(t, obs, now, wcfg)
     queued = _queued(sample, waiting_clients)
-    canary = obs.canary
-    canary_failed = False
-    ours = t.canary_in_flight_since is not None or canary is not None  # a canary's token is not traffic
+    ours = t.canary_in_flight_since is not None or obs.canary is not None  # a canary's token is not traffic
     if sample is not None and (
         (not ours and (counters_moved or queued > 0)) or (ours and _beyond_a_canary(t.last_sample, sample))
     ):
         t = replace(t, last_traffic_at=now)
-    if canary is not None:
-        t = replace(
-            t, canary_in_flight_since=None, canary_due_at=None, last_canary_at=canary.started_at + canary.latency_s
-        )
-        if canary.ok:
-            progressed = True
-            t = replace(t, last_canary_ok_at=canary.started_at)
-            kept = (*t.canary_latencies, canary.latency_s)[-CANARY_LATENCIES_KEPT:]
-            t = replace(t, canary_failures=0, canary_latencies=kept)
-        elif t.last_progress_at is None or t.last_progress_at <= canary.started_at:
-            canary_failed = True
-            t = replace(t, canary_failures=t.canary_failures + 1)
-            if sample is not None and queued > 0:
-                t = replace(t, stall_proof_at=canary.started_at)
+    t, canary_ok, canary_failed = _fold_canary(t, obs, queued)
+    progressed = counters_moved or canary_ok or _flowing(obs)
     if progressed:
-        t = replace(t, last_progress_at=_progress_at(t, obs, now, counters_moved or (canary is not None and canary.ok)))
+        t = replace(t, last_progress_at=_progress_at(t, obs, now, counters_moved or canary_ok))
     if sample is not None:
         if queued > 0 and t.work_since is None:
             # clients waiting were queued from the moment the longest-waiting one spoke
@@ -350,50 +365,66 @@ def step(
     health_in_time = obs.health.ok and obs.health.latency_s < rcfg.health_timeout_s
     if health_in_time and not t.healthy_since_start:
         t = replace(t, healthy_since_start=True)
+    seen = _Seen(counters_moved, progressed, waiting_clients, waiting_since, queued, health_in_time, canary_failed)
+    return t, seen
 
-    state, rule, evidence = _classify(
-        t, obs, now, rcfg, wcfg, pause, (counters_moved, progressed), health_in_time, canary_failed
-    )
 
-    # --- canary scheduling ----------------------------------------------------------------
-    want_canary: float | None = None
+def _fold_canary(t: Track, obs: ReplicaObservation, queued: float) -> tuple[Track, bool, bool]:
+    """The canary that came back this tick, if any: (track, it answered, it failed and counts)."""
+    canary = obs.canary
+    if canary is None:
+        return t, False, False
+    t = replace(t, canary_in_flight_since=None, canary_due_at=None, last_canary_at=canary.started_at + canary.latency_s)
+    if canary.ok:
+        kept = (*t.canary_latencies, canary.latency_s)[-CANARY_LATENCIES_KEPT:]
+        return replace(t, canary_failures=0, canary_latencies=kept, last_canary_ok_at=canary.started_at), True, False
+    if t.last_progress_at is not None and t.last_progress_at > canary.started_at:
+        return t, False, False  # something moved while it ran: the engine was working
+    t = replace(t, canary_failures=t.canary_failures + 1)
+    if obs.metrics is not None and queued > 0:
+        t = replace(t, stall_proof_at=canary.started_at)
+    return t, False, True
+
+
+def _schedule_canary(
+    t: Track, obs: ReplicaObservation, state: State, seen: _Seen, now: float, rcfg: ReplicaConfig, wcfg: WatchdogConfig
+) -> tuple[Track, float | None]:
+    """A canary to send now, and its deadline (the module docstring's canary rules), or None."""
     if (
-        state in (State.HEALTHY, State.DEGRADED, State.BUSY)
-        and sample is not None
-        and obs.health.answered
-        and t.canary_in_flight_since is None
+        state not in (State.HEALTHY, State.DEGRADED, State.BUSY)
+        or obs.metrics is None
+        or not obs.health.answered
+        or t.canary_in_flight_since is not None
     ):
-        due = False
-        # Under load too: a replica that is never idle must still learn its deadline (its canaries
-        # then wait their turn, and the learned deadline is the longer for it).
-        learning = (
-            state in (State.HEALTHY, State.DEGRADED)
-            and len(t.canary_latencies) < CANARY_LATENCIES_NEEDED
-            and t.learning_canaries < LEARNING_CANARIES
-        )
-        if learning:
-            due = True
-            t = replace(t, learning_canaries=t.learning_canaries + 1)
-        elif queued == 0:
-            if t.canary_failures:
-                due = now - max(x for x in (t.last_canary_at, 0.0) if x is not None) >= wcfg.canary_retry_s
-            elif t.last_traffic_at is not None and (t.last_canary_at is None or t.last_canary_at < t.last_traffic_at):
-                due = now - t.last_traffic_at >= wcfg.canary_after_traffic_s
-            else:
-                last = max(x for x in (t.last_progress_at, t.last_canary_at, t.start_ts, 0.0) if x is not None)
-                due = now - last >= wcfg.canary_interval_s
+        return t, None
+    due = False
+    # Under load too: a replica that is never idle must still learn its deadline (its canaries
+    # then wait their turn, and the learned deadline is the longer for it).
+    learning = (
+        state in (State.HEALTHY, State.DEGRADED)
+        and len(t.canary_latencies) < CANARY_LATENCIES_NEEDED
+        and t.learning_canaries < LEARNING_CANARIES
+    )
+    if learning:
+        due = True
+        t = replace(t, learning_canaries=t.learning_canaries + 1)
+    elif seen.queued == 0:
+        if t.canary_failures:
+            due = now - max(x for x in (t.last_canary_at, 0.0) if x is not None) >= wcfg.canary_retry_s
+        elif t.last_traffic_at is not None and (t.last_canary_at is None or t.last_canary_at < t.last_traffic_at):
+            due = now - t.last_traffic_at >= wcfg.canary_after_traffic_s
         else:
-            quiet_ref = max(x for x in (t.last_progress_at, t.work_since) if x is not None)
-            if now - quiet_ref >= wcfg.stall_canary_after_s:
-                asked = t.last_canary_at is not None and t.last_canary_at >= quiet_ref
-                due = not asked or now - (t.last_canary_at or 0.0) >= wcfg.canary_retry_s
-        if due:
-            want_canary = canary_deadline(t, rcfg, wcfg)
-            t = replace(t, canary_in_flight_since=now, canary_due_at=now + want_canary)
-
-    if state != t.state:
-        t = replace(t, state=state, state_since=now)
-    return replace(t, rule=rule, evidence=evidence, observed=True), want_canary
+            last = max(x for x in (t.last_progress_at, t.last_canary_at, t.start_ts, 0.0) if x is not None)
+            due = now - last >= wcfg.canary_interval_s
+    else:
+        quiet_ref = max(x for x in (t.last_progress_at, t.work_since) if x is not None)
+        if now - quiet_ref >= wcfg.stall_canary_after_s:
+            asked = t.last_canary_at is not None and t.last_canary_at >= quiet_ref
+            due = not asked or now - (t.last_canary_at or 0.0) >= wcfg.canary_retry_s
+    if not due:
+        return t, None
+    deadline = canary_deadline(t, rcfg, wcfg)
+    return replace(t, canary_in_flight_since=now, canary_due_at=now + deadline), deadline
 
 
 def _classify(
@@ -403,11 +434,8 @@ def _classify(
     rcfg: ReplicaConfig,
     wcfg: WatchdogConfig,
     pause: Pause | None,
-    moved: tuple[bool, bool],  # (a counter moved, any progress: counters, canary or responses flowing)
-    health_in_time: bool,
-    canary_failed: bool,
+    seen: _Seen,
 ) -> tuple[State, str, str]:
-    counters_moved, progressed = moved
     unit = obs.unit
     if pause is not None and (pause.until is None or now < pause.until):
         until = "until resumed" if pause.until is None else f"for {pause.until - now:.0f} s more"
@@ -454,14 +482,12 @@ def _classify(
         )
     if obs.probes_pending_s is not None and t.observed:
         return t.state, "L16", t.evidence
-    sample = obs.metrics
-    waiting_clients, _since = _waits(t, obs, now, wcfg)
-    queued = _queued(sample, waiting_clients)
-    work = _work(sample, obs, waiting_clients)
-    if progressed:
-        how = "counters advance" if counters_moved or not _flowing(obs) else _flow(obs)
-        if health_in_time:
-            return State.HEALTHY, "L10", work + (", tokens flowing" if counters_moved else f", {how}")
+    sample, queued = obs.metrics, seen.queued
+    work = _work(sample, seen, now)
+    if seen.progressed:
+        how = "counters advance" if seen.counters_moved or not _flowing(obs) else _flow(obs)
+        if seen.health_in_time:
+            return State.HEALTHY, "L10", work + (", tokens flowing" if seen.counters_moved else f", {how}")
         return (
             State.BUSY,
             "L9",
@@ -507,17 +533,17 @@ def _classify(
         ("/v1/models", obs.models_probe),
     )
     problems = [f"{label}: {p.error}" for label, p in probes if not p.ok]
-    if canary_failed or t.canary_failures:
+    if seen.canary_failed or t.canary_failures:
         problems.append(f"{t.canary_failures} canary failure(s)")
     if problems:
         return State.DEGRADED, "L14", "; ".join(problems)
     return State.HEALTHY, "L15", work if sample is not None else "answering"
 
 
-def _work(sample: VllmSample | None, obs: ReplicaObservation | None = None, waiting_clients: int = 0) -> str:
+def _work(sample: VllmSample | None, seen: _Seen, now: float) -> str:
     text = "queue unknown" if sample is None else f"{sample.running:.0f} running, {sample.waiting:.0f} waiting"
-    if waiting_clients and obs is not None and obs.conns is not None:
-        text += f", {waiting_clients} client(s) waiting for an answer for up to {obs.conns.oldest_wait_s:.0f} s"
+    if seen.waiting_clients:
+        text += f", {seen.waiting_clients} client(s) waiting for an answer for up to {now - seen.waiting_since:.0f} s"
     return text
 
 

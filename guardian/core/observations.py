@@ -141,7 +141,6 @@ class ConnView:
     flowing: int  # client connections with a response flowing since the previous look
     bytes_out: int  # bytes acked on those since the previous look
     waiting: int  # client connections waiting for an answer
-    oldest_wait_s: float  # how long the longest-waiting client has waited (0.0: none waits)
     since_s: float | None  # seconds since the previous look (None: the first look: nothing flows yet)
     cpu_s: float | None  # CPU time the unit's cgroup used since the previous look (None: unknown)
     peers: tuple[Peer, ...] = ()
@@ -151,6 +150,11 @@ class ConnView:
     last_flow_s: float | None = None
     at: float | None = None  # when the kernel was read (monotonic): the times above count from it
     waits_s: tuple[float, ...] = ()  # how long each waiting client has waited, longest first (at most 16)
+
+    @property
+    def oldest_wait_s(self) -> float:
+        """How long the longest-waiting client has waited (0.0: none waits)."""
+        return self.waits_s[0] if self.waits_s else 0.0
 
 
 @dataclass(frozen=True)

@@ -319,7 +319,6 @@ class _Tally:
     flowing: int = 0
     bytes_out: int = 0
     waiting: int = 0
-    oldest_wait_ms: int = 0
     waits_ms: list[int] = field(default_factory=list)
     last_flow_ms: int | None = None
     peers: dict[tuple[PeerKind, str], int] = field(default_factory=dict)
@@ -417,7 +416,6 @@ def conn_views(
             t.last_flow_ms = sent_ms if t.last_flow_ms is None else min(t.last_flow_ms, sent_ms)
         if _waits(s, before):
             t.waiting += 1
-            t.oldest_wait_ms = max(t.oldest_wait_ms, s.last_recv_ms or 0)
             t.waits_ms.append(s.last_recv_ms or 0)
     views: dict[str, ConnView] = {}
     for name, port in replicas:
@@ -428,7 +426,6 @@ def conn_views(
             flowing=t.flowing,
             bytes_out=t.bytes_out,
             waiting=t.waiting,
-            oldest_wait_s=t.oldest_wait_ms / 1000,
             since_s=since_s,
             cpu_s=(cpu or {}).get(name),
             peers=tuple(Peer(kind, peer, n) for (kind, peer), n in ranked[:MAX_PEERS]),
