@@ -3,6 +3,8 @@ through sock_diag, and the pure rules table by table."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import asyncio
 import os
 import socket
@@ -416,7 +418,7 @@ def _one(socks: list[Sock], prev: Memory = Memory(), now: float = 12.0, who: Who
 
 def _prev(acked: int = 1000, inode: int = 100, at: float = 10.0, moving: bool = True) -> Memory:
     """The previous look; MOVING: a response was already moving on it in the interval before."""
-    return Memory(at=at, acked={("10.0.0.1", PORT, "10.0.0.9", 40000): Seen(inode, acked, moving, 100, 1)})
+    return Memory(at=at, sockets={("10.0.0.1", PORT, "10.0.0.9", 40000): Seen(inode, acked, moving, 100, 1)})
 
 
 @pytest.mark.parametrize(
@@ -478,7 +480,7 @@ def test_guardian_and_monitoring_never_flow_nor_wait():
         _srv(remote="127.0.0.1", rport=41000, inode=102, **waiting),  # type: ignore[arg-type]
         guardian_client,
     ]
-    prev = Memory(at=10.0, acked={("10.0.0.1", PORT, "10.0.0.8", 40000): Seen(100, 1000, True)})
+    prev = Memory(at=10.0, sockets={("10.0.0.1", PORT, "10.0.0.8", 40000): Seen(100, 1000, True)})
     view = _one(socks, prev, who=who)
     assert (view.connections, view.flowing, view.waiting) == (3, 0, 0)
     assert {p.kind for p in view.peers} == {PeerKind.GUARDIAN, PeerKind.MONITORING}
@@ -489,9 +491,9 @@ def test_guardian_and_monitoring_never_flow_nor_wait():
 
 def test_memory_keeps_the_sockets_of_this_look_only():
     _v, mem = conn_views([_srv(acked=5)], REPLICAS, Who(), _prev(), 12.0)
-    assert mem == Memory(at=12.0, acked={("10.0.0.1", PORT, "10.0.0.9", 40000): Seen(100, 5, False, 100, 1)})
+    assert mem == Memory(at=12.0, sockets={("10.0.0.1", PORT, "10.0.0.9", 40000): Seen(100, 5, False, 100, 1)})
     _v, mem = conn_views([], REPLICAS, Who(), mem, 14.0)
-    assert mem == Memory(at=14.0, acked={})
+    assert mem == Memory(at=14.0, sockets={})
 
 
 def test_a_replica_without_connections_and_cpu():
@@ -531,7 +533,8 @@ def _who(**kw: object) -> Who:
     return Who.of(cfg, cgroups=CGROUPS, guardian_cgroup=GUARDIAN_CG, guardian_sockets=frozenset({900}))
 
 
-PROXY_ON = {"proxy": ProxyConfig(drain_command=["/bin/true"])}
+PROXY_ON = {"proxy": ProxyConfig(nginx_upstream_dir=Path("/var/lib/guardian/nginx"))}
+DRAINS_ONLY = {"proxy": ProxyConfig(drain_command=["/bin/true"])}  # a proxy elsewhere: nginx here is not it
 
 
 @pytest.mark.parametrize(
@@ -542,6 +545,7 @@ PROXY_ON = {"proxy": ProxyConfig(drain_command=["/bin/true"])}
         (None, 900, {}, PeerKind.GUARDIAN, "127.0.0.1"),  # guardian's own socket, no cgroup id
         (3, 500, PROXY_ON, PeerKind.PROXY, "nginx.service"),
         (3, 500, {}, PeerKind.OTHER, "nginx.service"),  # [proxy] off: nginx is a client like any
+        (3, 500, DRAINS_ONLY, PeerKind.OTHER, "nginx.service"),
         (6, 500, {}, PeerKind.PROXY, "haproxy.service"),  # watchdog.proxy_peers
         (4, 500, {}, PeerKind.MONITORING, "prometheus.service"),
         (5, 500, {}, PeerKind.OTHER, "batch.service"),
@@ -745,7 +749,7 @@ def test_a_request_sent_within_the_jiffy_of_the_last_answer_waits():
     """nginx reuses an upstream connection at once under load: the request lands in the jiffy of
     the previous answer, the two times stay equal, and only the counters show who spoke last."""
     key = ("10.0.0.1", PORT, "10.0.0.9", 40000)
-    prev = Memory(at=10.0, acked={key: Seen(100, 1000, False, 100, 4)})
+    prev = Memory(at=10.0, sockets={key: Seen(100, 1000, False, 100, 4)})
     asked = _srv(acked=1000, recv_ms=700, sent_ms=700, received=180, segs=4)  # 80 bytes more, nothing out
     assert _one([asked], prev).waiting == 1
     answered = _srv(acked=1000, recv_ms=700, sent_ms=700, received=180, segs=5)  # a data segment went out

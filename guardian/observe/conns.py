@@ -30,6 +30,7 @@ from ..config import Config
 from ..core.observations import ConnView, Peer, PeerKind
 from .sockets import (
     DIAG_MSG_SIZE,
+    INET_DIAG_CGROUP_ID,
     CgroupMounts,
     cgroup_dirs,
     cgroup_mounts,
@@ -164,7 +165,7 @@ def parse_sock(data: bytes, body: int, end: int) -> Sock:
             break
         if kind == _INET_DIAG_INFO:
             info_at, info_len = at + 4, min(length, end - at) - 4
-        elif kind == 21 and length >= 12:  # INET_DIAG_CGROUP_ID
+        elif kind == INET_DIAG_CGROUP_ID and length >= 12:
             (cgroup_id,) = _U64.unpack_from(data, at + 4)
         at += (length + 3) & ~3
     sent = recv = acked = received = segs = None
@@ -254,7 +255,7 @@ class Who:
         guardian_sockets: frozenset[int] = frozenset(),
     ) -> Who:
         proxy = {_normal(p) for p in cfg.watchdog.proxy_peers}
-        if cfg.proxy.enabled:
+        if cfg.proxy.nginx_upstream_dir is not None:  # guardian drives nginx on this box (core/bypass.py B1)
             proxy.add(cfg.proxy.nginx_unit)
         return cls(
             cgroups=cgroups or {},
@@ -306,7 +307,7 @@ class Memory:
     """The previous look: its time, and each server-side socket then."""
 
     at: float | None = None
-    acked: Mapping[Key, Seen] = field(default_factory=dict)
+    sockets: Mapping[Key, Seen] = field(default_factory=dict)
 
 
 _CLIENTS = (PeerKind.PROXY, PeerKind.OTHER)
@@ -393,7 +394,7 @@ def conn_views(
     ports = {port for _name, port in replicas}
     clients = {s.key: s for s in socks if s.rport in ports}
     since_s = None if prev.at is None else max(0.0, now - prev.at)
-    acked: dict[Key, Seen] = {}
+    sockets: dict[Key, Seen] = {}
     tallies: dict[int, _Tally] = {}
     for s in socks:
         if s.lport not in ports:
@@ -402,10 +403,10 @@ def conn_views(
         t = tallies.setdefault(s.lport, _Tally())
         t.connections += 1
         t.peers[kind, name] = t.peers.get((kind, name), 0) + 1
-        before = _same(s, prev.acked.get(s.key))
+        before = _same(s, prev.sockets.get(s.key))
         moved = _moving(s, before, since_s)
         if s.bytes_acked is not None:
-            acked[s.key] = Seen(s.inode, s.bytes_acked, moved > 0, s.bytes_received, s.data_segs_out)
+            sockets[s.key] = Seen(s.inode, s.bytes_acked, moved > 0, s.bytes_received, s.data_segs_out)
         if kind not in _CLIENTS:
             continue
         flowed = _flowed(s, before, moved)
@@ -434,7 +435,7 @@ def conn_views(
             at=now,
             waits_s=tuple(ms / 1000 for ms in sorted(t.waits_ms, reverse=True)[:MAX_PEERS]),
         )
-    return views, Memory(at=now, acked=acked)
+    return views, Memory(at=now, sockets=sockets)
 
 
 # --- a unit's CPU time (pure parts) ------------------------------------------------------------

@@ -44,7 +44,7 @@ _DIAG_MSG_INODE = struct.Struct("=I")  # at offset 68
 DIAG_MSG_SIZE = 72
 _RTA_HDR = struct.Struct("=HH")
 _INET_DIAG_REQ_BYTECODE = 1  # the request's attribute carrying a filter
-_INET_DIAG_CGROUP_ID = 21  # Linux >= 5.7: the cgroup the socket was created in, always sent
+INET_DIAG_CGROUP_ID = 21  # Linux >= 5.7: the cgroup the socket was created in, always sent
 _U64 = struct.Struct("=Q")
 
 
@@ -65,7 +65,7 @@ def diag_attributes(data: bytes, start: int, end: int) -> Iterator[tuple[int, in
 def _cgroup_id(data: bytes, start: int, end: int) -> int | None:
     """INET_DIAG_CGROUP_ID among the attributes that follow an inet_diag_msg, if the kernel sent it."""
     for kind, value, value_end in diag_attributes(data, start, end):
-        if kind == _INET_DIAG_CGROUP_ID and value_end - value >= _U64.size:
+        if kind == INET_DIAG_CGROUP_ID and value_end - value >= _U64.size:
             return int(_U64.unpack_from(data, value)[0])
     return None
 
