@@ -35,7 +35,7 @@ def run(c: Config, looks: list[tuple[float, ConnView | None]]) -> list[bypass.By
     seen: dict = {}
     found: list[bypass.Bypass] = []
     for now, v in looks:
-        seen, found = bypass.update(seen, {"a": v}, now, c)
+        seen, found = bypass.update(seen, found, {"a": v}, now, c)
     return found
 
 
@@ -114,3 +114,8 @@ def test_a_look_without_the_kernels_view_does_not_say_a_bypass_gone_and_back():
         said += [a.message for a in actions if isinstance(a, LogLine) and a.decision is Decision.HAZARD]
     assert len(said) == 1 and "point it at the proxy" in said[0], said
     assert [b.peer for b in state.bypassing] == ["batch.service"]
+
+
+def test_b3_a_look_without_a_view_keeps_who_was_bypassing():
+    found = run(cfg(), [(100.0, view(JOB)), (130.0, view(JOB)), (132.0, None)])
+    assert [(b.replica, b.peer, b.since) for b in found] == [("a", "batch.service", 100.0)]

@@ -15,7 +15,7 @@ Rules (the README's "What the kernel shows" renders them):
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from ..config import Config
@@ -69,16 +69,18 @@ def proxy_configured(cfg: Config) -> bool:
 
 
 def update(
-    seen: Seen, views: Mapping[str, ConnView | None], now: float, cfg: Config
+    seen: Seen, bypassing: Iterable[Bypass], views: Mapping[str, ConnView | None], now: float, cfg: Config
 ) -> tuple[dict[tuple[str, str], float], list[Bypass]]:
-    """The peers seen connected from now on, and those bypassing the proxy (B1-B3)."""
+    """The peers seen connected from now on, and those bypassing the proxy (B1-B3), given what was
+    seen and who was BYPASSING at the last look."""
     if not proxy_configured(cfg):
         return {}, []
     out: dict[tuple[str, str], float] = {}
     found: list[Bypass] = []
     for replica, view in views.items():
-        if view is None:
+        if view is None:  # B3
             out.update({k: v for k, v in seen.items() if k[0] == replica})
+            found += [b for b in bypassing if b.replica == replica]
             continue
         for peer in view.peers:
             if peer.kind is not PeerKind.OTHER or peer.connections <= 0:

@@ -112,9 +112,7 @@ def _bypass(
     """B1-B3: each client that starts bypassing the proxy is said once at warning, and once more
     when it has gone."""
     views = {n: o.conns for n, o in obs.replicas.items()}
-    seen, found = bypass.update(state.bypass_seen, views, now, cfg)
-    if bypass.proxy_configured(cfg):  # B3: no view, no news
-        found += [b for b in state.bypassing if b.replica in views and views[b.replica] is None]
+    seen, found = bypass.update(state.bypass_seen, state.bypassing, views, now, cfg)
     before = {(b.replica, b.peer) for b in state.bypassing}
     for b in found:
         if (b.replica, b.peer) not in before:
