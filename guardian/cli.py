@@ -117,24 +117,7 @@ async def _check_live(cfg: Config, no_systemd: bool) -> int:
         problems += bad
         print(text)
     if cfg.fleet.enabled:
-        from .fleet.etcd import EtcdError
-        from .fleet.sync import box_name, fleet_status
-
-        try:
-            fv = await fleet_status(cfg)
-            print(
-                f"fleet: {cfg.fleet.name} on etcd answers: {len(fv['boxes'])} box(es), "
-                f"{len(fv['slots'])} of {cfg.fleet.max_planned_restarts} slot(s) held; this box is {box_name(cfg)}"
-            )
-        except (EtcdError, OSError) as e:
-            problems += 1
-            print(f"problem: fleet: etcd cannot be read ({_one_line(str(e))}); planned restarts would wait")
-        except Exception as e:  # noqa: BLE001 - a line and a problem counted, not a traceback
-            problems += 1
-            print(
-                f"problem: fleet: etcd cannot be read ({_one_line(f'{type(e).__name__}: {e}')}); planned "
-                "restarts would wait"
-            )
+        problems += await _check_fleet(cfg)
     async with make_client() as client:
         for r in cfg.replicas:
             health = await probes.probe_health(client, r)
@@ -177,6 +160,27 @@ async def _check_live(cfg: Config, no_systemd: bool) -> int:
     sd.close()
     print("ok" if problems == 0 else f"{problems} problem(s)")
     return 0 if problems == 0 else 1
+
+
+async def _check_fleet(cfg: Config) -> int:
+    """The fleet as etcd shows it, in one line; 1 problem when it cannot be read."""
+    from .fleet.etcd import EtcdError
+    from .fleet.sync import box_name, fleet_status
+
+    try:
+        fv = await fleet_status(cfg)
+    except (EtcdError, OSError) as e:
+        why = str(e)
+    except Exception as e:  # noqa: BLE001 - a line and a problem counted, not a traceback
+        why = f"{type(e).__name__}: {e}"
+    else:
+        print(
+            f"fleet: {cfg.fleet.name} on etcd answers: {len(fv['boxes'])} box(es), "
+            f"{len(fv['slots'])} of {cfg.fleet.max_planned_restarts} slot(s) held; this box is {box_name(cfg)}"
+        )
+        return 0
+    print(f"problem: fleet: etcd cannot be read ({_one_line(why)}); planned restarts would wait")
+    return 1
 
 
 def _check_connections(cfg: Config) -> int:
