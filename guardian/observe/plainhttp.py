@@ -65,9 +65,20 @@ async def get(url: str, max_bytes: int) -> tuple[int, bytes]:
 
 
 def _check_head(response: h11.Response, status: int, max_bytes: int) -> None:
-    for name, value in response.headers:
-        if name == b"content-encoding" and value.strip().lower() not in (b"", b"identity"):
-            shown = value[:40].decode("ascii", "replace")
-            raise TooLarge(f"compressed answer (Content-Encoding: {shown}) though none was asked for", status)
-        if name == b"content-length" and value.isdigit() and int(value) > max_bytes:
-            raise TooLarge(f"answer of {int(value)} bytes, more than {max_bytes}", status)
+    headers = dict(response.headers)
+    check_head(
+        status,
+        headers.get(b"content-encoding", b"").decode("ascii", "replace"),
+        headers.get(b"content-length", b"").decode("ascii", "replace"),
+        max_bytes,
+    )
+
+
+def check_head(status: int, content_encoding: str, content_length: str, max_bytes: int) -> None:
+    """Raise TooLarge for an answer compressed (none was asked for: a 1 MB gzip can inflate to
+    1 GiB) or declared larger than MAX_BYTES: refused before its body is read."""
+    encoding = content_encoding.strip().lower()
+    if encoding not in ("", "identity"):
+        raise TooLarge(f"compressed answer (Content-Encoding: {encoding[:40]}) though none was asked for", status)
+    if content_length.isdigit() and int(content_length) > max_bytes:
+        raise TooLarge(f"answer of {int(content_length)} bytes, more than {max_bytes}", status)

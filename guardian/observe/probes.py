@@ -26,10 +26,6 @@ INLINE_PARSE_BYTES = 64 * 2**10
 HEADERS = {"Accept-Encoding": "identity"}
 
 
-class TooLarge(ValueError):
-    pass
-
-
 def make_client() -> httpx.AsyncClient:
     # trust_env=False: an HTTP(S)_PROXY in the environment must not route probes via a proxy.
     return httpx.AsyncClient(
@@ -38,13 +34,23 @@ def make_client() -> httpx.AsyncClient:
 
 
 def _error_text(e: BaseException) -> str:
-    if isinstance(e, httpx.TimeoutException | asyncio.TimeoutError):
+    """A failed request in a few words, whichever client made it (httpx or plainhttp)."""
+    if isinstance(e, httpx.TimeoutException | TimeoutError):
         return "timeout"
     if isinstance(e, httpx.ConnectError):
         return "connection refused" if "refused" in str(e).lower() else f"cannot connect: {e}"
-    if isinstance(e, TooLarge):
-        return f"unreadable: {e}"
+    if isinstance(e, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(e, ConnectionResetError | BrokenPipeError):
+        return f"connection closed: {e}"[:500]
+    if isinstance(e, OSError):
+        return f"cannot connect: {e.strerror or e}"[:500]
     return f"{type(e).__name__}: {e}"[:500]
+
+
+def _refused(e: plainhttp.TooLarge, start: float) -> tuple[Probe, bytes]:
+    """An answer refused for its size or encoding: it answered, so "unreadable", never "no answer"."""
+    return Probe(False, e.status, time.monotonic() - start, f"unreadable: {e}"), b""
 
 
 async def _request(
@@ -60,17 +66,16 @@ async def _request(
     try:
         async with asyncio.timeout(timeout_s):
             async with client.stream(method, url, timeout=timeout_s, headers=HEADERS, json=body) as resp:
-                encoding = resp.headers.get("content-encoding", "identity").strip().lower()
-                if encoding not in ("", "identity"):
-                    raise TooLarge(f"compressed answer (Content-Encoding: {encoding[:40]}) though none was asked for")
-                declared = resp.headers.get("content-length", "")
-                if declared.isdigit() and int(declared) > max_bytes:
-                    raise TooLarge(f"answer of {int(declared)} bytes, more than {max_bytes}")
+                status = resp.status_code
+                h = resp.headers
+                plainhttp.check_head(status, h.get("content-encoding", ""), h.get("content-length", ""), max_bytes)
                 data = bytearray()
                 async for chunk in resp.aiter_raw():
                     data += chunk
                     if len(data) > max_bytes:
-                        raise TooLarge(f"answer larger than {max_bytes} bytes")
+                        raise plainhttp.TooLarge(f"answer larger than {max_bytes} bytes", status)
+    except plainhttp.TooLarge as e:
+        return _refused(e, start)
     except Exception as e:  # noqa: BLE001 - every failure is an observation, not a crash
         return Probe(False, None, time.monotonic() - start, _error_text(e)), b""
     latency = time.monotonic() - start
@@ -87,24 +92,12 @@ async def _get(client: httpx.AsyncClient, url: str, timeout_s: float, max_bytes:
     try:
         async with asyncio.timeout(timeout_s):
             status, data = await plainhttp.get(url, max_bytes)
-    except plainhttp.TooLarge as e:  # it answered: "unreadable", never "no answer"
-        return Probe(False, e.status, time.monotonic() - start, f"unreadable: {e}"), b""
+    except plainhttp.TooLarge as e:
+        return _refused(e, start)
     except Exception as e:  # noqa: BLE001 - every failure is an observation, not a crash
-        return Probe(False, None, time.monotonic() - start, _plain_error_text(e)), b""
+        return Probe(False, None, time.monotonic() - start, _error_text(e)), b""
     ok = 200 <= status < 300
     return Probe(ok, status, time.monotonic() - start, None if ok else f"HTTP {status}"), data
-
-
-def _plain_error_text(e: BaseException) -> str:
-    if isinstance(e, TimeoutError):
-        return "timeout"
-    if isinstance(e, ConnectionRefusedError):
-        return "connection refused"
-    if isinstance(e, ConnectionResetError | BrokenPipeError):
-        return f"connection closed: {e}"[:500]
-    if isinstance(e, OSError):
-        return f"cannot connect: {e.strerror or e}"[:500]
-    return f"{type(e).__name__}: {e}"[:500]
 
 
 async def health_at(client: httpx.AsyncClient, base_url: str, timeout_s: float) -> Probe:
