@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import json
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from ..config import Config
@@ -167,18 +167,29 @@ class FleetSync:
         return 2 * self.cfg.fleet.timeout_s
 
     async def step(self, tracks: dict[str, Track], now: Now) -> FleetView:
+        failed = await self._locked(self._step(tracks, now))
+        if failed is not None:  # whatever etcd sent, the tick goes on: the fleet is unreadable
+            return self.unreadable(failed)
+        if self.down_said:
+            self.down_said = False
+            self._say(Priority.INFO, "fleet: etcd answers again; this box's replicas are published again")
+        return self.view
+
+    async def _locked(self, work: Coroutine[Any, Any, None]) -> str | None:
+        """Run WORK holding the lock, the wait for the lock included in one deadline (deadline_s):
+        None when it went through, else why not. Nothing escapes: a step is gathered with the
+        probes, and slot requests are tasks."""
         deadline_s = self.deadline_s
         deadline = asyncio.timeout(deadline_s)
         try:
             async with deadline:
                 async with self.lock:
-                    await self._step(tracks, now)
-        except Exception as e:  # noqa: BLE001 - whatever etcd sent, the tick goes on: the fleet is unreadable
-            return self.unreadable(_reason(e, deadline, deadline_s))
-        if self.down_said:
-            self.down_said = False
-            self._say(Priority.INFO, "fleet: etcd answers again; this box's replicas are published again")
-        return self.view
+                    await work
+        except Exception as e:  # noqa: BLE001 - whatever etcd sent is a reason, never an exception out
+            return _reason(e, deadline, deadline_s)
+        finally:
+            work.close()  # never awaited when the deadline passed waiting for the lock
+        return None
 
     def unreadable(self, reason: str) -> FleetView:
         """This tick's view when the fleet could not be read for REASON: said once, at error."""
@@ -270,15 +281,9 @@ class FleetSync:
 
     async def acquire(self, replica: str, model: str) -> None:
         """F6: take a free slot, only if no slot was taken for MODEL since the view was read."""
-        deadline_s = self.deadline_s
-        deadline = asyncio.timeout(deadline_s)
-        try:
-            async with deadline:
-                async with self.lock:
-                    await self._acquire(replica, model)
-        except Exception as e:  # noqa: BLE001 - a task: nothing may escape it; the next view tells
-            reason = _reason(e, deadline, deadline_s)
-            self._say(Priority.ERROR, f"replica {replica}: asking etcd for a fleet slot failed: {reason}", replica)
+        failed = await self._locked(self._acquire(replica, model))
+        if failed is not None:  # the next view tells
+            self._say(Priority.ERROR, f"replica {replica}: asking etcd for a fleet slot failed: {failed}", replica)
 
     async def _acquire(self, replica: str, model: str) -> None:
         if self.etcd is None or self.lease is None or not self.view.ok:
@@ -305,19 +310,16 @@ class FleetSync:
 
     async def release(self, replica: str) -> None:
         """F7: delete this box's slot of REPLICA, if it is still the one we read."""
-        deadline_s = self.deadline_s
-        deadline = asyncio.timeout(deadline_s)
-        try:
-            async with deadline:
-                async with self.lock:
-                    if self.etcd is None:
-                        return
-                    for slot, kv in self.slot_kvs:
-                        if slot.box == self.box and slot.replica == replica:
-                            await self.etcd.txn([Compare(kv.key, "MOD", "EQUAL", kv.mod_revision)], [delete_op(kv.key)])
-        except Exception as e:  # noqa: BLE001 - a task: nothing may escape it; the lease frees the slot at worst
-            reason = _reason(e, deadline, deadline_s)
-            self._say(Priority.ERROR, f"replica {replica}: giving its fleet slot back failed: {reason}", replica)
+        failed = await self._locked(self._release(replica))
+        if failed is not None:  # the lease frees the slot at worst
+            self._say(Priority.ERROR, f"replica {replica}: giving its fleet slot back failed: {failed}", replica)
+
+    async def _release(self, replica: str) -> None:
+        if self.etcd is None:
+            return
+        for slot, kv in self.slot_kvs:
+            if slot.box == self.box and slot.replica == replica:
+                await self.etcd.txn([Compare(kv.key, "MOD", "EQUAL", kv.mod_revision)], [delete_op(kv.key)])
 
     async def close(self) -> None:
         """At a graceful stop: this box leaves the fleet view at once (its lease is revoked)."""
