@@ -15,17 +15,19 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from . import __version__, polkit
+from . import __version__, engine_helper, polkit
 from .act import proxy
 from .act.executor import checked_restart
 from .act.journal import Journal
 from .act.state import STATUS_FILE, CorruptState, State, StateStore, atomic_write, stamp, view
-from .config import MAX_WINDOW_S, Config, ConfigError, config_path, load_config
+from .config import MAX_WINDOW_S, Config, ConfigError, ReplicaConfig, config_path, load_config
 from .core import gates, hazards, thresholds, tick
 from .core.actions import AnswerRequest, LogLine, RestartUnit
+from .core.container import KEEPING_POLICIES, helper_unit, parse_run_line, unit_problems
 from .core.observations import RestartRequest, TickObservation
 from .core.vocab import Decision, Priority
 from .observe import clock, probes
+from .observe.containers import ContainerWatch
 from .observe.memory import env_path, wiring_of
 from .observe.nvml import Nvml
 from .observe.probes import make_client
@@ -84,7 +86,13 @@ async def _check_live(cfg: Config, no_systemd: bool) -> int:
         except SystemdError as e:
             print(f"problem: cannot talk to systemd over the system bus: {e}")
             return 1
-        units = {r.unit: (await unit_or_error(sd, r.unit))[0] for r in cfg.replicas}
+        watch = ContainerWatch(sd)
+        units = {
+            r.unit: (await watch.unitless_view(r) if r.unitless else await unit_or_error(sd, r.unit))[0]
+            for r in cfg.replicas
+        }
+        for r in cfg.replicas:
+            problems += await _check_container(sd, r, watch)
         try:
             enabled = await sd.enabled_service_conflicts()
         except SystemdError as e:
@@ -150,7 +158,7 @@ async def _check_live(cfg: Config, no_systemd: bool) -> int:
             if not health.ok:
                 problems += 1
             if not no_systemd:
-                owner = (await port_owners(sd, {r.port}))[r.port]
+                owner = (await watch.owners([r], await port_owners(sd, {r.port})))[r.port]
                 refusal = gates.unit_refusal(units[r.unit], owner)
                 line += f"; {r.unit}: " + (
                     f"guardian could NOT restart it: {refusal.text()}" if refusal else "restartable"
@@ -160,6 +168,59 @@ async def _check_live(cfg: Config, no_systemd: bool) -> int:
     sd.close()
     print("ok" if problems == 0 else f"{problems} problem(s)")
     return 0 if problems == 0 else 1
+
+
+async def _check_container(sd: Systemd, r: ReplicaConfig, watch: ContainerWatch) -> int:
+    """The replica's container shape in one line, and each thing that keeps it from being restarted
+    as a problem with the line to add (core/container.py). Counts the problems."""
+    if r.unitless:
+        assert r.container is not None
+        unit, why = await watch.unitless_view(r)
+        report = watch.reports.get(r.name)
+        c = report.by_name(r.container) if report is not None else None
+        if why is not None or c is None or unit is None:
+            print(f"problem: replica {r.name}: container {r.container}: {why or 'no such container (docker ps -a)'}")
+            return 1
+        print(
+            f"replica {r.name}: Docker container {c.name} without a unit ({c.status}), kept by its restart policy "
+            f"{c.restart_policy or 'no'}; guardian restarts it with `docker restart --time 0` through "
+            f"{helper_unit('restart', r.name)}"
+        )
+        if c.restart_policy not in KEEPING_POLICIES:
+            print(
+                f"problem: replica {r.name}: container {c.name} has restart policy {c.restart_policy or 'no'}: Docker "
+                "does not keep it, and guardian restarts only a kept container (G4); "
+                f"add: docker update --restart unless-stopped {c.name}"
+            )
+            return 1
+        return 0
+    try:
+        lines = await sd.exec_lines(r.unit)
+    except SystemdError:
+        return 0  # the unit gates say what is wrong with the unit itself
+    run = parse_run_line(lines["ExecStart"][0]) if lines["ExecStart"] else None
+    if r.container is None:
+        if run is None:
+            return 0
+        print(
+            f"problem: replica {r.name}: {r.unit} runs a container (`{run.engine} run --name {run.name}`), but the "
+            f"replica names none: guardian would kill only the {run.engine} CLI of a hung replica; "
+            f'add: container = "{run.name}"'
+            + (' and engine = "podman"' if run.engine == "podman" else "")
+            + " to the replica"
+        )
+        return 1
+    if run is not None:
+        shape = (
+            f"`{run.engine} run`"
+            + (" --network host" if run.host_network else f" -p {', '.join(run.publishes)}" if run.publishes else "")
+            + (" --cgroups=split (Quadlet's shape)" if run.cgroups_split else "")
+        )
+        print(f"replica {r.name}: {r.unit} runs container {run.name} with {shape}")
+    found = unit_problems(r.unit, r.container, run, lines["ExecStartPre"], lines["ExecStop"] + lines["ExecStopPost"])
+    for problem, fix in found:
+        print(f"problem: replica {r.name}: {problem}; add: {fix}")
+    return len(found)
 
 
 async def _check_fleet(cfg: Config) -> int:
@@ -536,6 +597,10 @@ async def _restart_without_daemon(cfg: Config, name: str) -> int:
         sd.close()
 
 
+def cmd_container(args: argparse.Namespace) -> int:
+    return engine_helper.main(args.instance, config_path(args.config))
+
+
 def cmd_polkit_rule(args: argparse.Namespace) -> int:
     path = config_path(args.config)
     cfg = load_config(path)  # a broken config leaves the rule in place: the daemon keeps its running config
@@ -602,6 +667,13 @@ def build_parser() -> argparse.ArgumentParser:
     pk.add_argument("--output", default=str(polkit.RULE_PATH))
     pk.add_argument("--stdout", action="store_true", help="print the rule instead of writing it")
     pk.set_defaults(func=cmd_polkit_rule)
+    co = sub.add_parser(
+        "container",
+        help="the root helper for container replicas (run by guardian-container@VERB:REPLICA.service, "
+        "which guardian starts over D-Bus): inspect, kill or restart the configured replica's container",
+    )
+    co.add_argument("instance", metavar="VERB:REPLICA")
+    co.set_defaults(func=cmd_container)
     for sp in sub.choices.values():
         sp.add_argument("--config", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return p

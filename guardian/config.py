@@ -20,7 +20,7 @@ import tomllib
 from collections.abc import Callable
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -131,9 +131,19 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
+# A container's name as Docker and Podman accept it ([a-zA-Z0-9][a-zA-Z0-9_.-]*).
+_CONTAINER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+
+
 class ReplicaConfig(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", min_length=1, max_length=64)
+    # The systemd unit that serves the replica. Left out only for a Docker container kept by its
+    # own restart policy: the replica is then known as "docker:CONTAINER" (README, Containers).
     unit: str
+    # The replica runs in a container of this name (`docker run --name`, `podman run --name`,
+    # Compose's container name): guardian recognises it on the port and kills it when it hangs.
+    container: str | None = None
+    engine: Literal["docker", "podman"] = "docker"
     url: str
     model: str = Field(min_length=1)
     startup_grace_s: float = Field(default=1200.0, gt=0, le=MAX_WINDOW_S)
@@ -141,6 +151,42 @@ class ReplicaConfig(_Strict):
     metrics_timeout_s: float = Field(default=3.0, gt=0, le=MAX_WINDOW_S)
     canary_timeout_s: float = Field(default=15.0, gt=0, le=MAX_WINDOW_S)
     upstream: str = Field(default="llm", pattern=r"^[A-Za-z0-9_-]+$", max_length=64)  # nginx upstream ([proxy])
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unitless_container(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "unit" not in data and isinstance(data.get("container"), str):
+            if data.get("engine", "docker") != "docker":
+                raise ValueError(
+                    "a replica without `unit` is a Docker container kept by its restart policy; a Podman "
+                    "container needs the unit that runs it (Quadlet writes one)"
+                )
+            return {**data, "unit": f"docker:{data['container']}"}
+        return data
+
+    @field_validator("container")
+    @classmethod
+    def _container_name(cls, v: str | None) -> str | None:
+        if v is not None and not _CONTAINER_NAME.fullmatch(v):
+            raise ValueError(
+                f"must be a container name as Docker and Podman write it (a letter or digit, then letters, digits, "
+                f"'_', '.', '-'; at most 128 characters; got {v!r})"
+            )
+        return v
+
+    @model_validator(mode="after")
+    def _unitless_matches(self) -> ReplicaConfig:
+        if self.unit.startswith("docker:") and self.unit != f"docker:{self.container}":
+            raise ValueError(
+                f"unit {self.unit!r} is not a systemd service; leave `unit` out for a Docker container kept by "
+                "its restart policy and name it in `container`"
+            )
+        return self
+
+    @property
+    def unitless(self) -> bool:
+        """A Docker container that no unit runs (its restart policy keeps it)."""
+        return self.container is not None and self.unit == f"docker:{self.container}"
 
     @field_validator("model")
     @classmethod
@@ -150,6 +196,8 @@ class ReplicaConfig(_Strict):
     @field_validator("unit")
     @classmethod
     def _unit_is_service(cls, v: str) -> str:
+        if v.startswith("docker:") and _CONTAINER_NAME.fullmatch(v[len("docker:") :]):
+            return v  # set by _unitless_container; compared with `container` in _unitless_matches
         if len(v) > 255 or not _UNIT_NAME.fullmatch(v):
             raise ValueError(
                 f"must be a systemd service unit name (letters, digits, ':', '-', '_', '.', '\\', an optional "

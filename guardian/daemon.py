@@ -82,6 +82,7 @@ class Daemon:
         self.persistent = StateCache(self.store)
         self.executor = Executor(cfg, self.sd, self.client, self.store, self.journal, clock)
         self.observer = WorldObserver(self.sd, self.client)
+        self.executor.containers = self.observer.containers  # one set of container reports
         self.state = tick.TickState()
         self.proxy = ProxySync(cfg, self.sd, self.store, self.journal, clock)
         self.fleet = FleetSync(cfg, self.journal, clock) if cfg.fleet.enabled else None
@@ -255,7 +256,10 @@ class Daemon:
     async def scan(self) -> None:
         units = {}
         for r in self.cfg.replicas:
-            units[r.unit], _ = await unit_or_error(self.sd, r.unit)
+            if r.unitless:
+                units[r.unit], _ = await self.observer.containers.unitless_view(r)
+            else:
+                units[r.unit], _ = await unit_or_error(self.sd, r.unit)
         try:
             enabled = await self.sd.enabled_service_conflicts()
         except SystemdError as e:

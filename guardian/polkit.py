@@ -8,6 +8,10 @@ router), and start or stop any of them; guardian only ever uses two verbs:
 - restart, for the memory guard's retry of a start that failed after its own lowering;
 - kill, to SIGKILL a hung replica's processes as its restart begins (a hung vLLM never finishes
   a graceful stop; systemd would wait for TimeoutStopSec).
+For each replica in a container, start of its container helper, one unit per verb
+(guardian-container@VERB:REPLICA.service: inspect, kill; and restart for a unit-less Docker
+container, which has no unit of its own to restart). The helper runs as root and reads the
+container's name from the config, not from the unit name.
 With [proxy] nginx_upstream_dir set, two more grants, each for one unit:
 - start of the nginx check unit (guardian-nginx-check.service runs `nginx -t` as root);
 - reload of nginx's unit, to apply the upstream file guardian wrote.
@@ -19,6 +23,7 @@ import json
 from pathlib import Path
 
 from .config import Config
+from .core.container import helper_unit
 
 RULE_PATH = Path("/etc/polkit-1/rules.d/50-guardian.rules")
 SERVICE_USER = "guardian"
@@ -28,11 +33,20 @@ MANAGE_UNITS = "org.freedesktop.systemd1.manage-units"
 
 def render(cfg: Config, source: str, user: str = SERVICE_USER) -> str:
     """The rule as JavaScript. Unit names passed the config's systemd grammar; json.dumps quotes them anyway."""
-    units = sorted({r.unit for r in cfg.replicas})
+    units = sorted({r.unit for r in cfg.replicas if not r.unitless})
+    helpers = helper_units(cfg)
     extra = ""
+    if helpers:
+        extra += (
+            f"    if (action.id == {json.dumps(MANAGE_UNITS)} && subject.user == {json.dumps(user)} &&\n"
+            f'        {json.dumps(helpers)}.indexOf(action.lookup("unit")) >= 0 &&\n'
+            '        action.lookup("verb") == "start") {\n'
+            "        return polkit.Result.YES;\n"
+            "    }\n"
+        )
     if cfg.proxy.nginx_upstream_dir is not None:
         check, nginx = json.dumps(cfg.proxy.nginx_check_unit), json.dumps(cfg.proxy.nginx_unit)
-        extra = (
+        extra += (
             f"    if (action.id == {json.dumps(MANAGE_UNITS)} && subject.user == {json.dumps(user)} && (\n"
             f'        (action.lookup("unit") == {check} && action.lookup("verb") == "start") ||\n'
             f'        (action.lookup("unit") == {nginx} && action.lookup("verb") == "reload"))) {{\n'
@@ -46,7 +60,12 @@ def render(cfg: Config, source: str, user: str = SERVICE_USER) -> str:
         "// units configured, and nothing else. An empty list allows nothing.\n"
         + (
             f"// [proxy]: also start of {cfg.proxy.nginx_check_unit} (nginx -t) and reload of {cfg.proxy.nginx_unit}.\n"
-            if extra
+            if cfg.proxy.nginx_upstream_dir is not None
+            else ""
+        )
+        + (
+            "// Containers: also start of each container replica's helper units (root; see the unit).\n"
+            if helpers
             else ""
         )
         + "polkit.addRule(function(action, subject) {\n"
@@ -59,3 +78,14 @@ def render(cfg: Config, source: str, user: str = SERVICE_USER) -> str:
         f"{extra}"
         "});\n"
     )
+
+
+def helper_units(cfg: Config) -> list[str]:
+    """guardian-container@VERB:REPLICA.service for every container replica and verb it may use."""
+    out = []
+    for r in cfg.replicas:
+        if r.container is None:
+            continue
+        for verb in ("inspect", "kill", "restart") if r.unitless else ("inspect", "kill"):
+            out.append(helper_unit(verb, r.name))
+    return sorted(out)

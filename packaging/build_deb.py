@@ -125,6 +125,8 @@ def build(t: Target, out_dir: Path, ver: str) -> Path:
             f"{t.unit_dir.lstrip('/')}/guardian.service": ((REPO / "units/guardian.service").read_text(), 0o644),
             f"{t.unit_dir.lstrip('/')}/guardian-nginx-check.service": (
                 (REPO / "units/guardian-nginx-check.service").read_text(), 0o644),
+            f"{t.unit_dir.lstrip('/')}/guardian-container@.service": (
+                (REPO / "units/guardian-container@.service").read_text(), 0o644),
             "etc/guardian/guardian.toml": ((HERE / "guardian.toml").read_text(), 0o644),
             "usr/share/guardian/prometheus/guardian-rules.yml": ((HERE / "prometheus/guardian-rules.yml").read_text(), 0o644),
             "usr/share/guardian/grafana/guardian-dashboard.json": ((HERE / "grafana/guardian-dashboard.json").read_text(), 0o644),

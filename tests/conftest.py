@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from engines import cleanup, start_engines
 from systemd_box import BoxError, SystemdBox, ensure_deps, ensure_rootfs
 from world import World
 
@@ -32,3 +33,16 @@ def world(box):
     w = World(box)
     yield w
     w.teardown()
+
+
+@pytest.fixture(scope="session")
+def engines(box):
+    """dockerd and podman running in the box, the simulator's image in both (tests/engines.py). Started
+    once, on first use; they keep running until the box halts. Each test removes its own containers and
+    units with engines.cleanup(box)."""
+    try:
+        eng = start_engines(box)
+    except BoxError as e:
+        pytest.fail(f"cannot start the container engines in the test box: {e}", pytrace=False)
+    yield eng
+    cleanup(box)

@@ -26,9 +26,13 @@ REPO = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("GUARDIAN_TEST_CACHE", "/var/cache/guardian-test"))
 SUITE = "bookworm"
 PACKAGES = ["systemd", "systemd-sysv", "dbus", "python3", "libpam-systemd", "polkitd", "procps", "faketime",
-            "prometheus", "prometheus-node-exporter", "nginx-light", "etcd-server"]
-# Installed for the monitoring, proxy and fleet tests, which start them with their own config; off at every boot.
-DISABLED_AT_BOOT = ["prometheus.service", "prometheus-node-exporter.service", "nginx.service", "etcd.service"]
+            "prometheus", "prometheus-node-exporter", "nginx-light", "etcd-server",
+            # the container engines the field runs vLLM in (tests/engines.py)
+            "docker.io", "podman", "netavark", "aardvark-dns", "iptables"]
+# Installed for the monitoring, proxy, fleet and container tests, which start them with their own config; off at
+# every boot.
+DISABLED_AT_BOOT = ["prometheus.service", "prometheus-node-exporter.service", "nginx.service", "etcd.service",
+                    "docker.service", "docker.socket", "containerd.service"]
 sys.path.insert(0, str(REPO / "packaging"))
 from deps import runtime_deps  # noqa: E402  (the one dependency list: pyproject.toml)
 
@@ -138,9 +142,14 @@ class SystemdBox:
         cmd = [nspawn, "--register=no", "--keep-unit", "-D", str(self.rootfs), "-M", self.name, "--boot",
                "--console=pipe", "--volatile=overlay", "--private-network",
                f"--bind-ro={REPO}:/opt/guardian/src", f"--bind-ro={self.deps}:/opt/guardian/deps",
-               f"--bind-ro={self.dist}:/opt/guardian/dist"]
+               f"--bind-ro={self.dist}:/opt/guardian/dist",
+               # dockerd and podman inside (tests/engines.py): the keyring calls and BPF_CGROUP_DEVICE programs
+               # they make are filtered out by nspawn's default seccomp list.
+               "--system-call-filter=add_key keyctl bpf @keyring"]
+        # A unified (cgroup v2) hierarchy inside, whatever the host has: the engines need it (BPF device control).
+        env = {**os.environ, "SYSTEMD_NSPAWN_UNIFIED_HIERARCHY": "1"}
         log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
         deadline = time.monotonic() + timeout_s
         while self.leader is None:
             if self.proc.poll() is not None:

@@ -22,11 +22,13 @@ from ..core.actions import (
     RestartUnit,
     StartCanary,
 )
+from ..core.container import helper_unit
 from ..core.observations import CanaryResult, RestartOutcome
 from ..core.vocab import ActiveState, Decision, Gate, Priority
 from ..observe import probes
 from ..observe.clock import Now
 from ..observe.clock import now as clock_now
+from ..observe.containers import ContainerWatch, run_helper
 from ..observe.memory import env_path
 from ..observe.replicas import port_owners, unit_or_error
 from ..observe.systemd import JOB_DONE, Systemd, SystemdError
@@ -55,15 +57,22 @@ async def checked_restart(
     allow_failed: bool = False,
     kill_first: bool = False,
     stop_timeout_s: float | None = None,
+    containers: ContainerWatch | None = None,
 ) -> RestartOutcome:
     """Re-check the unit gates on a fresh look, record the restart, then RestartUnit and wait.
 
     BEFORE_RESTART (the memory guard's env file write) runs only once the gates have passed.
     KILL_FIRST: SIGKILL the unit's processes once the job is queued (a hung replica).
     STOP_TIMEOUT_S: a bounded stop (a drained replica): its processes are killed if the unit is
-    still stopping after that long; the stop's duration is said either way."""
-    unit, err = await unit_or_error(sd, r.unit)
+    still stopping after that long; the stop's duration is said either way.
+    CONTAINERS: a replica in a container has its container killed beside its unit (the unit's
+    cgroup holds only the engine's CLI or conmon), and a unit-less one is restarted by the root
+    helper (`docker restart --time 0`), not by systemd."""
+    containers = containers if containers is not None else ContainerWatch(sd)
+    unit, err = await containers.unitless_view(r) if r.unitless else await unit_or_error(sd, r.unit)
     owner = (await port_owners(sd, {r.port}))[r.port]
+    if r.container is not None:
+        owner = (await containers.owners([r], {r.port: owner}))[r.port]
     refusal = gates.unit_refusal(unit, owner, allow_failed, unit_error=err)
     if refusal is not None:
         journal.line(
@@ -114,7 +123,28 @@ async def checked_restart(
             or now_unit.inactive_exit_mono != started_before
         )
 
+    async def kill_container() -> bool:
+        result = await run_helper(sd, "kill", r.name)
+        if result != JOB_DONE:
+            journal.line(
+                LogLine(
+                    Priority.ERROR,
+                    f"replica {r.name}: killing its container {r.container} failed: the helper ended with "
+                    f"'{result}' (journalctl -u {helper_unit('kill', r.name)})",
+                    Decision.RESTART_FAILED,
+                    r.name,
+                    r.unit,
+                )
+            )
+        return result == JOB_DONE
+
     async def kill(what: str) -> bool:
+        if r.container is None:
+            return await kill_unit(what)
+        unit_killed, container_killed = await asyncio.gather(kill_unit(what), kill_container())
+        return unit_killed and container_killed
+
+    async def kill_unit(what: str) -> bool:
         try:
             await sd.kill(r.unit)
             return True
@@ -159,6 +189,8 @@ async def checked_restart(
             "its processes were killed (SIGKILL)" if killed else "killing them was tried and failed"
         )
 
+    if r.unitless:
+        return await _restart_unitless(sd, journal, r, why, issued, clock)
     during = hung_kill if kill_first else bounded_stop if stop_timeout_s is not None else None
     try:
         result = await sd.restart(
@@ -204,6 +236,39 @@ async def checked_restart(
     return RestartOutcome(r.unit, result, clock().wall, issued=True, ok=result == JOB_DONE)
 
 
+async def _restart_unitless(
+    sd: Systemd, journal: Journal, r: ReplicaConfig, why: str, issued: Now, clock: Callable[[], Now]
+) -> RestartOutcome:
+    """A container that no unit runs: the root helper restarts it at once (SIGKILL, then its
+    start), and only if it is running, so a `docker stop` between the look and now still wins."""
+    helper = helper_unit("restart", r.name)
+    result = await run_helper(sd, "restart", r.name)
+    elapsed = clock().mono - issued.mono
+    if result == JOB_DONE:
+        journal.line(
+            LogLine(
+                Priority.INFO,
+                f"replica {r.name}: container {r.container} restarted in {elapsed:.1f} s by {helper} "
+                f"(docker restart --time 0: its processes were killed at once) ({why}); waiting for it to serve",
+                Decision.RESTARTED,
+                r.name,
+                r.unit,
+            )
+        )
+    else:
+        journal.line(
+            LogLine(
+                Priority.ERROR,
+                f"replica {r.name}: restart of container {r.container} ended with '{result}' after {elapsed:.1f} s; "
+                f"see journalctl -u {helper}",
+                Decision.RESTART_FAILED,
+                r.name,
+                r.unit,
+            )
+        )
+    return RestartOutcome(r.unit, result, clock().wall, issued=True, ok=result == JOB_DONE)
+
+
 class Executor:
     def __init__(
         self,
@@ -224,6 +289,7 @@ class Executor:
         # Results for the next tick's observation.
         self.canaries: dict[str, CanaryResult] = {}
         self.outcomes: dict[str, RestartOutcome] = {}
+        self.containers = ContainerWatch(sd)
 
     def perform(self, actions: list[Action]) -> None:
         for a in actions:
@@ -302,6 +368,7 @@ class Executor:
                 self.clock,
                 kill_first=a.kill_first,
                 stop_timeout_s=a.stop_timeout_s,
+                containers=self.containers,
             ),
         )
         self.outcomes[a.replica] = outcome
@@ -356,6 +423,7 @@ class Executor:
                 before_restart=write,
                 allow_failed=a.retry,
                 stop_timeout_s=a.stop_timeout_s,
+                containers=self.containers,
             ),
         )
 

@@ -30,7 +30,12 @@ RULES = (
         "the memory guard may restart a unit that failed after its own lowering)",
     ),
     Rule("G6", Gate.JOB_PENDING, "systemd has a job pending for it"),
-    Rule("G7", Gate.PORT_OWNER, "a process listens on the replica's port and it is not in this unit's cgroup"),
+    Rule(
+        "G7",
+        Gate.PORT_OWNER,
+        "a process listens on the replica's port and it is neither in this unit's cgroup nor the replica's own "
+        "container (its scope, or its engine's proxy forwarding to it)",
+    ),
     Rule(
         "G8",
         Gate.PORT_UNKNOWN,
@@ -99,8 +104,8 @@ def unit_refusal(
         )
     if unit.job_pending:
         return Refusal(Gate.JOB_PENDING, f"{n} already has a systemd job pending", "wait for it to finish")
-    if isinstance(port_owner, HeldBy) and port_owner.unit != n:
-        holder = port_owner.unit or "a process guardian cannot map to a unit"
+    if isinstance(port_owner, HeldBy) and port_owner.unit != n and not port_owner.own_container:
+        holder = port_owner.holder_text()
         pid = f" (pid {port_owner.pid})" if port_owner.pid is not None else ""
         return Refusal(
             Gate.PORT_OWNER,

@@ -235,6 +235,17 @@ class HeldBy:
     port: int
     pid: int | None
     unit: str | None
+    # Seen through a container engine (core/container.py): the container holding the port (its
+    # scope, or the engine's proxy forwarding to it), and whether it is the replica's own.
+    container: str | None = None
+    own_container: bool = False
+    via: str = ""  # how the container was recognised, for the journal
+
+    def holder_text(self) -> str:
+        if self.container is not None:
+            return f"container {self.container} ({self.via})" if self.via else f"container {self.container}"
+        who = self.unit or "a process guardian cannot map to a unit"
+        return f"{who} ({self.via})" if self.via else who
 
 
 @dataclass(frozen=True)

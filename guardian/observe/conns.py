@@ -590,6 +590,8 @@ class ConnObserver:
         # Why the kernel's view could not be had at the last look (None: it could). The caller
         # says it once, when it changes.
         self.unavailable: str | None = None
+        # Replica -> the unit whose cgroup does its work, where not its own (a Docker container's scope).
+        self.cpu_units: dict[str, str] = {}
         self._recognise_self = recognise_self
         self._mounts = mounts
         self._proc_self_cgroup = proc_self_cgroup
@@ -652,7 +654,7 @@ class ConnObserver:
         cpu: dict[str, float | None] = {}
         samples: dict[str, CpuSample] = {}
         for r in cfg.replicas:
-            sample = self._cpu_sample(r.unit, v2, v1)
+            sample = self._cpu_sample(self.cpu_units.get(r.name, r.unit), v2, v1)
             cpu[r.name] = cpu_delta(self._cpu.get(r.name), sample)
             if sample is not None:
                 samples[r.name] = sample

@@ -54,6 +54,12 @@ def read_env_file(path: str) -> EnvFile:
 
 async def wiring_of(sd: Systemd, cfg: Config, r: ReplicaConfig) -> str | None:
     """The wiring problem of R's unit (core/wiring.py), or None when wired."""
+    if r.unitless:
+        return (
+            f"container {r.container} runs without a unit: its --gpu-memory-utilization was fixed by `docker run` "
+            "when it was created, and changing it means creating it anew from a command guardian does not have; "
+            "run it from a unit (README, Replicas in containers) for the memory guard to lower it"
+        )
     try:
         d = await sd.service_details(r.unit)
     except SystemdError as e:

@@ -29,6 +29,7 @@ from ..core.vocab import HeldBy, Hidden, Nobody, PortOwner, Unreadable
 from . import probes
 from .clock import Now
 from .conns import ConnObserver
+from .containers import ContainerWatch
 from .sockets import (
     CGROUP_ROOT,
     Listening,
@@ -271,17 +272,30 @@ async def observe_all(
     unit_cache: UnitInfoCache,
     carry: ProbeCarry | None = None,
     wait_s: float | None = None,
+    containers: ContainerWatch | None = None,
 ) -> dict[str, ReplicaObservation]:
     """One observation per replica. With CARRY, probes still running after WAIT_S are carried over
-    (see ProbeCarry); without, every probe is waited for (its own timeout bounds it)."""
+    (see ProbeCarry); without, every probe is waited for (its own timeout bounds it). CONTAINERS
+    names the containers that hold ports and stands in for the unit of a unit-less container."""
     carry = carry if carry is not None else ProbeCarry()
     carry.forget({r.name for r in cfg.replicas})
     tasks = [task for r in cfg.replicas for task in carry.start(client, r, at)]
-    (owners, units), _ = await asyncio.gather(
-        asyncio.gather(
+    containers = containers if containers is not None else ContainerWatch(sd)
+
+    async def views() -> tuple[dict[int, PortOwner], dict[str, UnitView]]:
+        owners, units = await asyncio.gather(
             port_cache.get(sd, {r.port for r in cfg.replicas}),
-            unit_cache.get(sd, [r.unit for r in cfg.replicas], time.monotonic()),
-        ),
+            unit_cache.get(sd, [r.unit for r in cfg.replicas if not r.unitless], time.monotonic()),
+        )
+        if any(r.container is not None for r in cfg.replicas):
+            owners = await containers.owners(cfg.replicas, owners)
+            for r in cfg.replicas:
+                if r.unitless:
+                    units[r.unit] = await containers.unitless_view(r)
+        return owners, units
+
+    (owners, units), _ = await asyncio.gather(
+        views(),
         asyncio.wait(tasks, timeout=wait_s) if tasks else asyncio.sleep(0),
     )
     judged_at = time.monotonic() if wait_s is not None else at
@@ -312,10 +326,14 @@ class WorldObserver:
         self.carry = ProbeCarry()
         self.memory = MemoryObserver(sd, client)
         self.conns = ConnObserver()
+        self.containers = ContainerWatch(sd)
 
     async def _look(self, cfg: Config, mono: float) -> dict[str, ConnView | None]:
         """The kernel's view, never an exception: beside the probes, a failure here would lose
         their results and the canaries' (taken from the executor as they are read)."""
+        # A Docker replica's work is done in its container's scope, not in its unit (the docker CLI).
+        scopes = {r.name: self.containers.scope_of(r) for r in cfg.replicas if r.engine == "docker" and r.container}
+        self.conns.cpu_units = {name: scope for name, scope in scopes.items() if scope is not None}
         try:
             return await self.conns.look(cfg, mono)
         except Exception as e:  # noqa: BLE001 - a surprise here is "no kernel view", said once by the daemon
@@ -350,6 +368,7 @@ class WorldObserver:
                 self.unit_cache,
                 self.carry,
                 wait_s=cfg.probe_wait_s if wait_s is None else wait_s,
+                containers=self.containers,
             ),
             self._look(cfg, now.mono),
         )

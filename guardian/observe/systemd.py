@@ -303,6 +303,13 @@ class Systemd:
         argv = tuple(str(a) for a in exec_start[0][1]) if exec_start else ()
         return ServiceDetails(env_files, argv)
 
+    async def exec_lines(self, name: str) -> dict[str, tuple[tuple[str, ...], ...]]:
+        """ExecStartPre, ExecStart, ExecStop and ExecStopPost of a service: the argv of each line."""
+        keys = ("ExecStartPre", "ExecStart", "ExecStop", "ExecStopPost")
+        path = await self.unit_path(name)
+        svc = await self._some_props(path, SERVICE_IFACE, keys)
+        return {k: tuple(tuple(str(a) for a in line[1]) for line in svc.get(k, [])) for k in keys}
+
     async def unit_by_pid(self, pid: int) -> str | None:
         try:
             (path,) = await self._call(MANAGER, "GetUnitByPID", "u", [pid])

@@ -1,0 +1,268 @@
+"""Replicas in containers: what a unit's `docker run` / `podman run` line says, what the engine
+says about a container, and which container holds a port. Pure: the engine is asked by the root
+helper (guardian-container@.service, guardian/engine_helper.py) and the cgroup tree by observe/.
+
+The shapes guardian knows (README, Replicas in containers):
+- a unit whose ExecStart is `docker run ... --name N` (with -p: docker-proxy in docker.service
+  holds the host port; with --network host: the container's own scope `docker-<id>.scope` does);
+- a unit whose ExecStart is `podman run ... --name N` (Quadlet's shape, --cgroups=split: conmon
+  holds the port inside the unit; default cgroups: conmon in the unit, the server in
+  `machine.slice/libpod-<id>.scope`);
+- no unit: a Docker container kept by its restart policy (`docker run -d --restart ...`, Compose).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from .observations import UnitInfo
+from .vocab import ActiveState, LoadState, UnitFileState
+
+ENGINES = ("docker", "podman")
+# docker-<id>.scope (Docker, systemd cgroup driver), libpod-<id>.scope and libpod-conmon-<id>.scope
+# (Podman, default cgroups), libpod-payload-<id> (Podman --cgroups=split, inside the unit).
+_SCOPE = re.compile(r"^(?:docker|libpod|libpod-conmon|libpod-payload)-([0-9a-f]{64})(?:\.scope)?$")
+# Docker's restart policies that bring a container back by themselves ("no" leaves it down).
+KEEPING_POLICIES = frozenset({"always", "unless-stopped", "on-failure"})
+MAX_CONTAINERS = 512  # the helper's report is bounded: a box with more is named as such
+
+
+def helper_unit(verb: str, replica: str) -> str:
+    """The root helper's unit for VERB on REPLICA (units/guardian-container@.service)."""
+    return f"guardian-container@{verb}:{replica}.service"
+
+
+def container_id_of_cgroup(component: str) -> str | None:
+    """The container id in a cgroup path component named by an engine, or None."""
+    m = _SCOPE.match(component)
+    return m.group(1) if m else None
+
+
+@dataclass(frozen=True)
+class RunLine:
+    """What a unit's ExecStart `ENGINE run ...` says (only the options guardian needs)."""
+
+    engine: str
+    name: str | None = None
+    rm: bool = False
+    replace: bool = False
+    detach: bool = False
+    host_network: bool = False
+    cgroups_split: bool = False
+    cidfile: str | None = None
+    publishes: tuple[str, ...] = ()
+    passes_fraction: bool = False  # --gpu-memory-utilization ${GPU_MEMORY_UTILIZATION} or -e GPU_MEMORY_UTILIZATION
+
+
+# Options of `docker run` / `podman run` that take a value as the next word (when not written
+# --opt=value): enough to walk past them to the image; the rest are flags.
+_VALUED = frozenset(
+    "-a --attach --add-host --annotation --blkio-weight --cap-add --cap-drop --cgroup-parent --cgroupns --cgroups "
+    "--cidfile --conmon-pidfile --cpu-period --cpu-quota --cpu-shares --cpus --cpuset-cpus --cpuset-mems --device "
+    "--dns --dns-option --dns-search -e --env --env-file --entrypoint --expose --gpus --group-add -h --hostname "
+    "--health-cmd --health-interval --health-retries --health-start-period --health-timeout --ip --ip6 --ipc "
+    "-l --label --label-file --log-driver --log-opt -m --memory --memory-reservation --memory-swap --mount "
+    "--name --network --net --network-alias --pid --platform -p --publish --pull --restart --runtime "
+    "--security-opt --shm-size --sdnotify --stop-signal --stop-timeout --sysctl --tmpfs -u --user --ulimit "
+    "--userns --uts -v --volume --volumes-from -w --workdir --init-path --log-level --pidfile --secret "
+    "--systemd --timeout --tz --umask --uidmap --gidmap --subuidname --subgidname --requires --pod".split()
+)
+
+
+def parse_run_line(argv: tuple[str, ...]) -> RunLine | None:
+    """The container line of a unit's ExecStart, or None when it does not run a container.
+    `/usr/bin/env docker run`, `docker container run` and `podman run` are recognised."""
+    words = list(argv)
+    if words and words[0].rsplit("/", 1)[-1] == "env":
+        words = words[1:]
+    if not words:
+        return None
+    engine = words[0].rsplit("/", 1)[-1]
+    if engine not in ENGINES:
+        return None
+    rest = words[1:]
+    if rest[:1] == ["container"]:
+        rest = rest[1:]
+    if rest[:1] != ["run"]:
+        return None
+    opts: dict[str, list[str]] = {}
+    flags: set[str] = set()
+    tail = rest[1:]
+    i = 0
+    while i < len(tail):
+        w = tail[i]
+        if not w.startswith("-") or w == "--":
+            break
+        key, eq, value = w.partition("=")
+        if eq:
+            opts.setdefault(key, []).append(value)
+        elif key in _VALUED and i + 1 < len(tail):
+            opts.setdefault(key, []).append(tail[i + 1])
+            i += 1
+        else:
+            flags.add(key)
+        i += 1
+    after_image = tail[i + 1 :]
+    network = (opts.get("--network") or opts.get("--net") or [""])[-1]
+    envs = opts.get("-e", []) + opts.get("--env", [])
+    fraction_arg = any(
+        w == "--gpu-memory-utilization" and j + 1 < len(after_image) and "GPU_MEMORY_UTILIZATION" in after_image[j + 1]
+        for j, w in enumerate(after_image)
+    ) or any(w.startswith("--gpu-memory-utilization=") and "GPU_MEMORY_UTILIZATION" in w for w in after_image)
+    return RunLine(
+        engine=engine,
+        name=opts["--name"][-1] if "--name" in opts else None,
+        rm="--rm" in flags or (opts.get("--rm") or [""])[-1] == "true",
+        replace="--replace" in flags or (opts.get("--replace") or [""])[-1] == "true",
+        detach=bool({"-d", "--detach"} & flags),
+        host_network=network == "host",
+        cgroups_split=(opts.get("--cgroups") or [""])[-1] == "split",
+        cidfile=opts["--cidfile"][-1] if "--cidfile" in opts else None,
+        publishes=tuple(opts.get("-p", []) + opts.get("--publish", [])),
+        passes_fraction=fraction_arg or any(e.split("=", 1)[0] == "GPU_MEMORY_UTILIZATION" for e in envs),
+    )
+
+
+def _mentions(lines: tuple[tuple[str, ...], ...], *needles: str) -> bool:
+    return any(all(any(n == w or w.endswith(n) for w in argv) for n in needles) for argv in lines)
+
+
+def unit_problems(
+    unit: str, container: str, run: RunLine | None, pre: tuple[tuple[str, ...], ...], stop: tuple[tuple[str, ...], ...]
+) -> list[tuple[str, str]]:
+    """What keeps UNIT from restarting its container, as (problem, the line to add). PRE: its
+    ExecStartPre lines, STOP: its ExecStop and ExecStopPost lines (argv each)."""
+    if run is None:
+        return [
+            (
+                f"{unit} runs no `docker run` or `podman run` in its ExecStart, "
+                f"but the replica's container is {container!r}",
+                "point replicas[].unit at the unit that runs the container, or drop `container` for a native replica",
+            )
+        ]
+    out: list[tuple[str, str]] = []
+    eng = run.engine
+    if run.name != container:
+        out.append(
+            (
+                f"{unit} runs its container as {run.name!r}, not {container!r}",
+                f"give `{eng} run` the option --name {container} (or set replicas[].container = {run.name!r})",
+            )
+        )
+    removes_old = run.replace or _mentions(pre, eng, "rm") or (eng == "podman" and _mentions(pre, "podman", "rm"))
+    if not removes_old:
+        fix = (
+            f"add --replace to `podman run` (what Quadlet writes), or ExecStartPre=-/usr/bin/podman rm -f {container}"
+            if eng == "podman"
+            else f"ExecStartPre=-/usr/bin/docker rm -f {container}"
+        )
+        out.append(
+            (
+                f"{unit} does not remove the old container before it starts a new one: a restart fails with "
+                f"'name already in use' while the old {container} still holds the model's memory",
+                fix,
+            )
+        )
+    if run.detach and eng == "docker":
+        out.append(
+            (
+                f"{unit} runs `docker run -d`: the unit ends as soon as the container starts, so systemd "
+                "cannot see it stop or restart it",
+                f"run it in the foreground: drop -d (the unit then lives as long as {container})",
+            )
+        )
+    if eng == "docker" and not run.rm and not removes_old:
+        out.append(
+            (
+                f"{unit} runs `docker run` with a fixed --name and without --rm: the stopped container stays and "
+                "blocks the next start",
+                f"add --rm to `docker run`, or ExecStartPre=-/usr/bin/docker rm -f {container}",
+            )
+        )
+    if not _mentions(stop, eng, container) and not (eng == "podman" and _mentions(stop, "podman", "--cidfile")):
+        if not (eng == "podman" and run.cidfile and _mentions(stop, "podman", "rm")):
+            out.append(
+                (
+                    f"{unit} has no ExecStop that stops the container: `systemctl stop` ends only the {eng} CLI "
+                    "and the container serves on",
+                    f"ExecStop=/usr/bin/{eng} stop -t 30 {container}",
+                )
+            )
+    return out
+
+
+@dataclass(frozen=True)
+class Container:
+    """One container as the engine reports it (a row of the helper's report)."""
+
+    id: str
+    name: str
+    running: bool
+    restarting: bool = False
+    status: str = ""
+    pid: int = 0
+    started_at: str = ""
+    finished_at: str = ""
+    exit_code: int = 0
+    restart_policy: str = ""
+    ips: tuple[str, ...] = ()
+    host_ports: tuple[int, ...] = ()
+    fraction: str | None = None  # GPU_MEMORY_UTILIZATION in its environment, or its argument
+
+
+@dataclass(frozen=True)
+class EngineReport:
+    """The helper's report: every container the engine knows (at most MAX_CONTAINERS), or why not."""
+
+    engine: str
+    at_wall: float
+    containers: tuple[Container, ...] = ()
+    error: str | None = None
+    truncated: bool = False
+
+    def by_name(self, name: str) -> Container | None:
+        return next((c for c in self.containers if c.name == name), None)
+
+    def by_id(self, cid: str) -> Container | None:
+        return next((c for c in self.containers if c.id == cid), None)
+
+    def by_ip(self, ip: str) -> Container | None:
+        found = [c for c in self.containers if c.running and ip in c.ips]
+        return found[0] if len(found) == 1 else None
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Who holds a replica's port, seen through an engine: the container's name when known."""
+
+    container: str | None
+    how: str  # "its scope docker-<id>.scope", "docker-proxy (pid P) forwarding to 172.17.0.2:8000", ...
+    ids: tuple[str, ...] = field(default=())
+
+
+def synthetic_unit(label: str, c: Container | None, scope: UnitInfo | None) -> UnitInfo:
+    """A unit-less container seen as a unit, so that the unit gates and the startup grace apply:
+    running -> active (its start time is its scope's), restarting -> activating, otherwise
+    inactive ("stopped": an operator's `docker stop`, or a policy that gave up). Its restart
+    policy stands for enablement: "no" is a container nobody keeps (G4, like a disabled unit)."""
+    if c is None:
+        return UnitInfo(label, LoadState.NOT_FOUND, ActiveState.INACTIVE, sub_state="no such container")
+    if c.running and scope is not None and scope.active_state.running:
+        active, since = ActiveState.ACTIVE, scope.inactive_exit_mono
+    elif c.restarting or c.running:
+        active, since = ActiveState.ACTIVATING, scope.inactive_exit_mono if scope is not None else None
+    else:
+        active, since = ActiveState.INACTIVE, None
+    policy = c.restart_policy or "no"
+    return UnitInfo(
+        name=label,
+        load_state=LoadState.LOADED,
+        active_state=active,
+        sub_state=c.status,
+        unit_file_state=UnitFileState.ENABLED if policy in KEEPING_POLICIES else UnitFileState.DISABLED,
+        inactive_exit_mono=since,
+        main_pid=c.pid,
+        invocation_id=c.started_at,
+        restart=policy,
+    )

@@ -1,0 +1,177 @@
+"""The root helper for replicas in containers: `guardian container VERB:REPLICA`.
+
+guardian's own user may not talk to dockerd or Podman (membership of the `docker` group is root
+on that box). It starts guardian-container@VERB:REPLICA.service over D-Bus instead, which polkit
+allows for exactly the configured container replicas (guardian/polkit.py), and this runs as
+root in that unit. It reads the replica from guardian's own config, never from its argument,
+so a name nobody configured reaches no container. Verbs:
+
+- inspect: write every container the engine knows (at most MAX_CONTAINERS) to
+  /run/guardian/containers/REPLICA.json, for guardian to tell its replica's container from a
+  stray one holding the port, and to see a unit-less container's state;
+- kill: SIGKILL the replica's container (a hung replica; its unit's restart then replaces it);
+- restart: restart a unit-less Docker container at once (`docker restart --time 0`), only if it
+  is running: a container stopped on purpose stays stopped.
+Exit 0: done; 1: the engine failed (its words on stderr, in the unit's journal); 2: refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .config import Config, ConfigError, ReplicaConfig, load_config
+from .core.container import MAX_CONTAINERS
+
+REPORT_DIR = Path("/run/guardian/containers")
+ENGINE_TIMEOUT_S = 30.0
+VERBS = ("inspect", "kill", "restart")
+
+
+def _engine(r: ReplicaConfig) -> str:
+    path = shutil.which(r.engine, path="/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin")
+    if path is None:
+        raise RuntimeError(f"{r.engine} is not installed (no {r.engine} in /usr/bin or /usr/local/bin)")
+    return path
+
+
+def _run(argv: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S, check=False)
+
+
+def _fraction(env: list[Any], args: list[Any]) -> str | None:
+    for i, a in enumerate(args):
+        if a == "--gpu-memory-utilization" and i + 1 < len(args):
+            return str(args[i + 1])
+        if isinstance(a, str) and a.startswith("--gpu-memory-utilization="):
+            return a.partition("=")[2]
+    for e in env:
+        if isinstance(e, str) and e.startswith("GPU_MEMORY_UTILIZATION="):
+            return e.partition("=")[2]
+    return None
+
+
+def normalize(c: dict[str, Any]) -> dict[str, Any]:
+    """One row of `docker inspect` / `podman inspect`, as the few fields guardian reads."""
+    state = c.get("State") or {}
+    net = c.get("NetworkSettings") or {}
+    ips = [net.get("IPAddress") or ""] + [
+        (n or {}).get("IPAddress") or "" for n in (net.get("Networks") or {}).values()
+    ]
+    host_ports = sorted(
+        {
+            int(b["HostPort"])
+            for binds in (net.get("Ports") or {}).values()
+            for b in (binds or [])
+            if isinstance(b, dict) and str(b.get("HostPort", "")).isdigit()
+        }
+    )
+    cfg = c.get("Config") or {}
+    args = list(c.get("Args") or []) or list(cfg.get("Cmd") or [])
+    return {
+        "id": str(c.get("Id", "")),
+        "name": str(c.get("Name", "")).lstrip("/"),
+        "running": bool(state.get("Running")),
+        "restarting": bool(state.get("Restarting")),
+        "status": str(state.get("Status", "")),
+        "pid": int(state.get("Pid") or 0),
+        "started_at": str(state.get("StartedAt", "")),
+        "finished_at": str(state.get("FinishedAt", "")),
+        "exit_code": int(state.get("ExitCode") or 0),
+        "restart_policy": str(((c.get("HostConfig") or {}).get("RestartPolicy") or {}).get("Name", "")),
+        "ips": sorted({ip for ip in ips if ip}),
+        "host_ports": host_ports,
+        "fraction": _fraction(list(cfg.get("Env") or []), args),
+    }
+
+
+def inspect(r: ReplicaConfig) -> int:
+    engine = _engine(r)
+    report: dict[str, Any] = {"engine": r.engine, "at_wall": time.time(), "containers": [], "truncated": False}
+    ps = _run([engine, "ps", "-a", "-q", "--no-trunc"])
+    if ps.returncode != 0:
+        report["error"] = f"`{r.engine} ps` failed: {ps.stderr.strip()[:500]}"
+    else:
+        ids = ps.stdout.split()
+        report["truncated"] = len(ids) > MAX_CONTAINERS
+        if ids:
+            got = _run(
+                [engine, "inspect", "--type", "container", *ids[:MAX_CONTAINERS]]
+                if r.engine == "docker"
+                else [engine, "inspect", *ids[:MAX_CONTAINERS]]
+            )
+            # A container removed between ps and inspect makes inspect exit 1 with the others printed.
+            try:
+                rows = json.loads(got.stdout or "[]")
+                report["containers"] = [normalize(c) for c in rows if isinstance(c, dict)]
+            except (ValueError, TypeError, KeyError) as e:
+                report["error"] = f"`{r.engine} inspect` printed what guardian cannot read: {e}"
+    from .act.state import atomic_write_json  # the one atomic writer (a reader never sees half a report)
+
+    REPORT_DIR.mkdir(parents=True, exist_ok=True)
+    os.chmod(REPORT_DIR, 0o755)
+    atomic_write_json(REPORT_DIR / f"{r.name}.json", report)
+    return 1 if "error" in report else 0
+
+
+def kill(r: ReplicaConfig) -> int:
+    assert r.container is not None
+    got = _run([_engine(r), "kill", "--signal", "KILL", r.container])
+    if got.returncode != 0 and "is not running" not in got.stderr and "no such container" not in got.stderr.lower():
+        print(f"{r.engine} kill {r.container} failed: {got.stderr.strip()}", file=sys.stderr)
+        return 1
+    print(f"{r.container}: killed (SIGKILL)" if got.returncode == 0 else f"{r.container}: was not running")
+    return 0
+
+
+def restart(r: ReplicaConfig) -> int:
+    assert r.container is not None
+    engine = _engine(r)
+    state = _run([engine, "inspect", "--format", "{{.State.Running}}", r.container])
+    if state.stdout.strip() != "true":
+        print(
+            f"{r.container} is not running ({state.stdout.strip() or state.stderr.strip()}): left alone",
+            file=sys.stderr,
+        )
+        return 2
+    got = _run([engine, "restart", "--time", "0", r.container])
+    if got.returncode != 0:
+        print(f"{r.engine} restart {r.container} failed: {got.stderr.strip()}", file=sys.stderr)
+        return 1
+    print(f"{r.container}: restarted")
+    return 0
+
+
+def main(instance: str, config_path: Path) -> int:
+    verb, sep, name = instance.partition(":")
+    if not sep or verb not in VERBS:
+        print(
+            f"guardian container: {instance!r} is not VERB:REPLICA with VERB one of {', '.join(VERBS)}", file=sys.stderr
+        )
+        return 2
+    try:
+        cfg: Config = load_config(config_path)
+    except ConfigError as e:
+        print(f"guardian container: {e}", file=sys.stderr)
+        return 2
+    r = next((x for x in cfg.replicas if x.name == name), None)
+    if r is None or r.container is None:
+        print(f"guardian container: {name!r} is not a configured container replica: nothing done", file=sys.stderr)
+        return 2
+    if verb == "restart" and not r.unitless:
+        print(
+            f"guardian container: {r.name} runs in {r.unit}: guardian restarts that unit, not the container",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        return {"inspect": inspect, "kill": kill, "restart": restart}[verb](r)
+    except (OSError, RuntimeError, subprocess.TimeoutExpired) as e:
+        print(f"guardian container {instance}: {e}", file=sys.stderr)
+        return 1

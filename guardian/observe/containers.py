@@ -1,0 +1,269 @@
+"""Container replicas as guardian sees them without any engine access of its own.
+
+The port's holder comes from the socket's cgroup (observe/replicas.port_owners). Three of them
+point at a container: an engine's scope (`docker-<id>.scope`, `libpod-<id>.scope`), Docker's
+docker-proxy in docker.service (its world-readable command line names the container's address),
+and Podman's conmon (its command line names the container). Which container an id or address
+is comes from the root helper's report (engine_helper.py), asked for only when a holder is not in
+the last report, at most every REFRESH_S per replica, and right before a restart.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from ..config import ReplicaConfig
+from ..core.container import (
+    MAX_CONTAINERS,
+    Container,
+    EngineReport,
+    container_id_of_cgroup,
+    helper_unit,
+    synthetic_unit,
+)
+from ..core.vocab import HeldBy, PortOwner
+from .readback import Refused, read_back
+from .systemd import JOB_DONE, Systemd, SystemdError
+
+REPORT_DIR = Path("/run/guardian/containers")
+REPORT_MAX_BYTES = 4 * 2**20
+REFRESH_S = 10.0  # a replica's report is asked for at most this often, unless a restart needs it
+HELPER_TIMEOUT_S = 30.0
+_MAX_TEXT = 256
+
+
+def _text(row: dict[str, Any], key: str, max_chars: int = _MAX_TEXT) -> str:
+    v = row.get(key, "")
+    if not isinstance(v, str) or len(v) > max_chars or any(ord(c) < 0x20 for c in v):
+        raise ValueError(f"{key} is not a short text")
+    return v
+
+
+def _container(row: Any) -> Container:
+    if not isinstance(row, dict):
+        raise ValueError("a row is not an object")
+    ips, ports = row.get("ips", []), row.get("host_ports", [])
+    if not (isinstance(ips, list) and all(isinstance(x, str) and len(x) <= 64 for x in ips[:64])):
+        raise ValueError("ips is not a list of addresses")
+    if not (isinstance(ports, list) and all(isinstance(x, int) and 0 < x < 65536 for x in ports[:1024])):
+        raise ValueError("host_ports is not a list of ports")
+    fraction = row.get("fraction")
+    for key in ("running", "restarting"):
+        if not isinstance(row.get(key, False), bool):
+            raise ValueError(f"{key} is not true or false")
+    for key in ("pid", "exit_code"):
+        if not isinstance(row.get(key, 0), int) or isinstance(row.get(key, 0), bool):
+            raise ValueError(f"{key} is not a number")
+    return Container(
+        id=_text(row, "id", 128),
+        name=_text(row, "name", 128),
+        running=row.get("running", False),
+        restarting=row.get("restarting", False),
+        status=_text(row, "status", 32),
+        pid=row.get("pid", 0),
+        started_at=_text(row, "started_at", 64),
+        finished_at=_text(row, "finished_at", 64),
+        exit_code=row.get("exit_code", 0),
+        restart_policy=_text(row, "restart_policy", 32),
+        ips=tuple(ips[:64]),
+        host_ports=tuple(ports[:1024]),
+        fraction=fraction if isinstance(fraction, str) and len(fraction) <= 32 else None,
+    )
+
+
+def parse_report(data: bytes, engine: str) -> EngineReport:
+    """The helper's report, checked field by field; anything else is a report with an error."""
+    try:
+        doc = json.loads(data)
+        if not isinstance(doc, dict) or doc.get("engine") != engine:
+            raise ValueError(f"not a report of {engine}")
+        at = doc.get("at_wall")
+        if not isinstance(at, (int, float)) or isinstance(at, bool):
+            raise ValueError("at_wall is not a time")
+        rows = doc.get("containers", [])
+        if not isinstance(rows, list) or len(rows) > MAX_CONTAINERS:
+            raise ValueError(f"containers is not a list of at most {MAX_CONTAINERS}")
+        error = doc.get("error")
+        return EngineReport(
+            engine,
+            float(at),
+            tuple(_container(x) for x in rows),
+            error=error[:500] if isinstance(error, str) else None,
+            truncated=doc.get("truncated") is True,
+        )
+    except (ValueError, TypeError, RecursionError) as e:
+        return EngineReport(engine, 0.0, error=f"the container helper's report cannot be read: {e}")
+
+
+def read_report(r: ReplicaConfig, directory: Path = REPORT_DIR) -> EngineReport | None:
+    try:
+        data = read_back(directory / f"{r.name}.json", REPORT_MAX_BYTES)
+    except FileNotFoundError:
+        return None
+    except (Refused, OSError) as e:
+        return EngineReport(r.engine, 0.0, error=f"the container helper's report cannot be read: {e}")
+    return parse_report(data, r.engine)
+
+
+async def run_helper(sd: Systemd, verb: str, replica: str, timeout_s: float = HELPER_TIMEOUT_S) -> str:
+    """Start guardian-container@VERB:REPLICA.service and wait for its result ("done" or why not)."""
+    try:
+        return await sd.run_job("StartUnit", helper_unit(verb, replica), timeout_s)
+    except SystemdError as e:
+        return f"error: {e}"
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return [w.decode(errors="replace") for w in f.read(65536).split(b"\0") if w]
+    except OSError:
+        return []
+
+
+def _option(argv: list[str], *names: str) -> str | None:
+    for i, w in enumerate(argv):
+        for n in names:
+            if w == n and i + 1 < len(argv):
+                return argv[i + 1]
+            if w.startswith(n + "="):
+                return w.partition("=")[2]
+    return None
+
+
+@dataclass(frozen=True)
+class Seen:
+    """What the holder's cgroup and command line tell by themselves, before any report."""
+
+    container_id: str | None = None  # from an engine's scope
+    ip: str | None = None  # docker-proxy's -container-ip
+    name: str | None = None  # conmon's -n
+    via: str = ""
+
+
+def _docker_proxy(port: int) -> int | None:
+    """The docker-proxy process that forwards host port PORT (docker.service holds many processes:
+    the socket's cgroup alone does not say which). Command lines are world-readable."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        argv = _cmdline(int(entry.name))
+        if argv and argv[0].rsplit("/", 1)[-1] == "docker-proxy" and _option(argv, "-host-port") == str(port):
+            return int(entry.name)
+    return None
+
+
+def seen_holder(owner: HeldBy) -> Seen | None:
+    """How OWNER points at a container, or None when it does not."""
+    component = (owner.unit or "").removesuffix(".scope")
+    cid = container_id_of_cgroup(component)
+    if cid is not None:
+        return Seen(container_id=cid, via=f"its scope {owner.unit}")
+    pid = _docker_proxy(owner.port) if owner.unit == "docker.service" else owner.pid
+    if pid is None:
+        return None
+    argv = _cmdline(pid)
+    prog = argv[0].rsplit("/", 1)[-1] if argv else ""
+    if prog == "docker-proxy":
+        ip, port = _option(argv, "-container-ip"), _option(argv, "-container-port")
+        return Seen(ip=ip, via=f"docker-proxy, pid {pid}, forwarding to {ip}:{port}")
+    if prog == "conmon":
+        name = _option(argv, "-n", "--name")
+        return Seen(name=name, via=f"Podman's conmon, pid {pid}")
+    return None
+
+
+def resolve(owner: HeldBy, r: ReplicaConfig, seen: Seen, report: EngineReport | None) -> HeldBy:
+    """OWNER with the container it stands for, when the report (or conmon) names it."""
+    found: Container | None = None
+    if report is not None:
+        if seen.container_id is not None:
+            found = report.by_id(seen.container_id)
+        elif seen.ip is not None:
+            found = report.by_ip(seen.ip)
+    name = found.name if found is not None else seen.name
+    return replace(owner, container=name, own_container=name is not None and name == r.container, via=seen.via)
+
+
+def _known(seen: Seen, report: EngineReport | None) -> bool:
+    if seen.name is not None:
+        return True
+    if report is None or report.error is not None:
+        return False
+    if seen.container_id is not None:
+        return report.by_id(seen.container_id) is not None
+    return seen.ip is not None and report.by_ip(seen.ip) is not None
+
+
+class ContainerWatch:
+    """Each container replica's last helper report, and the unit-less ones' view as a unit."""
+
+    def __init__(self, sd: Systemd, directory: Path = REPORT_DIR) -> None:
+        self.sd = sd
+        self.directory = directory
+        self._asked: dict[str, float] = {}
+        self.reports: dict[str, EngineReport] = {}
+
+    async def refresh(self, r: ReplicaConfig, force: bool = False) -> EngineReport | None:
+        """Ask the helper for a new report (at most every REFRESH_S unless FORCE)."""
+        mono = time.monotonic()
+        if not force and mono - self._asked.get(r.name, -1e9) < REFRESH_S:
+            return self.reports.get(r.name)
+        self._asked[r.name] = mono
+        result = await run_helper(self.sd, "inspect", r.name)
+        report = read_report(r, self.directory)
+        if result != JOB_DONE and (report is None or report.error is None):
+            report = EngineReport(r.engine, 0.0, error=f"the container helper's inspect ended with '{result}'")
+        if report is not None:
+            self.reports[r.name] = report
+        return report
+
+    async def owners(self, replicas: list[ReplicaConfig], owners: dict[int, PortOwner]) -> dict[int, PortOwner]:
+        out = dict(owners)
+        for r in replicas:
+            owner = owners.get(r.port)
+            if r.container is None or not isinstance(owner, HeldBy) or owner.unit == r.unit:
+                continue
+            seen = seen_holder(owner)
+            if seen is None:
+                continue
+            report = self.reports.get(r.name)
+            if not _known(seen, report):
+                report = await self.refresh(r)
+            out[r.port] = resolve(owner, r, seen, report)
+        return out
+
+    def scope_of(self, r: ReplicaConfig) -> str | None:
+        """The running container's own scope unit (its processes), from the last report."""
+        report = self.reports.get(r.name)
+        c = report.by_name(r.container) if report is not None and r.container else None
+        if c is None or not c.id:
+            return None
+        return f"docker-{c.id}.scope" if r.engine == "docker" else f"libpod-{c.id}.scope"
+
+    async def unitless_view(self, r: ReplicaConfig) -> tuple[Any, str | None]:
+        """A unit-less container as a UnitInfo (core/container.synthetic_unit), or why not."""
+        report = self.reports.get(r.name) or await self.refresh(r)
+        scope_info = None
+        scope = self.scope_of(r)
+        if scope is not None:
+            try:
+                scope_info = await self.sd.unit_info(scope)
+            except SystemdError:
+                scope_info = None
+        if scope_info is None or not scope_info.active_state.running:
+            report = await self.refresh(r)  # stopped, restarting or replaced: ask (at most every REFRESH_S)
+            scope = self.scope_of(r)
+            if scope is not None:
+                try:
+                    scope_info = await self.sd.unit_info(scope)
+                except SystemdError:
+                    scope_info = None
+        if report is None or report.error is not None:
+            return None, (report.error if report is not None else "the container helper has not reported yet")
+        assert r.container is not None
+        return synthetic_unit(r.unit, report.by_name(r.container), scope_info), None
