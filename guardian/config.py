@@ -510,11 +510,14 @@ class Config(BaseSettings):
             "name": lambda r: r.name.lower(),
             "unit": lambda r: r.unit.lower(),
             "address": lambda r: "{}:{}".format(*_endpoint(r.url)),
+            "container": lambda r: f"{r.engine}:{r.container}" if r.container is not None else "",
         }
         for attr, key in keys.items():
             seen: dict[str, str] = {}
             for r in replicas:
                 k = key(r)
+                if not k:
+                    continue
                 if k in seen:
                     raise ValueError(f"two replicas have the same {attr}: {seen[k]!r} and {r.name!r}")
                 seen[k] = r.name

@@ -1,0 +1,342 @@
+"""Replicas in containers: the pure parts (core/container.py), the helper's report as guardian
+reads it (observe/containers.py), the config, the polkit grants and the port-owner gate."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from guardian import polkit
+from guardian.config import Config, ConfigError, load_config
+from guardian.core import gates
+from guardian.core.container import (
+    Container,
+    EngineReport,
+    container_id_of_cgroup,
+    parse_run_line,
+    synthetic_unit,
+    unit_problems,
+)
+from guardian.core.observations import UnitInfo
+from guardian.core.vocab import ActiveState, Gate, HeldBy, LoadState, UnitFileState
+from guardian.engine_helper import normalize
+from guardian.observe.containers import Seen, parse_report, resolve
+
+CID = "a" * 64
+OTHER = "b" * 64
+NVIDIA = (
+    "/usr/bin/docker run --rm --name vllm-a --gpus all -p 8001:8000 -e HF_TOKEN "
+    "nvcr.io/nvidia/vllm:25.09-py3 vllm serve m --gpu-memory-utilization ${GPU_MEMORY_UTILIZATION}"
+).split()
+QUADLET = (
+    "/usr/bin/podman run --name=vllm-p --cidfile=/run/vllm-p.cid --replace --rm --cgroups=split "
+    "--sdnotify=conmon -d -p 8003:8000 localhost/vllm vllm serve m"
+).split()
+
+
+@pytest.mark.parametrize(
+    "argv, expect",
+    [
+        (NVIDIA, dict(engine="docker", name="vllm-a", rm=True, publishes=("8001:8000",), passes_fraction=True)),
+        (
+            "/usr/bin/env docker container run --network host --name x img serve".split(),
+            dict(engine="docker", name="x", host_network=True, rm=False),
+        ),
+        (QUADLET, dict(engine="podman", name="vllm-p", replace=True, cgroups_split=True, detach=True,
+                       cidfile="/run/vllm-p.cid")),
+        ("/usr/bin/docker run -e GPU_MEMORY_UTILIZATION=${GPU_MEMORY_UTILIZATION} --name y img".split(),
+         dict(name="y", passes_fraction=True)),
+        # the image's own arguments are not docker's options
+        ("/usr/bin/docker run --name z img --name other --rm".split(), dict(name="z", rm=False)),
+    ],
+)
+def test_a_run_line_is_read_up_to_the_image(argv, expect):
+    run = parse_run_line(tuple(argv))
+    assert run is not None
+    for key, value in expect.items():
+        assert getattr(run, key) == value, key
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [("/usr/bin/vllm", "serve", "m"), ("/usr/bin/docker", "start", "x"), ("/usr/bin/env",), ()],
+)
+def test_a_line_that_runs_no_container_is_none(argv):
+    assert parse_run_line(argv) is None
+
+
+def _problems(argv, pre=(), stop=(), container="vllm-a"):
+    return unit_problems("vllm-a.service", container, parse_run_line(tuple(argv)), tuple(pre), tuple(stop))
+
+
+def test_nvidias_docker_run_needs_the_removal_and_a_stop():
+    found = _problems(NVIDIA)
+    texts = " | ".join(p for p, _fix in found)
+    fixes = [fix for _p, fix in found]
+    assert "does not remove the old container" in texts
+    assert "ExecStartPre=-/usr/bin/docker rm -f vllm-a" in fixes
+    assert "ExecStop=/usr/bin/docker stop -t 30 vllm-a" in fixes
+
+
+def test_a_docker_unit_with_removal_and_stop_has_no_problem():
+    pre = [("/usr/bin/docker", "rm", "-f", "vllm-a")]
+    stop = [("/usr/bin/docker", "stop", "-t", "10", "vllm-a")]
+    assert _problems(NVIDIA, pre, stop) == []
+
+
+def test_a_docker_unit_without_rm_nor_removal_says_both():
+    argv = [w for w in NVIDIA if w != "--rm"]
+    found = " | ".join(p for p, _ in _problems(argv, stop=[("/usr/bin/docker", "stop", "vllm-a")]))
+    assert "without --rm" in found and "does not remove the old container" in found
+
+
+def test_a_detached_docker_run_is_named():
+    argv = NVIDIA[:2] + ["-d"] + NVIDIA[2:]
+    found = _problems(argv, [("/usr/bin/docker", "rm", "-f", "vllm-a")], [("/usr/bin/docker", "stop", "vllm-a")])
+    assert len(found) == 1 and "docker run -d" in found[0][0]
+
+
+def test_podman_without_replace_needs_it():
+    argv = [w for w in QUADLET if w != "--replace"]
+    stop = [("/usr/bin/podman", "rm", "-f", "-i", "--cidfile=/run/vllm-p.cid")]
+    found = _problems(argv, stop=stop, container="vllm-p")
+    assert len(found) == 1 and "--replace" in found[0][1]
+    assert _problems(QUADLET, stop=stop, container="vllm-p") == []
+
+
+def test_a_unit_that_runs_another_name_or_no_container():
+    assert "not 'vllm-b'" in _problems(NVIDIA, container="vllm-b")[0][0]
+    found = unit_problems("vllm-a.service", "vllm-a", None, (), ())
+    assert "runs no `docker run`" in found[0][0]
+
+
+def test_cgroup_components_of_engines():
+    assert container_id_of_cgroup(f"docker-{CID}") == CID
+    assert container_id_of_cgroup(f"libpod-{CID}.scope") == CID
+    assert container_id_of_cgroup(f"libpod-payload-{CID}") == CID
+    assert container_id_of_cgroup("docker.service") is None
+    assert container_id_of_cgroup(f"docker-{CID[:12]}.scope") is None
+
+
+def _c(**kw) -> Container:
+    base = dict(id=CID, name="vllm-a", running=True, restart_policy="unless-stopped", status="running")
+    return Container(**{**base, **kw})
+
+
+SCOPE = UnitInfo(f"docker-{CID}.scope", LoadState.LOADED, ActiveState.ACTIVE, inactive_exit_mono=12.5)
+
+
+@pytest.mark.parametrize(
+    "c, scope, active, enabled",
+    [
+        (_c(), SCOPE, ActiveState.ACTIVE, True),
+        (_c(running=False, restarting=True, status="restarting"), None, ActiveState.ACTIVATING, True),
+        (_c(running=False, status="exited"), None, ActiveState.INACTIVE, True),  # docker stop
+        (_c(restart_policy="no"), SCOPE, ActiveState.ACTIVE, False),
+        (_c(restart_policy=""), SCOPE, ActiveState.ACTIVE, False),
+    ],
+)
+def test_a_unitless_container_as_a_unit(c, scope, active, enabled):
+    u = synthetic_unit("docker:vllm-a", c, scope)
+    assert u.active_state is active
+    assert u.unit_file_state.enabled is enabled
+    if active is ActiveState.ACTIVE:
+        assert u.inactive_exit_mono == 12.5  # the startup grace counts from the container's own start
+
+
+def test_a_missing_container_is_not_loaded_and_refused():
+    u = synthetic_unit("docker:vllm-a", None, None)
+    refusal = gates.unit_refusal(u, None)
+    assert refusal is not None and refusal.gate is Gate.NOT_LOADED
+
+
+def test_a_container_stopped_on_purpose_is_left_alone():
+    u = synthetic_unit("docker:vllm-a", _c(running=False, status="exited"), None)
+    refusal = gates.unit_refusal(u, None)
+    assert refusal is not None and refusal.gate is Gate.INACTIVE
+    assert "never starts a stopped unit" in refusal.reason
+
+
+def test_a_container_without_a_restart_policy_is_refused_as_disabled():
+    refusal = gates.unit_refusal(synthetic_unit("docker:vllm-a", _c(restart_policy="no"), SCOPE), None)
+    assert refusal is not None and refusal.gate is Gate.DISABLED
+
+
+REPORT = EngineReport(
+    "docker",
+    1.0,
+    (
+        _c(ips=("172.17.0.2",)),
+        _c(id=OTHER, name="stray", ips=("172.17.0.3",)),
+    ),
+)
+
+
+def _owner(unit="docker.service", pid=77):
+    return HeldBy(8001, pid, unit)
+
+
+def _replica():
+    return Config.model_validate(
+        {"replicas": [{"name": "a", "unit": "vllm-a.service", "container": "vllm-a", "url": "http://127.0.0.1:8001",
+                       "model": "m"}]}
+    ).replicas[0]
+
+
+@pytest.mark.parametrize(
+    "seen, name, own",
+    [
+        (Seen(ip="172.17.0.2", via="docker-proxy"), "vllm-a", True),
+        (Seen(ip="172.17.0.3", via="docker-proxy"), "stray", False),
+        (Seen(ip="172.17.0.9", via="docker-proxy"), None, False),  # not in the report: not recognised
+        (Seen(container_id=CID, via="scope"), "vllm-a", True),
+        (Seen(container_id=OTHER, via="scope"), "stray", False),
+        (Seen(name="vllm-a", via="conmon"), "vllm-a", True),
+    ],
+)
+def test_the_holder_is_the_replicas_own_container_or_named(seen, name, own):
+    held = resolve(_owner(), _replica(), seen, REPORT)
+    assert held.container == name and held.own_container is own
+    unit = UnitInfo("vllm-a.service", LoadState.LOADED, ActiveState.ACTIVE, unit_file_state=UnitFileState.ENABLED)
+    refusal = gates.unit_refusal(unit, held)
+    if own:
+        assert refusal is None
+    else:
+        assert refusal is not None and refusal.gate is Gate.PORT_OWNER
+        if name is not None:
+            assert f"container {name}" in refusal.reason
+
+
+def test_two_containers_on_one_address_are_not_guessed():
+    report = EngineReport("docker", 1.0, (_c(ips=("10.0.0.2",)), _c(id=OTHER, name="x", ips=("10.0.0.2",))))
+    assert report.by_ip("10.0.0.2") is None
+
+
+DOCKER_INSPECT = {
+    "Id": CID,
+    "Name": "/vllm-a",
+    "State": {"Status": "running", "Running": True, "Restarting": False, "Pid": 4242, "ExitCode": 0,
+              "StartedAt": "2026-12-01T08:00:00Z", "FinishedAt": "0001-01-01T00:00:00Z"},
+    "HostConfig": {"RestartPolicy": {"Name": "unless-stopped"}, "NetworkMode": "bridge"},
+    "NetworkSettings": {"IPAddress": "172.17.0.2", "Networks": {"bridge": {"IPAddress": "172.17.0.2"}},
+                        "Ports": {"8000/tcp": [{"HostIp": "0.0.0.0", "HostPort": "8001"}, {"HostIp": "::", "HostPort": "8001"}]}},
+    "Config": {"Env": ["PATH=/usr/bin"], "Cmd": ["vllm", "serve", "m", "--gpu-memory-utilization", "0.74"]},
+    "Args": ["serve", "m", "--gpu-memory-utilization", "0.74"],
+}
+
+
+def test_the_helpers_report_round_trips():
+    row = normalize(DOCKER_INSPECT)
+    report = parse_report(json.dumps({"engine": "docker", "at_wall": 5.0, "containers": [row]}).encode(), "docker")
+    assert report.error is None
+    c = report.by_name("vllm-a")
+    assert c is not None and c.id == CID and c.ips == ("172.17.0.2",) and c.host_ports == (8001,)
+    assert c.fraction == "0.74" and c.restart_policy == "unless-stopped" and c.pid == 4242
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [
+        b"[" * 100_000,
+        b"not json",
+        json.dumps({"engine": "podman", "at_wall": 1, "containers": []}).encode(),  # another engine's
+        json.dumps({"engine": "docker", "at_wall": "x", "containers": []}).encode(),
+        json.dumps({"engine": "docker", "at_wall": 1, "containers": [{"id": 5}]}).encode(),
+        json.dumps({"engine": "docker", "at_wall": 1, "containers": [{"id": "x", "name": "a\nb"}]}).encode(),
+        json.dumps({"engine": "docker", "at_wall": 1, "containers": [{"id": "x", "running": "yes"}]}).encode(),
+        json.dumps({"engine": "docker", "at_wall": 1, "containers": [{}] * 600}).encode(),
+    ],
+)
+def test_a_report_guardian_cannot_read_is_an_error_not_a_crash(doc):
+    report = parse_report(doc, "docker")
+    assert report.error is not None and report.containers == ()
+
+
+def test_config_unitless_docker_container():
+    cfg = Config.model_validate(
+        {"replicas": [{"name": "a", "container": "vllm-a", "url": "http://127.0.0.1:8001", "model": "m"}]}
+    )
+    r = cfg.replicas[0]
+    assert r.unit == "docker:vllm-a" and r.unitless
+
+
+@pytest.mark.parametrize(
+    "replica, words",
+    [
+        ({"name": "a", "container": "vllm-a", "engine": "podman"}, "Podman container needs the unit"),
+        ({"name": "a", "unit": "docker:vllm-a"}, "not a systemd service"),
+        ({"name": "a", "unit": "docker:x", "container": "vllm-a"}, "not a systemd service"),
+        ({"name": "a", "unit": "x.service", "container": "-bad"}, "container name"),
+        ({"name": "a", "unit": "x.service", "container": "a/b"}, "container name"),
+        ({"name": "a", "unit": "x.service", "container": "a", "engine": "lxc"}, "engine"),
+    ],
+)
+def test_config_refuses_bad_container_replicas(tmp_path, replica, words):
+    body = {**replica, "url": "http://127.0.0.1:8001", "model": "m"}
+    lines = "\n".join(f"{k} = {json.dumps(v)}" for k, v in body.items())
+    path = tmp_path / "g.toml"
+    path.write_text(f"[[replicas]]\n{lines}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert words in str(e.value)
+
+
+def test_polkit_grants_the_helpers_of_configured_containers_only():
+    cfg = Config.model_validate(
+        {
+            "replicas": [
+                {"name": "a", "container": "vllm-a", "url": "http://127.0.0.1:8001", "model": "m"},
+                {"name": "p", "unit": "vllm-p.service", "container": "vllm-p", "engine": "podman",
+                 "url": "http://127.0.0.1:8002", "model": "m"},
+                {"name": "n", "unit": "vllm-n.service", "url": "http://127.0.0.1:8003", "model": "m"},
+            ]
+        }
+    )
+    assert polkit.helper_units(cfg) == [
+        "guardian-container@inspect:a.service",
+        "guardian-container@inspect:p.service",
+        "guardian-container@kill:a.service",
+        "guardian-container@kill:p.service",
+        "guardian-container@restart:a.service",  # only the unit-less one is restarted by the helper
+    ]
+    rule = polkit.render(cfg, "/etc/guardian/guardian.toml")
+    assert '"docker:vllm-a"' not in rule  # not a unit: never granted a systemd verb
+    assert '["vllm-n.service", "vllm-p.service"]' in rule
+
+
+def _helper_config(tmp_path):
+    path = tmp_path / "g.toml"
+    path.write_text(
+        '[[replicas]]\nname = "a"\ncontainer = "vllm-a"\nurl = "http://127.0.0.1:8001"\nmodel = "m"\n'
+        '[[replicas]]\nname = "p"\nunit = "vllm-p.service"\ncontainer = "vllm-p"\nengine = "podman"\n'
+        'url = "http://127.0.0.1:8002"\nmodel = "m"\n'
+        '[[replicas]]\nname = "n"\nunit = "vllm-n.service"\nurl = "http://127.0.0.1:8003"\nmodel = "m"\n'
+    )
+    return path
+
+
+@pytest.mark.parametrize(
+    "instance, words",
+    [
+        ("inspect", "is not VERB:REPLICA"),
+        ("stop:a", "is not VERB:REPLICA"),
+        ("kill:nobody", "is not a configured container replica"),
+        ("kill:n", "is not a configured container replica"),  # a native replica has no container to kill
+        ("restart:p", "guardian restarts that unit, not the container"),
+    ],
+)
+def test_the_helper_refuses_what_the_config_does_not_name(tmp_path, capsys, instance, words):
+    from guardian import engine_helper
+
+    assert engine_helper.main(instance, _helper_config(tmp_path)) == 2
+    assert words in capsys.readouterr().err
+
+
+def test_the_helper_refuses_a_broken_config(tmp_path, capsys):
+    from guardian import engine_helper
+
+    path = tmp_path / "g.toml"
+    path.write_text("[[replicas]\n")
+    assert engine_helper.main("kill:a", path) == 2
+    assert "g.toml" in capsys.readouterr().err
