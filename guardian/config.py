@@ -131,8 +131,8 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
-# A container's name as Docker and Podman accept it ([a-zA-Z0-9][a-zA-Z0-9_.-]*).
-_CONTAINER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+# A container's name as Docker accepts it ([a-zA-Z0-9][a-zA-Z0-9_.-]+: two characters at least).
+_CONTAINER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{1,127}")
 
 
 class ReplicaConfig(_Strict):
@@ -169,8 +169,8 @@ class ReplicaConfig(_Strict):
     def _container_name(cls, v: str | None) -> str | None:
         if v is not None and not _CONTAINER_NAME.fullmatch(v):
             raise ValueError(
-                f"must be a container name as Docker and Podman write it (a letter or digit, then letters, digits, "
-                f"'_', '.', '-'; at most 128 characters; got {v!r})"
+                f"must be a container name as Docker and Podman write it (a letter or digit, then at least one of "
+                f"letters, digits, '_', '.', '-'; at most 128 characters; got {v!r})"
             )
         return v
 

@@ -240,14 +240,18 @@ def podman_unit(name: str, host_port: int, model: str = "sim-model", sim_args: s
         EnvironmentFile=-/var/lib/guardian/replicas/NAME.env
         Restart=always
 
-    Quadlet 4.4's keys in its order (Environment=PODMAN_SYSTEMD_UNIT, KillMode=mixed, ExecStop and
-    ExecStopPost ``podman rm -f -i --cidfile``, Delegate=yes, Type=notify, NotifyAccess=all,
-    SyslogIdentifier=%N, RequiresMountsFor=%t/containers; ``run --cidfile --replace --rm --log-driver
-    passthrough --cgroups=split --sdnotify=conmon -d``), plus the cidfile removal before start and after stop
-    that ``podman generate systemd --new`` writes (4.3 refuses to start over a stale cidfile). Two departures,
-    both forced by this box: no ``--runtime crun`` (4.4 wrote it; crun cannot run here, see the module's
-    docstring: containers.conf makes runc the runtime), and Quadlet's default name would be systemd-%N
-    where the field names containers itself (ContainerName=NAME)."""
+    The keys of Quadlet's early (4.4-4.6) output, as recalled from its source, not checked against a 4.4
+    install (none here: Debian 12 ships 4.3, without Quadlet): Environment=PODMAN_SYSTEMD_UNIT=%n,
+    KillMode=mixed, ExecStop and ExecStopPost ``podman rm -f -i --cidfile=%t/%N.cid``, Delegate=yes,
+    Type=notify, NotifyAccess=all, SyslogIdentifier=%N, RequiresMountsFor=%t/containers, and ``run --cidfile
+    --replace --rm --log-driver passthrough --cgroups=split --sdnotify=conmon -d``; plus the cidfile removal
+    before start and after stop that ``podman generate systemd --new`` writes (a crash leaves a
+    stale cidfile: `run --cidfile` fails when the file exists). Checked against current upstream quadlet.go (podman 5): same Delegate/KillMode/Type/
+    NotifyAccess/--replace --rm --cgroups=split --sdnotify=conmon -d, but ExecStop/ExecStopPost are
+    ``podman rm -v -f -i NAME`` (no cidfile) and no ``--runtime``. Departures, forced by this box: no
+    ``--runtime crun`` (early Quadlet wrote it; crun cannot run here, see the module's docstring: containers.conf
+    makes runc the runtime), and the container is named NAME (ContainerName=NAME) where Quadlet's default
+    is systemd-%N."""
     env, fraction_arg = _env_lines(name, fraction, wired)
     sim = sim_command(model, "0.0.0.0", CONTAINER_PORT, fraction_arg=fraction_arg, load_time_s=load_time_s,
                       sim_args=sim_args)

@@ -32,7 +32,10 @@ PACKAGES = ["systemd", "systemd-sysv", "dbus", "python3", "libpam-systemd", "pol
 # Installed for the monitoring, proxy, fleet and container tests, which start them with their own config; off at
 # every boot.
 DISABLED_AT_BOOT = ["prometheus.service", "prometheus-node-exporter.service", "nginx.service", "etcd.service",
-                    "docker.service", "docker.socket", "containerd.service"]
+                    "docker.service", "docker.socket", "containerd.service",
+                    # Debian enables these; on the box's overlayfs root they fail at boot (tests/engines.py)
+                    "podman.service", "podman.socket", "podman-restart.service", "podman-auto-update.service",
+                    "podman-auto-update.timer"]
 sys.path.insert(0, str(REPO / "packaging"))
 from deps import runtime_deps  # noqa: E402  (the one dependency list: pyproject.toml)
 

@@ -266,10 +266,11 @@ def test_config_unitless_docker_container():
     [
         ({"name": "a", "container": "vllm-a", "engine": "podman"}, "Podman container needs the unit"),
         ({"name": "a", "unit": "docker:vllm-a"}, "not a systemd service"),
-        ({"name": "a", "unit": "docker:x", "container": "vllm-a"}, "not a systemd service"),
+        ({"name": "a", "unit": "docker:xy", "container": "vllm-a"}, "not a systemd service"),
         ({"name": "a", "unit": "x.service", "container": "-bad"}, "container name"),
         ({"name": "a", "unit": "x.service", "container": "a/b"}, "container name"),
-        ({"name": "a", "unit": "x.service", "container": "a", "engine": "lxc"}, "engine"),
+        ({"name": "a", "unit": "x.service", "container": "x"}, "container name"),  # docker: two characters at least
+        ({"name": "a", "unit": "x.service", "container": "ab", "engine": "lxc"}, "engine"),
     ],
 )
 def test_config_refuses_bad_container_replicas(tmp_path, replica, words):
