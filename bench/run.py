@@ -33,7 +33,8 @@ from world import PROXY, Replica, World  # noqa: E402
 from guardian.observe.meminfo import sample_memory  # noqa: E402  (the one MemAvailable reader)
 
 GiB = 2**30
-PARTS = ("detection", "false", "prefill", "stall", "cost", "many", "conns", "memory", "scrape", "clients", "fleet")
+PARTS = ("detection", "false", "prefill", "stall", "cost", "many", "conns", "memory", "scrape", "clients", "fleet",
+         "containers")
 # between-steps-fresh: between-steps with guardian started 20 s before the fault with nothing learned
 FAULTS = ("frozen", "dead-200", "stalled", "between-steps", "between-steps-fresh", "idle-dead")
 BASELINE = "baseline-prober"
@@ -180,6 +181,67 @@ class Bench:
                 if rec_s is not None:
                     rec.values.append(rec_s)
         return g, k, rec, stop
+
+    def containers(self, trials: int) -> dict:
+        """Per shape (a native unit, and the README's container shapes under real dockerd and podman),
+        a frozen replica (SIGSTOP): freeze -> restart decision, decision -> the frozen process gone,
+        decision -> the new one serving /health. guardian's defaults but backoff_s = 0 (trials in a row)."""
+        from engines import cleanup, start_engines
+        from test_system_containers import MODEL, SHAPES, restarts, watch_gone
+
+        engines = start_engines(self.box)
+        w = self.world
+        w.teardown()  # the detection world (a, b) is not needed here
+        out: dict = {}
+
+        def native(box):
+            r = Replica("na", 8051, model=MODEL)
+            w.install_replica(r)
+            box.daemon_reload()
+            box.systemctl("enable", "--now", r.unit)
+            return {"name": "na", "unit": r.unit}, "", "", 8051
+
+        for shape, setup in (("native", native), *SHAPES.items()):
+            replica, engine, name, port = setup(self.box)
+            wait_for(lambda: self.box.http(f"http://127.0.0.1:{port}/health", timeout_s=2)[0] == 200, 60, shape)
+            replica = {**replica, "url": f"http://127.0.0.1:{port}", "model": MODEL}
+            lines = ["backoff_s = 0", "[[replicas]]"] + [f"{k} = {json.dumps(v)}" for k, v in replica.items()]
+            self.box.write("/etc/guardian/guardian.toml", "[watchdog]\n" + "\n".join(lines) + "\n")
+            self.box.systemctl("restart", "guardian.service")
+            detect, gone, serve = Series(window_s=90), Series(window_s=30), Series(window_s=120)
+            for i in range(trials):
+                wait_for(lambda: w.states().get(replica["name"]) == "healthy", 120, f"{shape} healthy")
+                self.box.run(["guardian", "resume", replica["name"]])
+                pid = engines.sim_pid(engine, name) if engine else w.main_pid(replica["unit"])
+                self.box.run(["rm", "-f", "/run/gone.txt"])
+                watch_gone(w, pid)
+                t0 = time.time()
+                self.box.run(["kill", "-STOP", str(pid)])
+                try:
+                    line = wait_for(lambda: next((e for e in restarts(w, replica["name"])
+                                                  if int(e["__REALTIME_TIMESTAMP"]) / 1e6 >= t0), None), 90, "decision")
+                except AssertionError:
+                    detect.missed += 1
+                    continue
+                decided = int(line["__REALTIME_TIMESTAMP"]) / 1e6
+                detect.values.append(decided - t0)
+                gone_at = float(wait_for(lambda: self.box.run(["cat", "/run/gone.txt"], check=False).stdout.strip(),
+                                         30, "the frozen process gone"))
+                gone.values.append(gone_at - decided)
+
+                def new_serving():
+                    now_pid = engines.sim_pid(engine, name) if engine else w.main_pid(replica["unit"])
+                    return now_pid not in (0, pid) and self.box.http(replica["url"] + "/health", timeout_s=2)[0] == 200
+                wait_for(new_serving, 120, f"{shape} serving again", interval_s=0.1)
+                serve.values.append(time.time() - decided)
+                self.say(f"  {shape} trial {i + 1}: decision {decided - t0:.1f} s, gone +{gone_at - decided:.2f} s, "
+                         f"serving +{serve.values[-1]:.1f} s")
+            out[shape] = (detect, gone, serve)
+            self.box.systemctl("stop", "guardian.service")
+            cleanup(self.box)
+            self.box.run(["docker", "rm", "-f", "vllm-c"], check=False)
+            self.box.systemctl("disable", "--now", "vllm-na.service", check=False)
+        return out
 
     def new_process_after(self, t0: float) -> float | None:
         """guardian's restart decision (its journal line) -> replica a's new main process started."""
@@ -656,7 +718,8 @@ def main() -> int:
                                 ("memory", "memory guard", lambda: b.memory(trials)),
                                 ("scrape", "metrics endpoint", lambda: b.scrape(cost_s / 5)),
                                 ("clients", "what clients see through nginx", lambda: b.clients(1 if args.quick else 3)),
-                                ("fleet", "a fleet of 8 boxes on etcd", lambda: b.fleet(20 if args.quick else 120))):
+                                ("fleet", "a fleet of 8 boxes on etcd", lambda: b.fleet(20 if args.quick else 120)),
+                                ("containers", "replicas in containers", lambda: b.containers(max(1, min(trials, 5))))):
             if part in parts:
                 b.say(what)
                 results[part] = run()
@@ -682,6 +745,8 @@ def save(raw: Path, results: dict, args, started: float) -> None:
 def _json(v):
     if isinstance(v, Series):
         return {"series": asdict(v)}
+    if isinstance(v, dict):
+        return {k: _json(x) for k, x in v.items()}
     if isinstance(v, (tuple, list)):
         return [_json(x) for x in v]
     return v
@@ -690,6 +755,8 @@ def _json(v):
 def _unjson(v):
     if isinstance(v, dict) and set(v) == {"series"}:
         return Series(**v["series"])
+    if isinstance(v, dict):
+        return {k: _unjson(x) for k, x in v.items()}
     if isinstance(v, list):
         return tuple(_unjson(x) for x in v)
     return v
@@ -783,6 +850,7 @@ def write_report(path: Path, r: dict, quick: bool, took_s: float, date: str | No
         *_scrape_lines(r.get("scrape")),
         *_clients_lines(r.get("clients")),
         *_fleet_lines(r.get("fleet")),
+        *_containers_lines(r.get("containers")),
         "## Recovery",
         "",
         "replica serving again (its 'Application startup complete.') -> guardian reports it healthy, after "
@@ -793,6 +861,26 @@ def write_report(path: Path, r: dict, quick: bool, took_s: float, date: str | No
     ]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines))
+
+
+def _containers_lines(c: dict | None) -> list[str]:
+    if not c:
+        return []
+    rows = [f"| {shape} | {d.cell()} | {g.cell()} | {s.cell()} |" for shape, (d, g, s) in c.items()]
+    return [
+        "## Replicas in containers",
+        "",
+        "One run, each shape in turn, the simulator frozen with SIGSTOP (guardian's defaults, backoff_s = 0 so "
+        "that trials follow each other): native is a plain unit; docker-p and podman are the README's units "
+        "for NVIDIA's `docker run` and for Podman (Quadlet's shape), docker-host is `docker run --network host` "
+        "in a unit, unitless is the README's `docker run -d --restart unless-stopped` with no unit (restarted by "
+        "the root helper). Real dockerd 20.10 and podman 4.3 in the booted box. Median / p95 (n).",
+        "",
+        "| shape | freeze -> restart decision | decision -> frozen process gone | decision -> new one serving /health |",
+        "|---|---|---|---|",
+        *rows,
+        "",
+    ]
 
 
 def _stall_lines(st) -> list[str]:
