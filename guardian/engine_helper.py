@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -120,13 +122,62 @@ def inspect(r: ReplicaConfig) -> int:
     return 1 if "error" in report else 0
 
 
-def kill(r: ReplicaConfig) -> int:
+_RFC3339 = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d+))?(Z|[+-]\d\d:\d\d)$")
+
+
+def started_wall(text: str) -> float | None:
+    """An engine's State.StartedAt (RFC 3339, nanoseconds) as epoch seconds, or None."""
+    m = _RFC3339.match(text.strip())
+    if m is None:
+        return None
+    zone = "+00:00" if m.group(3) == "Z" else m.group(3)
+    try:
+        return datetime.fromisoformat(f"{m.group(1)}.{(m.group(2) or '0')[:6]:0<6}{zone}").timestamp()
+    except ValueError:
+        return None
+
+
+def _started_before(runtime_dir: Path, r: ReplicaConfig) -> float | None:
+    try:
+        with open(runtime_dir / f"kill-{r.name}.json", "rb") as f:
+            doc = json.loads(f.read(4096))
+        value = doc.get("started_before") if isinstance(doc, dict) else None
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    except (OSError, ValueError):
+        return None
+
+
+def kill(r: ReplicaConfig, runtime_dir: Path) -> int:
+    """SIGKILL the container guardian judged hung: the one of this name that started before
+    guardian's decision (kill-REPLICA.json in guardian's runtime directory), never a newer one
+    that the unit's own restart has started meanwhile under the same name. Killed by id, so a
+    replacement between the look and the kill is not hit either."""
     assert r.container is not None
-    got = _run([_engine(r), "kill", "--signal", "KILL", r.container])
+    engine = _engine(r)
+    looked = _run([engine, "inspect", r.container])
+    try:
+        rows = json.loads(looked.stdout or "[]")
+        row = rows[0] if rows and isinstance(rows[0], dict) else {}
+    except ValueError:
+        row = {}
+    state = row.get("State") or {}
+    if not row or not state.get("Running"):
+        print(f"{r.container}: not running: nothing to kill")
+        return 0
+    before = _started_before(runtime_dir, r)
+    started = started_wall(str(state.get("StartedAt", "")))
+    if before is not None and started is not None and started >= before:
+        print(
+            f"{r.container} ({str(row.get('Id', ''))[:12]}) started after guardian's decision: "
+            "it is the new one, left alone"
+        )
+        return 0
+    cid = str(row.get("Id", ""))
+    got = _run([engine, "kill", "--signal", "KILL", cid])
     if got.returncode != 0 and "is not running" not in got.stderr and "no such container" not in got.stderr.lower():
-        print(f"{r.engine} kill {r.container} failed: {got.stderr.strip()}", file=sys.stderr)
+        print(f"{r.engine} kill {r.container} ({cid[:12]}) failed: {got.stderr.strip()}", file=sys.stderr)
         return 1
-    print(f"{r.container}: killed (SIGKILL)" if got.returncode == 0 else f"{r.container}: was not running")
+    print(f"{r.container} ({cid[:12]}): killed (SIGKILL)" if got.returncode == 0 else f"{r.container}: was not running")
     return 0
 
 
@@ -171,7 +222,9 @@ def main(instance: str, config_path: Path) -> int:
         )
         return 2
     try:
-        return {"inspect": inspect, "kill": kill, "restart": restart}[verb](r)
+        if verb == "kill":
+            return kill(r, cfg.runtime_dir)
+        return {"inspect": inspect, "restart": restart}[verb](r)
     except (OSError, RuntimeError, subprocess.TimeoutExpired) as e:
         print(f"guardian container {instance}: {e}", file=sys.stderr)
         return 1

@@ -341,3 +341,21 @@ def test_the_helper_refuses_a_broken_config(tmp_path, capsys):
     path.write_text("[[replicas]\n")
     assert engine_helper.main("kill:a", path) == 2
     assert "g.toml" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "text, wall",
+    [
+        ("2026-12-01T09:59:13.366949123Z", 1796119153.366949),  # docker: nanoseconds
+        ("2026-12-01T10:59:13.5+01:00", 1796119153.5),  # podman's JSON: an offset
+        ("2026-12-01T09:59:13Z", 1796119153.0),
+        ("0001-01-01T00:00:00Z", -62135596800.0),  # never started
+        ("yesterday", None),
+        ("", None),
+    ],
+)
+def test_an_engines_start_time(text, wall):
+    from guardian.engine_helper import started_wall
+
+    got = started_wall(text)
+    assert got == wall if wall is None else got == pytest.approx(wall, abs=1e-6)

@@ -151,6 +151,10 @@ def test_a_frozen_container_replica_is_restarted_alone_and_serves_again(cw, engi
     cw.wait_states({replica["name"]: "healthy"}, timeout_s=40)
     assert len(containers_named(cw, engine, name)) == 1, containers_named(cw, engine, name)
     assert len(restarts(cw, replica["name"])) == 1
+    if "unit" in replica:
+        # The new container was never hit by the kill meant for the old one (it would have died,
+        # and systemd's own Restart= would have counted it).
+        assert cw.box.prop(replica["unit"], "NRestarts") == "0"
     lines = cw.guardian_messages(f"GUARDIAN_REPLICA={replica['name']}")
     assert any("restarted" in m or "restart job" in m for m in lines), lines
 

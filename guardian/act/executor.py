@@ -6,6 +6,7 @@ again on a fresh view right before the restart call, is the core's own pure func
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -124,6 +125,12 @@ async def checked_restart(
         )
 
     async def kill_container() -> bool:
+        # The helper kills only the container that started before this: the unit's own restart
+        # may start a new one under the same name before the helper gets to it.
+        try:
+            atomic_write(cfg.runtime_dir / f"kill-{r.name}.json", json.dumps({"started_before": issued.wall}).encode())
+        except OSError as e:
+            journal.send(Priority.ERROR, f"replica {r.name}: cannot write {cfg.runtime_dir}/kill-{r.name}.json: {e}")
         result = await run_helper(sd, "kill", r.name)
         if result != JOB_DONE:
             journal.line(
