@@ -210,8 +210,8 @@ class Bench:
             self.box.systemctl("restart", "guardian.service")
             detect, gone, serve = Series(window_s=90), Series(window_s=30), Series(window_s=120)
             for i in range(trials):
+                self.box.run(["guardian", "resume", replica["name"]])  # a fresh budget; as clean() does, before
                 wait_for(lambda: w.states().get(replica["name"]) == "healthy", 120, f"{shape} healthy")
-                self.box.run(["guardian", "resume", replica["name"]])
                 pid = engines.sim_pid(engine, name) if engine else w.main_pid(replica["unit"])
                 self.box.run(["rm", "-f", "/run/gone.txt"])
                 watch_gone(w, pid)
