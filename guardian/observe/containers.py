@@ -145,14 +145,25 @@ class Seen:
     via: str = ""
 
 
+def _is_proxy_for(pid: int, port: int) -> bool:
+    argv = _cmdline(pid)
+    return bool(argv) and argv[0].rsplit("/", 1)[-1] == "docker-proxy" and _option(argv, "-host-port") == str(port)
+
+
+_PROXIES: dict[int, int] = {}  # port -> the docker-proxy last found for it (checked again before use)
+
+
 def _docker_proxy(port: int) -> int | None:
     """The docker-proxy process that forwards host port PORT (docker.service holds many processes:
-    the socket's cgroup alone does not say which). Command lines are world-readable."""
+    the socket's cgroup alone does not say which). Command lines are world-readable; every one is
+    read only when the last one found for PORT is gone."""
+    known = _PROXIES.get(port)
+    if known is not None and _is_proxy_for(known, port):
+        return known
+    _PROXIES.pop(port, None)
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        argv = _cmdline(int(entry.name))
-        if argv and argv[0].rsplit("/", 1)[-1] == "docker-proxy" and _option(argv, "-host-port") == str(port):
+        if entry.name.isdigit() and _is_proxy_for(int(entry.name), port):
+            _PROXIES[port] = int(entry.name)
             return int(entry.name)
     return None
 
