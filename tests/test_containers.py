@@ -192,7 +192,9 @@ def _replica():
         (Seen(ip="172.17.0.9", via="docker-proxy"), None, False),  # not in the report: not recognised
         (Seen(container_id=CID, via="scope"), "vllm-a", True),
         (Seen(container_id=OTHER, via="scope"), "stray", False),
-        (Seen(name="vllm-a", via="conmon"), "vllm-a", True),
+        # conmon's command line names a container but is its own word: a stray, however named
+        (Seen(name="vllm-a", via="conmon"), "vllm-a", False),
+        (Seen(name="stray", via="conmon"), "stray", False),
     ],
 )
 def test_the_holder_is_the_replicas_own_container_or_named(seen, name, own):

@@ -218,29 +218,31 @@ async def checked_restart(
         )
         return RestartOutcome(r.unit, f"error: {e}", clock().wall)
     elapsed = clock().mono - issued.mono
-    if result == JOB_DONE:
-        journal.line(
-            LogLine(
-                Priority.INFO,
-                f"replica {r.name}: restart job of {r.unit} done in {elapsed:.1f} s{kill_note} ({why}); "
-                "waiting for it to serve",
-                Decision.RESTARTED,
-                r.name,
-                r.unit,
-            )
+    return _said(
+        journal,
+        r,
+        result,
+        f"restart job of {r.unit} done in {elapsed:.1f} s{kill_note} ({why})",
+        f"restart job of {r.unit} ended with '{result}' after {elapsed:.1f} s; see journalctl -u {r.unit}",
+        clock,
+    )
+
+
+def _said(
+    journal: Journal, r: ReplicaConfig, result: str, done: str, failed: str, clock: Callable[[], Now]
+) -> RestartOutcome:
+    """The restart's end, one line at the priority it deserves, as the outcome for the next tick."""
+    ok = result == JOB_DONE
+    journal.line(
+        LogLine(
+            Priority.INFO if ok else Priority.ERROR,
+            f"replica {r.name}: " + (f"{done}; waiting for it to serve" if ok else failed),
+            Decision.RESTARTED if ok else Decision.RESTART_FAILED,
+            r.name,
+            r.unit,
         )
-    else:
-        journal.line(
-            LogLine(
-                Priority.ERROR,
-                f"replica {r.name}: restart job of {r.unit} ended with '{result}' after "
-                f"{elapsed:.1f} s; see journalctl -u {r.unit}",
-                Decision.RESTART_FAILED,
-                r.name,
-                r.unit,
-            )
-        )
-    return RestartOutcome(r.unit, result, clock().wall, issued=True, ok=result == JOB_DONE)
+    )
+    return RestartOutcome(r.unit, result, clock().wall, issued=True, ok=ok)
 
 
 async def _restart_unitless(
@@ -251,29 +253,15 @@ async def _restart_unitless(
     helper = helper_unit("restart", r.name)
     result = await run_helper(sd, "restart", r.name)
     elapsed = clock().mono - issued.mono
-    if result == JOB_DONE:
-        journal.line(
-            LogLine(
-                Priority.INFO,
-                f"replica {r.name}: container {r.container} restarted in {elapsed:.1f} s by {helper} "
-                f"(docker restart --time 0: its processes were killed at once) ({why}); waiting for it to serve",
-                Decision.RESTARTED,
-                r.name,
-                r.unit,
-            )
-        )
-    else:
-        journal.line(
-            LogLine(
-                Priority.ERROR,
-                f"replica {r.name}: restart of container {r.container} ended with '{result}' after {elapsed:.1f} s; "
-                f"see journalctl -u {helper}",
-                Decision.RESTART_FAILED,
-                r.name,
-                r.unit,
-            )
-        )
-    return RestartOutcome(r.unit, result, clock().wall, issued=True, ok=result == JOB_DONE)
+    return _said(
+        journal,
+        r,
+        result,
+        f"container {r.container} restarted in {elapsed:.1f} s by {helper} "
+        f"(docker restart --time 0: its processes were killed at once) ({why})",
+        f"restart of container {r.container} ended with '{result}' after {elapsed:.1f} s; see journalctl -u {helper}",
+        clock,
+    )
 
 
 class Executor:

@@ -25,6 +25,7 @@ from ..core.container import (
     helper_unit,
     synthetic_unit,
 )
+from ..core.observations import UnitInfo
 from ..core.vocab import HeldBy, PortOwner
 from .readback import Refused, read_back
 from .systemd import JOB_DONE, Systemd, SystemdError
@@ -145,9 +146,23 @@ class Seen:
     via: str = ""
 
 
+def _in_docker_service(pid: int) -> bool:
+    """PID is in docker.service's cgroup: a command line anyone can forge, a cgroup only root can set."""
+    try:
+        with open(f"/proc/{pid}/cgroup") as f:
+            return any(line.rstrip("\n").endswith("/docker.service") for line in f)
+    except OSError:
+        return False
+
+
 def _is_proxy_for(pid: int, port: int) -> bool:
     argv = _cmdline(pid)
-    return bool(argv) and argv[0].rsplit("/", 1)[-1] == "docker-proxy" and _option(argv, "-host-port") == str(port)
+    return (
+        bool(argv)
+        and argv[0].rsplit("/", 1)[-1] == "docker-proxy"
+        and _option(argv, "-host-port") == str(port)
+        and _in_docker_service(pid)
+    )
 
 
 _PROXIES: dict[int, int] = {}  # port -> the docker-proxy last found for it (checked again before use)
@@ -197,7 +212,10 @@ def resolve(owner: HeldBy, r: ReplicaConfig, seen: Seen, report: EngineReport | 
         elif seen.ip is not None:
             found = report.by_ip(seen.ip)
     name = found.name if found is not None else seen.name
-    return replace(owner, container=name, own_container=name is not None and name == r.container, via=seen.via)
+    # Only the engine's report makes a holder the replica's own: a command line (conmon's -n) is
+    # the process's own word, which any user's process can forge; it only names a stray.
+    own = found is not None and found.name == r.container
+    return replace(owner, container=name, own_container=own, via=seen.via)
 
 
 def _known(seen: Seen, report: EngineReport | None) -> bool:
@@ -256,24 +274,22 @@ class ContainerWatch:
             return None
         return f"docker-{c.id}.scope" if r.engine == "docker" else f"libpod-{c.id}.scope"
 
-    async def unitless_view(self, r: ReplicaConfig) -> tuple[Any, str | None]:
+    async def _scope_info(self, r: ReplicaConfig) -> UnitInfo | None:
+        scope = self.scope_of(r)
+        if scope is None:
+            return None
+        try:
+            return await self.sd.unit_info(scope)
+        except SystemdError:
+            return None
+
+    async def unitless_view(self, r: ReplicaConfig) -> tuple[UnitInfo | None, str | None]:
         """A unit-less container as a UnitInfo (core/container.synthetic_unit), or why not."""
         report = self.reports.get(r.name) or await self.refresh(r)
-        scope_info = None
-        scope = self.scope_of(r)
-        if scope is not None:
-            try:
-                scope_info = await self.sd.unit_info(scope)
-            except SystemdError:
-                scope_info = None
+        scope_info = await self._scope_info(r)
         if scope_info is None or not scope_info.active_state.running:
             report = await self.refresh(r)  # stopped, restarting or replaced: ask (at most every REFRESH_S)
-            scope = self.scope_of(r)
-            if scope is not None:
-                try:
-                    scope_info = await self.sd.unit_info(scope)
-                except SystemdError:
-                    scope_info = None
+            scope_info = await self._scope_info(r)
         if report is None or report.error is not None:
             return None, (report.error if report is not None else "the container helper has not reported yet")
         assert r.container is not None
