@@ -135,6 +135,9 @@ class _Strict(BaseModel):
 _CONTAINER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{1,127}")
 
 
+_ENGINE_UNITS = frozenset({"docker.service", "containerd.service", "podman.service"})
+
+
 class ReplicaConfig(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", min_length=1, max_length=64)
     # The systemd unit that serves the replica. Left out only for a Docker container kept by its
@@ -198,6 +201,11 @@ class ReplicaConfig(_Strict):
     def _unit_is_service(cls, v: str) -> str:
         if v.startswith("docker:") and _CONTAINER_NAME.fullmatch(v[len("docker:") :]):
             return v  # set by _unitless_container; compared with `container` in _unitless_matches
+        if v in _ENGINE_UNITS:
+            raise ValueError(
+                f"{v} is a container engine's own unit: restarting or killing it would take down every container "
+                "of the box; name the replica's own unit, or leave `unit` out for a container that no unit runs"
+            )
         if len(v) > 255 or not _UNIT_NAME.fullmatch(v):
             raise ValueError(
                 f"must be a systemd service unit name (letters, digits, ':', '-', '_', '.', '\\', an optional "
@@ -363,6 +371,11 @@ class ProxyConfig(_Strict):
     @field_validator("nginx_unit", "nginx_check_unit")
     @classmethod
     def _unit(cls, v: str) -> str:
+        if v in _ENGINE_UNITS:
+            raise ValueError(
+                f"{v} is a container engine's own unit: restarting or killing it would take down every container "
+                "of the box; name the replica's own unit, or leave `unit` out for a container that no unit runs"
+            )
         if len(v) > 255 or not _UNIT_NAME.fullmatch(v):
             raise ValueError(f"must be a systemd service unit name ending in '.service' (got {v!r})")
         return v

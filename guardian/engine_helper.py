@@ -7,7 +7,7 @@ root in that unit. It reads the replica from guardian's own config, never from i
 so a name nobody configured reaches no container. Verbs:
 
 - inspect: write every container the engine knows (at most MAX_CONTAINERS) to
-  /run/guardian/containers/REPLICA.json, for guardian to tell its replica's container from a
+  /run/guardian-containers/REPLICA.json (root's own directory), for guardian to tell its replica's container from a
   stray one holding the port, and to see a unit-less container's state;
 - kill: SIGKILL the replica's container (a hung replica; its unit's restart then replaces it);
 - restart: restart a unit-less Docker container at once (`docker restart --time 0`), only if it
@@ -17,6 +17,7 @@ Exit 0: done; 1: the engine failed (its words on stderr, in the unit's journal);
 
 from __future__ import annotations
 
+import grp
 import json
 import os
 import re
@@ -31,7 +32,9 @@ from typing import Any
 from .config import Config, ConfigError, ReplicaConfig, load_config
 from .core.container import MAX_CONTAINERS
 
-REPORT_DIR = Path("/run/guardian/containers")
+# Root's own directory (the helper unit's RuntimeDirectory=): not under guardian's /run/guardian,
+# where guardian's user could put a link for root to follow.
+REPORT_DIR = Path("/run/guardian-containers")
 ENGINE_TIMEOUT_S = 30.0
 VERBS = ("inspect", "kill", "restart")
 
@@ -114,11 +117,18 @@ def inspect(r: ReplicaConfig) -> int:
                 report["containers"] = [normalize(c) for c in rows if isinstance(c, dict)]
             except (ValueError, TypeError, KeyError) as e:
                 report["error"] = f"`{r.engine} inspect` printed what guardian cannot read: {e}"
-    from .act.state import atomic_write_json  # the one atomic writer (a reader never sees half a report)
+    from .act.state import atomic_write  # the one atomic writer (a reader never sees half a report)
 
-    REPORT_DIR.mkdir(parents=True, exist_ok=True)
-    os.chmod(REPORT_DIR, 0o755)
-    atomic_write_json(REPORT_DIR / f"{r.name}.json", report)
+    REPORT_DIR.mkdir(mode=0o755, exist_ok=True)
+    path = REPORT_DIR / f"{r.name}.json"
+    # Readable by guardian's group only: it lists every container of the box.
+    try:
+        gid = grp.getgrnam("guardian").gr_gid
+    except KeyError:
+        gid = -1
+    atomic_write(path, (json.dumps(report, sort_keys=True) + "\n").encode(), mode=0o640 if gid >= 0 else 0o644)
+    if gid >= 0:
+        os.chown(path, 0, gid, follow_symlinks=False)
     return 1 if "error" in report else 0
 
 
@@ -138,13 +148,27 @@ def started_wall(text: str) -> float | None:
 
 
 def _started_before(runtime_dir: Path, r: ReplicaConfig) -> float | None:
+    """guardian's request, from a directory guardian's user owns: a regular file only, not followed."""
+    from .observe.readback import read_back
+
     try:
-        with open(runtime_dir / f"kill-{r.name}.json", "rb") as f:
-            doc = json.loads(f.read(4096))
+        doc = json.loads(read_back(runtime_dir / f"kill-{r.name}.json", 4096))
         value = doc.get("started_before") if isinstance(doc, dict) else None
         return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-    except (OSError, ValueError):
+    except (OSError, ValueError, OverflowError):
         return None
+
+
+def _inspect_named(engine: str, r: ReplicaConfig) -> dict[str, Any]:
+    """The container of exactly this name (the engines fall back to an id prefix: never that)."""
+    assert r.container is not None
+    looked = _run([engine, "inspect", "--type", "container", r.container])
+    try:
+        rows = json.loads(looked.stdout or "[]")
+    except ValueError:
+        return {}
+    row = rows[0] if isinstance(rows, list) and rows and isinstance(rows[0], dict) else {}
+    return row if str(row.get("Name", "")).lstrip("/") == r.container else {}
 
 
 def kill(r: ReplicaConfig, runtime_dir: Path) -> int:
@@ -154,12 +178,7 @@ def kill(r: ReplicaConfig, runtime_dir: Path) -> int:
     replacement between the look and the kill is not hit either."""
     assert r.container is not None
     engine = _engine(r)
-    looked = _run([engine, "inspect", r.container])
-    try:
-        rows = json.loads(looked.stdout or "[]")
-        row = rows[0] if rows and isinstance(rows[0], dict) else {}
-    except ValueError:
-        row = {}
+    row = _inspect_named(engine, r)
     state = row.get("State") or {}
     if not row or not state.get("Running"):
         print(f"{r.container}: not running: nothing to kill")
@@ -184,14 +203,14 @@ def kill(r: ReplicaConfig, runtime_dir: Path) -> int:
 def restart(r: ReplicaConfig) -> int:
     assert r.container is not None
     engine = _engine(r)
-    state = _run([engine, "inspect", "--format", "{{.State.Running}}", r.container])
-    if state.stdout.strip() != "true":
+    row = _inspect_named(engine, r)
+    state = row.get("State") or {}
+    if not state.get("Running"):
         print(
-            f"{r.container} is not running ({state.stdout.strip() or state.stderr.strip()}): left alone",
-            file=sys.stderr,
+            f"{r.container} is not running ({state.get('Status') or 'no such container'}): left alone", file=sys.stderr
         )
         return 2
-    got = _run([engine, "restart", "--time", "0", r.container])
+    got = _run([engine, "restart", "--time", "0", str(row.get("Id", ""))])
     if got.returncode != 0:
         print(f"{r.engine} restart {r.container} failed: {got.stderr.strip()}", file=sys.stderr)
         return 1

@@ -244,6 +244,7 @@ def test_the_helpers_report_round_trips():
         b"not json",
         json.dumps({"engine": "podman", "at_wall": 1, "containers": []}).encode(),  # another engine's
         json.dumps({"engine": "docker", "at_wall": "x", "containers": []}).encode(),
+        b'{"engine": "docker", "at_wall": 1' + b"0" * 400 + b', "containers": []}',  # float() overflows
         json.dumps({"engine": "docker", "at_wall": 1, "containers": [{"id": 5}]}).encode(),
         json.dumps({"engine": "docker", "at_wall": 1, "containers": [{"id": "x", "name": "a\nb"}]}).encode(),
         json.dumps({"engine": "docker", "at_wall": 1, "containers": [{"id": "x", "running": "yes"}]}).encode(),
@@ -273,6 +274,8 @@ def test_config_unitless_docker_container():
         ({"name": "a", "unit": "x.service", "container": "a/b"}, "container name"),
         ({"name": "a", "unit": "x.service", "container": "x"}, "container name"),  # docker: two characters at least
         ({"name": "a", "unit": "x.service", "container": "ab", "engine": "lxc"}, "engine"),
+        ({"name": "a", "unit": "docker.service", "container": "ab"}, "container engine's own unit"),
+        ({"name": "a", "unit": "podman.service"}, "container engine's own unit"),
     ],
 )
 def test_config_refuses_bad_container_replicas(tmp_path, replica, words):

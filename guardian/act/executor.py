@@ -6,7 +6,9 @@ again on a fresh view right before the restart call, is the core's own pure func
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -25,7 +27,7 @@ from ..core.actions import (
 )
 from ..core.container import helper_unit
 from ..core.observations import CanaryResult, RestartOutcome
-from ..core.vocab import ActiveState, Decision, Gate, Priority
+from ..core.vocab import ActiveState, Decision, Gate, HeldBy, Priority
 from ..observe import probes
 from ..observe.clock import Now
 from ..observe.clock import now as clock_now
@@ -44,6 +46,7 @@ from .state import (
 )
 
 STOP_POLL_S = 0.2  # how often a bounded stop asks systemd whether the unit is still stopping
+ACT_HELPER_TIMEOUT_S = 30.0  # a kill or restart by the container helper (a task: the loop never waits for it)
 
 
 async def checked_restart(
@@ -73,6 +76,8 @@ async def checked_restart(
     unit, err = await containers.unitless_view(r) if r.unitless else await unit_or_error(sd, r.unit)
     owner = (await port_owners(sd, {r.port}))[r.port]
     if r.container is not None:
+        if isinstance(owner, HeldBy) and owner.unit != r.unit:
+            await containers.refresh(r, force=True)  # the container is judged on a fresh report
         owner = (await containers.owners([r], {r.port: owner}))[r.port]
     refusal = gates.unit_refusal(unit, owner, allow_failed, unit_error=err)
     if refusal is not None:
@@ -131,7 +136,9 @@ async def checked_restart(
             atomic_write(cfg.runtime_dir / f"kill-{r.name}.json", json.dumps({"started_before": issued.wall}).encode())
         except OSError as e:
             journal.send(Priority.ERROR, f"replica {r.name}: cannot write {cfg.runtime_dir}/kill-{r.name}.json: {e}")
-        result = await run_helper(sd, "kill", r.name)
+            with contextlib.suppress(OSError):  # an older request would make the helper spare the hung one
+                os.unlink(cfg.runtime_dir / f"kill-{r.name}.json")
+        result = await run_helper(sd, "kill", r.name, ACT_HELPER_TIMEOUT_S)
         if result != JOB_DONE:
             journal.line(
                 LogLine(
@@ -251,7 +258,7 @@ async def _restart_unitless(
     """A container that no unit runs: the root helper restarts it at once (SIGKILL, then its
     start), and only if it is running, so a `docker stop` between the look and now still wins."""
     helper = helper_unit("restart", r.name)
-    result = await run_helper(sd, "restart", r.name)
+    result = await run_helper(sd, "restart", r.name, ACT_HELPER_TIMEOUT_S)
     elapsed = clock().mono - issued.mono
     return _said(
         journal,

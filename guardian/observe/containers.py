@@ -11,6 +11,8 @@ the last report, at most every REFRESH_S per replica, and right before a restart
 from __future__ import annotations
 
 import json
+import os
+import re
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -30,10 +32,12 @@ from ..core.vocab import HeldBy, PortOwner
 from .readback import Refused, read_back
 from .systemd import JOB_DONE, Systemd, SystemdError
 
-REPORT_DIR = Path("/run/guardian/containers")
+REPORT_DIR = Path("/run/guardian-containers")  # the helper's (root's) RuntimeDirectory
 REPORT_MAX_BYTES = 4 * 2**20
 REFRESH_S = 10.0  # a replica's report is asked for at most this often, unless a restart needs it
-HELPER_TIMEOUT_S = 30.0
+# A tick waits this long for an inspect (systemd's watchdog is pinged after each tick); a slower
+# one finishes on its own and its report is read at the next refresh.
+HELPER_TIMEOUT_S = 5.0
 _MAX_TEXT = 256
 
 
@@ -96,7 +100,7 @@ def parse_report(data: bytes, engine: str) -> EngineReport:
             error=error[:500] if isinstance(error, str) else None,
             truncated=doc.get("truncated") is True,
         )
-    except (ValueError, TypeError, RecursionError) as e:
+    except (ValueError, TypeError, RecursionError, OverflowError) as e:
         return EngineReport(engine, 0.0, error=f"the container helper's report cannot be read: {e}")
 
 
@@ -146,13 +150,24 @@ class Seen:
     via: str = ""
 
 
-def _in_docker_service(pid: int) -> bool:
-    """PID is in docker.service's cgroup: a command line anyone can forge, a cgroup only root can set."""
+def _root_cgroup(pid: int) -> str | None:
+    """PID's cgroup v2 path, when PID is root's: any user can name a unit docker.service or
+    docker-<id>.scope in their own tree, and forge a command line; only root can be in
+    /system.slice or /machine.slice as root."""
     try:
+        if os.stat(f"/proc/{pid}").st_uid != 0:
+            return None
         with open(f"/proc/{pid}/cgroup") as f:
-            return any(line.rstrip("\n").endswith("/docker.service") for line in f)
+            return next((line[3:].rstrip("\n") for line in f if line.startswith("0::")), None)
     except OSError:
-        return False
+        return None
+
+
+_ENGINE_CGROUP = re.compile(r"^/(?:system|machine)\.slice/(?:docker|libpod|libpod-conmon)-[0-9a-f]{64}\.scope$")
+
+
+def _in_docker_service(pid: int) -> bool:
+    return _root_cgroup(pid) == "/system.slice/docker.service"
 
 
 def _is_proxy_for(pid: int, port: int) -> bool:
@@ -188,6 +203,9 @@ def seen_holder(owner: HeldBy) -> Seen | None:
     component = (owner.unit or "").removesuffix(".scope")
     cid = container_id_of_cgroup(component)
     if cid is not None:
+        path = _root_cgroup(owner.pid) if owner.pid is not None else None
+        if path is None or not _ENGINE_CGROUP.match(path):
+            return Seen(via=f"a unit named {owner.unit} outside the engines' slices")
         return Seen(container_id=cid, via=f"its scope {owner.unit}")
     pid = _docker_proxy(owner.port) if owner.unit == "docker.service" else owner.pid
     if pid is None:
@@ -214,7 +232,7 @@ def resolve(owner: HeldBy, r: ReplicaConfig, seen: Seen, report: EngineReport | 
     name = found.name if found is not None else seen.name
     # Only the engine's report makes a holder the replica's own: a command line (conmon's -n) is
     # the process's own word, which any user's process can forge; it only names a stray.
-    own = found is not None and found.name == r.container
+    own = found is not None and found.running and found.name == r.container
     return replace(owner, container=name, own_container=own, via=seen.via)
 
 
