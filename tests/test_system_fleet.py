@@ -29,7 +29,7 @@ def test_eight_squeezed_boxes_lower_one_at_a_time_through_a_leader_kill_and_a_cl
     # two lowerings in, kill the etcd leader while the fleet is busy
     wait_for(lambda: sum(fleet.lowered(i) for i in range(fleet.n)) >= 2, 120, "two boxes lowered")
     leader = fleet.leader()
-    fleet.box.systemctl("kill", "-s", "SIGKILL", f"etcd-{leader}.service")
+    fleet.box.kill_unit(f"etcd-{leader}.service")
     wait_for(fleet.leader, 30, "a new etcd leader")
     wait_for(lambda: all(fleet.lowered(i) for i in range(fleet.n)), 240,
              "every box lowered in turn", interval_s=1)
@@ -62,7 +62,7 @@ def test_a_guardian_killed_holding_a_slot_frees_it_when_its_lease_expires(fleet)
     fleet.box.run(["systemd-run", "--unit=ask-box1", "guardian", "--config", "/etc/guardian/box1.toml", "restart", "a"])
     wait_for(lambda: any("held, by box0/a" in e["MESSAGE"] for e in fleet.lines(1, "GUARDIAN_RULE=F4")), 30,
              "box1 waiting for box0's slot")
-    fleet.box.systemctl("kill", "-s", "SIGKILL", fleet.unit(0))
+    fleet.box.kill_unit(fleet.unit(0))
     killed = time.time()
     wait_for(lambda: any("taken" in e["MESSAGE"] for e in fleet.lines(1, "GUARDIAN_DECISION=fleet")), 30,
              "box1 to take the slot once box0's lease expired")

@@ -120,7 +120,7 @@ def test_guardian_killed_in_the_middle_of_a_drain_marks_the_replica_up_once_it_s
     wait_for(lambda: any("marked down: a" in m for m in world.guardian_messages("GUARDIAN_DECISION=proxy")), 30,
              "nginx to have a down")
     assert " down;" in world.upstream_file()
-    world.box.systemctl("kill", "-s", "SIGKILL", "guardian.service")
+    world.box.kill_unit("guardian.service")
     wait_for(lambda: any("marked down when guardian last ran" in m for m in world.guardian_messages()), 60,
              "guardian to come back and adopt what it had marked down")
     wait_for(lambda: " down;" not in world.upstream_file(), 90, "a marked up again")
