@@ -26,7 +26,7 @@ from ..core.actions import (
     StartCanary,
 )
 from ..core.container import helper_unit
-from ..core.observations import CanaryResult, RestartOutcome
+from ..core.observations import CanaryResult, RestartOutcome, UnitInfo
 from ..core.vocab import ActiveState, Decision, Gate, HeldBy, Priority
 from ..observe import probes
 from ..observe.clock import Now
@@ -73,13 +73,7 @@ async def checked_restart(
     cgroup holds only the engine's CLI or conmon), and a unit-less one is restarted by the root
     helper (`docker restart --time 0`), not by systemd."""
     containers = containers if containers is not None else ContainerWatch(sd)
-    unit, err = await containers.unitless_view(r) if r.unitless else await unit_or_error(sd, r.unit)
-    owner = (await port_owners(sd, {r.port}))[r.port]
-    if r.container is not None:
-        if isinstance(owner, HeldBy) and owner.unit != r.unit:
-            await containers.refresh(r, force=True)  # the container is judged on a fresh report
-        owner = (await containers.owners([r], {r.port: owner}))[r.port]
-    refusal = gates.unit_refusal(unit, owner, allow_failed, unit_error=err)
+    unit, refusal = await _fresh_look(sd, r, containers, allow_failed)
     if refusal is not None:
         journal.line(
             LogLine(
@@ -129,33 +123,12 @@ async def checked_restart(
             or now_unit.inactive_exit_mono != started_before
         )
 
-    async def kill_container() -> bool:
-        # The helper kills only the container that started before this: the unit's own restart
-        # may start a new one under the same name before the helper gets to it.
-        try:
-            atomic_write(cfg.runtime_dir / f"kill-{r.name}.json", json.dumps({"started_before": issued.wall}).encode())
-        except OSError as e:
-            journal.send(Priority.ERROR, f"replica {r.name}: cannot write {cfg.runtime_dir}/kill-{r.name}.json: {e}")
-            with contextlib.suppress(OSError):  # an older request would make the helper spare the hung one
-                os.unlink(cfg.runtime_dir / f"kill-{r.name}.json")
-        result = await run_helper(sd, "kill", r.name, ACT_HELPER_TIMEOUT_S)
-        if result != JOB_DONE:
-            journal.line(
-                LogLine(
-                    Priority.ERROR,
-                    f"replica {r.name}: killing its container {r.container} failed: the helper ended with "
-                    f"'{result}' (journalctl -u {helper_unit('kill', r.name)})",
-                    Decision.RESTART_FAILED,
-                    r.name,
-                    r.unit,
-                )
-            )
-        return result == JOB_DONE
-
     async def kill(what: str) -> bool:
         if r.container is None:
             return await kill_unit(what)
-        unit_killed, container_killed = await asyncio.gather(kill_unit(what), kill_container())
+        unit_killed, container_killed = await asyncio.gather(
+            kill_unit(what), _kill_container(sd, journal, cfg, r, issued)
+        )
         return unit_killed and container_killed
 
     async def kill_unit(what: str) -> bool:
@@ -250,6 +223,46 @@ def _said(
         )
     )
     return RestartOutcome(r.unit, result, clock().wall, issued=True, ok=ok)
+
+
+async def _fresh_look(
+    sd: Systemd, r: ReplicaConfig, containers: ContainerWatch, allow_failed: bool
+) -> tuple[UnitInfo | None, gates.Refusal | None]:
+    """The unit (or a unit-less container as one) and the port's holder looked at afresh, and the
+    first gate that refuses. A container holding the port is judged on a fresh helper report."""
+    unit, err = await containers.unitless_view(r) if r.unitless else await unit_or_error(sd, r.unit)
+    owner = (await port_owners(sd, {r.port}))[r.port]
+    if r.container is not None:
+        if isinstance(owner, HeldBy) and owner.unit != r.unit:
+            await containers.refresh(r, force=True)
+        owner = (await containers.owners([r], {r.port: owner}))[r.port]
+    return unit, gates.unit_refusal(unit, owner, allow_failed, unit_error=err)
+
+
+async def _kill_container(sd: Systemd, journal: Journal, cfg: Config, r: ReplicaConfig, issued: Now) -> bool:
+    """SIGKILL a hung replica's container through the root helper. The helper kills only the
+    container that started before ISSUED: the unit's own restart may start a new one under the
+    same name before the helper gets to it."""
+    request = cfg.runtime_dir / f"kill-{r.name}.json"
+    try:
+        atomic_write(request, json.dumps({"started_before": issued.wall}).encode())
+    except OSError as e:
+        journal.send(Priority.ERROR, f"replica {r.name}: cannot write {request}: {e}")
+        with contextlib.suppress(OSError):  # an older request would make the helper spare the hung one
+            os.unlink(request)
+    result = await run_helper(sd, "kill", r.name, ACT_HELPER_TIMEOUT_S)
+    if result != JOB_DONE:
+        journal.line(
+            LogLine(
+                Priority.ERROR,
+                f"replica {r.name}: killing its container {r.container} failed: the helper ended with "
+                f"'{result}' (journalctl -u {helper_unit('kill', r.name)})",
+                Decision.RESTART_FAILED,
+                r.name,
+                r.unit,
+            )
+        )
+    return result == JOB_DONE
 
 
 async def _restart_unitless(

@@ -29,6 +29,7 @@ from ..core.container import (
 )
 from ..core.observations import UnitInfo
 from ..core.vocab import HeldBy, PortOwner
+from .memory import cmdline_of
 from .readback import Refused, read_back
 from .systemd import JOB_DONE, Systemd, SystemdError
 
@@ -122,14 +123,6 @@ async def run_helper(sd: Systemd, verb: str, replica: str, timeout_s: float = HE
         return f"error: {e}"
 
 
-def _cmdline(pid: int) -> list[str]:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return [w.decode(errors="replace") for w in f.read(65536).split(b"\0") if w]
-    except OSError:
-        return []
-
-
 def _option(argv: list[str], *names: str) -> str | None:
     for i, w in enumerate(argv):
         for n in names:
@@ -171,7 +164,7 @@ def _in_docker_service(pid: int) -> bool:
 
 
 def _is_proxy_for(pid: int, port: int) -> bool:
-    argv = _cmdline(pid)
+    argv = list(cmdline_of(pid))
     return (
         bool(argv)
         and argv[0].rsplit("/", 1)[-1] == "docker-proxy"
@@ -210,7 +203,7 @@ def seen_holder(owner: HeldBy) -> Seen | None:
     pid = _docker_proxy(owner.port) if owner.unit == "docker.service" else owner.pid
     if pid is None:
         return None
-    argv = _cmdline(pid)
+    argv = list(cmdline_of(pid))
     prog = argv[0].rsplit("/", 1)[-1] if argv else ""
     if prog == "docker-proxy":
         ip, port = _option(argv, "-container-ip"), _option(argv, "-container-port")

@@ -75,7 +75,8 @@ def _process_tree(pid: int) -> list[int]:
         return [pid]
 
 
-def _cmdline(pid: int) -> tuple[str, ...]:
+def cmdline_of(pid: int) -> tuple[str, ...]:
+    """PID's command line (world-readable), or () when it is gone."""
     try:
         return tuple(psutil.Process(pid).cmdline())
     except psutil.Error:
@@ -126,7 +127,7 @@ class MemoryObserver:
                 tree = await asyncio.to_thread(_process_tree, pid)
                 if gpu_by_pid:
                     usage = sum(gpu_by_pid.get(p, 0) for p in tree) or None
-                argv = await asyncio.to_thread(_cmdline, pid)
+                argv = await asyncio.to_thread(cmdline_of, pid)
             failure = None
             if pending is not None and pending.replica == r.name:
                 since_wall = now.wall_of(pending.issued_at) or now.wall  # journalctl --since is wall time
