@@ -146,7 +146,7 @@ class Daemon:
 
     def _adopt_proxy_state(self) -> None:
         """Replicas marked down at the proxy when guardian last ran (it may have died in the middle
-        of a drain) stay down until they serve (D9), and are then marked up."""
+        of a drain) stay down until they serve (D10), and are then marked up."""
         now = self.clock()
         down = [n for n in self.persistent.view(now).proxy_down if self.cfg.replica(n) is not None]
         self.proxy.hook_down = frozenset(down)
@@ -156,7 +156,7 @@ class Daemon:
         self.state = replace(self.state, drains=drains)
         self.journal.send(
             Priority.INFO,
-            f"proxy: {', '.join(down)} marked down when guardian last ran; each is marked up once it serves (D9)",
+            f"proxy: {', '.join(down)} marked down when guardian last ran; each is marked up once it serves (D10)",
         )
 
     def _log_limits(self) -> None:

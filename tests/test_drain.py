@@ -1,4 +1,4 @@
-"""Draining through the proxy (core/drain.py, D1-D10) as the tick applies it: table rows before, at
+"""Draining through the proxy (core/drain.py, D1-D11) as the tick applies it: table rows before, at
 and after each threshold, with a fake clock. Assertions name rule ids, not wording."""
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ def test_a_restart_refused_when_the_drain_ends_marks_it_up_again_d7():
     acts = confirmed(sim, 104, s=sample(gen=2))
     assert not restarts(acts) and "a" not in sim.core.drains
     (ans,) = answers(acts)
-    assert not ans.ok and "(D7)" in ans.message
+    assert not ans.ok and "(D8)" in ans.message
 
 
 def test_another_planned_restart_waits_while_one_replica_drains():
@@ -170,7 +170,7 @@ def test_a_hung_replica_is_marked_down_with_its_restart_and_up_once_it_serves_d8
     sim.tick(100)
     sim.tick(105, a=obs("a", 105, health=TIMEOUT))
     acts = sim.tick(110, a=obs("a", 110, health=TIMEOUT))
-    assert restarts(acts)[0].kill_first and rules(acts) == ["D8"]
+    assert restarts(acts)[0].kill_first and rules(acts) == ["D9"]
     assert sim.core.drains["a"].phase is Phase.AWAY
     # the restart job is under way, then done; the new process loads
     acts = sim.tick(112, a=obs("a", 112, health=TIMEOUT))
@@ -179,7 +179,7 @@ def test_a_hung_replica_is_marked_down_with_its_restart_and_up_once_it_serves_d8
     acts = sim.tick(114, a=obs("a", 114, health=TIMEOUT, u=new, outcome=RestartOutcome("vllm-a.service", "done", 0, True, True)))
     assert sim.state() is State.STARTING and "a" in sim.core.drains
     acts = sim.tick(116, a=obs("a", 116, u=new, s=sample(gen=1)))
-    assert sim.state() is State.HEALTHY and rules(acts) == ["D9"] and not sim.core.drains
+    assert sim.state() is State.HEALTHY and rules(acts) == ["D10"] and not sim.core.drains
 
 
 def test_a_replica_that_hangs_while_draining_is_restarted_as_hung_and_the_request_answered():
@@ -211,7 +211,7 @@ def test_dry_run_never_drains():
     assert not sim.core.drains and answers(acts)[0].ok and "DRY-RUN" in answers(acts)[0].message
 
 
-# --- the memory guard's lowerings drain first (M16, D11) -------------------------------------------
+# --- the memory guard's lowerings drain first (M15, D7) -------------------------------------------
 
 class MemBox:
     """test_tick's fake-clocked box with [proxy] on and the proxy's report in each observation."""
@@ -248,16 +248,16 @@ def test_a_lowering_waits_for_its_replicas_drain_then_restarts_it_with_a_bounded
     box = MemBox()
     box.step(100)
     acts = box.step(110, 5, a=obs("a", 110, s=BUSY), applied=set())
-    assert not lowerings(acts) and box.state.mem.rule == "M16"
+    assert not lowerings(acts) and box.state.mem.rule == "M15"
     assert box.state.drains["a"].for_memory and box.state.drains["a"].phase is Phase.DRAINING
     acts = box.step(112, 5, a=obs("a", 112, s=sample(gen=2, running=3)))  # the proxy has it down; 3 still running
     assert not lowerings(acts)
     acts = box.step(114, 5, a=obs("a", 114, s=sample(gen=3)))  # drained
     (low,) = lowerings(acts)
     assert (low.replica, low.restart, low.stop_timeout_s) == ("a", True, 30)
-    assert box.state.drains["a"].phase is Phase.AWAY and "D11" in rules(acts)
-    # one line for the M16 wait over all those ticks
-    assert [a.rule for a in box.actions if isinstance(a, LogLine) and a.rule == "M16"] == ["M16"]
+    assert box.state.drains["a"].phase is Phase.AWAY and "D7" in rules(acts)
+    # one line for the M15 wait over all those ticks
+    assert [a.rule for a in box.actions if isinstance(a, LogLine) and a.rule == "M15"] == ["M15"]
 
 
 def test_a_squeeze_that_ends_during_the_drain_marks_the_replica_up_again():
@@ -265,7 +265,7 @@ def test_a_squeeze_that_ends_during_the_drain_marks_the_replica_up_again():
     box.step(100)
     box.step(110, 5, a=obs("a", 110, s=BUSY))
     acts = box.step(112, 20, a=obs("a", 112, s=sample(gen=2, running=3)))
-    assert not box.state.drains and "D11" in rules(acts) and not lowerings(acts)
+    assert not box.state.drains and "D7" in rules(acts) and not lowerings(acts)
 
 
 def test_a_critical_squeeze_lowers_at_once_and_marks_the_replica_down_as_it_restarts():
@@ -273,8 +273,8 @@ def test_a_critical_squeeze_lowers_at_once_and_marks_the_replica_down_as_it_rest
     box.step(100)
     acts = box.step(110, 5, a=obs("a", 110, s=BUSY))
     (low,) = lowerings(acts)
-    assert low.stop_timeout_s is None and box.state.drains["a"].phase is Phase.AWAY and "D8" in rules(acts)
-    line = next(a for a in acts if isinstance(a, LogLine) and a.rule == "M15")
+    assert low.stop_timeout_s is None and box.state.drains["a"].phase is Phase.AWAY and "D9" in rules(acts)
+    line = next(a for a in acts if isinstance(a, LogLine) and a.rule == "M16")
     assert "not drained (critical)" in line.message
 
 

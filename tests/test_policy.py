@@ -511,16 +511,16 @@ FLAT = sample(gen=5, running=2)
     (_after_healthy((110, {"models": ("other",)})), State.WRONG_MODEL, "L6"),
     (_after_healthy((105, {"health": TIMEOUT}), (110, {"health": TIMEOUT})), State.UNRESPONSIVE, "L7"),
     (_after_healthy((105, {"health": DEAD_503}), (115, {"health": DEAD_503})), State.UNRESPONSIVE, "L8"),
-    (_after_healthy((110, {"s": sample(gen=9, running=2), "health": SLOW})), State.BUSY, "L9"),
-    (_after_healthy((110, {"s": sample(gen=9, running=2)})), State.HEALTHY, "L10"),
-    (_after_healthy((110, {"s": FLAT}), (170, {"s": FLAT})), State.STALLED, "L11"),
-    (lambda: _quiet_queue_canary(QUEUED), State.STALLED, "L17"),
+    (_after_healthy((110, {"s": sample(gen=9, running=2), "health": SLOW})), State.BUSY, "L10"),
+    (_after_healthy((110, {"s": sample(gen=9, running=2)})), State.HEALTHY, "L11"),
+    (_after_healthy((110, {"s": FLAT}), (170, {"s": FLAT})), State.STALLED, "L12"),
+    (lambda: _quiet_queue_canary(QUEUED), State.STALLED, "L13"),
     (_after_healthy((110, {"canary": CanaryResult(False, 105, 2, "timeout")}),
-                    (120, {"canary": CanaryResult(False, 115, 2, "timeout")})), State.IDLE_DEAD, "L12"),
-    (_after_healthy((110, {"s": FLAT}), (120, {"s": FLAT, "health": SLOW_FAIL})), State.BUSY, "L13"),
-    (_after_healthy((110, {"metrics_down": True})), State.DEGRADED, "L14"),
-    (_after_healthy((110, {})), State.HEALTHY, "L15"),
-    (_after_healthy((102, {"_obs": replace(obs(t=102, health=TIMEOUT), probes_pending_s=1.0)})), State.HEALTHY, "L16"),
+                    (120, {"canary": CanaryResult(False, 115, 2, "timeout")})), State.IDLE_DEAD, "L14"),
+    (_after_healthy((110, {"s": FLAT}), (120, {"s": FLAT, "health": SLOW_FAIL})), State.BUSY, "L15"),
+    (_after_healthy((110, {"metrics_down": True})), State.DEGRADED, "L16"),
+    (_after_healthy((110, {})), State.HEALTHY, "L17"),
+    (_after_healthy((102, {"_obs": replace(obs(t=102, health=TIMEOUT), probes_pending_s=1.0)})), State.HEALTHY, "L9"),
 ])
 def test_each_liveness_rule_by_id(scenario, state, rule):
     sim = scenario()
@@ -535,7 +535,7 @@ def pending(t: float, for_s: float):
 
 
 @pytest.mark.parametrize("last_t, state, rule", [
-    (109.9, State.HEALTHY, "L16"),  # just before unresponsive_after_s from the last answer (100)
+    (109.9, State.HEALTHY, "L9"),  # just before unresponsive_after_s from the last answer (100)
     (110.0, State.UNRESPONSIVE, "L7"),  # at it: probes still in flight count as no answer
     (110.1, State.UNRESPONSIVE, "L7"),
 ])
@@ -634,7 +634,7 @@ def _quiet_queue_canary(during: VllmSample):
 
 def test_a_canary_that_fails_while_nothing_moves_with_work_queued_is_a_stall():
     sim = _quiet_queue_canary(QUEUED)
-    assert (sim.state(), sim.rule()) == (State.STALLED, "L17")
+    assert (sim.state(), sim.rule()) == (State.STALLED, "L13")
     assert restarts(sim.actions)
 
 
@@ -765,11 +765,11 @@ def test_a_replica_whose_endpoints_all_time_out_while_responses_flow_is_never_un
         sim.tick(t, a=starved(t, flowing=5))
         assert sim.state() in (State.HEALTHY, State.BUSY), (t, sim.state(), sim.rule())
     assert not restarts(sim.actions)
-    assert sim.rule() == "L9" and "responses flowing to 5 client connection(s), 20000 bytes" in sim.tracks["a"].evidence
+    assert sim.rule() == "L10" and "responses flowing to 5 client connection(s), 20000 bytes" in sim.tracks["a"].evidence
 
 
 @pytest.mark.parametrize("last_flow_t, t, state, rule", [
-    (120.0, 129.9, State.BUSY, "L13"),  # 9.9 s after the last response flowed: not yet
+    (120.0, 129.9, State.BUSY, "L15"),  # 9.9 s after the last response flowed: not yet
     (120.0, 130.0, State.UNRESPONSIVE, "L7"),  # at unresponsive_after_s: a frozen server sends nothing
     (120.0, 130.1, State.UNRESPONSIVE, "L7"),
 ])
@@ -835,7 +835,7 @@ def test_an_engine_frozen_between_steps_with_clients_waiting_gets_a_stall_canary
     assert len(sent) == 1  # stall_canary_after_s after the oldest client started waiting
     failed = CanaryResult(False, 120.0, 3.0, "timeout")
     sim = frozen_between_steps(wait_from_110, until=124, canary=lambda t: failed if t == 124 else None)
-    assert (sim.state(), sim.rule()) == (State.STALLED, "L17")
+    assert (sim.state(), sim.rule()) == (State.STALLED, "L13")
     assert restarts(sim.actions)
 
 
@@ -1003,7 +1003,7 @@ def test_a_replica_never_idle_still_learns_its_canary_deadline():
 
 def test_clients_that_waited_before_guardian_first_looked_are_not_a_stall_at_its_first_tick():
     """guardian (re)started while a long non-streaming answer was being computed: the client had
-    waited 90 s. Counting its wait from before guardian watched made L11 fire at once."""
+    waited 90 s. Counting its wait from before guardian watched made L12 fire at once."""
     sim = Sim(cfg(1), LEARNED)
     sim.tick(100.0, a=replace(obs(t=100.0, s=sample(gen=5000, running=1)), conns=conns(waiting=1, oldest_wait_s=90)))
     assert sim.state() != State.STALLED and not restarts(sim.actions)

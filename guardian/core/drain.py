@@ -39,7 +39,7 @@ class Drain:
     why: str
     request_id: str | None = None  # the operator's request a planned drain serves
     confirmed_at: float | None = None  # the proxy reported it marked down (the drain timer starts)
-    for_memory: bool = False  # the memory guard's lowering waits for it (M16), not an operator
+    for_memory: bool = False  # the memory guard's lowering waits for it (M15), not an operator
     error_said: bool = False  # the proxy's refusal was logged (a memory drain waits for the proxy's retry)
 
 
@@ -80,30 +80,30 @@ RULES = (
         "many requests were still running)",
     ),
     Rule(
-        "D11",
+        "D7",
         "memory drain: lowered, or given up",
-        "a memory guard's drain (M16) that is drained (D5, D6): the memory guard lowers it on this tick (M15) "
+        "a memory guard's drain (M15) that is drained (D5, D6): the memory guard lowers it on this tick (M16) "
         "and it is away; one the memory guard no longer asks for (the squeeze ended, it chose another): "
         "marked up again",
     ),
     Rule(
-        "D7",
+        "D8",
         "marked up",
         "draining AND the restart is refused when it comes to it (admission A1-A3, G1-G9): marked up "
         "again, the request answered with the refusal",
     ),
     Rule(
-        "D8",
+        "D9",
         "away",
-        "a hung replica's restart is issued (L7, L8, L11, L12, L17), or a critical lowering's (not drained): "
+        "a hung replica's restart is issued (L7, L8, L12, L13, L14), or a critical lowering's (not drained): "
         "marked down at once; a proxy that cannot be told never holds that restart up",
     ),
     Rule(
-        "D9",
+        "D10",
         "marked up",
         "away AND no restart by guardian in flight AND the replica is healthy or busy",
     ),
-    Rule("D10", "forgotten", "the replica is no longer in the config: its server line goes with it"),
+    Rule("D11", "forgotten", "the replica is no longer in the config: its server line goes with it"),
 )
 
 
@@ -153,5 +153,5 @@ def drained(d: Drain, o: ReplicaObservation, now: float, cfg: Config) -> str | N
 
 
 def back(d: Drain, t: Track) -> bool:
-    """D9: an away replica serves again."""
+    """D10: an away replica serves again."""
     return d.phase is Phase.AWAY and not t.restart_in_flight and t.state in SERVING_STATES

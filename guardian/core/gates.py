@@ -2,7 +2,7 @@
 
 The core checks them with the tick's observation, and the executor again with a fresh one right
 before the restart call (earlyoom's "re-check right before acting"). In order; the first that
-fails is the refusal (rows in RULES, ids G1-G8).
+fails is the refusal (rows in RULES, ids G1-G9).
 """
 
 from __future__ import annotations

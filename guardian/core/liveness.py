@@ -3,7 +3,7 @@
 Pure: a Track (what guardian remembers about one replica) plus one ReplicaObservation plus
 ``now`` give the next Track, whose ``state`` is the verdict. No clock, no I/O, no sleeping.
 
-Rules, first match wins: the rows of RULES below (ids L1-L15), rendered into the README.
+Rules, first match wins: the rows of RULES below (ids L1-L17), rendered into the README.
 ``W`` = watchdog config, ``R`` = replica config, times in seconds.
 
 Progress means: any of generation_tokens_total, prompt_tokens_total,
@@ -87,45 +87,45 @@ RULES = (
         "progress for >= W.unresponsive_after_s",
     ),
     Rule(
-        "L16",
+        "L9",
         "(unchanged)",
         "no probe answered this tick AND one sent at an earlier tick is still running (each bounded by "
         "its timeout): no news, the verdict stands (L1-L8 still apply)",
     ),
     Rule(
-        "L9",
+        "L10",
         S.BUSY,
         "progress this tick (counters, or responses flowing to clients per the kernel) AND (/health failed "
         "OR took >= R.health_timeout_s)",
     ),
     Rule(
-        "L10",
+        "L11",
         S.HEALTHY,
         "progress this tick (counters, or responses flowing to clients per the kernel) AND /health answered "
         "2xx in < R.health_timeout_s",
     ),
     Rule(
-        "L11",
+        "L12",
         S.STALLED,
         "/metrics readable AND queued work (running + waiting > 0, or clients waiting >= W.client_wait_s) "
         "AND now - max(last progress, work first queued) >= W.stall_window_s",
     ),
     Rule(
-        "L17",
+        "L13",
         S.STALLED,
-        "/metrics readable AND queued work (as L11) AND a canary sent after the last progress (and "
+        "/metrics readable AND queued work (as L12) AND a canary sent after the last progress (and "
         "after work was first queued) failed with no progress while it ran",
     ),
     Rule(
-        "L12",
+        "L14",
         S.IDLE_DEAD,
         "/metrics readable AND no queued work AND consecutive failed canaries >= W.canary_failures",
     ),
-    Rule("L13", S.BUSY, "/health failed AND last progress < W.stall_window_s ago"),
+    Rule("L15", S.BUSY, "/health failed AND last progress < W.stall_window_s ago"),
     Rule(
-        "L14", S.DEGRADED, "some probe failed, or /metrics unreadable, or a canary failed (no grounds to restart yet)"
+        "L16", S.DEGRADED, "some probe failed, or /metrics unreadable, or a canary failed (no grounds to restart yet)"
     ),
-    Rule("L15", S.HEALTHY, "otherwise"),
+    Rule("L17", S.HEALTHY, "otherwise"),
 )
 del S
 
@@ -481,16 +481,16 @@ def _classify(
             f"last progress {_ago(now, t.last_progress_at)}",
         )
     if obs.probes_pending_s is not None and t.observed:
-        return t.state, "L16", t.evidence
+        return t.state, "L9", t.evidence
     sample, queued = obs.metrics, seen.queued
     work = _work(sample, seen, now)
     if seen.progressed:
         how = "counters advance" if seen.counters_moved or not _flowing(obs) else _flow(obs)
         if seen.health_in_time:
-            return State.HEALTHY, "L10", work + (", tokens flowing" if seen.counters_moved else f", {how}")
+            return State.HEALTHY, "L11", work + (", tokens flowing" if seen.counters_moved else f", {how}")
         return (
             State.BUSY,
-            "L9",
+            "L10",
             f"/health {obs.health.error or f'took {obs.health.latency_s:.1f} s'}, but {how} ({work})",
         )
     if sample is not None and queued > 0:
@@ -498,7 +498,7 @@ def _classify(
         if now - ref >= wcfg.stall_window_s:
             return (
                 State.STALLED,
-                "L11",
+                "L12",
                 (
                     f"{work} and no counter progress for {now - ref:.0f} s "
                     f"(/health {'200' if obs.health.ok else obs.health.error})"
@@ -509,7 +509,7 @@ def _classify(
         if t.stall_proof_at >= ref:
             return (
                 State.STALLED,
-                "L17",
+                "L13",
                 (
                     f"{work}, nothing moved for {now - ref:.0f} s, and a canary sent "
                     f"{now - t.stall_proof_at:.0f} s ago failed with nothing moving "
@@ -519,14 +519,14 @@ def _classify(
     if sample is not None and queued == 0 and t.canary_failures >= wcfg.canary_failures:
         return (
             State.IDLE_DEAD,
-            "L12",
+            "L14",
             (
                 f"idle, and {t.canary_failures} canary completions failed in a row "
                 f"(/health {'200' if obs.health.ok else obs.health.error})"
             ),
         )
     if not obs.health.ok and quiet_for < wcfg.stall_window_s:
-        return State.BUSY, "L13", f"/health {obs.health.error}, progress {_ago(now, t.last_progress_at)}"
+        return State.BUSY, "L15", f"/health {obs.health.error}, progress {_ago(now, t.last_progress_at)}"
     probes: tuple[tuple[str, Probe], ...] = (
         ("/health", obs.health),
         ("/metrics", obs.metrics_probe),
@@ -536,8 +536,8 @@ def _classify(
     if seen.canary_failed or t.canary_failures:
         problems.append(f"{t.canary_failures} canary failure(s)")
     if problems:
-        return State.DEGRADED, "L14", "; ".join(problems)
-    return State.HEALTHY, "L15", work if sample is not None else "answering"
+        return State.DEGRADED, "L16", "; ".join(problems)
+    return State.HEALTHY, "L17", work if sample is not None else "answering"
 
 
 def _work(sample: VllmSample | None, seen: _Seen, now: float) -> str:

@@ -3,8 +3,8 @@
 ``headroom`` is the kernel's MemAvailable. ``total`` is what vLLM's --gpu-memory-utilization
 is a fraction of: ``memory.device_total_bytes``, or MemTotal when unset (GB10: one memory).
 
-Rules: the rows of RULES below (ids M1-M15), rendered into the README. ``M`` = the memory
-config, times in seconds, sizes in bytes. When squeezed, M9-M15 are checked in order and the
+Rules: the rows of RULES below (ids M1-M16), rendered into the README. ``M`` = the memory
+config, times in seconds, sizes in bytes. When squeezed, M9-M16 are checked in order and the
 first that holds is the verdict, logged once per squeeze.
 
 A lowering is confirmed from what the restarted replica reports (vllm:cache_config_info, else
@@ -82,20 +82,20 @@ RULES = (
         "slot (F3-F6; not when critical: then it goes ahead without one, said at error)",
     ),
     Rule(
-        "M16",
+        "M15",
         V.DRAINING,
         "a proxy is configured ([proxy]) AND not critical AND the chosen replica is not drained yet "
         "(core/drain.py D5, D6): it is marked down and drained first; the lowering waits (with dry_run: not drained)",
     ),
     Rule(
-        "M15",
+        "M16",
         V.LOWER,
         "otherwise: write the env file, restart that replica's unit alone through the unit gates "
         "(with dry_run = true: logged, not done)",
     ),
 )
 del V
-_ID = {r.outcome: r.id for r in RULES} | {MemVerdict.DRY_RUN: "M15"}
+_ID = {r.outcome: r.id for r in RULES} | {MemVerdict.DRY_RUN: "M16"}
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,7 @@ class MemoryView:
     consumers: str = ""  # "db.service 22.1 GiB, make 9.3 GiB"
     restart_blocked: dict[str, Blocker] | None = None  # replica -> why admission would not restart it now
     restart_results: dict[str, RestartOutcome] | None = None  # replica -> a restart job that ended this tick
-    drain_first: bool = False  # a proxy is configured: a replica is drained before it is lowered (M16)
+    drain_first: bool = False  # a proxy is configured: a replica is drained before it is lowered (M15)
     fleet_serving: dict[str, tuple[str, ...]] | None = None  # model -> BOX/NAME serving on other boxes ([fleet])
 
 

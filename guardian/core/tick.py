@@ -3,19 +3,19 @@
 This is the whole of guardian's judgement; the daemon observes, calls this once, and performs
 the actions. In order:
 
-1. liveness: each replica's observation is folded into its track (core/liveness.py, L1-L15);
+1. liveness: each replica's observation is folded into its track (core/liveness.py, L1-L17);
    state changes and unreadable /metrics are logged once; canaries are asked for; canary
    latencies that changed are recorded in the state file (one action a tick), where a track
    created later starts from them;
-2. drains in progress (core/drain.py, D3-D7, D9-D10): a drained replica is restarted, a drain
+2. drains in progress (core/drain.py, D3-D8, D10-D11): a drained replica is restarted, a drain
    that cannot go on is abandoned, a replica back in service is marked up at the proxy;
 3. unplanned restarts: a replica whose verdict asks for one (stalled, unresponsive, idle-dead)
    is restarted if admission allows (core/admission.py, A1-A3 then G1-G9), at most one per tick,
-   and marked down at the proxy (D8);
+   and marked down at the proxy (D9);
 4. operators' restart requests (`guardian restart NAME`, recorded in the state file) pass the
    same admission, then drain first when a proxy is configured (D1, D2); each is answered,
    refused or done, exactly once;
-5. the memory guard (core/memguard.py, M1-M15) sees the tracks and what admission would say, and
+5. the memory guard (core/memguard.py, M1-M16) sees the tracks and what admission would say, and
    a lowering it starts marks that replica's restart in flight, as any other restart does.
 
 The coupling lives here and nowhere else: a restart issued in step 2, 3 or 4 blocks the others
@@ -77,7 +77,7 @@ class _Out:
 
 
 def decide(state: TickState, obs: TickObservation, now: float, cfg: Config) -> tuple[TickState, list[Action]]:
-    # D10: a replica gone from the config leaves the proxy's file with its server line.
+    # D11: a replica gone from the config leaves the proxy's file with its server line.
     out = _Out(
         tracks={},
         drains={n: d for n, d in state.drains.items() if cfg.replica(n) is not None},
@@ -360,11 +360,11 @@ def _unplanned(out: _Out, r: ReplicaConfig, obs: TickObservation, now: float, cf
                 LogLine(
                     Priority.WARNING,
                     f"replica {r.name}: marked down at the proxy while it restarts ({t.state}): no new request "
-                    "goes to it until it serves again (D8)",
+                    "goes to it until it serves again (D9)",
                     Decision.PROXY,
                     r.name,
                     r.unit,
-                    rule="D8",
+                    rule="D9",
                 )
             )
     return True
@@ -384,17 +384,17 @@ def _drain_step(out: _Out, r: ReplicaConfig, obs: TickObservation, now: float, c
                 LogLine(
                     Priority.INFO,
                     f"replica {r.name}: serving again ({t.evidence}); marked up at the proxy, which also clears "
-                    "its count of failed attempts (D9)",
+                    "its count of failed attempts (D10)",
                     Decision.PROXY,
                     r.name,
                     r.unit,
                     state=t.state,
-                    rule="D9",
+                    rule="D10",
                 )
             )
         return False
     if t.state in RESTART_STATES:
-        return False  # it hung while draining: the unplanned path restarts it (D8)
+        return False  # it hung while draining: the unplanned path restarts it (D9)
     d = drain.confirmed(d, r.name, obs.proxy, now)
     out.drains[r.name] = d
     err = drain.refused_by_proxy(d, r.name, obs.proxy)
@@ -428,7 +428,7 @@ def _drain_step(out: _Out, r: ReplicaConfig, obs: TickObservation, now: float, c
         _abandon(out, r, d, "D4", f"no other replica of {r.model} serves any more, so draining it would leave none")
         return False
     why = drain.drained(d, obs.replicas[r.name], now, cfg)
-    if why is None or d.for_memory:  # the memory guard lowers it when it is drained (D11)
+    if why is None or d.for_memory:  # the memory guard lowers it when it is drained (D7)
         return False
     no = _restart(
         out,
@@ -444,7 +444,7 @@ def _drain_step(out: _Out, r: ReplicaConfig, obs: TickObservation, now: float, c
         stop_timeout_s=cfg.proxy.stop_timeout_s,
     )
     if no is not None:
-        _abandon(out, r, d, "D7", f"refused ({no.gate}): {no.text}", logged=True)
+        _abandon(out, r, d, "D8", f"refused ({no.gate}): {no.text}", logged=True)
         return False
     out.drains[r.name] = Drain(Phase.AWAY, now, "planned restart after its drain", d.request_id, d.confirmed_at)
     return True
@@ -689,11 +689,11 @@ def _memory(
             out.log(
                 LogLine(
                     Priority.INFO,
-                    f"replica {r.name}: the memory guard no longer lowers it; marked up again at the proxy (D11)",
+                    f"replica {r.name}: the memory guard no longer lowers it; marked up again at the proxy (D7)",
                     Decision.PROXY,
                     r.name,
                     r.unit,
-                    rule="D11",
+                    rule="D7",
                 )
             )
     return new
@@ -722,8 +722,8 @@ def _memory_drained(d: Drain | None, o: ReplicaObservation, now: float, cfg: Con
 
 
 def _lowering_at_the_proxy(out: _Out, a: LowerFraction, obs: TickObservation, now: float, cfg: Config) -> LowerFraction:
-    """A lowering's restart: after its drain (D11) with a bounded stop; a critical one, not drained,
-    is marked down as it restarts (D8)."""
+    """A lowering's restart: after its drain (D7) with a bounded stop; a critical one, not drained,
+    is marked down as it restarts (D9)."""
     if not cfg.proxy.enabled:
         return a
     d = out.drains.get(a.replica)
@@ -735,11 +735,11 @@ def _lowering_at_the_proxy(out: _Out, a: LowerFraction, obs: TickObservation, no
         out.log(
             LogLine(
                 Priority.INFO,
-                f"replica {a.replica}: {why}; the memory guard lowers it now (D11)",
+                f"replica {a.replica}: {why}; the memory guard lowers it now (D7)",
                 Decision.PROXY,
                 a.replica,
                 unit,
-                rule="D11",
+                rule="D7",
             )
         )
         return replace(a, stop_timeout_s=cfg.proxy.stop_timeout_s)
@@ -748,11 +748,11 @@ def _lowering_at_the_proxy(out: _Out, a: LowerFraction, obs: TickObservation, no
         out.log(
             LogLine(
                 Priority.WARNING,
-                f"replica {a.replica}: marked down at the proxy while the memory guard restarts it (D8)",
+                f"replica {a.replica}: marked down at the proxy while the memory guard restarts it (D9)",
                 Decision.PROXY,
                 a.replica,
                 unit,
-                rule="D8",
+                rule="D9",
             )
         )
     return a
