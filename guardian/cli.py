@@ -19,7 +19,7 @@ from . import __version__, engine_helper, polkit
 from .act import proxy
 from .act.executor import checked_restart
 from .act.journal import Journal
-from .act.state import STATUS_FILE, CorruptState, State, StateStore, atomic_write, stamp, view
+from .act.state import STATUS_FILE, CorruptState, StateDoc, StateStore, atomic_write, stamp, view
 from .config import MAX_WINDOW_S, Config, ConfigError, ReplicaConfig, config_path, load_config
 from .core import gates, hazards, thresholds, tick
 from .core.actions import AnswerRequest, LogLine, RestartUnit
@@ -161,7 +161,7 @@ async def _check_live(cfg: Config, no_systemd: bool) -> int:
                 owner = (await watch.owners([r], await port_owners(sd, {r.port})))[r.port]
                 refusal = gates.unit_refusal(units[r.unit], owner)
                 line += f"; {r.unit}: " + (
-                    f"guardian could NOT restart it: {refusal.text()}" if refusal else "restartable"
+                    f"guardian could NOT restart it: {refusal.text}" if refusal else "restartable"
                 )
             print(line)
     problems += _check_connections(cfg)
@@ -373,7 +373,7 @@ def _need_replica(cfg: Config, name: str) -> None:
         raise SystemExit(f"guardian: no replica named {name!r} in the config (known: {known})")
 
 
-def _update_state(cfg: Config, change: Callable[[State], None]) -> None:
+def _update_state(cfg: Config, change: Callable[[StateDoc], None]) -> None:
     store = StateStore(cfg.state_dir)
     try:
         store.update(change)
@@ -435,7 +435,7 @@ def cmd_pause(args: argparse.Namespace) -> int:
     n = clock.now()
     until = stamp(clock.Now(n.mono + args.for_, n.wall + args.for_)) if args.for_ else None
 
-    def change(d: State) -> None:
+    def change(d: StateDoc) -> None:
         d["pauses"][args.name] = {"until": until, "reason": "operator"}
 
     _update_state(cfg, change)
@@ -455,7 +455,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
     cfg = _load(args)
     _need_replica(cfg, args.name)
 
-    def change(d: State) -> None:
+    def change(d: StateDoc) -> None:
         d["pauses"].pop(args.name, None)
         d["resumed_at"][args.name] = stamp(clock.now())
 
@@ -505,7 +505,7 @@ def _ask_daemon_to_restart(cfg: Config, name: str, pid: int, wait_s: float | Non
     rid = uuid.uuid4().hex[:16]
     store = StateStore(cfg.state_dir)
 
-    def ask(d: State) -> None:
+    def ask(d: StateDoc) -> None:
         d["requests"][rid] = {"replica": name, "at": stamp(clock.now())}
 
     _update_state(cfg, ask)
@@ -524,7 +524,7 @@ def _ask_daemon_to_restart(cfg: Config, name: str, pid: int, wait_s: float | Non
             return 1
         if answer is not None:
 
-            def forget(d: State) -> None:
+            def forget(d: StateDoc) -> None:
                 d["answers"].pop(rid, None)
 
             _update_state(cfg, forget)
@@ -532,7 +532,7 @@ def _ask_daemon_to_restart(cfg: Config, name: str, pid: int, wait_s: float | Non
             return 0 if answer["ok"] else 1
         time.sleep(0.2)
 
-    def withdraw(d: State) -> None:
+    def withdraw(d: StateDoc) -> None:
         d["requests"].pop(rid, None)
 
     _update_state(cfg, withdraw)

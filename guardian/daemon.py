@@ -448,7 +448,7 @@ class Daemon:
 
     async def shutdown(self) -> None:
         self.notifier.stopping()
-        left = await self.executor.drain(self.cfg.shutdown_timeout_s)
+        left = await self.executor.finish(self.cfg.shutdown_timeout_s)
         try:  # a proxy change under way is finished, so that the state file says what nginx has
             await asyncio.wait_for(self.proxy.wait(), self.cfg.shutdown_timeout_s)
         except TimeoutError:

@@ -13,7 +13,7 @@ from guardian.core.actions import AnswerRequest, LogLine, RestartUnit
 from guardian.core.drain import Drain, Phase
 from guardian.core.observations import PersistentView, ProxyView, RestartOutcome, RestartRequest
 from guardian.core.vocab import Decision, RestartKind, State
-from test_policy import TIMEOUT, Sim, cfg, obs, sample, unit
+from test_liveness import TIMEOUT, Sim, cfg, obs, sample, unit
 
 DRAIN_S = 120.0
 

@@ -24,7 +24,7 @@ from guardian.export.http import MAX_CONNECTIONS, MetricsServer
 from guardian.export.metrics import Metrics
 from guardian.observe.clock import Now
 from systemd_box import wait_for
-from test_policy import TIMEOUT, obs, unit
+from test_liveness import TIMEOUT, obs, unit
 from test_tick import Box, config
 
 WALL0 = 1_800_000_000.0

@@ -14,7 +14,7 @@ from guardian.core.observations import (
     FleetMember, FleetSlot, FleetView, PersistentView, RestartOutcome, RestartRequest, TickObservation,
 )
 from guardian.core.vocab import Decision, State
-from test_policy import cfg, obs, sample, unit
+from test_liveness import cfg, obs, sample, unit
 
 BOX = "box1"
 
@@ -48,16 +48,16 @@ SERVING_ELSEWHERE = (m("box1", "a"), m("box1", "b"), m("box2", "a"), m("box3", "
 ])
 def test_when_a_planned_restart_may_begin(v, max_planned, min_serving, rule):
     c = fleet_cfg(max_planned_restarts=max_planned, min_serving=min_serving)
-    b = fleet.blocker("a", "m", v, c)
+    b = fleet.slot_refusal("a", "m", v, c)
     assert (b.rule if b else None) == rule
 
 
 def test_without_a_fleet_nothing_waits():
-    assert fleet.blocker("a", "m", None, cfg(2)) is None
+    assert fleet.slot_refusal("a", "m", None, cfg(2)) is None
 
 
 def test_the_wait_names_who_holds_the_slots():
-    b = fleet.blocker("a", "m", view(SERVING_ELSEWHERE, [FleetSlot("box7", "x", "m")]), fleet_cfg())
+    b = fleet.slot_refusal("a", "m", view(SERVING_ELSEWHERE, [FleetSlot("box7", "x", "m")]), fleet_cfg())
     assert "box7/x" in b.text
 
 
@@ -116,7 +116,7 @@ def test_etcd_unreachable_holds_a_planned_restart_and_says_so_once_at_error():
 
 
 def test_a_hung_replica_is_restarted_even_with_etcd_down():
-    from test_policy import TIMEOUT
+    from test_liveness import TIMEOUT
     sim = FleetSim(fleet_cfg(cfg(2, unresponsive_after_s=10)))
     down = view(ok=False, error="down")
     sim.step(100, down)

@@ -623,7 +623,7 @@ def test_a_slot_key_holding_garbage_counts_as_taken_and_no_doomed_transaction_is
 
 # --- the daemon: a fleet step that raises anyway is an unreadable fleet, not an abandoned tick ----
 def test_a_fleet_step_that_raises_is_an_unreadable_fleet_for_the_tick_said_once_and_the_tick_completes(tmp_path):
-    from test_policy import obs
+    from test_liveness import obs
 
     from guardian.daemon import Daemon
 

@@ -107,6 +107,6 @@ def test_the_readme_rule_tables_are_the_codes_rows():
 
 
 def test_every_liveness_rule_is_reachable_in_the_table_tests():
-    """Each L-rule id is produced by at least one pure test row (tests/test_policy.py asserts them)."""
-    used = set(re.findall(r'"(L\d+)"', (Path(__file__).parent / "test_policy.py").read_text()))
+    """Each L-rule id is produced by at least one pure test row (tests/test_liveness.py asserts them)."""
+    used = set(re.findall(r'"(L\d+)"', (Path(__file__).parent / "test_liveness.py").read_text()))
     assert {r.id for r in liveness.RULES} <= used

@@ -8,7 +8,7 @@ import pytest
 
 from guardian.core import memguard
 from guardian.config import Config, MemoryConfig, ReplicaConfig
-from guardian.core.admission import Blocker
+from guardian.core.rules import Refusal
 from guardian.core.observations import RestartOutcome
 from guardian.core.vocab import Gate, MemVerdict, Priority, State
 from guardian.core.actions import LogLine, LowerFraction
@@ -150,8 +150,8 @@ def test_unwired_replica_is_refused_with_the_fix():
 
 
 def test_watchdog_blocks_are_respected():
-    v = view(5, blocked={"a": Blocker(Gate.ONE_AT_A_TIME, "A3", Priority.ERROR, (Gate.ONE_AT_A_TIME, "b"),
-                                      "b is starting; one restart at a time per box")})
+    v = view(5, blocked={"a": Refusal(Gate.ONE_AT_A_TIME, "A3", "b is starting; one restart at a time per box",
+                                      key=(Gate.ONE_AT_A_TIME, "b"))})
     _, every, _ = run(cfg(), [(100, v), (130, v)])
     assert lowerings(every) == [] and "one restart at a time" in msgs(every, "error")[0]
 

@@ -82,7 +82,7 @@ def test_a_sigstopped_server_under_load_is_still_restarted_within_its_window(wor
     # The window is 10 s from the last answer and the last response that flowed. The last answer is
     # noted when its tick judges, up to the probe wait (0.25 s here) after it came, and the clock
     # here is read before the kill reaches the process (nsenter): 10.1-10.5 s measured. (That a
-    # flow is dated by its last byte sent, not by the look, is test_policy.py's boundary test.)
+    # flow is dated by its last byte sent, not by the look, is test_liveness.py's boundary test.)
     assert took is not None and took <= 11.0, took
     line = world.restarts_of(a)[-1]["MESSAGE"]
     assert "unresponsive" in line and "kernel: nothing flowed to" in line, line

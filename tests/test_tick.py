@@ -16,7 +16,7 @@ from guardian.core.observations import (
     TickObservation,
 )
 from guardian.core.vocab import Decision, Gate, RestartKind, State
-from test_policy import TIMEOUT, obs, sample, unit
+from test_liveness import TIMEOUT, obs, sample, unit
 
 GiB = 2**30
 TOTAL = 128 * GiB

@@ -27,6 +27,7 @@ from ..core.actions import (
 )
 from ..core.container import helper_unit
 from ..core.observations import CanaryResult, RestartOutcome, UnitInfo
+from ..core.rules import Refusal
 from ..core.vocab import ActiveState, Decision, Gate, HeldBy, Priority
 from ..observe import probes
 from ..observe.clock import Now
@@ -78,7 +79,7 @@ async def checked_restart(
         journal.line(
             LogLine(
                 Priority.ERROR,
-                f"replica {r.name}: restart of {r.unit} refused on the re-check right before acting: {refusal.text()}",
+                f"replica {r.name}: restart of {r.unit} refused on the re-check right before acting: {refusal.text}",
                 Decision.REFUSED,
                 r.name,
                 r.unit,
@@ -227,7 +228,7 @@ def _said(
 
 async def _fresh_look(
     sd: Systemd, r: ReplicaConfig, containers: ContainerWatch, allow_failed: bool
-) -> tuple[UnitInfo | None, gates.Refusal | None]:
+) -> tuple[UnitInfo | None, Refusal | None]:
     """The unit (or a unit-less container as one) and the port's holder looked at afresh, and the
     first gate that refuses. A container holding the port is judged on a fresh helper report."""
     unit, err = await containers.unitless_view(r) if r.unitless else await unit_or_error(sd, r.unit)
@@ -442,7 +443,7 @@ class Executor:
             ),
         )
 
-    async def drain(self, timeout_s: float) -> int:
+    async def finish(self, timeout_s: float) -> int:
         """Wait up to TIMEOUT_S for running tasks (a restart job in flight), then cancel the rest."""
         if not self.tasks:
             return 0

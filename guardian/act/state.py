@@ -102,10 +102,10 @@ class CorruptState(Exception):
         self.moved_to = moved_to
 
 
-State = dict[str, Any]
+StateDoc = dict[str, Any]  # the state file as read: validated, one key per section
 
 
-def _empty() -> State:
+def _empty() -> StateDoc:
     return {
         "version": STATE_VERSION,
         "boot_id": "",
@@ -166,7 +166,7 @@ def _table(value: Any) -> dict[str, Any]:
     return value
 
 
-def _validate(data: Any, now: Now) -> State:
+def _validate(data: Any, now: Now) -> StateDoc:
     """Typed validation: anything of the wrong type, or not a time, makes the file corrupt."""
     if not isinstance(data, dict) or data.get("version") != STATE_VERSION:
         raise ValueError("not a guardian state file of version 1")
@@ -210,7 +210,7 @@ def _validate(data: Any, now: Now) -> State:
     return out
 
 
-def _stamps(data: State) -> Iterator[Stamp]:
+def _stamps(data: StateDoc) -> Iterator[Stamp]:
     for times in data["restarts"].values():
         yield from times
     for p in data["pauses"].values():
@@ -222,7 +222,7 @@ def _stamps(data: State) -> Iterator[Stamp]:
             yield entry["at"]
 
 
-def _adopt_boot(data: State, this_boot: str) -> None:
+def _adopt_boot(data: StateDoc, this_boot: str) -> None:
     """Before writing: monotonic times from another boot are dropped, and the file is this boot's."""
     if data.get("boot_id") != this_boot:
         for st in _stamps(data):
@@ -230,7 +230,7 @@ def _adopt_boot(data: State, this_boot: str) -> None:
         data["boot_id"] = this_boot
 
 
-def forget_unconfigured(data: State, replicas: set[str]) -> None:
+def forget_unconfigured(data: StateDoc, replicas: set[str]) -> None:
     """Drop the history, pauses and canary latencies of replicas that are no longer in the config."""
     for section in ("restarts", "pauses", "resumed_at", "canary_latencies"):
         data[section] = {k: v for k, v in data[section].items() if k in replicas}
@@ -255,7 +255,7 @@ class StateStore:
         finally:
             os.close(fd)
 
-    def _read_unlocked(self) -> State:
+    def _read_unlocked(self) -> StateDoc:
         try:
             raw = read_back(self.path, STATE_MAX_BYTES)
         except FileNotFoundError:
@@ -277,11 +277,11 @@ class StateStore:
         os.replace(self.path, moved)
         raise CorruptState(self.path, moved, reason) from None
 
-    def read(self) -> State:
+    def read(self) -> StateDoc:
         with self._locked():
             return self._read_unlocked()
 
-    def update(self, change: Callable[[State], None]) -> State:
+    def update(self, change: Callable[[StateDoc], None]) -> StateDoc:
         """Apply CHANGE to the state under the lock and write it atomically; return the new state.
 
         A corrupt file is moved aside first (CorruptState is raised after the write, so the
@@ -300,7 +300,7 @@ class StateStore:
         return data
 
 
-def view(data: State, now: Now, this_boot: str | None = None) -> PersistentView:
+def view(data: StateDoc, now: Now, this_boot: str | None = None) -> PersistentView:
     """The core's view: every time on the monotonic clock of NOW."""
     same_boot = data.get("boot_id") == (boot_id() if this_boot is None else this_boot) and data.get("boot_id")
 
@@ -333,12 +333,12 @@ def view(data: State, now: Now, this_boot: str | None = None) -> PersistentView:
     )
 
 
-def record_restart(data: State, replica: str, now: Now, keep_s: float) -> None:
+def record_restart(data: StateDoc, replica: str, now: Now, keep_s: float) -> None:
     times = [st for st in data["restarts"].get(replica, []) if (st.get("wall") or 0.0) > now.wall - keep_s]
     data["restarts"][replica] = [*times, stamp(now)]
 
 
-def record_canary_latencies(data: State, latencies: tuple[tuple[str, tuple[float, ...]], ...]) -> None:
+def record_canary_latencies(data: StateDoc, latencies: tuple[tuple[str, tuple[float, ...]], ...]) -> None:
     """Keep each replica's canary latencies (newest last), the newest CANARY_LATENCIES_KEPT, each
     brought within (0, MAX_LATENCY_S] so that the file reads back (a canary_timeout_s may be longer)."""
     for name, values in latencies:
@@ -346,7 +346,7 @@ def record_canary_latencies(data: State, latencies: tuple[tuple[str, tuple[float
         data["canary_latencies"][name] = kept[-CANARY_LATENCIES_KEPT:]
 
 
-def record_answer(data: State, request_id: str, replica: str, ok: bool, message: str, now: Now) -> None:
+def record_answer(data: StateDoc, request_id: str, replica: str, ok: bool, message: str, now: Now) -> None:
     """Move a request to the answers (and forget answers nobody fetched for ANSWERS_KEPT_S)."""
     data["requests"].pop(request_id, None)
     data["answers"] = {
@@ -361,7 +361,7 @@ class StateCache:
 
     def __init__(self, store: StateStore) -> None:
         self.store = store
-        self.data: State = _empty()
+        self.data: StateDoc = _empty()
         self._view: PersistentView | None = None
         self._mtime: float | None = None
         self._loaded = False

@@ -15,7 +15,7 @@ from ..config import Config
 from . import gates
 from .liveness import Track
 from .observations import PersistentView, ReplicaObservation
-from .rules import Rule
+from .rules import Refusal, Rule
 from .vocab import LOADING_STATES, Gate, Priority
 
 RULES = (
@@ -54,59 +54,45 @@ def budget(name: str, persistent: PersistentView, now: float, cfg: Config) -> Bu
     return Budget(len(counted), w.restart_budget, counted[-1] if counted else None, spent, retry_at)
 
 
-@dataclass(frozen=True)
-class Blocker:
-    """Why a restart may not happen now. KEY is stable while the cause is the same (it carries no
-    live seconds), so a refusal is logged once per episode; TEXT is for the journal line."""
-
-    gate: Gate
-    rule: str
-    priority: Priority
-    key: tuple[str, ...]
-    text: str
-
-
-def blocker(
+def admit(
     name: str,
     tracks: Mapping[str, Track],
     persistent: PersistentView,
     now: float,
     cfg: Config,
     issued_this_tick: bool = False,
-) -> Blocker | None:
+) -> Refusal | None:
     """A1-A3 for replica NAME: the first that refuses, or None."""
     w = cfg.watchdog
     b = budget(name, persistent, now, cfg)
     if b.spent:
         when = f"in {b.retry_at - now:.0f} s" if b.retry_at else "later"
-        return Blocker(
+        return Refusal(
             Gate.BUDGET,
             _ID[Gate.BUDGET],
-            Priority.CRITICAL,
-            (Gate.BUDGET,),
             f"restart budget spent ({b.used} restarts in {w.restart_window_s:.0f} s); giving up on it; "
             f"guardian acts again {when} or after `guardian resume {name}`",
+            priority=Priority.CRITICAL,
+            key=(Gate.BUDGET,),
         )
     if b.last_at is not None:
         wait_s = w.backoff_s * 2 ** (b.used - 1)
         if now - b.last_at < wait_s:
-            return Blocker(
+            return Refusal(
                 Gate.BACKOFF,
                 _ID[Gate.BACKOFF],
-                Priority.ERROR,
-                (Gate.BACKOFF, f"{b.last_at!r}"),
                 f"back-off: last restart {now - b.last_at:.0f} s ago, next allowed {wait_s:.0f} s after it",
+                key=(Gate.BACKOFF, f"{b.last_at!r}"),
             )
     others = sorted(n for n, o in tracks.items() if n != name and (o.restart_in_flight or o.state in LOADING_STATES))
     if others or issued_this_tick:
         who = ", ".join(others) or "another replica"
-        return Blocker(
+        return Refusal(
             Gate.ONE_AT_A_TIME,
             _ID[Gate.ONE_AT_A_TIME],
-            Priority.ERROR,
-            (Gate.ONE_AT_A_TIME, who),
             f"{who} is starting or being restarted; one restart at a time per box "
             "(replicas starting together race for memory)",
+            key=(Gate.ONE_AT_A_TIME, who),
         )
     return None
 
@@ -119,12 +105,9 @@ def refusal(
     now: float,
     cfg: Config,
     issued_this_tick: bool = False,
-) -> Blocker | None:
+) -> Refusal | None:
     """Admission (A1-A3), then the unit gates (G1-G9) on this tick's view of the unit."""
-    found = blocker(name, tracks, persistent, now, cfg, issued_this_tick)
+    found = admit(name, tracks, persistent, now, cfg, issued_this_tick)
     if found is not None:
         return found
-    r = gates.unit_refusal(obs.unit, obs.port_owner, unit_error=obs.unit_error)
-    if r is not None:
-        return Blocker(r.gate, r.rule, Priority.ERROR, (r.gate, r.reason if r.gate is not Gate.DBUS else ""), r.text())
-    return None
+    return gates.unit_refusal(obs.unit, obs.port_owner, unit_error=obs.unit_error)

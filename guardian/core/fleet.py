@@ -14,9 +14,8 @@ Rules: the rows of RULES below (F1-F7), rendered into the README. ``F`` = the [f
 from __future__ import annotations
 
 from ..config import Config
-from .admission import Blocker
 from .observations import FleetView
-from .rules import Rule
+from .rules import Refusal, Rule
 from .vocab import Gate, Priority
 
 RULES = (
@@ -46,43 +45,49 @@ RULES = (
 )
 
 
-def blocker(
+def slot_refusal(
     name: str, model: str, view: FleetView | None, cfg: Config, released: frozenset[str] = frozenset()
-) -> Blocker | None:
-    """F1-F6 for a planned restart of NAME: None to go ahead, else why it waits. A blocker with
+) -> Refusal | None:
+    """F1-F6 for a planned restart of NAME: None to go ahead, else why it waits. A refusal with
     rule F6 means: ask for a slot now. RELEASED: slots given back that the view may still show."""
     f = cfg.fleet
     if not f.enabled:
         return None
     if view is None or not view.ok:
         err = view.error if view is not None and view.error else "no answer yet"
-        return Blocker(
+        return Refusal(
             Gate.FLEET,
             "F3",
-            Priority.ERROR,
-            (Gate.FLEET, "F3"),
             f"etcd cannot be reached ({err}): planned restarts wait for the fleet; hung replicas are still restarted",
+            priority=Priority.ERROR,
+            key=(Gate.FLEET, "F3"),
         )
     if name in view.mine and name not in released:
         return None
     if len(view.slots) >= f.max_planned_restarts:
         who = ", ".join(f"{s.box}/{s.replica}" for s in view.slots)
-        return Blocker(
+        return Refusal(
             Gate.FLEET,
             "F4",
-            Priority.INFO,
-            (Gate.FLEET, "F4", who),
             f"waiting for a fleet slot: {len(view.slots)} of {f.max_planned_restarts} held, by {who}",
+            priority=Priority.INFO,
+            key=(Gate.FLEET, "F4", who),
         )
     serving = view.serving(model, name)
     if len(serving) < f.min_serving:
         shown = ", ".join(serving) or "none"
-        return Blocker(
+        return Refusal(
             Gate.FLEET,
             "F5",
-            Priority.INFO,
-            (Gate.FLEET, "F5", shown),
             f"waiting for capacity: {len(serving)} other replica(s) of {model} serve in the fleet ({shown}), "
             f"min_serving is {f.min_serving}",
+            priority=Priority.INFO,
+            key=(Gate.FLEET, "F5", shown),
         )
-    return Blocker(Gate.FLEET, "F6", Priority.INFO, (Gate.FLEET, "F6"), "asking the fleet for a planned-restart slot")
+    return Refusal(
+        Gate.FLEET,
+        "F6",
+        "asking the fleet for a planned-restart slot",
+        priority=Priority.INFO,
+        key=(Gate.FLEET, "F6"),
+    )

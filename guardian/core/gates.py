@@ -7,10 +7,8 @@ fails is the refusal (rows in RULES, ids G1-G9).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from .observations import UnitInfo
-from .rules import Rule
+from .rules import Refusal, Rule
 from .vocab import ActiveState, Gate, HeldBy, Hidden, LoadState, PortOwner, Unreadable
 
 RULES = (
@@ -52,18 +50,9 @@ RULES = (
 _ID = {r.outcome: r.id for r in RULES}
 
 
-@dataclass(frozen=True)
-class Refusal:
-    gate: Gate
-    reason: str
-    remedy: str = ""
-
-    @property
-    def rule(self) -> str:
-        return _ID[self.gate]
-
-    def text(self) -> str:
-        return f"{self.reason}; {self.remedy}" if self.remedy else self.reason
+def _refuse(gate: Gate, reason: str, remedy: str = "") -> Refusal:
+    # A D-Bus error's text changes from try to try; the episode is the gate alone.
+    return Refusal(gate, _ID[gate], reason, remedy, key=(gate, reason if gate is not Gate.DBUS else ""))
 
 
 def unit_refusal(
@@ -72,22 +61,22 @@ def unit_refusal(
     """The first gate that refuses, or None. ALLOW_FAILED lets the memory guard restart a unit
     that failed to start after guardian's own lowering restart (its start, not the operator's stop)."""
     if unit is None:
-        return Refusal(
+        return _refuse(
             Gate.DBUS,
             f"systemd could not be asked about the unit ({unit_error or 'D-Bus error'})",
             "guardian acts again once the system bus answers",
         )
     n = unit.name
     if unit.masked:
-        return Refusal(Gate.MASKED, f"{n} is masked", f"systemctl unmask {n} if it should run again")
+        return _refuse(Gate.MASKED, f"{n} is masked", f"systemctl unmask {n} if it should run again")
     if not unit.exists or unit.load_state is not LoadState.LOADED:
-        return Refusal(
+        return _refuse(
             Gate.NOT_LOADED,
             f"{n} is not loaded (load state {unit.load_state})",
             f"check replicas[].unit in the config and the unit file (systemctl status {n})",
         )
     if not unit.unit_file_state.enabled:
-        return Refusal(
+        return _refuse(
             Gate.DISABLED,
             f"{n} is {unit.unit_file_state}: a disabled unit is retired or handled by hand",
             f"systemctl enable {n} if guardian should look after it",
@@ -97,23 +86,23 @@ def unit_refusal(
         or unit.active_state is ActiveState.ACTIVATING
         or (allow_failed and unit.active_state is ActiveState.FAILED)
     ):
-        return Refusal(
+        return _refuse(
             Gate.INACTIVE,
             f"{n} is {unit.active_state}: guardian never starts a stopped unit",
             f"systemctl start {n} when it should serve",
         )
     if unit.job_pending:
-        return Refusal(Gate.JOB_PENDING, f"{n} already has a systemd job pending", "wait for it to finish")
+        return _refuse(Gate.JOB_PENDING, f"{n} already has a systemd job pending", "wait for it to finish")
     if isinstance(port_owner, HeldBy) and port_owner.unit != n and not port_owner.own_container:
         holder = port_owner.holder_text()
         pid = f" (pid {port_owner.pid})" if port_owner.pid is not None else ""
-        return Refusal(
+        return _refuse(
             Gate.PORT_OWNER,
             f"port {port_owner.port} is held by {holder}{pid}, not by {n}: restarting {n} would not help",
             f"fix replicas[].url or stop whatever else listens on {port_owner.port}",
         )
     if isinstance(port_owner, Hidden):
-        return Refusal(
+        return _refuse(
             Gate.PORT_UNKNOWN,
             f"cannot tell who listens on port {port_owner.port} (the socket's cgroup names no unit "
             "and its process is not guardian's to read in /proc)",
@@ -121,14 +110,14 @@ def unit_refusal(
             "and CAP_DAC_READ_SEARCH",
         )
     if isinstance(port_owner, Unreadable):
-        return Refusal(
+        return _refuse(
             Gate.PORT_UNKNOWN,
             f"cannot read the kernel's socket table to see who holds port {port_owner.port}",
             "check that guardian may open netlink sockets or read /proc/net/tcp",
         )
     hurt = [f"{c} ({state})" for c, state in unit.conflicts if not state.down]
     if hurt:
-        return Refusal(
+        return _refuse(
             Gate.CONFLICTS,
             f"restarting {n} would stop {', '.join(hurt)} (Conflicts=)",
             "remove the conflict or stop that unit first if it is retired (systemctl disable --now)",

@@ -19,9 +19,8 @@ from dataclasses import dataclass, replace
 
 from ..config import Config
 from .actions import AcquireSlot, DrainReplica, LogLine, LowerFraction
-from .admission import Blocker
 from .observations import MemorySample, RestartOutcome, gib
-from .rules import Rule
+from .rules import Refusal, Rule
 from .vocab import SERVING_STATES, Decision, Gate, MemVerdict, Priority, State
 
 V = MemVerdict
@@ -121,7 +120,7 @@ class MemoryView:
     replicas: tuple[ReplicaMemory, ...]
     peers_serving: tuple[str, ...] = ()  # peer URLs that answered healthy with the model
     consumers: str = ""  # "db.service 22.1 GiB, make 9.3 GiB"
-    restart_blocked: dict[str, Blocker] | None = None  # replica -> why admission would not restart it now
+    restart_blocked: dict[str, Refusal] | None = None  # replica -> why admission would not restart it now
     restart_results: dict[str, RestartOutcome] | None = None  # replica -> a restart job that ended this tick
     drain_first: bool = False  # a proxy is configured: a replica is drained before it is lowered (M15)
     fleet_serving: dict[str, tuple[str, ...]] | None = None  # model -> BOX/NAME serving on other boxes ([fleet])

@@ -6,12 +6,32 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .vocab import Gate, Priority
+
 
 @dataclass(frozen=True)
 class Rule:
     id: str  # stable: L3, A1, G5, M4 ...; never reused for another meaning
     outcome: str  # the state, gate or verdict this rule yields
     condition: str  # exact, with AND/OR and < versus <=; W., R., M. are config sections
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a restart may not happen now: an admission row (A1-A3), a unit gate (G1-G9) or the
+    fleet (F1-F6). KEY is stable while the cause is the same (it carries no live seconds), so a
+    refusal is logged once per episode; TEXT is for the journal line."""
+
+    gate: Gate
+    rule: str
+    reason: str
+    remedy: str = ""
+    priority: Priority = Priority.ERROR
+    key: tuple[str, ...] = ()
+
+    @property
+    def text(self) -> str:
+        return f"{self.reason}; {self.remedy}" if self.remedy else self.reason
 
 
 def markdown_table(rows: tuple[Rule, ...], outcome_header: str) -> str:

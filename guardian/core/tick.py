@@ -41,10 +41,10 @@ from .actions import (
     RestartUnit,
     StartCanary,
 )
-from .admission import Blocker
 from .drain import Drain, Phase
 from .liveness import Track
 from .observations import MemoryObservation, ReplicaObservation, TickObservation
+from .rules import Refusal
 from .vocab import LOADING_STATES, RESTART_STATES, SERVING_STATES, Decision, Priority, RestartKind, State
 
 
@@ -254,7 +254,7 @@ def _restart(
     issued: bool,
     request_id: str | None = None,
     stop_timeout_s: float | None = None,
-) -> Blocker | None:
+) -> Refusal | None:
     """Admit, then issue (or log the dry run). A refusal is logged and returned; a watchdog's
     refusal or dry run is logged once per episode (its stable key), an operator's every time."""
     t = out.tracks[r.name]
@@ -512,7 +512,7 @@ def _waits_for_fleet(
         return False
     if admission.refusal(r.name, out.tracks, obs.replicas[r.name], obs.persistent, now, cfg, issued) is not None:
         return False  # refused on this box's own grounds: the restart path says so
-    b = fleet.blocker(r.name, r.model, obs.fleet, cfg, out.slots_released)
+    b = fleet.slot_refusal(r.name, r.model, obs.fleet, cfg, out.slots_released)
     if b is None:
         return False
     if b.rule == "F6":
@@ -608,7 +608,7 @@ def _memory(
 ) -> memguard.MemTrack:
     pending = track.pending
     replicas = []
-    blocked: dict[str, admission.Blocker] = {}
+    blocked: dict[str, Refusal] = {}
     for r in cfg.replicas:
         t = out.tracks[r.name]
         o = obs.replicas[r.name]
@@ -651,9 +651,9 @@ def _memory(
         mine = out.drains.get(r.name)
         own = mine is not None and mine.for_memory and mine.phase is Phase.DRAINING
         others = any(d.phase is Phase.DRAINING for n, d in out.drains.items() if n != r.name)
-        b = admission.blocker(r.name, out.tracks, obs.persistent, now, cfg, issued if not own else others)
+        b = admission.admit(r.name, out.tracks, obs.persistent, now, cfg, issued if not own else others)
         if b is None and not own:  # a drain for the memory guard was begun with its slot held
-            b = fleet.blocker(r.name, r.model, obs.fleet, cfg, out.slots_released)
+            b = fleet.slot_refusal(r.name, r.model, obs.fleet, cfg, out.slots_released)
         if b is not None:
             blocked[r.name] = b
     results = {n: o.restart_outcome for n, o in obs.replicas.items() if o.restart_outcome is not None}
