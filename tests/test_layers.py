@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from guardian.core import admission, gates, liveness, memguard
-from guardian.core.rules import render_into, tables
+from guardian.core import admission, bypass, drain, fleet, gates, liveness, memguard
+from guardian.rule_tables import render_into, tables
 
 PKG = Path(__file__).resolve().parent.parent / "guardian"
 README = PKG.parent / "README.md"
@@ -93,10 +93,92 @@ def test_the_import_checker_sees_a_violation(tmp_path):
     assert "time" in _third_party_and_stdlib(fake)
 
 
+def _run_time_nodes(node: ast.AST):
+    """NODE and every node below it that runs: an ``if TYPE_CHECKING:`` block is read by the type
+    checker alone."""
+    yield node
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+            for branch in child.orelse:  # its else branch does run
+                yield from _run_time_nodes(branch)
+            continue
+        yield from _run_time_nodes(child)
+
+
+def _module_graph(root: Path = PKG.parent) -> dict[str, set[str]]:
+    """Module -> the guardian modules it imports (dotted names; a package is its __init__), from the
+    AST: imports inside functions count, for they run too (only later); those for the type checker
+    alone do not."""
+    files = {".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): p
+             for p in sorted((root / "guardian").rglob("*.py"))}
+    graph: dict[str, set[str]] = {}
+    for module, path in files.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        found: set[str] = set()
+        for node in _run_time_nodes(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+                source = ".".join(base + (node.module.split(".") if node.module else []))
+                found |= {source} | {f"{source}.{a.name}" for a in node.names}
+        graph[module] = {m for m in found if m in files and m != module}
+    return graph
+
+
+def _a_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import cycle in GRAPH (its modules, the first repeated at the end), or []."""
+    done: set[str] = set()
+
+    def walk(module: str, path: list[str]) -> list[str]:
+        if module in path:
+            return [*path[path.index(module):], module]
+        if module in done:
+            return []
+        for target in sorted(graph[module]):
+            cycle = walk(target, [*path, module])
+            if cycle:
+                return cycle
+        done.add(module)
+        return []
+
+    for module in sorted(graph):
+        cycle = walk(module, [])
+        if cycle:
+            return cycle
+    return []
+
+
+def test_no_import_cycle_among_guardians_modules():
+    assert _a_cycle(_module_graph()) == []
+
+
+def test_the_rules_module_is_a_leaf():
+    """Every rule module imports core/rules.py: it imports nothing of guardian but the vocabulary."""
+    assert _module_graph()["guardian.core.rules"] <= {"guardian.core.vocab"}
+
+
+def test_the_cycle_checker_sees_a_cycle(tmp_path):
+    """Through a function-level import, as the rule tables once were (on a copy, never in the source tree)."""
+    core = tmp_path / "guardian" / "core"
+    core.mkdir(parents=True)
+    (tmp_path / "guardian" / "__init__.py").write_text("")
+    (core / "__init__.py").write_text("")
+    (core / "rules.py").write_text("from .vocab import Gate\n\ndef tables():\n    from . import gates\n")
+    (core / "gates.py").write_text("from .rules import Rule\nif TYPE_CHECKING:\n    from .tick import Tick\n")
+    (core / "tick.py").write_text("from . import gates\n")
+    (core / "vocab.py").write_text("import enum\n")
+    graph = _module_graph(tmp_path)
+    assert graph["guardian.core.rules"] == {"guardian.core", "guardian.core.vocab", "guardian.core.gates"}
+    assert graph["guardian.core.gates"] == {"guardian.core.rules"}  # not tick: for the type checker alone
+    assert _a_cycle(graph) == ["guardian.core.gates", "guardian.core.rules", "guardian.core.gates"]
+
+
 def test_every_rule_id_is_unique_and_well_formed():
-    ids = [r.id for rows in (liveness.RULES, admission.RULES, gates.RULES, memguard.RULES) for r in rows]
+    modules = (liveness, admission, gates, memguard, drain, fleet, bypass)
+    ids = [r.id for module in modules for r in module.RULES]
     assert len(ids) == len(set(ids))
-    assert all(re.fullmatch(r"[LAGM]\d+", i) for i in ids)
+    assert all(re.fullmatch(r"[LAGMDFB]\d+", i) for i in ids)
 
 
 def test_the_readme_rule_tables_are_the_codes_rows():

@@ -1,8 +1,10 @@
 """Restart admission: may this replica's unit be restarted now? The one owner of that rule. Pure.
 
 Every restart, whoever asks for it (the watchdog, the memory guard, an operator's
-`guardian restart`), passes admission first: the rows of RULES (A1-A3), then the unit gates
-(core/gates.py, G1-G9). The first that fails is the refusal. With ``dry_run = true`` an admitted
+`guardian restart`), passes admission first: the rows of ROWS below (A1-A3: each its README row,
+the predicate that says when it refuses and what it says then, over one _Asked; RULES, their
+rules, is rendered into the README), then the unit gates (core/gates.py, G1-G9). The first that
+fails is the refusal. With ``dry_run = true`` an admitted
 restart is logged as what would be done, and not issued.
 """
 
@@ -11,29 +13,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ..config import Config
+from ..config import Config, WatchdogConfig
 from . import gates
 from .liveness import Track
-from .observations import PersistentView, ReplicaObservation
-from .rules import Refusal, Rule
+from .observations import PersistentView, TickObservation
+from .rules import Refusal, Row, Rule, Why, first_match
 from .vocab import LOADING_STATES, Gate, Priority
-
-RULES = (
-    Rule(
-        "A1",
-        Gate.BUDGET,
-        "restarts of this replica in the last W.restart_window_s (and after its last "
-        "`guardian resume`) >= W.restart_budget: guardian gives up on it (critical) until the oldest leaves the window",
-    ),
-    Rule("A2", Gate.BACKOFF, "now - last restart < W.backoff_s x 2^(restarts in the window - 1)"),
-    Rule(
-        "A3",
-        Gate.ONE_AT_A_TIME,
-        "another replica on this box is loading (state starting) or has a restart in "
-        "flight, or a restart was already issued this tick (replicas starting together race for memory)",
-    ),
-)
-_ID = {r.outcome: r.id for r in RULES}
 
 
 @dataclass(frozen=True)
@@ -46,12 +31,96 @@ class Budget:
 
 
 def budget(name: str, persistent: PersistentView, now: float, cfg: Config) -> Budget:
-    w = cfg.watchdog
-    floor_ts = max(now - w.restart_window_s, persistent.resumed_at.get(name, float("-inf")))
-    counted = sorted(t for t in persistent.restarts.get(name, ()) if t > floor_ts)
-    spent = len(counted) >= w.restart_budget
-    retry_at = counted[0] + w.restart_window_s if counted else None
-    return Budget(len(counted), w.restart_budget, counted[-1] if counted else None, spent, retry_at)
+    watchdog = cfg.watchdog
+    floor_ts = max(now - watchdog.restart_window_s, persistent.resumed_at.get(name, float("-inf")))
+    counted = sorted(at for at in persistent.restarts.get(name, ()) if at > floor_ts)
+    spent = len(counted) >= watchdog.restart_budget
+    retry_at = counted[0] + watchdog.restart_window_s if counted else None
+    return Budget(len(counted), watchdog.restart_budget, counted[-1] if counted else None, spent, retry_at)
+
+
+@dataclass(frozen=True)
+class _Asked:
+    """What admission reads about a restart of replica NAME now."""
+
+    name: str
+    budget: Budget
+    tracks: Mapping[str, Track]
+    now: float
+    watchdog: WatchdogConfig
+    issued_this_tick: bool
+
+    @property
+    def since_last_restart_s(self) -> float:
+        """Seconds since its last counted restart; infinite when there is none."""
+        last_at = self.budget.last_at
+        return self.now - last_at if last_at is not None else float("inf")
+
+    @property
+    def backoff_s(self) -> float:
+        return self.watchdog.backoff_s * 2.0 ** (self.budget.used - 1)
+
+    @property
+    def others_loading(self) -> list[str]:
+        """The other replicas on this box that are starting or have a restart in flight."""
+        return sorted(
+            name
+            for name, track in self.tracks.items()
+            if name != self.name and (track.restart_in_flight or track.state in LOADING_STATES)
+        )
+
+
+def _budget_spent(asked: _Asked) -> Why:
+    spent = asked.budget
+    when = f"in {spent.retry_at - asked.now:.0f} s" if spent.retry_at else "later"
+    return Why(
+        f"restart budget spent ({spent.used} restarts in {asked.watchdog.restart_window_s:.0f} s); giving up on it; "
+        f"guardian acts again {when} or after `guardian resume {asked.name}`",
+        priority=Priority.CRITICAL,
+    )
+
+
+def _one_at_a_time(asked: _Asked) -> Why:
+    who = ", ".join(asked.others_loading) or "another replica"
+    return Why(
+        f"{who} is starting or being restarted; one restart at a time per box "
+        "(replicas starting together race for memory)",
+        episode=(who,),
+    )
+
+
+ROWS: tuple[Row[_Asked, Why], ...] = (
+    Row(
+        Rule(
+            "A1",
+            Gate.BUDGET,
+            "restarts of this replica in the last W.restart_window_s (and after its last "
+            "`guardian resume`) >= W.restart_budget: guardian gives up on it (critical) until the oldest leaves "
+            "the window",
+        ),
+        lambda a: a.budget.spent,
+        _budget_spent,
+    ),
+    Row(
+        Rule("A2", Gate.BACKOFF, "now - last restart < W.backoff_s x 2^(restarts in the window - 1)"),
+        lambda a: a.since_last_restart_s < a.backoff_s,
+        lambda a: Why(
+            f"back-off: last restart {a.since_last_restart_s:.0f} s ago, next allowed {a.backoff_s:.0f} s after it",
+            episode=(f"{a.budget.last_at!r}",),
+        ),
+    ),
+    Row(
+        Rule(
+            "A3",
+            Gate.ONE_AT_A_TIME,
+            "another replica on this box is loading (state starting) or has a restart in "
+            "flight, or a restart was already issued this tick (replicas starting together race for memory)",
+        ),
+        lambda a: bool(a.others_loading) or a.issued_this_tick,
+        _one_at_a_time,
+    ),
+)
+RULES = tuple(row.rule for row in ROWS)
 
 
 def admit(
@@ -63,51 +132,26 @@ def admit(
     issued_this_tick: bool = False,
 ) -> Refusal | None:
     """A1-A3 for replica NAME: the first that refuses, or None."""
-    w = cfg.watchdog
-    b = budget(name, persistent, now, cfg)
-    if b.spent:
-        when = f"in {b.retry_at - now:.0f} s" if b.retry_at else "later"
-        return Refusal(
-            Gate.BUDGET,
-            _ID[Gate.BUDGET],
-            f"restart budget spent ({b.used} restarts in {w.restart_window_s:.0f} s); giving up on it; "
-            f"guardian acts again {when} or after `guardian resume {name}`",
-            priority=Priority.CRITICAL,
-            key=(Gate.BUDGET,),
-        )
-    if b.last_at is not None:
-        wait_s = w.backoff_s * 2 ** (b.used - 1)
-        if now - b.last_at < wait_s:
-            return Refusal(
-                Gate.BACKOFF,
-                _ID[Gate.BACKOFF],
-                f"back-off: last restart {now - b.last_at:.0f} s ago, next allowed {wait_s:.0f} s after it",
-                key=(Gate.BACKOFF, f"{b.last_at!r}"),
-            )
-    others = sorted(n for n, o in tracks.items() if n != name and (o.restart_in_flight or o.state in LOADING_STATES))
-    if others or issued_this_tick:
-        who = ", ".join(others) or "another replica"
-        return Refusal(
-            Gate.ONE_AT_A_TIME,
-            _ID[Gate.ONE_AT_A_TIME],
-            f"{who} is starting or being restarted; one restart at a time per box "
-            "(replicas starting together race for memory)",
-            key=(Gate.ONE_AT_A_TIME, who),
-        )
-    return None
+    asked = _Asked(name, budget(name, persistent, now, cfg), tracks, now, cfg.watchdog, issued_this_tick)
+    found = first_match(ROWS, asked)
+    if found is None:
+        return None
+    rule, why = found
+    gate = Gate(rule.outcome)
+    return Refusal(gate, rule.id, why.reason, why.remedy, why.priority, key=(gate, *why.episode))
 
 
 def refusal(
     name: str,
     tracks: Mapping[str, Track],
-    obs: ReplicaObservation,
-    persistent: PersistentView,
+    obs: TickObservation,
     now: float,
     cfg: Config,
     issued_this_tick: bool = False,
 ) -> Refusal | None:
     """Admission (A1-A3), then the unit gates (G1-G9) on this tick's view of the unit."""
-    found = admit(name, tracks, persistent, now, cfg, issued_this_tick)
+    found = admit(name, tracks, obs.persistent, now, cfg, issued_this_tick)
     if found is not None:
         return found
-    return gates.unit_refusal(obs.unit, obs.port_owner, unit_error=obs.unit_error)
+    seen = obs.replicas[name]
+    return gates.unit_refusal(seen.unit, seen.port_owner, unit_error=seen.unit_error)

@@ -1,7 +1,8 @@
 """Clients that bypass the proxy (the seed's incident: a batch job had one box's own address in its
 configuration; all its load went to one replica while the other had capacity to spare). Pure.
 
-Rules (the README's "What the kernel shows" renders them):
+Rules (RULES, rendered into the README's "What the kernel shows"; they are not first-match rows,
+so each names the code that enforces it):
 - B1: only while guardian knows the proxy's connections ([proxy] with nginx on this box, or
   watchdog.proxy_peers not empty): without one, every client talks to the replicas directly, and
   that is the set-up; with only drain commands (a proxy elsewhere) its address is not known, and
@@ -21,23 +22,22 @@ from dataclasses import dataclass
 from ..config import Config
 from .hazards import Hazard
 from .observations import ConnView, PeerKind
-from .rules import Rule
+from .rules import UNCHANGED, Rule
 
-RULES = (
-    Rule(
-        "B1",
-        "(no hazard)",
-        "no proxy whose connections guardian knows (proxy.nginx_upstream_dir unset AND watchdog.proxy_peers empty)",
-    ),
-    Rule(
-        "B2",
-        "bypass",
-        "a peer of kind other has connections to the replica's own port at every look for >= W.bypass_after_s",
-    ),
-    Rule(
-        "B3", "(unchanged)", "the kernel's view could not be read at this look: what was seen, and who bypasses, stands"
-    ),
+NO_PROXY = Rule(  # enforced by proxy_configured(), which update() asks first
+    "B1",
+    "(no hazard)",
+    "no proxy whose connections guardian knows (proxy.nginx_upstream_dir unset AND watchdog.proxy_peers empty)",
 )
+BYPASSING = Rule(  # enforced by update(), for each replica's view; Bypass.hazard() says it
+    "B2",
+    "bypass",
+    "a peer of kind other has connections to the replica's own port at every look for >= W.bypass_after_s",
+)
+NO_VIEW = Rule(  # enforced by update(), for a replica whose view is None
+    "B3", UNCHANGED, "the kernel's view could not be read at this look: what was seen, and who bypasses, stands"
+)
+RULES = (NO_PROXY, BYPASSING, NO_VIEW)
 
 Seen = Mapping[tuple[str, str], float]  # (replica, peer) -> first look at which it was connected
 
@@ -50,43 +50,43 @@ class Bypass:
     since: float
 
     def hazard(self, cfg: Config, now: float) -> Hazard:
-        r = cfg.replica(self.replica)
-        unit = r.unit if r is not None else None
-        port = f" on port {r.port}" if r is not None else ""
+        replica = cfg.replica(self.replica)
+        unit = replica.unit if replica is not None else None
+        port = f" on port {replica.port}" if replica is not None else ""
         return Hazard(
             f"bypass:{self.replica}:{self.peer}",
             f"replica {self.replica} ({unit}): {self.peer} talks to it directly{port}, not through the proxy "
             f"({self.connections} connection(s), for {now - self.since:.0f} s): its load skips the proxy's "
-            "balancing and draining; point it at the proxy (B2)",
+            f"balancing and draining; point it at the proxy ({BYPASSING.id})",
             self.replica,
             unit,
         )
 
 
 def proxy_configured(cfg: Config) -> bool:
-    """B1: guardian knows the proxy's connections (nginx on this box, or proxy_peers)."""
+    """Guardian knows the proxy's connections (nginx on this box, or proxy_peers): else NO_PROXY."""
     return cfg.proxy.nginx_upstream_dir is not None or bool(cfg.watchdog.proxy_peers)
 
 
 def update(
     seen: Seen, bypassing: Iterable[Bypass], views: Mapping[str, ConnView | None], now: float, cfg: Config
 ) -> tuple[dict[tuple[str, str], float], list[Bypass]]:
-    """The peers seen connected from now on, and those bypassing the proxy (B1-B3), given what was
+    """The peers seen connected from now on, and those bypassing the proxy (RULES), given what was
     seen and who was BYPASSING at the last look."""
-    if not proxy_configured(cfg):
+    if not proxy_configured(cfg):  # NO_PROXY
         return {}, []
-    out: dict[tuple[str, str], float] = {}
+    still_seen: dict[tuple[str, str], float] = {}
     found: list[Bypass] = []
     for replica, view in views.items():
-        if view is None:  # B3
-            out.update({k: v for k, v in seen.items() if k[0] == replica})
-            found += [b for b in bypassing if b.replica == replica]
+        if view is None:  # NO_VIEW: no news is not "gone"
+            still_seen.update({key: since for key, since in seen.items() if key[0] == replica})
+            found += [bypass for bypass in bypassing if bypass.replica == replica]
             continue
         for peer in view.peers:
             if peer.kind is not PeerKind.OTHER or peer.connections <= 0:
                 continue
             since = seen.get((replica, peer.name), now)
-            out[(replica, peer.name)] = since
-            if now - since >= cfg.watchdog.bypass_after_s:
+            still_seen[(replica, peer.name)] = since
+            if now - since >= cfg.watchdog.bypass_after_s:  # BYPASSING
                 found.append(Bypass(replica, peer.name, peer.connections, since))
-    return out, found
+    return still_seen, found

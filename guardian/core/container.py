@@ -35,8 +35,8 @@ def helper_unit(verb: str, replica: str) -> str:
 
 def container_id_of_cgroup(component: str) -> str | None:
     """The container id in a cgroup path component named by an engine, or None."""
-    m = _SCOPE.match(component)
-    return m.group(1) if m else None
+    match = _SCOPE.match(component)
+    return match.group(1) if match else None
 
 
 @dataclass(frozen=True)
@@ -89,21 +89,21 @@ def parse_run_line(argv: tuple[str, ...]) -> RunLine | None:
     opts: dict[str, list[str]] = {}
     flags: set[str] = set()
     tail = rest[1:]
-    i = 0
-    while i < len(tail):
-        w = tail[i]
-        if not w.startswith("-") or w == "--":
+    at = 0  # the word of TAIL read next; the image once the options end
+    while at < len(tail):
+        word = tail[at]
+        if not word.startswith("-") or word == "--":
             break
-        key, eq, value = w.partition("=")
+        key, eq, value = word.partition("=")
         if eq:
             opts.setdefault(key, []).append(value)
-        elif key in _VALUED and i + 1 < len(tail):
-            opts.setdefault(key, []).append(tail[i + 1])
-            i += 1
+        elif key in _VALUED and at + 1 < len(tail):
+            opts.setdefault(key, []).append(tail[at + 1])
+            at += 1
         else:
             flags.add(key)
-        i += 1
-    after_image = tail[i + 1 :]
+        at += 1
+    after_image = tail[at + 1 :]
     network = (opts.get("--network") or opts.get("--net") or [""])[-1]
     envs = opts.get("-e", []) + opts.get("--env", [])
     fraction_arg = any(
@@ -141,55 +141,68 @@ def unit_problems(
                 "point replicas[].unit at the unit that runs the container, or drop `container` for a native replica",
             )
         ]
-    out: list[tuple[str, str]] = []
-    eng = run.engine
-    if run.name != container:
-        out.append(
+    found = _start_problems(unit, container, run, pre)
+    if not _stops_container(run, container, stop):
+        found.append(
             (
-                f"{unit} runs its container as {run.name!r}, not {container!r}",
-                f"give `{eng} run` the option --name {container} (or set replicas[].container = {run.name!r})",
+                f"{unit} has no ExecStop that stops the container: `systemctl stop` ends only the {run.engine} CLI "
+                "and the container serves on",
+                f"ExecStop=/usr/bin/{run.engine} stop -t 30 {container}",
             )
         )
-    removes_old = run.replace or _mentions(pre, eng, "rm") or (eng == "podman" and _mentions(pre, "podman", "rm"))
+    return found
+
+
+def _start_problems(unit: str, container: str, run: RunLine, pre: tuple[tuple[str, ...], ...]) -> list[tuple[str, str]]:
+    """What in UNIT's start (its run line and ExecStartPre lines PRE) keeps a restart from working."""
+    found: list[tuple[str, str]] = []
+    engine = run.engine
+    if run.name != container:
+        found.append(
+            (
+                f"{unit} runs its container as {run.name!r}, not {container!r}",
+                f"give `{engine} run` the option --name {container} (or set replicas[].container = {run.name!r})",
+            )
+        )
+    removes_old = run.replace or _mentions(pre, engine, "rm")
     if not removes_old:
         fix = (
             f"add --replace to `podman run` (what Quadlet writes), or ExecStartPre=-/usr/bin/podman rm -f {container}"
-            if eng == "podman"
+            if engine == "podman"
             else f"ExecStartPre=-/usr/bin/docker rm -f {container}"
         )
-        out.append(
+        found.append(
             (
                 f"{unit} does not remove the old container before it starts a new one: a restart fails with "
                 f"'name already in use' while the old {container} still holds the model's memory",
                 fix,
             )
         )
-    if run.detach and eng == "docker":
-        out.append(
+    if run.detach and engine == "docker":
+        found.append(
             (
                 f"{unit} runs `docker run -d`: the unit ends as soon as the container starts, so systemd "
                 "cannot see it stop or restart it",
                 f"run it in the foreground: drop -d (the unit then lives as long as {container})",
             )
         )
-    if eng == "docker" and not run.rm and not removes_old:
-        out.append(
+    if engine == "docker" and not run.rm and not removes_old:
+        found.append(
             (
                 f"{unit} runs `docker run` with a fixed --name and without --rm: the stopped container stays and "
                 "blocks the next start",
                 f"add --rm to `docker run`, or ExecStartPre=-/usr/bin/docker rm -f {container}",
             )
         )
-    if not _mentions(stop, eng, container) and not (eng == "podman" and _mentions(stop, "podman", "--cidfile")):
-        if not (eng == "podman" and run.cidfile and _mentions(stop, "podman", "rm")):
-            out.append(
-                (
-                    f"{unit} has no ExecStop that stops the container: `systemctl stop` ends only the {eng} CLI "
-                    "and the container serves on",
-                    f"ExecStop=/usr/bin/{eng} stop -t 30 {container}",
-                )
-            )
-    return out
+    return found
+
+
+def _stops_container(run: RunLine, container: str, stop: tuple[tuple[str, ...], ...]) -> bool:
+    """One of the STOP lines stops the container: by its name, or (Podman) by its cidfile."""
+    if _mentions(stop, run.engine, container):
+        return True
+    by_cidfile = _mentions(stop, "podman", "--cidfile") or (bool(run.cidfile) and _mentions(stop, "podman", "rm"))
+    return run.engine == "podman" and by_cidfile
 
 
 @dataclass(frozen=True)
@@ -241,28 +254,28 @@ class Holder:
     ids: tuple[str, ...] = field(default=())
 
 
-def synthetic_unit(label: str, c: Container | None, scope: UnitInfo | None) -> UnitInfo:
+def synthetic_unit(label: str, container: Container | None, scope: UnitInfo | None) -> UnitInfo:
     """A unit-less container seen as a unit, so that the unit gates and the startup grace apply:
     running -> active (its start time is its scope's), restarting -> activating, otherwise
     inactive ("stopped": an operator's `docker stop`, or a policy that gave up). Its restart
     policy stands for enablement: "no" is a container nobody keeps (G4, like a disabled unit)."""
-    if c is None:
+    if container is None:
         return UnitInfo(label, LoadState.NOT_FOUND, ActiveState.INACTIVE, sub_state="no such container")
-    if c.running and scope is not None and scope.active_state.running:
+    if container.running and scope is not None and scope.active_state.running:
         active, since = ActiveState.ACTIVE, scope.inactive_exit_mono
-    elif c.restarting or c.running:
+    elif container.restarting or container.running:
         active, since = ActiveState.ACTIVATING, scope.inactive_exit_mono if scope is not None else None
     else:
         active, since = ActiveState.INACTIVE, None
-    policy = c.restart_policy or "no"
+    policy = container.restart_policy or "no"
     return UnitInfo(
         name=label,
         load_state=LoadState.LOADED,
         active_state=active,
-        sub_state=c.status,
+        sub_state=container.status,
         unit_file_state=UnitFileState.ENABLED if policy in KEEPING_POLICIES else UnitFileState.DISABLED,
         inactive_exit_mono=since,
-        main_pid=c.pid,
-        invocation_id=c.started_at,
+        main_pid=container.pid,
+        invocation_id=container.started_at,
         restart=policy,
     )

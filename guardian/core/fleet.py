@@ -6,43 +6,114 @@ operator's `guardian restart`, a memory-guard lowering) first takes one of the f
 tick (FleetView), asks for slots with an etcd transaction, and gives them back; this module says
 which, from the view alone. Unplanned restarts (a hung replica) never wait for the fleet.
 
-Rules: the rows of RULES below (F1-F7), rendered into the README. ``F`` = the [fleet] config.
+Rules: the rows of ROWS below (F1-F6), first match wins, each its README row, the predicate that
+says when it holds and what it says then, over one _Planned; and RELEASE (F7), which the tick
+enforces (core/tick.py gives back the slots it names). RULES, all seven, is rendered into the
+README. ``F`` = the [fleet] config.
 "Serving" in the fleet view: a published replica of the model, healthy or busy, that holds no slot
 (it is about to restart), other than the one asking.
 """
 
 from __future__ import annotations
 
-from ..config import Config
+from dataclasses import dataclass
+
+from ..config import Config, FleetConfig
 from .observations import FleetView
-from .rules import Refusal, Rule
+from .rules import Refusal, Row, Rule, Why, first_match
 from .vocab import Gate, Priority
 
-RULES = (
-    Rule("F1", "go", "no [fleet] configured: the box decides alone (one restart at a time per box)"),
-    Rule("F2", "go", "the replica holds a fleet slot"),
-    Rule(
-        "F3",
-        "wait: etcd",
-        "etcd could not be read this tick: planned restarts wait; a critical memory lowering goes ahead "
-        "(said at error); unplanned restarts never wait",
+
+@dataclass(frozen=True)
+class _Planned:
+    """A planned restart of replica NAME (of MODEL) asking the fleet, with the view read this tick."""
+
+    name: str
+    model: str
+    view: FleetView
+    fleet: FleetConfig
+    released: frozenset[str]  # slots given back that the view may still show
+
+    @property
+    def holders(self) -> str:
+        return ", ".join(f"{slot.box}/{slot.replica}" for slot in self.view.slots)
+
+    @property
+    def serving(self) -> list[str]:
+        return self.view.serving(self.model, self.name)
+
+
+def _capacity(planned: _Planned) -> Why:
+    serving = planned.serving
+    shown = ", ".join(serving) or "none"
+    return Why(
+        f"waiting for capacity: {len(serving)} other replica(s) of {planned.model} serve in the fleet ({shown}), "
+        f"min_serving is {planned.fleet.min_serving}",
+        priority=Priority.INFO,
+        episode=(shown,),
+    )
+
+
+# The evidence of a rule that lets the restart go is None: nothing to wait for, nothing to say.
+ROWS: tuple[Row[_Planned, Why | None], ...] = (
+    Row(
+        Rule("F1", "go", "no [fleet] configured: the box decides alone (one restart at a time per box)"),
+        lambda p: not p.fleet.enabled,
+        lambda p: None,
     ),
-    Rule("F4", "wait: slots", "slots held in the fleet >= F.max_planned_restarts (the line names who holds them)"),
-    Rule("F5", "wait: capacity", "other replicas of the model serving in the fleet view < F.min_serving"),
-    Rule(
-        "F6",
-        "ask",
-        "otherwise a slot is asked for: one etcd transaction creates a free slot key, bound to this guardian's "
-        "lease, only if no slot was taken for the same model since the view was read; the restart begins on a "
-        "later tick, once the view shows the slot held",
+    Row(
+        Rule("F2", "go", "the replica holds a fleet slot"),
+        lambda p: p.view.ok and p.name in p.view.mine and p.name not in p.released,
+        lambda p: None,
     ),
-    Rule(
-        "F7",
-        "release",
-        "a slot of this box whose replica is not draining, away, restarting, starting, being lowered or "
-        "asking: given back at once (its planned restart is over, or given up)",
+    Row(
+        Rule(
+            "F3",
+            "wait: etcd",
+            "etcd could not be read this tick: planned restarts wait; a critical memory lowering goes ahead "
+            "(said at error); unplanned restarts never wait",
+        ),
+        lambda p: not p.view.ok,
+        lambda p: Why(
+            f"etcd cannot be reached ({p.view.error or 'no answer yet'}): planned restarts wait for the fleet; "
+            "hung replicas are still restarted",
+            priority=Priority.ERROR,
+        ),
+    ),
+    Row(
+        Rule("F4", "wait: slots", "slots held in the fleet >= F.max_planned_restarts (the line names who holds them)"),
+        lambda p: len(p.view.slots) >= p.fleet.max_planned_restarts,
+        lambda p: Why(
+            f"waiting for a fleet slot: {len(p.view.slots)} of {p.fleet.max_planned_restarts} held, by {p.holders}",
+            priority=Priority.INFO,
+            episode=(p.holders,),
+        ),
+    ),
+    Row(
+        Rule("F5", "wait: capacity", "other replicas of the model serving in the fleet view < F.min_serving"),
+        lambda p: len(p.serving) < p.fleet.min_serving,
+        _capacity,
+    ),
+    Row(
+        Rule(
+            "F6",
+            "ask",
+            "otherwise a slot is asked for: one etcd transaction creates a free slot key, bound to this guardian's "
+            "lease, only if no slot was taken for the same model since the view was read; the restart begins on a "
+            "later tick, once the view shows the slot held",
+        ),
+        lambda p: True,
+        lambda p: Why("asking the fleet for a planned-restart slot", priority=Priority.INFO),
     ),
 )
+# Not a question a planned restart asks: each tick gives back the slots this rule names (core/tick.py).
+RELEASE = Rule(
+    "F7",
+    "release",
+    "a slot of this box whose replica is not draining, away, restarting, starting, being lowered or "
+    "asking: given back at once (its planned restart is over, or given up)",
+)
+RULES = (*(row.rule for row in ROWS), RELEASE)
 
 
 def slot_refusal(
@@ -50,44 +121,13 @@ def slot_refusal(
 ) -> Refusal | None:
     """F1-F6 for a planned restart of NAME: None to go ahead, else why it waits. A refusal with
     rule F6 means: ask for a slot now. RELEASED: slots given back that the view may still show."""
-    f = cfg.fleet
-    if not f.enabled:
+    # No view read yet is a view etcd did not answer.
+    read = view if view is not None else FleetView(box="", ok=False)
+    found = first_match(ROWS, _Planned(name, model, read, cfg.fleet, released))
+    assert found is not None, "the last row always holds"
+    rule, why = found
+    if why is None:  # a rule that lets it go
         return None
-    if view is None or not view.ok:
-        err = view.error if view is not None and view.error else "no answer yet"
-        return Refusal(
-            Gate.FLEET,
-            "F3",
-            f"etcd cannot be reached ({err}): planned restarts wait for the fleet; hung replicas are still restarted",
-            priority=Priority.ERROR,
-            key=(Gate.FLEET, "F3"),
-        )
-    if name in view.mine and name not in released:
-        return None
-    if len(view.slots) >= f.max_planned_restarts:
-        who = ", ".join(f"{s.box}/{s.replica}" for s in view.slots)
-        return Refusal(
-            Gate.FLEET,
-            "F4",
-            f"waiting for a fleet slot: {len(view.slots)} of {f.max_planned_restarts} held, by {who}",
-            priority=Priority.INFO,
-            key=(Gate.FLEET, "F4", who),
-        )
-    serving = view.serving(model, name)
-    if len(serving) < f.min_serving:
-        shown = ", ".join(serving) or "none"
-        return Refusal(
-            Gate.FLEET,
-            "F5",
-            f"waiting for capacity: {len(serving)} other replica(s) of {model} serve in the fleet ({shown}), "
-            f"min_serving is {f.min_serving}",
-            priority=Priority.INFO,
-            key=(Gate.FLEET, "F5", shown),
-        )
-    return Refusal(
-        Gate.FLEET,
-        "F6",
-        "asking the fleet for a planned-restart slot",
-        priority=Priority.INFO,
-        key=(Gate.FLEET, "F6"),
-    )
+    # The rule is part of the episode: every fleet refusal has the same gate.
+    key = (Gate.FLEET, rule.id, *why.episode)
+    return Refusal(Gate.FLEET, rule.id, why.reason, why.remedy, why.priority, key=key)

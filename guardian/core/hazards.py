@@ -9,7 +9,7 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ..config import Config
+from ..config import Config, ReplicaConfig
 from .observations import UnitInfo
 
 CRASH_SAFE_RESTART = frozenset({"always"})
@@ -28,94 +28,114 @@ def find_hazards(
     units: Mapping[str, UnitInfo | None],
     enabled_conflicts: Mapping[str, tuple[str, ...]],
 ) -> list[Hazard]:
-    out: list[Hazard] = []
+    """Every hazard of this set-up: replicas sharing a port, each replica's unit, and enabled
+    units that conflict with a running replica. UNITS: each replica's unit as systemd reported it
+    (None: not asked); ENABLED_CONFLICTS: enabled units -> the units they conflict with."""
+    found = _shared_ports(cfg)
+    for replica in cfg.replicas:
+        unit = units.get(replica.unit)
+        if unit is not None:
+            found += _unit_hazards(replica, unit)
+    return found + _conflicts(cfg, units, enabled_conflicts)
+
+
+def _shared_ports(cfg: Config) -> list[Hazard]:
     by_port: dict[int, list[str]] = defaultdict(list)
-    for r in cfg.replicas:
-        by_port[r.port].append(r.name)
-    for port, names in sorted(by_port.items()):
-        if len(names) > 1:
-            out.append(
-                Hazard(
-                    f"port:{port}",
-                    f"replicas {', '.join(names)} are configured on the same port {port}: "
-                    "guardian cannot tell them apart; give each replica its own URL",
-                )
+    for replica in cfg.replicas:
+        by_port[replica.port].append(replica.name)
+    return [
+        Hazard(
+            f"port:{port}",
+            f"replicas {', '.join(names)} are configured on the same port {port}: "
+            "guardian cannot tell them apart; give each replica its own URL",
+        )
+        for port, names in sorted(by_port.items())
+        if len(names) > 1
+    ]
+
+
+def _unit_hazards(replica: ReplicaConfig, unit: UnitInfo) -> list[Hazard]:
+    """What in REPLICA's unit keeps guardian from restarting it, or systemd from bringing it back."""
+    name, unit_name = replica.name, replica.unit
+    if not unit.exists:
+        return [
+            Hazard(
+                f"missing:{unit_name}",
+                f"replica {name}: unit {unit_name} does not exist "
+                "(check replicas[].unit, or install the unit file and run systemctl daemon-reload)",
+                name,
+                unit_name,
             )
-    replica_units = {r.unit: r for r in cfg.replicas}
-    for r in cfg.replicas:
-        u = units.get(r.unit)
-        if u is None:
-            continue
-        if not u.exists:
-            out.append(
-                Hazard(
-                    f"missing:{r.unit}",
-                    f"replica {r.name}: unit {r.unit} does not exist "
-                    "(check replicas[].unit, or install the unit file and run systemctl daemon-reload)",
-                    r.name,
-                    r.unit,
-                )
+        ]
+    found: list[Hazard] = []
+    if unit.masked:
+        found.append(
+            Hazard(
+                f"masked:{unit_name}",
+                f"replica {name}: unit {unit_name} is masked: guardian will not restart it",
+                name,
+                unit_name,
             )
-            continue
-        if u.masked:
-            out.append(
-                Hazard(
-                    f"masked:{r.unit}",
-                    f"replica {r.name}: unit {r.unit} is masked: guardian will not restart it",
-                    r.name,
-                    r.unit,
-                )
+        )
+    elif not unit.unit_file_state.enabled:
+        found.append(
+            Hazard(
+                f"disabled:{unit_name}",
+                f"replica {name}: unit {unit_name} is {unit.unit_file_state}: "
+                f"guardian will not restart it (systemctl enable {unit_name} if it should)",
+                name,
+                unit_name,
             )
-        elif not u.unit_file_state.enabled:
-            out.append(
-                Hazard(
-                    f"disabled:{r.unit}",
-                    f"replica {r.name}: unit {r.unit} is {u.unit_file_state}: "
-                    f"guardian will not restart it (systemctl enable {r.unit} if it should)",
-                    r.name,
-                    r.unit,
-                )
+        )
+    if unit.restart not in CRASH_SAFE_RESTART:
+        found.append(
+            Hazard(
+                f"restart:{unit_name}",
+                f"replica {name}: {unit_name} has Restart={unit.restart or 'no'}: vLLM's API server "
+                "exits with status 0 when its engine dies, which only Restart=always restarts; "
+                f"add Restart=always to {unit_name} (systemctl stop is still respected)",
+                name,
+                unit_name,
             )
-        if u.restart not in CRASH_SAFE_RESTART:
-            out.append(
-                Hazard(
-                    f"restart:{r.unit}",
-                    f"replica {r.name}: {r.unit} has Restart={u.restart or 'no'}: vLLM's API server "
-                    "exits with status 0 when its engine dies, which only Restart=always restarts; "
-                    f"add Restart=always to {r.unit} (systemctl stop is still respected)",
-                    r.name,
-                    r.unit,
-                )
-            )
-    seen: set[tuple[str, str]] = set()
+        )
+    return found
+
+
+def _conflicts(
+    cfg: Config, units: Mapping[str, UnitInfo | None], enabled_conflicts: Mapping[str, tuple[str, ...]]
+) -> list[Hazard]:
+    """Enabled units that conflict with a running replica's unit, as either side declares it."""
+    replica_units = {replica.unit: replica for replica in cfg.replicas}
+    pairs: set[tuple[str, str]] = set()  # (the enabled unit, the replica's unit)
     for other, conflicts in sorted(enabled_conflicts.items()):
         for target in conflicts:
             if target in replica_units and other != target:
-                seen.add((other, target))
-    for r in cfg.replicas:
-        u = units.get(r.unit)
-        if u is None:
+                pairs.add((other, target))
+    for replica in cfg.replicas:
+        unit = units.get(replica.unit)
+        if unit is None:
             continue
-        for other, _state in u.conflicts:
+        for other, _state in unit.conflicts:
             if other in enabled_conflicts:
-                seen.add((other, r.unit))
-    for other, target in sorted(seen):
-        r = replica_units[target]
-        u = units.get(target)
-        if u is None or not u.active_state.running:
+                pairs.add((other, replica.unit))
+    found: list[Hazard] = []
+    for other, target in sorted(pairs):
+        name = replica_units[target].name
+        unit = units.get(target)
+        if unit is None or not unit.active_state.running:
             continue
-        out.append(
+        found.append(
             Hazard(
                 f"conflict:{other}:{target}",
-                f"replica {r.name}: {other} is enabled and conflicts with {target} (Conflicts=): starting it "
+                f"replica {name}: {other} is enabled and conflicts with {target} (Conflicts=): starting it "
                 f"would stop the replica. Remedy: systemctl disable --now {other}; stop alone is not enough, "
                 "because an enabled unit is started again at boot and by anything that starts enabled units "
                 "that are not running",
-                r.name,
+                name,
                 target,
             )
         )
-    return out
+    return found
 
 
 PROXY_READS = 4  # reads of a replica's /metrics by `guardian check`; a proxy spreads them

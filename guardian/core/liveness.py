@@ -3,8 +3,9 @@
 Pure: a Track (what guardian remembers about one replica) plus one ReplicaObservation plus
 ``now`` give the next Track, whose ``state`` is the verdict. No clock, no I/O, no sleeping.
 
-Rules, first match wins: the rows of RULES below (ids L1-L17), rendered into the README.
-``W`` = watchdog config, ``R`` = replica config, times in seconds.
+Rules, first match wins: the rows of ROWS below (ids L1-L17), each its README row, the predicate
+that says when it holds and the evidence it gives, over one _Facts value; RULES (their rules) is
+rendered into the README. ``W`` = watchdog config, ``R`` = replica config, times in seconds.
 
 Progress means: any of generation_tokens_total, prompt_tokens_total,
 iteration_tokens_total_count/_sum, request_success_total went up, or kv_cache_usage_perc changed
@@ -53,87 +54,329 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..config import ReplicaConfig, WatchdogConfig
-from .observations import Pause, Probe, ReplicaObservation, VllmSample
-from .rules import Rule
+from .observations import Pause, Probe, ReplicaObservation, UnitInfo, VllmSample
+from .rules import UNCHANGED, Row, Rule, first_match
 from .vocab import ActiveState, State
 
-S = State
-RULES = (
-    Rule("L1", S.PAUSED, "an operator pause is in force (`guardian pause`; until <= now ends it)"),
-    Rule("L2", S.UNKNOWN, "systemd could not be asked about the unit (D-Bus error, or the bus is not connected)"),
-    Rule(
-        "L3",
-        S.STOPPED,
-        "unit not found, inactive or failed (a masked unit still running is judged, and the restart gates refuse it)",
+
+@dataclass(frozen=True)
+class _Seen:
+    """What this observation shows, worked out once for the rules and the canary schedule."""
+
+    counters_moved: bool  # a counter moved or the kv cache changed
+    progressed: bool  # any progress: counters, a canary that answered, or a response flowing
+    waiting_clients: int  # clients waiting that count as queued work (_waits)
+    waiting_since: float  # when the longest-waiting of them spoke
+    queued: float  # running + waiting on /metrics, plus those clients
+    health_in_time: bool
+    canary_failed: bool  # a canary failed this tick with no progress while it ran
+
+
+@dataclass(frozen=True)
+class _Facts:
+    """Everything the rules read at one tick: the track with this observation folded in, the
+    observation, what it shows, and the config."""
+
+    track: Track
+    obs: ReplicaObservation
+    now: float
+    rcfg: ReplicaConfig
+    wcfg: WatchdogConfig
+    pause: Pause | None
+    seen: _Seen
+
+    @property
+    def unit(self) -> UnitInfo:
+        """The unit as systemd reported it; the rows that read it come after the one for an unreachable systemd."""
+        assert self.obs.unit is not None, "a row read the unit before the row for an unreachable systemd"
+        return self.obs.unit
+
+    @property
+    def since_start_s(self) -> float | None:
+        return self.now - self.track.start_ts if self.track.start_ts is not None else None
+
+    @property
+    def quiet_for_s(self) -> float:
+        """Seconds since the last progress; infinite when none was ever seen."""
+        last = self.track.last_progress_at
+        return self.now - last if last is not None else float("inf")
+
+    @property
+    def failing_for_s(self) -> float:
+        """Seconds with no HTTP answer; -inf while answers come (no threshold is reached)."""
+        return _age_s(self.now, self.track.failing_since)
+
+    @property
+    def dead_503_for_s(self) -> float:
+        return _age_s(self.now, self.track.dead_503_since)
+
+    @property
+    def work_queued(self) -> bool:
+        """/metrics readable AND queued work (running + waiting > 0, or clients waiting)."""
+        return self.obs.metrics is not None and self.seen.queued > 0
+
+    @property
+    def quiet_since(self) -> float:
+        """When the quiet spell with work queued began: the later of the last progress and when
+        the work was first queued (only read while work is queued, when the latter is known)."""
+        return max(at for at in (self.track.last_progress_at, self.track.work_since) if at is not None)
+
+    @property
+    def health_said(self) -> str:
+        return "200" if self.obs.health.ok else str(self.obs.health.error)
+
+    @property
+    def work_said(self) -> str:
+        sample, seen = self.obs.metrics, self.seen
+        text = "queue unknown" if sample is None else f"{sample.running:.0f} running, {sample.waiting:.0f} waiting"
+        if seen.waiting_clients:
+            waited_s = self.now - seen.waiting_since
+            text += f", {seen.waiting_clients} client(s) waiting for an answer for up to {waited_s:.0f} s"
+        return text
+
+    @property
+    def progress_said(self) -> str:
+        """How progress showed: counters, or else the kernel's view of responses flowing."""
+        flowing_only = not self.seen.counters_moved and _flowing(self.obs)
+        return _flow(self.obs) if flowing_only else "counters advance"
+
+    @property
+    def problems(self) -> list[str]:
+        """The probes that failed, and the canaries, for a degraded verdict."""
+        obs, track = self.obs, self.track
+        probes: tuple[tuple[str, Probe], ...] = (
+            ("/health", obs.health),
+            ("/metrics", obs.metrics_probe),
+            ("/v1/models", obs.models_probe),
+        )
+        found = [f"{label}: {probe.error}" for label, probe in probes if not probe.ok]
+        if self.seen.canary_failed or track.canary_failures:
+            found.append(f"{track.canary_failures} canary failure(s)")
+        return found
+
+
+def _age_s(now: float, since: float | None) -> float:
+    """Seconds since SINCE; -inf when it has not begun, so that no `age >= limit` holds."""
+    return now - since if since is not None else float("-inf")
+
+
+def _ago(now: float, at: float | None) -> str:
+    return "none seen yet" if at is None else f"{now - at:.0f} s ago"
+
+
+# The evidence of the rows whose text takes more than a line; the others say it in the row.
+
+
+def _paused(facts: _Facts) -> str:
+    pause = facts.pause
+    assert pause is not None, "said only under a pause"
+    until = "until resumed" if pause.until is None else f"for {pause.until - facts.now:.0f} s more"
+    return f"paused by {pause.reason} {until}"
+
+
+def _loading(facts: _Facts) -> str:
+    since_s = facts.since_start_s
+    shown = "unknown time" if since_s is None else f"{since_s:.0f} s"
+    return f"loading for {shown} of {facts.rcfg.startup_grace_s:.0f} s grace"
+
+
+def _no_answer(facts: _Facts) -> str:
+    last = _ago(facts.now, facts.track.last_progress_at)
+    return (
+        f"no HTTP answer for {facts.failing_for_s:.0f} s (/health: {facts.obs.health.error}), "
+        f"last progress {last}{_kernel_quiet(facts.obs)}"
+    )
+
+
+def _busy_progressing(facts: _Facts) -> str:
+    health = facts.obs.health
+    return f"/health {health.error or f'took {health.latency_s:.1f} s'}, but {facts.progress_said} ({facts.work_said})"
+
+
+def _healthy_progressing(facts: _Facts) -> str:
+    return facts.work_said + (", tokens flowing" if facts.seen.counters_moved else f", {facts.progress_said}")
+
+
+def _stall_proven(facts: _Facts) -> bool:
+    proof_at = facts.track.stall_proof_at
+    return facts.work_queued and proof_at is not None and proof_at >= facts.quiet_since
+
+
+def _stall_proof(facts: _Facts) -> str:
+    proof_age_s = _age_s(facts.now, facts.track.stall_proof_at)
+    return (
+        f"{facts.work_said}, nothing moved for {facts.now - facts.quiet_since:.0f} s, and a canary sent "
+        f"{proof_age_s:.0f} s ago failed with nothing moving (/health {facts.health_said})"
+    )
+
+
+# First match wins: a row may count on the rows above it not holding.
+ROWS: tuple[Row[_Facts, str], ...] = (
+    Row(
+        Rule("L1", State.PAUSED, "an operator pause is in force (`guardian pause`; until <= now ends it)"),
+        lambda f: f.pause is not None and (f.pause.until is None or f.now < f.pause.until),
+        _paused,
     ),
-    Rule("L4", S.STARTING, "unit activating, deactivating or in maintenance, or a restart by guardian is in flight"),
-    Rule(
-        "L5",
-        S.STARTING,
-        "unit active, not healthy once since it last started, AND now - start < R.startup_grace_s "
-        "(start = systemd's InactiveExitTimestampMonotonic)",
+    Row(
+        Rule(
+            "L2", State.UNKNOWN, "systemd could not be asked about the unit (D-Bus error, or the bus is not connected)"
+        ),
+        lambda f: f.obs.unit is None,
+        lambda f: f"systemd not reachable: {f.obs.unit_error or 'D-Bus error'}",
     ),
-    Rule("L6", S.WRONG_MODEL, "/v1/models answered AND does not list R.model"),
-    Rule(
-        "L7",
-        S.UNRESPONSIVE,
-        "no probe got any HTTP answer for >= W.unresponsive_after_s (counted from the last "
-        "answer) AND no progress for >= W.unresponsive_after_s",
+    Row(
+        Rule(
+            "L3",
+            State.STOPPED,
+            "unit not found, inactive or failed (a masked unit still running is judged, and the restart gates "
+            "refuse it)",
+        ),
+        lambda f: not f.unit.exists or f.unit.active_state.down,
+        lambda f: f"unit {f.unit.name} is {f.unit.load_state if not f.unit.exists else f.unit.active_state}",
     ),
-    Rule(
-        "L8",
-        S.UNRESPONSIVE,
-        "/health answered 503 (vLLM: engine dead) for >= W.unresponsive_after_s AND no "
-        "progress for >= W.unresponsive_after_s",
+    Row(
+        Rule(
+            "L4",
+            State.STARTING,
+            "unit activating, deactivating or in maintenance, or a restart by guardian is in flight",
+        ),
+        lambda f: (
+            f.unit.active_state.transitional or f.unit.active_state is ActiveState.OTHER or f.track.restart_in_flight
+        ),
+        lambda f: "restart by guardian in flight" if f.track.restart_in_flight else f"unit {f.unit.active_state}",
     ),
-    Rule(
-        "L9",
-        "(unchanged)",
-        "no probe answered this tick AND one sent at an earlier tick is still running (each bounded by "
-        "its timeout): no news, the verdict stands (L1-L8 still apply)",
+    Row(
+        Rule(
+            "L5",
+            State.STARTING,
+            "unit active, not healthy once since it last started, AND now - start < R.startup_grace_s "
+            "(start = systemd's InactiveExitTimestampMonotonic)",
+        ),
+        lambda f: (
+            not f.track.healthy_since_start and (f.since_start_s is None or f.since_start_s < f.rcfg.startup_grace_s)
+        ),
+        _loading,
     ),
-    Rule(
-        "L10",
-        S.BUSY,
-        "progress this tick (counters, or responses flowing to clients per the kernel) AND (/health failed "
-        "OR took >= R.health_timeout_s)",
+    Row(
+        Rule("L6", State.WRONG_MODEL, "/v1/models answered AND does not list R.model"),
+        lambda f: f.obs.models is not None and f.rcfg.model not in f.obs.models,
+        lambda f: f"/v1/models lists {', '.join(f.obs.models or ()) or 'nothing'}, expected {f.rcfg.model}",
     ),
-    Rule(
-        "L11",
-        S.HEALTHY,
-        "progress this tick (counters, or responses flowing to clients per the kernel) AND /health answered "
-        "2xx in < R.health_timeout_s",
+    Row(
+        Rule(
+            "L7",
+            State.UNRESPONSIVE,
+            "no probe got any HTTP answer for >= W.unresponsive_after_s (counted from the last "
+            "answer) AND no progress for >= W.unresponsive_after_s",
+        ),
+        lambda f: f.failing_for_s >= f.wcfg.unresponsive_after_s and f.quiet_for_s >= f.wcfg.unresponsive_after_s,
+        _no_answer,
     ),
-    Rule(
-        "L12",
-        S.STALLED,
-        "/metrics readable AND queued work (running + waiting > 0, or clients waiting >= W.client_wait_s) "
-        "AND now - max(last progress, work first queued) >= W.stall_window_s",
+    Row(
+        Rule(
+            "L8",
+            State.UNRESPONSIVE,
+            "/health answered 503 (vLLM: engine dead) for >= W.unresponsive_after_s AND no "
+            "progress for >= W.unresponsive_after_s",
+        ),
+        lambda f: f.dead_503_for_s >= f.wcfg.unresponsive_after_s and f.quiet_for_s >= f.wcfg.unresponsive_after_s,
+        lambda f: (
+            f"/health 503 (engine dead) for {f.dead_503_for_s:.0f} s, "
+            f"last progress {_ago(f.now, f.track.last_progress_at)}"
+        ),
     ),
-    Rule(
-        "L13",
-        S.STALLED,
-        "/metrics readable AND queued work (as L12) AND a canary sent after the last progress (and "
-        "after work was first queued) failed with no progress while it ran",
+    Row(
+        Rule(
+            "L9",
+            UNCHANGED,
+            "no probe answered this tick AND one sent at an earlier tick is still running (each bounded by "
+            "its timeout): no news, the verdict stands (L1-L8 still apply)",
+        ),
+        lambda f: f.obs.probes_pending_s is not None and f.track.observed,
+        lambda f: f.track.evidence,
     ),
-    Rule(
-        "L14",
-        S.IDLE_DEAD,
-        "/metrics readable AND no queued work AND consecutive failed canaries >= W.canary_failures",
+    Row(
+        Rule(
+            "L10",
+            State.BUSY,
+            "progress this tick (counters, or responses flowing to clients per the kernel) AND (/health failed "
+            "OR took >= R.health_timeout_s)",
+        ),
+        lambda f: f.seen.progressed and not f.seen.health_in_time,
+        _busy_progressing,
     ),
-    Rule("L15", S.BUSY, "/health failed AND last progress < W.stall_window_s ago"),
-    Rule(
-        "L16", S.DEGRADED, "some probe failed, or /metrics unreadable, or a canary failed (no grounds to restart yet)"
+    Row(
+        Rule(
+            "L11",
+            State.HEALTHY,
+            "progress this tick (counters, or responses flowing to clients per the kernel) AND /health answered "
+            "2xx in < R.health_timeout_s",
+        ),
+        lambda f: f.seen.progressed and f.seen.health_in_time,
+        _healthy_progressing,
     ),
-    Rule("L17", S.HEALTHY, "otherwise"),
+    Row(
+        Rule(
+            "L12",
+            State.STALLED,
+            "/metrics readable AND queued work (running + waiting > 0, or clients waiting >= W.client_wait_s) "
+            "AND now - max(last progress, work first queued) >= W.stall_window_s",
+        ),
+        lambda f: f.work_queued and f.now - f.quiet_since >= f.wcfg.stall_window_s,
+        lambda f: f"{f.work_said} and no counter progress for {f.now - f.quiet_since:.0f} s (/health {f.health_said})",
+    ),
+    Row(
+        Rule(
+            "L13",
+            State.STALLED,
+            "/metrics readable AND queued work (as L12) AND a canary sent after the last progress (and "
+            "after work was first queued) failed with no progress while it ran",
+        ),
+        _stall_proven,
+        _stall_proof,
+    ),
+    Row(
+        Rule(
+            "L14",
+            State.IDLE_DEAD,
+            "/metrics readable AND no queued work AND consecutive failed canaries >= W.canary_failures",
+        ),
+        lambda f: (
+            f.obs.metrics is not None and f.seen.queued == 0 and f.track.canary_failures >= f.wcfg.canary_failures
+        ),
+        lambda f: f"idle, and {f.track.canary_failures} canary completions failed in a row (/health {f.health_said})",
+    ),
+    Row(
+        Rule("L15", State.BUSY, "/health failed AND last progress < W.stall_window_s ago"),
+        lambda f: not f.obs.health.ok and f.quiet_for_s < f.wcfg.stall_window_s,
+        lambda f: f"/health {f.obs.health.error}, progress {_ago(f.now, f.track.last_progress_at)}",
+    ),
+    Row(
+        Rule(
+            "L16",
+            State.DEGRADED,
+            "some probe failed, or /metrics unreadable, or a canary failed (no grounds to restart yet)",
+        ),
+        lambda f: bool(f.problems),
+        lambda f: "; ".join(f.problems),
+    ),
+    Row(
+        Rule("L17", State.HEALTHY, "otherwise"),
+        lambda f: True,
+        lambda f: f.work_said if f.obs.metrics is not None else "answering",
+    ),
 )
-del S
+RULES = tuple(row.rule for row in ROWS)
+# A replica not observed yet is starting, as by the first rule that says so.
+_NOT_OBSERVED_RULE = next(rule.id for rule in RULES if rule.outcome == State.STARTING)
 
 
 @dataclass(frozen=True)
 class Track:
+    """What guardian remembers about one replica from tick to tick; STATE is its verdict."""
+
     state: State = State.STARTING
-    rule: str = "L4"  # the id of the rule behind the verdict
+    rule: str = _NOT_OBSERVED_RULE  # the id of the rule behind the verdict
     state_since: float = 0.0
     observed: bool = False  # False until the first observation has been folded in
     evidence: str = "no observation yet"
@@ -174,33 +417,35 @@ def _flowing(obs: ReplicaObservation) -> bool:
     return obs.conns is not None and obs.conns.flowing > 0
 
 
-def _progress_at(t: Track, obs: ReplicaObservation, now: float, seen_now: bool) -> float:
+def _progress_at(track: Track, obs: ReplicaObservation, now: float, seen_now: bool) -> float:
     """When the progress seen at this tick happened: now for counters and canaries; for a response
     flowing, when its last byte was sent (a frozen server's last bytes are acked after the freeze:
     counted at the look, they would stretch L7's window by up to a tick), counted from when the
     kernel was read (the tick judges after its probe wait)."""
-    c = obs.conns
-    if seen_now or c is None or c.last_flow_s is None:
+    conns = obs.conns
+    if seen_now or conns is None or conns.last_flow_s is None:
         return now
-    at = min(now, c.at if c.at is not None else now)
-    return max(at - c.last_flow_s, t.last_progress_at if t.last_progress_at is not None else float("-inf"))
+    at = min(now, conns.at if conns.at is not None else now)
+    return max(at - conns.last_flow_s, track.last_progress_at if track.last_progress_at is not None else float("-inf"))
 
 
-def _waits(t: Track, obs: ReplicaObservation, now: float, wcfg: WatchdogConfig) -> tuple[int, float]:
+def _waits(track: Track, obs: ReplicaObservation, now: float, wcfg: WatchdogConfig) -> tuple[int, float]:
     """Client connections whose request has had no byte of answer for >= W.client_wait_s, and when
     the longest-waiting of them spoke. A client waiting since before the last successful canary
     (an upload stuck half-way: uvicorn has no timeout for it) proves nothing about the engine,
     and none counts from before guardian first saw the replica."""
-    c = obs.conns
-    if c is None or c.waiting == 0:
+    conns = obs.conns
+    if conns is None or conns.waiting == 0:
         return 0, now
-    at = min(now, c.at if c.at is not None else now)
-    waits = c.waits_s
-    after = max(x for x in (t.last_canary_ok_at, t.first_seen_at, float("-inf")) if x is not None)
+    at = min(now, conns.at if conns.at is not None else now)
+    waits = conns.waits_s
+    after = max(x for x in (track.last_canary_ok_at, track.first_seen_at, float("-inf")) if x is not None)
     counted = [w for w in waits if w >= wcfg.client_wait_s and at - w >= after]
     if not counted:
         return 0, now
-    return len(counted), max(at - max(counted), t.first_seen_at if t.first_seen_at is not None else float("-inf"))
+    return len(counted), max(
+        at - max(counted), track.first_seen_at if track.first_seen_at is not None else float("-inf")
+    )
 
 
 def _queued(sample: VllmSample | None, waiting_clients: int) -> float:
@@ -222,11 +467,11 @@ CANARY_LATENCIES_NEEDED = 3
 LEARNING_CANARIES = 3  # canaries sent at once, one a tick, to a replica with nothing learned
 
 
-def canary_deadline(t: Track, rcfg: ReplicaConfig, wcfg: WatchdogConfig) -> float:
+def canary_deadline(track: Track, rcfg: ReplicaConfig, wcfg: WatchdogConfig) -> float:
     """A canary's deadline, from this replica's own canaries while it was healthy."""
-    if len(t.canary_latencies) < CANARY_LATENCIES_NEEDED:
+    if len(track.canary_latencies) < CANARY_LATENCIES_NEEDED:
         return rcfg.canary_timeout_s
-    learned = wcfg.canary_deadline_factor * max(t.canary_latencies)
+    learned = wcfg.canary_deadline_factor * max(track.canary_latencies)
     return min(rcfg.canary_timeout_s, max(wcfg.canary_deadline_floor_s, learned))
 
 
@@ -235,26 +480,26 @@ CANARY_JUDGE_MARGIN_S = 0.25
 CANARY_LOST_AFTER_S = 30.0  # past its deadline with no result: forgotten, as if never sent
 
 
-def next_deadline(t: Track, wcfg: WatchdogConfig) -> float | None:
+def next_deadline(track: Track, wcfg: WatchdogConfig) -> float | None:
     """The next moment at which T's verdict may change with no news, or None: its unresponsive
     window ends (L7, L8) if no answer and no progress comes before it; the canary in flight has
     failed (its deadline); a stall canary falls due (queued work, nothing moving for
     W.stall_canary_after_s). The daemon judges at that moment instead of at the next tick mark:
     a frozen server is then found U seconds after its last answer, and a frozen engine with work
     queued as soon as its canary's deadline passes, not up to a tick later."""
-    if t.state not in (State.HEALTHY, State.BUSY, State.DEGRADED):
+    if track.state not in (State.HEALTHY, State.BUSY, State.DEGRADED):
         return None
-    quiet_from = t.last_progress_at if t.last_progress_at is not None else float("-inf")
+    quiet_from = track.last_progress_at if track.last_progress_at is not None else float("-inf")
     ends = [
         max(since, quiet_from) + wcfg.unresponsive_after_s
-        for since in (t.failing_since, t.dead_503_since)
+        for since in (track.failing_since, track.dead_503_since)
         if since is not None
     ]
-    if t.canary_due_at is not None:
-        ends.append(t.canary_due_at + CANARY_JUDGE_MARGIN_S)
-    elif t.work_since is not None:
-        quiet_ref = max(x for x in (t.last_progress_at, t.work_since) if x is not None)
-        if t.last_canary_at is None or t.last_canary_at < quiet_ref:
+    if track.canary_due_at is not None:
+        ends.append(track.canary_due_at + CANARY_JUDGE_MARGIN_S)
+    elif track.work_since is not None:
+        quiet_ref = max(x for x in (track.last_progress_at, track.work_since) if x is not None)
+        if track.last_canary_at is None or track.last_canary_at < quiet_ref:
             ends.append(quiet_ref + wcfg.stall_canary_after_s)
     return min(ends) if ends else None
 
@@ -275,23 +520,6 @@ def _fresh_start(track: Track, start_ts: float | None) -> Track:
     )
 
 
-def _ago(now: float, t: float | None) -> str:
-    return "none seen yet" if t is None else f"{now - t:.0f} s ago"
-
-
-@dataclass(frozen=True)
-class _Seen:
-    """What this observation shows, worked out once for the rules and the canary schedule."""
-
-    counters_moved: bool  # a counter moved or the kv cache changed
-    progressed: bool  # any progress: counters, a canary that answered, or a response flowing
-    waiting_clients: int  # clients waiting that count as queued work (_waits)
-    waiting_since: float  # when the longest-waiting of them spoke
-    queued: float  # running + waiting on /metrics, plus those clients
-    health_in_time: bool
-    canary_failed: bool  # a canary failed this tick with no progress while it ran
-
-
 def step(
     track: Track,
     obs: ReplicaObservation,
@@ -301,263 +529,161 @@ def step(
     pause: Pause | None = None,
 ) -> tuple[Track, float | None]:
     """Fold one observation into the track. Returns (new track, the deadline of a canary to start, or None)."""
-    t = _carry_over(track, obs, now)
-    t, seen = _fold(t, obs, now, rcfg, wcfg)
-    state, rule, evidence = _classify(t, obs, now, rcfg, wcfg, pause, seen)
-    t, want_canary = _schedule_canary(t, obs, state, seen, now, rcfg, wcfg)
-    if state != t.state:
-        t = replace(t, state=state, state_since=now)
-    return replace(t, rule=rule, evidence=evidence, observed=True), want_canary
+    track = _carry_over(track, obs, now)
+    track, seen = _fold(track, obs, now, rcfg, wcfg)
+    facts = _Facts(track, obs, now, rcfg, wcfg, pause, seen)
+    state, rule, evidence = _classify(facts)
+    track, want_canary = _schedule_canary(facts, state)
+    if state != track.state:
+        track = replace(track, state=state, state_since=now)
+    return replace(track, rule=rule, evidence=evidence, observed=True), want_canary
 
 
-def _carry_over(t: Track, obs: ReplicaObservation, now: float) -> Track:
+def _classify(facts: _Facts) -> tuple[State, str, str]:
+    """The first row that holds: (the verdict, its rule's id, the evidence)."""
+    found = first_match(ROWS, facts)
+    assert found is not None, "the last row always holds"
+    rule, evidence = found
+    state = facts.track.state if rule.outcome == UNCHANGED else State(rule.outcome)
+    return state, rule.id, evidence
+
+
+def _carry_over(track: Track, obs: ReplicaObservation, now: float) -> Track:
     """What outlives this observation: a new start of the unit forgets, a restart's outcome ends it,
     a canary whose result never came is given up."""
     unit = obs.unit
-    if unit is not None and unit.inactive_exit_mono != t.start_ts:
-        t = _fresh_start(t, unit.inactive_exit_mono)
+    if unit is not None and unit.inactive_exit_mono != track.start_ts:
+        track = _fresh_start(track, unit.inactive_exit_mono)
     if obs.restart_outcome is not None:
-        t = replace(t, restart_in_flight=False)
-    if obs.canary is None and t.canary_due_at is not None and now > t.canary_due_at + CANARY_LOST_AFTER_S:
+        track = replace(track, restart_in_flight=False)
+    if obs.canary is None and track.canary_due_at is not None and now > track.canary_due_at + CANARY_LOST_AFTER_S:
         # its result never came (the executor lost it): no canary would ever be sent again
-        t = replace(t, canary_in_flight_since=None, canary_due_at=None)
-    if t.first_seen_at is None:
-        t = replace(t, first_seen_at=now)
-    return t
+        track = replace(track, canary_in_flight_since=None, canary_due_at=None)
+    if track.first_seen_at is None:
+        track = replace(track, first_seen_at=now)
+    return track
 
 
 def _fold(
-    t: Track, obs: ReplicaObservation, now: float, rcfg: ReplicaConfig, wcfg: WatchdogConfig
+    track: Track, obs: ReplicaObservation, now: float, rcfg: ReplicaConfig, wcfg: WatchdogConfig
 ) -> tuple[Track, _Seen]:
     """The bookkeeping that every rule may read: progress, queued work, traffic, the canary that
     came back, answers and 503s."""
     sample = obs.metrics
-    counters_moved = _progressed(t.last_sample, sample)  # a counter that went down (new engine) counts too
-    waiting_clients, waiting_since = _waits(t, obs, now, wcfg)
+    counters_moved = _progressed(track.last_sample, sample)  # a counter that went down (new engine) counts too
+    waiting_clients, waiting_since = _waits(track, obs, now, wcfg)
     queued = _queued(sample, waiting_clients)
-    ours = t.canary_in_flight_since is not None or obs.canary is not None  # a canary's token is not traffic
+    ours = track.canary_in_flight_since is not None or obs.canary is not None  # a canary's token is not traffic
     if sample is not None and (
-        (not ours and (counters_moved or queued > 0)) or (ours and _beyond_a_canary(t.last_sample, sample))
+        (not ours and (counters_moved or queued > 0)) or (ours and _beyond_a_canary(track.last_sample, sample))
     ):
-        t = replace(t, last_traffic_at=now)
-    t, canary_ok, canary_failed = _fold_canary(t, obs, queued)
+        track = replace(track, last_traffic_at=now)
+    track, canary_ok, canary_failed = _fold_canary(track, obs, queued)
     progressed = counters_moved or canary_ok or _flowing(obs)
     if progressed:
-        t = replace(t, last_progress_at=_progress_at(t, obs, now, counters_moved or canary_ok))
+        track = replace(track, last_progress_at=_progress_at(track, obs, now, counters_moved or canary_ok))
     if sample is not None:
-        if queued > 0 and t.work_since is None:
+        if queued > 0 and track.work_since is None:
             # clients waiting were queued from the moment the longest-waiting one spoke
-            t = replace(t, work_since=waiting_since if waiting_clients else now)
+            track = replace(track, work_since=waiting_since if waiting_clients else now)
         elif queued == 0:
-            t = replace(t, work_since=None)
-        t = replace(t, last_sample=sample)
+            track = replace(track, work_since=None)
+        track = replace(track, last_sample=sample)
     if obs.all_probes_failed or obs.probes_pending_s is not None:
         # Counted from the last answer, not from the first failed tick: a hung probe takes its
         # whole timeout, and counting from its end would add that timeout to every detection.
-        since = t.failing_since if t.failing_since is not None else t.last_answer_at
-        t = replace(t, failing_since=since if since is not None else now)
+        since = track.failing_since if track.failing_since is not None else track.last_answer_at
+        track = replace(track, failing_since=since if since is not None else now)
     else:
-        t = replace(t, failing_since=None, last_answer_at=now)
+        track = replace(track, failing_since=None, last_answer_at=now)
     if obs.health.status == 503:
-        t = replace(t, dead_503_since=t.dead_503_since if t.dead_503_since is not None else now)
+        track = replace(track, dead_503_since=track.dead_503_since if track.dead_503_since is not None else now)
     else:
-        t = replace(t, dead_503_since=None)
+        track = replace(track, dead_503_since=None)
     health_in_time = obs.health.ok and obs.health.latency_s < rcfg.health_timeout_s
-    if health_in_time and not t.healthy_since_start:
-        t = replace(t, healthy_since_start=True)
+    if health_in_time and not track.healthy_since_start:
+        track = replace(track, healthy_since_start=True)
     seen = _Seen(counters_moved, progressed, waiting_clients, waiting_since, queued, health_in_time, canary_failed)
-    return t, seen
+    return track, seen
 
 
-def _fold_canary(t: Track, obs: ReplicaObservation, queued: float) -> tuple[Track, bool, bool]:
+def _fold_canary(track: Track, obs: ReplicaObservation, queued: float) -> tuple[Track, bool, bool]:
     """The canary that came back this tick, if any: (track, it answered, it failed and counts)."""
     canary = obs.canary
     if canary is None:
-        return t, False, False
-    t = replace(t, canary_in_flight_since=None, canary_due_at=None, last_canary_at=canary.started_at + canary.latency_s)
+        return track, False, False
+    track = replace(
+        track, canary_in_flight_since=None, canary_due_at=None, last_canary_at=canary.started_at + canary.latency_s
+    )
     if canary.ok:
-        kept = (*t.canary_latencies, canary.latency_s)[-CANARY_LATENCIES_KEPT:]
-        return replace(t, canary_failures=0, canary_latencies=kept, last_canary_ok_at=canary.started_at), True, False
-    if t.last_progress_at is not None and t.last_progress_at > canary.started_at:
-        return t, False, False  # something moved while it ran: the engine was working
-    t = replace(t, canary_failures=t.canary_failures + 1)
+        kept = (*track.canary_latencies, canary.latency_s)[-CANARY_LATENCIES_KEPT:]
+        return (
+            replace(track, canary_failures=0, canary_latencies=kept, last_canary_ok_at=canary.started_at),
+            True,
+            False,
+        )
+    if track.last_progress_at is not None and track.last_progress_at > canary.started_at:
+        return track, False, False  # something moved while it ran: the engine was working
+    track = replace(track, canary_failures=track.canary_failures + 1)
     if obs.metrics is not None and queued > 0:
-        t = replace(t, stall_proof_at=canary.started_at)
-    return t, False, True
+        track = replace(track, stall_proof_at=canary.started_at)
+    return track, False, True
 
 
-def _schedule_canary(
-    t: Track, obs: ReplicaObservation, state: State, seen: _Seen, now: float, rcfg: ReplicaConfig, wcfg: WatchdogConfig
-) -> tuple[Track, float | None]:
+def _schedule_canary(facts: _Facts, state: State) -> tuple[Track, float | None]:
     """A canary to send now, and its deadline (the module docstring's canary rules), or None."""
+    track, obs = facts.track, facts.obs
     if (
         state not in (State.HEALTHY, State.DEGRADED, State.BUSY)
         or obs.metrics is None
         or not obs.health.answered
-        or t.canary_in_flight_since is not None
+        or track.canary_in_flight_since is not None
     ):
-        return t, None
-    due = False
+        return track, None
     # Under load too: a replica that is never idle must still learn its deadline (its canaries
     # then wait their turn, and the learned deadline is the longer for it).
     learning = (
         state in (State.HEALTHY, State.DEGRADED)
-        and len(t.canary_latencies) < CANARY_LATENCIES_NEEDED
-        and t.learning_canaries < LEARNING_CANARIES
+        and len(track.canary_latencies) < CANARY_LATENCIES_NEEDED
+        and track.learning_canaries < LEARNING_CANARIES
     )
     if learning:
-        due = True
-        t = replace(t, learning_canaries=t.learning_canaries + 1)
-    elif seen.queued == 0:
-        if t.canary_failures:
-            due = now - max(x for x in (t.last_canary_at, 0.0) if x is not None) >= wcfg.canary_retry_s
-        elif t.last_traffic_at is not None and (t.last_canary_at is None or t.last_canary_at < t.last_traffic_at):
-            due = now - t.last_traffic_at >= wcfg.canary_after_traffic_s
-        else:
-            last = max(x for x in (t.last_progress_at, t.last_canary_at, t.start_ts, 0.0) if x is not None)
-            due = now - last >= wcfg.canary_interval_s
-    else:
-        quiet_ref = max(x for x in (t.last_progress_at, t.work_since) if x is not None)
-        if now - quiet_ref >= wcfg.stall_canary_after_s:
-            asked = t.last_canary_at is not None and t.last_canary_at >= quiet_ref
-            due = not asked or now - (t.last_canary_at or 0.0) >= wcfg.canary_retry_s
-    if not due:
-        return t, None
-    deadline = canary_deadline(t, rcfg, wcfg)
-    return replace(t, canary_in_flight_since=now, canary_due_at=now + deadline), deadline
+        track = replace(track, learning_canaries=track.learning_canaries + 1)
+    elif not _canary_due(facts):
+        return track, None
+    deadline_s = canary_deadline(track, facts.rcfg, facts.wcfg)
+    return replace(track, canary_in_flight_since=facts.now, canary_due_at=facts.now + deadline_s), deadline_s
 
 
-def _classify(
-    t: Track,
-    obs: ReplicaObservation,
-    now: float,
-    rcfg: ReplicaConfig,
-    wcfg: WatchdogConfig,
-    pause: Pause | None,
-    seen: _Seen,
-) -> tuple[State, str, str]:
-    unit = obs.unit
-    if pause is not None and (pause.until is None or now < pause.until):
-        until = "until resumed" if pause.until is None else f"for {pause.until - now:.0f} s more"
-        return State.PAUSED, "L1", f"paused by {pause.reason} {until}"
-    if unit is None:
-        return State.UNKNOWN, "L2", f"systemd not reachable: {obs.unit_error or 'D-Bus error'}"
-    if not unit.exists or unit.active_state.down:
-        what = unit.load_state if not unit.exists else unit.active_state
-        return State.STOPPED, "L3", f"unit {unit.name} is {what}"
-    if unit.active_state.transitional or unit.active_state is ActiveState.OTHER or t.restart_in_flight:
-        why = "restart by guardian in flight" if t.restart_in_flight else f"unit {unit.active_state}"
-        return State.STARTING, "L4", why
-    since = now - t.start_ts if t.start_ts is not None else None
-    if not t.healthy_since_start and (since is None or since < rcfg.startup_grace_s):
-        shown = "unknown time" if since is None else f"{since:.0f} s"
-        return State.STARTING, "L5", f"loading for {shown} of {rcfg.startup_grace_s:.0f} s grace"
-    if obs.models is not None and rcfg.model not in obs.models:
-        served = ", ".join(obs.models) or "nothing"
-        return State.WRONG_MODEL, "L6", f"/v1/models lists {served}, expected {rcfg.model}"
-    quiet_for = now - t.last_progress_at if t.last_progress_at is not None else float("inf")
-    if (
-        t.failing_since is not None
-        and now - t.failing_since >= wcfg.unresponsive_after_s
-        and quiet_for >= wcfg.unresponsive_after_s
-    ):
-        return (
-            State.UNRESPONSIVE,
-            "L7",
-            (
-                f"no HTTP answer for {now - t.failing_since:.0f} s (/health: {obs.health.error}), "
-                f"last progress {_ago(now, t.last_progress_at)}{_kernel_quiet(obs)}"
-            ),
-        )
-    if (
-        t.dead_503_since is not None
-        and now - t.dead_503_since >= wcfg.unresponsive_after_s
-        and quiet_for >= wcfg.unresponsive_after_s
-    ):
-        return (
-            State.UNRESPONSIVE,
-            "L8",
-            f"/health 503 (engine dead) for {now - t.dead_503_since:.0f} s, "
-            f"last progress {_ago(now, t.last_progress_at)}",
-        )
-    if obs.probes_pending_s is not None and t.observed:
-        return t.state, "L9", t.evidence
-    sample, queued = obs.metrics, seen.queued
-    work = _work(sample, seen, now)
-    if seen.progressed:
-        how = "counters advance" if seen.counters_moved or not _flowing(obs) else _flow(obs)
-        if seen.health_in_time:
-            return State.HEALTHY, "L11", work + (", tokens flowing" if seen.counters_moved else f", {how}")
-        return (
-            State.BUSY,
-            "L10",
-            f"/health {obs.health.error or f'took {obs.health.latency_s:.1f} s'}, but {how} ({work})",
-        )
-    if sample is not None and queued > 0:
-        ref = max(x for x in (t.last_progress_at, t.work_since) if x is not None)
-        if now - ref >= wcfg.stall_window_s:
-            return (
-                State.STALLED,
-                "L12",
-                (
-                    f"{work} and no counter progress for {now - ref:.0f} s "
-                    f"(/health {'200' if obs.health.ok else obs.health.error})"
-                ),
-            )
-    if sample is not None and queued > 0 and t.stall_proof_at is not None:
-        ref = max(x for x in (t.last_progress_at, t.work_since) if x is not None)
-        if t.stall_proof_at >= ref:
-            return (
-                State.STALLED,
-                "L13",
-                (
-                    f"{work}, nothing moved for {now - ref:.0f} s, and a canary sent "
-                    f"{now - t.stall_proof_at:.0f} s ago failed with nothing moving "
-                    f"(/health {'200' if obs.health.ok else obs.health.error})"
-                ),
-            )
-    if sample is not None and queued == 0 and t.canary_failures >= wcfg.canary_failures:
-        return (
-            State.IDLE_DEAD,
-            "L14",
-            (
-                f"idle, and {t.canary_failures} canary completions failed in a row "
-                f"(/health {'200' if obs.health.ok else obs.health.error})"
-            ),
-        )
-    if not obs.health.ok and quiet_for < wcfg.stall_window_s:
-        return State.BUSY, "L15", f"/health {obs.health.error}, progress {_ago(now, t.last_progress_at)}"
-    probes: tuple[tuple[str, Probe], ...] = (
-        ("/health", obs.health),
-        ("/metrics", obs.metrics_probe),
-        ("/v1/models", obs.models_probe),
-    )
-    problems = [f"{label}: {p.error}" for label, p in probes if not p.ok]
-    if seen.canary_failed or t.canary_failures:
-        problems.append(f"{t.canary_failures} canary failure(s)")
-    if problems:
-        return State.DEGRADED, "L16", "; ".join(problems)
-    return State.HEALTHY, "L17", work if sample is not None else "answering"
-
-
-def _work(sample: VllmSample | None, seen: _Seen, now: float) -> str:
-    text = "queue unknown" if sample is None else f"{sample.running:.0f} running, {sample.waiting:.0f} waiting"
-    if seen.waiting_clients:
-        text += f", {seen.waiting_clients} client(s) waiting for an answer for up to {now - seen.waiting_since:.0f} s"
-    return text
+def _canary_due(facts: _Facts) -> bool:
+    """A canary is due by time: idle after traffic, idle for a while, or work queued and nothing moving."""
+    track, now, wcfg = facts.track, facts.now, facts.wcfg
+    if facts.seen.queued == 0:
+        if track.canary_failures:
+            return now - max(at for at in (track.last_canary_at, 0.0) if at is not None) >= wcfg.canary_retry_s
+        last_traffic_at = track.last_traffic_at
+        if last_traffic_at is not None and (track.last_canary_at is None or track.last_canary_at < last_traffic_at):
+            return now - last_traffic_at >= wcfg.canary_after_traffic_s
+        last = max(at for at in (track.last_progress_at, track.last_canary_at, track.start_ts, 0.0) if at is not None)
+        return now - last >= wcfg.canary_interval_s
+    quiet_since = facts.quiet_since
+    if now - quiet_since < wcfg.stall_canary_after_s:
+        return False
+    asked = track.last_canary_at is not None and track.last_canary_at >= quiet_since
+    return not asked or now - (track.last_canary_at or 0.0) >= wcfg.canary_retry_s
 
 
 def _kernel_quiet(obs: ReplicaObservation) -> str:
-    c = obs.conns
-    if c is None or c.since_s is None:
+    conns = obs.conns
+    if conns is None or conns.since_s is None:
         return ""
-    cpu = f", its unit used {1000 * c.cpu_s:.0f} ms of CPU" if c.cpu_s is not None else ""
-    return f"; kernel: nothing flowed to {c.connections} connection(s) in {c.since_s:.1f} s{cpu}"
+    cpu = f", its unit used {1000 * conns.cpu_s:.0f} ms of CPU" if conns.cpu_s is not None else ""
+    return f"; kernel: nothing flowed to {conns.connections} connection(s) in {conns.since_s:.1f} s{cpu}"
 
 
 def _flow(obs: ReplicaObservation) -> str:
-    c = obs.conns
-    if c is None:
+    conns = obs.conns
+    if conns is None:
         return "no kernel view"
-    over = f" in {c.since_s:.1f} s" if c.since_s is not None else ""
-    return f"responses flowing to {c.flowing} client connection(s), {c.bytes_out} bytes{over} (kernel)"
+    over = f" in {conns.since_s:.1f} s" if conns.since_s is not None else ""
+    return f"responses flowing to {conns.flowing} client connection(s), {conns.bytes_out} bytes{over} (kernel)"

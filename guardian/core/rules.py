@@ -1,10 +1,19 @@
 """Rules as data: each rule is a row with a stable id. Verdicts and refusals carry the id,
 tests assert ids, and the README's rule tables are rendered from these rows
-(``scripts/render-rules`` writes them into the README; a test checks the README against them)."""
+(guardian/rule_tables.py; ``scripts/render-rules`` writes them into the README and a test checks
+the README against them).
+
+A rule module holds its rules as ROWS of Row: the Rule (its README row), the predicate that says
+when it holds and the evidence it gives then, over one immutable context value; ``first_match``
+walks them in order, so the table is the classifier. Its ``RULES`` are the rows' rules. A leaf:
+it imports nothing of guardian but the vocabulary.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from .vocab import Gate, Priority
 
@@ -16,10 +25,45 @@ class Rule:
     condition: str  # exact, with AND/OR and < versus <=; W., R., M. are config sections
 
 
+# The outcome of a rule that keeps what was there (the last verdict, what was seen).
+UNCHANGED = "(unchanged)"
+
+Context = TypeVar("Context")
+Evidence = TypeVar("Evidence")
+
+
+@dataclass(frozen=True)
+class Row(Generic[Context, Evidence]):
+    """One rule as code: its README row, when it holds, and what it says when it does."""
+
+    rule: Rule
+    holds: Callable[[Context], bool]
+    evidence: Callable[[Context], Evidence]
+
+
+def first_match(rows: Iterable[Row[Context, Evidence]], context: Context) -> tuple[Rule, Evidence] | None:
+    """The first row that holds for CONTEXT, as (its rule, its evidence); None when none holds."""
+    for row in rows:
+        if row.holds(context):
+            return row.rule, row.evidence(context)
+    return None
+
+
+@dataclass(frozen=True)
+class Why:
+    """What a refusal row says when it holds: the journal line's reason and remedy, its priority,
+    and what besides the gate tells one episode of it from the next (never live seconds)."""
+
+    reason: str
+    remedy: str = ""
+    priority: Priority = Priority.ERROR
+    episode: tuple[str, ...] = ()
+
+
 @dataclass(frozen=True)
 class Refusal:
     """Why a restart may not happen now: an admission row (A1-A3), a unit gate (G1-G9) or the
-    fleet (F1-F6). KEY is stable while the cause is the same (it carries no live seconds), so a
+    fleet (F3-F6). KEY is stable while the cause is the same (it carries no live seconds), so a
     refusal is logged once per episode; TEXT is for the journal line."""
 
     gate: Gate
@@ -38,29 +82,3 @@ def markdown_table(rows: tuple[Rule, ...], outcome_header: str) -> str:
     lines = [f"| id | {outcome_header} | condition |", "|---|---|---|"]
     lines += ["| " + " | ".join((r.id, r.outcome, r.condition.replace("|", r"\|"))) + " |" for r in rows]
     return "\n".join(lines)
-
-
-def tables() -> dict[str, str]:
-    """Every rule table, keyed by the README marker it is rendered under."""
-    from . import admission, bypass, drain, fleet, gates, liveness, memguard
-
-    return {
-        "liveness": markdown_table(liveness.RULES, "state"),
-        "admission": markdown_table(admission.RULES, "refusal"),
-        "gates": markdown_table(gates.RULES, "refusal"),
-        "memory": markdown_table(memguard.RULES, "verdict"),
-        "drain": markdown_table(drain.RULES, "outcome"),
-        "fleet": markdown_table(fleet.RULES, "outcome"),
-        "bypass": markdown_table(bypass.RULES, "outcome"),
-    }
-
-
-def render_into(text: str) -> str:
-    """TEXT with each ``<!-- rules:NAME -->`` ... ``<!-- /rules:NAME -->`` block replaced by the table."""
-    for name, table in tables().items():
-        start, end = f"<!-- rules:{name} -->", f"<!-- /rules:{name} -->"
-        a, b = text.find(start), text.find(end)
-        if a < 0 or b < a:
-            raise ValueError(f"no {start} ... {end} block")
-        text = text[: a + len(start)] + "\n" + table + "\n" + text[b:]
-    return text

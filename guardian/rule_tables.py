@@ -1,0 +1,35 @@
+"""The README's rule tables, rendered from the rule modules' rows (core/*.py RULES).
+
+Outside the core on purpose: it reads every rule module, while each of them reads core/rules.py,
+which therefore stays a leaf. ``scripts/render-rules`` writes the tables into the README; a test
+checks the README against them.
+"""
+
+from __future__ import annotations
+
+from .core import admission, bypass, drain, fleet, gates, liveness, memguard
+from .core.rules import markdown_table
+
+
+def tables() -> dict[str, str]:
+    """Every rule table, keyed by the README marker it is rendered under."""
+    return {
+        "liveness": markdown_table(liveness.RULES, "state"),
+        "admission": markdown_table(admission.RULES, "refusal"),
+        "gates": markdown_table(gates.RULES, "refusal"),
+        "memory": markdown_table(memguard.RULES, "verdict"),
+        "drain": markdown_table(drain.RULES, "outcome"),
+        "fleet": markdown_table(fleet.RULES, "outcome"),
+        "bypass": markdown_table(bypass.RULES, "outcome"),
+    }
+
+
+def render_into(text: str) -> str:
+    """TEXT with each ``<!-- rules:NAME -->`` ... ``<!-- /rules:NAME -->`` block replaced by the table."""
+    for name, table in tables().items():
+        start, end = f"<!-- rules:{name} -->", f"<!-- /rules:{name} -->"
+        start_at, end_at = text.find(start), text.find(end)
+        if start_at < 0 or end_at < start_at:
+            raise ValueError(f"no {start} ... {end} block")
+        text = text[: start_at + len(start)] + "\n" + table + "\n" + text[end_at:]
+    return text
