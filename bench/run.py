@@ -567,7 +567,7 @@ class Bench:
             intervals = fw.slot_intervals()
             to_slot = []
             for i in range(fw.n):
-                asked = [int(e["__REALTIME_TIMESTAMP"]) / 1e6 for e in fw.lines(i, "GUARDIAN_RULE=M14")]
+                asked = [int(e["__REALTIME_TIMESTAMP"]) / 1e6 for e in fw.lines(i, "GUARDIAN_RULE=M15")]
                 taken = [t0_ for box, t0_, _ in intervals if box == f"box{i}"]
                 if taken:
                     to_slot.append(taken[0] - (asked[0] if asked else t0))

@@ -1,4 +1,7 @@
-"""What the core asks the shell to do. The executor (act/executor.py) performs each one."""
+"""What the core asks the shell to do, one type per act. Every Action goes through the one
+dispatcher (act/executor.py: `Executor.perform`, matched exhaustively), which performs it or hands
+it to its part: the fleet's slots (AcquireSlot, ReleaseSlot) to fleet/sync.py, SyncProxy to
+act/proxy.py. DrainReplica is not an Action: it never leaves the core (core/tick.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +12,10 @@ from .vocab import Decision, Gate, Priority, RestartKind, State
 
 @dataclass(frozen=True)
 class LogLine:
-    """One journal line. Every field that journalctl can filter on is set here, by the core."""
+    """One journal line, with every field that journalctl can filter on. The core says its
+    verdicts, refusals and actions with these; the shell makes them too, for what it sees and does
+    itself (act/, fleet/, daemon.py: a restart job's end, the proxy's and the fleet's news, hazards,
+    a tick that failed), and writes them all (act/journal.py)."""
 
     priority: Priority
     message: str
@@ -63,8 +69,8 @@ class LowerFraction:
 
 @dataclass(frozen=True)
 class DrainReplica:
-    """The memory guard asks for REPLICA to be drained at the proxy before it lowers it. Consumed by
-    the tick (core/drain.py), never by the executor."""
+    """The memory guard asks for REPLICA to be drained at the proxy before it lowers it (M16).
+    Consumed by the tick, which keeps its drains (core/tick.py, core/drain.py); never performed."""
 
     replica: str
     evidence: str
@@ -72,7 +78,8 @@ class DrainReplica:
 
 @dataclass(frozen=True)
 class AnswerRequest:
-    """Answer an operator's restart request without acting (refused, or unknown replica)."""
+    """Answer an operator's restart request now: refused, no such replica, a dry run, or restarted
+    as a hung replica. A restart issued for it (RestartUnit.request_id) is answered when its job ends."""
 
     request_id: str
     replica: str
@@ -95,6 +102,15 @@ class ReleaseSlot:
     replica: str
 
 
+@dataclass(frozen=True)
+class SyncProxy:
+    """Make the proxy mark down exactly DOWN and every other replica of this box up: the last action
+    of every tick when a proxy is configured. The whole set every time (act/proxy.py applies only a
+    change), so a failed apply is tried again."""
+
+    down: frozenset[str]
+
+
 Action = (
     LogLine
     | RestartUnit
@@ -104,4 +120,5 @@ Action = (
     | AnswerRequest
     | AcquireSlot
     | ReleaseSlot
+    | SyncProxy
 )

@@ -6,13 +6,16 @@ A replica of this box is up at the proxy (no entry) or marked down (a Drain entr
 - ``away``: marked down while it restarts (a planned restart after its drain, or an unplanned one
   because it hung), until it serves again.
 
-The set of replicas marked down is state of the core (TickState.drains). The shell makes the
-proxy match it after every tick (act/proxy.py: nginx's upstream file or the command hooks) and
-reports what it applied (ProxyView); a drain waits for that report before it counts.
+The set of replicas marked down is state of the core (TickState.drains). Every tick ends with
+SyncProxy(that set) when a proxy is configured, and the shell makes the proxy match it
+(act/proxy.py: nginx's upstream file or the command hooks) and reports what it applied
+(ProxyView); a drain waits for that report before it counts.
 
-Rules: the rows of RULES below (D1-D11), rendered into the README. ``P`` = the [proxy] config.
+Rules: RULES below (D1-D11), rendered into the README; DRAINED_ROWS (D5, D6) are checked in
+order, the others are the steps of core/tick.py that name them. ``P`` = the [proxy] config.
 "Another replica of the model serves" means: a replica of this box with the same model, healthy
-or busy, and not marked down; or a `memory.peer_urls` peer that answered with the model.
+or busy, and not marked down; or a `memory.peer_urls` peer that answered with the model; or,
+with [fleet], a replica of another box serving it in the fleet view.
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ from enum import StrEnum
 
 from ..config import Config
 from .liveness import Track
-from .observations import ProxyView, ReplicaObservation
-from .rules import Rule
+from .observations import ProxyView, ReplicaObservation, TickObservation, VllmSample
+from .rules import Row, Rule, first_match
 from .vocab import SERVING_STATES
 
 
@@ -39,9 +42,48 @@ class Drain:
     why: str
     request_id: str | None = None  # the operator's request a planned drain serves
     confirmed_at: float | None = None  # the proxy reported it marked down (the drain timer starts)
-    for_memory: bool = False  # the memory guard's lowering waits for it (M15), not an operator
+    for_memory: bool = False  # the memory guard's lowering waits for it (M16), not an operator
     error_said: bool = False  # the proxy's refusal was logged (a memory drain waits for the proxy's retry)
 
+
+@dataclass(frozen=True)
+class _Waited:
+    """A confirmed drain as D5 and D6 read it."""
+
+    waited_s: float  # since the proxy confirmed it marked the replica down
+    sample: VllmSample | None  # the replica's /metrics now; None: unreadable
+    timeout_s: float  # P.drain_timeout_s
+
+    @property
+    def left(self) -> str:
+        """The requests still running, as the D6 line says them."""
+        if self.sample is None:
+            return "unknown (/metrics unreadable)"
+        return f"{self.sample.running:.0f} running, {self.sample.waiting:.0f} waiting"
+
+
+# D5, D6: when a draining replica is drained; the evidence is the restart line's.
+DRAINED_ROWS: tuple[Row[_Waited, str], ...] = (
+    Row(
+        Rule(
+            "D5",
+            "restart (drained)",
+            "draining AND the proxy confirmed it AND /metrics readable AND running + waiting == 0",
+        ),
+        lambda w: w.sample is not None and w.sample.queued == 0,
+        lambda w: f"drained: no request left after {w.waited_s:.1f} s (D5)",
+    ),
+    Row(
+        Rule(
+            "D6",
+            "restart (drained)",
+            "draining AND the proxy confirmed it AND now - confirmed >= P.drain_timeout_s (the line says how "
+            "many requests were still running)",
+        ),
+        lambda w: w.waited_s >= w.timeout_s,
+        lambda w: f"drain timeout: {w.timeout_s:g} s passed with {w.left} (D6)",
+    ),
+)
 
 RULES = (
     Rule(
@@ -68,21 +110,11 @@ RULES = (
         "drain abandoned",
         "draining AND no other replica of the model serves any more: marked up again, no restart, the request refused",
     ),
-    Rule(
-        "D5",
-        "restart (drained)",
-        "draining AND the proxy confirmed it AND /metrics readable AND running + waiting == 0",
-    ),
-    Rule(
-        "D6",
-        "restart (drained)",
-        "draining AND the proxy confirmed it AND now - confirmed >= P.drain_timeout_s (the line says how "
-        "many requests were still running)",
-    ),
+    *(row.rule for row in DRAINED_ROWS),
     Rule(
         "D7",
         "memory drain: lowered, or given up",
-        "a memory guard's drain (M15) that is drained (D5, D6): the memory guard lowers it on this tick (M16) "
+        "a memory guard's drain (M16) that is drained (D5, D6): the memory guard lowers it on this tick (M17) "
         "and it is away; one the memory guard no longer asks for (the squeeze ended, it chose another): "
         "marked up again",
     ),
@@ -107,16 +139,34 @@ RULES = (
 )
 
 
+def serving_elsewhere(obs: TickObservation, cfg: Config) -> dict[str, tuple[str, ...]]:
+    """Per model, the replicas serving on other boxes, from the fleet view (this box's own are
+    judged by its own tracks)."""
+    view = obs.fleet
+    if view is None or not view.ok:
+        return {}
+    return {
+        model: tuple(found for found in view.serving(model, "") if not found.startswith(f"{view.box}/"))
+        for model in {r.model for r in cfg.replicas}
+    }
+
+
+def peers_serving(obs: TickObservation, cfg: Config, model: str) -> int:
+    """Replicas of MODEL serving elsewhere: memory.peer_urls that answered, and other boxes in the fleet."""
+    peers = len(obs.memory.peers_serving) if obs.memory is not None else 0
+    return peers + len(serving_elsewhere(obs, cfg).get(model, ()))
+
+
 def others_serving(name: str, cfg: Config, tracks: dict[str, Track], drains: dict[str, Drain], peers: int) -> int:
     """How many other replicas of NAME's model serve: this box's, not marked down, and PEERS."""
-    r = cfg.replica(name)
-    if r is None:
+    replica = cfg.replica(name)
+    if replica is None:
         return 0
     local = sum(
         1
         for o in cfg.replicas
         if o.name != name
-        and o.model == r.model
+        and o.model == replica.model
         and o.name in tracks
         and tracks[o.name].state in SERVING_STATES
         and o.name not in drains
@@ -124,34 +174,28 @@ def others_serving(name: str, cfg: Config, tracks: dict[str, Track], drains: dic
     return local + peers
 
 
-def confirmed(d: Drain, name: str, proxy: ProxyView | None, now: float) -> Drain:
-    """D: with the proxy's report folded in (the drain timer starts when the proxy has it down)."""
-    if d.confirmed_at is None and proxy is not None and name in proxy.applied:
-        return replace(d, confirmed_at=now)
-    return d
+def confirmed(down: Drain, name: str, proxy: ProxyView | None, now: float) -> Drain:
+    """DOWN with the proxy's report folded in (the drain timer starts when the proxy has it down)."""
+    if down.confirmed_at is None and proxy is not None and name in proxy.applied:
+        return replace(down, confirmed_at=now)
+    return down
 
 
-def refused_by_proxy(d: Drain, name: str, proxy: ProxyView | None) -> str | None:
+def refused_by_proxy(down: Drain, name: str, proxy: ProxyView | None) -> str | None:
     """D3: the proxy's error when its last attempt to mark NAME down failed, else None."""
-    if d.confirmed_at is not None or proxy is None or proxy.error is None:
+    if down.confirmed_at is not None or proxy is None or proxy.error is None:
         return None
     return proxy.error if name in proxy.failed and name not in proxy.applied else None
 
 
-def drained(d: Drain, o: ReplicaObservation, now: float, cfg: Config) -> str | None:
+def drained(down: Drain, observed: ReplicaObservation, now: float, cfg: Config) -> str | None:
     """D5 and D6: why the drain is over (the evidence for the restart line), or None."""
-    if d.confirmed_at is None:
+    if down.confirmed_at is None:
         return None
-    s = o.metrics
-    waited = now - d.confirmed_at
-    if s is not None and s.queued == 0:
-        return f"drained: no request left after {waited:.1f} s (D5)"
-    if waited >= cfg.proxy.drain_timeout_s:
-        left = "unknown (/metrics unreadable)" if s is None else f"{s.running:.0f} running, {s.waiting:.0f} waiting"
-        return f"drain timeout: {cfg.proxy.drain_timeout_s:g} s passed with {left} (D6)"
-    return None
+    found = first_match(DRAINED_ROWS, _Waited(now - down.confirmed_at, observed.metrics, cfg.proxy.drain_timeout_s))
+    return found[1] if found is not None else None
 
 
-def back(d: Drain, t: Track) -> bool:
+def back(down: Drain, track: Track) -> bool:
     """D10: an away replica serves again."""
-    return d.phase is Phase.AWAY and not t.restart_in_flight and t.state in SERVING_STATES
+    return down.phase is Phase.AWAY and not track.restart_in_flight and track.state in SERVING_STATES

@@ -1,11 +1,16 @@
-"""The memory guard's policy: give co-located work its headroom back. Pure, like policy.py.
+"""The memory guard: give co-located work its headroom back. Pure.
 
 ``headroom`` is the kernel's MemAvailable. ``total`` is what vLLM's --gpu-memory-utilization
 is a fraction of: ``memory.device_total_bytes``, or MemTotal when unset (GB10: one memory).
 
-Rules: the rows of RULES below (ids M1-M16), rendered into the README. ``M`` = the memory
-config, times in seconds, sizes in bytes. When squeezed, M9-M16 are checked in order and the
-first that holds is the verdict, logged once per squeeze.
+Rules: RULES below (ids M1-M17), rendered into the README. ``M`` = the memory config, times in
+seconds, sizes in bytes. M1 and M2 say when the box is squeezed. A pending lowering is followed
+by M3-M8 (_follow_lowering). M9 is applied where the view is built (core/memview.py). Otherwise,
+when squeezed, the rows of SQUEEZE_ROWS (M10-M17) are checked in order and the first that holds
+is the verdict (_squeeze_chain).
+
+Each verdict's journal line is its row of MESSAGES, filled in from the replica it is about and
+its Facts; it is said once per squeeze and cause, or every time when the row says so.
 
 A lowering is confirmed from what the restarted replica reports (vllm:cache_config_info, else
 --gpu-memory-utilization on its command line): a replica that serves with another fraction than
@@ -15,86 +20,16 @@ and guardian says so instead of lowering again.
 
 from __future__ import annotations
 
+import math
+import string
 from dataclasses import dataclass, replace
+from typing import Any
 
-from ..config import Config
+from ..config import Config, MemoryConfig
 from .actions import AcquireSlot, DrainReplica, LogLine, LowerFraction
 from .observations import MemorySample, RestartOutcome, gib
-from .rules import Refusal, Rule
+from .rules import Refusal, Row, Rule, first_match
 from .vocab import SERVING_STATES, Decision, Gate, MemVerdict, Priority, State
-
-V = MemVerdict
-RULES = (
-    Rule(
-        "M1",
-        "squeezed",
-        "headroom (MemAvailable) < M.min_headroom_bytes on every tick for >= M.sustain_s, AND, "
-        "when M.psi_some_threshold_pct is set, PSI some avg10 >= it on every tick for >= M.sustain_s",
-    ),
-    Rule("M2", "critical", "squeezed AND headroom < M.critical_headroom_bytes on this tick"),
-    Rule("M3", V.PENDING, "a lowering is pending: issued, and the replica not serving since with a new start"),
-    Rule(
-        "M4",
-        V.DONE,
-        "the pending replica serves (healthy or busy), was started after the lowering, and reports "
-        "the new fraction (or reports none)",
-    ),
-    Rule(
-        "M5",
-        V.MISMATCH,
-        "the pending replica serves, was started after the lowering, and reports another "
-        "fraction than the one written: something overrides guardian's env file; no further lowering of it",
-    ),
-    Rule("M6", V.ABANDONED, "the lowering's restart was refused by a gate or failed"),
-    Rule(
-        "M7",
-        V.RETRY,
-        "the new start failed (vLLM's refusal in this start's journal, unit failed, or not serving "
-        "R.startup_grace_s after the lowering) AND a lower fraction >= M.floor fits: it is written at once",
-    ),
-    Rule("M8", V.GAVE_UP, "the new start failed AND no lower fraction >= M.floor fits: left to the operator"),
-    Rule("M9", V.COOLDOWN, "now - last lowering < M.cooldown_s"),
-    Rule(
-        "M10",
-        V.UNWIRED,
-        "no replica can give: the one that could is not wired (its unit does not read "
-        "guardian's env file last, or does not pass --gpu-memory-utilization ${GPU_MEMORY_UTILIZATION})",
-    ),
-    Rule("M11", V.FLOOR, "no replica can give: every fraction is unknown or <= M.floor"),
-    Rule(
-        "M12",
-        V.NO_FIT,
-        "for the chosen replica (the first of M.priority that can give, else the most above the "
-        "floor) no fraction on the 0.01 grid, <= current - M.step and >= M.floor, has total x fraction <= "
-        "headroom + what it holds (NVML, else total x current) - M.reserve_bytes",
-    ),
-    Rule(
-        "M13",
-        V.NO_PEER,
-        "no other replica of the same model is healthy or busy (on this box, at M.peer_urls, or on another box "
-        "in the fleet view when [fleet] is set) AND not critical",
-    ),
-    Rule(
-        "M14",
-        V.DEFERRED,
-        "restart admission refuses it now (A1-A3: budget, back-off, one at a time), or it waits for a fleet "
-        "slot (F3-F6; not when critical: then it goes ahead without one, said at error)",
-    ),
-    Rule(
-        "M15",
-        V.DRAINING,
-        "a proxy is configured ([proxy]) AND not critical AND the chosen replica is not drained yet "
-        "(core/drain.py D5, D6): it is marked down and drained first; the lowering waits (with dry_run: not drained)",
-    ),
-    Rule(
-        "M16",
-        V.LOWER,
-        "otherwise: write the env file, restart that replica's unit alone through the unit gates "
-        "(with dry_run = true: logged, not done)",
-    ),
-)
-del V
-_ID = {r.outcome: r.id for r in RULES} | {MemVerdict.DRY_RUN: "M16"}
 
 
 @dataclass(frozen=True)
@@ -105,7 +40,7 @@ class ReplicaMemory:
     fraction: float | None  # what it is configured with: guardian's env file, else what it runs with
     running_fraction: float | None  # what it reports: vllm:cache_config_info, else its command line
     started_at: float | None  # its unit's last start (InactiveExitTimestampMonotonic)
-    wiring_problem: str | None  # None: wired for the memory guard
+    wiring_problem: str | None  # None: wired for the memory guard (core/wiring.py, and M9)
     state: State  # the watchdog's verdict
     usage_bytes: int | None = None  # NVML per-process memory, when the driver reports it
     start_failure: str | None = None  # vLLM's startup error, from the unit's journal since the lowering
@@ -115,6 +50,8 @@ class ReplicaMemory:
 
 @dataclass(frozen=True)
 class MemoryView:
+    """What the memory guard decides on (built by core/memview.py)."""
+
     sample: MemorySample
     total_bytes: int
     replicas: tuple[ReplicaMemory, ...]
@@ -122,12 +59,14 @@ class MemoryView:
     consumers: str = ""  # "db.service 22.1 GiB, make 9.3 GiB"
     restart_blocked: dict[str, Refusal] | None = None  # replica -> why admission would not restart it now
     restart_results: dict[str, RestartOutcome] | None = None  # replica -> a restart job that ended this tick
-    drain_first: bool = False  # a proxy is configured: a replica is drained before it is lowered (M15)
+    drain_first: bool = False  # a proxy is configured: a replica is drained before it is lowered (M16)
     fleet_serving: dict[str, tuple[str, ...]] | None = None  # model -> BOX/NAME serving on other boxes ([fleet])
 
 
 @dataclass(frozen=True)
 class Pending:
+    """A lowering issued and not confirmed yet (M3-M8)."""
+
     replica: str
     old: float
     new: float
@@ -136,11 +75,13 @@ class Pending:
 
 @dataclass(frozen=True)
 class MemTrack:
-    below_since: float | None = None
-    psi_since: float | None = None
-    last_change_at: float | None = None
+    """What the memory guard remembers from tick to tick."""
+
+    below_since: float | None = None  # headroom below M.min_headroom_bytes since (M1)
+    psi_since: float | None = None  # PSI at or above M.psi_some_threshold_pct since (M1)
+    last_change_at: float | None = None  # the last lowering, or the last one given up (M10's cooldown)
     pending: Pending | None = None
-    last_notice: tuple[str, ...] | None = None
+    last_notice: tuple[str, ...] | None = None  # the cause last said: a line is said once per cause
     verdict: MemVerdict = MemVerdict.NOT_SQUEEZED
     rule: str | None = None
 
@@ -148,14 +89,303 @@ class MemTrack:
 MemAction = LogLine | LowerFraction | DrainReplica | AcquireSlot
 
 
-def _log(
-    priority: Priority,
-    verdict: MemVerdict,
-    message: str,
-    r: ReplicaMemory | None = None,
-    decision: Decision = Decision.MEMORY_NOTE,
-) -> LogLine:
-    return LogLine(priority, message, decision, r.name if r else None, r.unit if r else None, rule=_ID[verdict])
+# --- the rules ------------------------------------------------------------------------------
+
+# M1, M2: when the box is squeezed (_squeezed, _squeeze).
+DEFINITIONS = (
+    Rule(
+        "M1",
+        "squeezed",
+        "headroom (MemAvailable) < M.min_headroom_bytes on every tick for >= M.sustain_s, AND, "
+        "when M.psi_some_threshold_pct is set, PSI some avg10 >= it on every tick for >= M.sustain_s",
+    ),
+    Rule("M2", "critical", "squeezed AND headroom < M.critical_headroom_bytes on this tick"),
+)
+
+# M3-M8: a lowering in flight (_follow_lowering).
+LOWERING_RULES = (
+    Rule("M3", MemVerdict.PENDING, "a lowering is pending: issued, and the replica not serving since with a new start"),
+    Rule(
+        "M4",
+        MemVerdict.DONE,
+        "the pending replica serves (healthy or busy), was started after the lowering, and reports "
+        "the new fraction (or reports none)",
+    ),
+    Rule(
+        "M5",
+        MemVerdict.MISMATCH,
+        "the pending replica serves, was started after the lowering, and reports another "
+        "fraction than the one written: something overrides guardian's env file; no further lowering of it",
+    ),
+    Rule("M6", MemVerdict.ABANDONED, "the lowering's restart was refused by a gate or failed"),
+    Rule(
+        "M7",
+        MemVerdict.RETRY,
+        "the new start failed (vLLM's refusal in this start's journal, unit failed, or not serving "
+        "R.startup_grace_s after the lowering) AND a lower fraction >= M.floor fits: it is written at once",
+    ),
+    Rule("M8", MemVerdict.GAVE_UP, "the new start failed AND no lower fraction >= M.floor fits: left to the operator"),
+)
+
+# M9: applied when the view is built (core/memview.py), so that M11 and M12 see it.
+OVERRIDDEN = Rule(
+    "M9",
+    "not wired",
+    "a replica with no lowering pending serves (healthy or busy) and reports another fraction than guardian's "
+    "env file for it says: something overrides that file (a later EnvironmentFile=, an ExecStart= drop-in); it "
+    "counts as not wired",
+)
+
+
+@dataclass(frozen=True)
+class Squeeze:
+    """What the squeeze chain (M10-M17) reads: the squeeze, and the replica chosen to give."""
+
+    memory: MemoryConfig
+    why: str  # the squeeze as its lines say it: M1, M2 and the largest consumers
+    critical: bool  # M2
+    since_lowering_s: float  # since the last lowering (or one given up); inf when none
+    chosen: ReplicaMemory | None  # who gives: the first of M.priority that can, else the one most above the floor
+    unwired: ReplicaMemory | None  # the first, in that order, that is not wired
+    new: float | None  # the fraction chosen for it; None when none fits
+    peers: tuple[str, ...]  # who else serves its model: this box, M.peer_urls, the fleet
+    refusal: Refusal | None  # why admission or the fleet would not restart it now
+    drained: bool  # it is drained at the proxy
+    drain_first: bool  # a proxy is configured
+    dry_run: bool
+    total_bytes: int
+
+    @property
+    def without_slot(self) -> bool:
+        """It waits for a fleet slot, and a critical lowering does not."""
+        return self.refusal is not None and self.refusal.gate is Gate.FLEET and self.critical
+
+
+def _chosen(squeeze: Squeeze) -> ReplicaMemory | None:
+    return squeeze.chosen
+
+
+# M10-M17: when squeezed and no lowering is pending, the first row that holds is the verdict; the
+# evidence is the replica its line is about. M17 with dry_run = true is the DRY_RUN verdict.
+SQUEEZE_ROWS: tuple[Row[Squeeze, ReplicaMemory | None], ...] = (
+    Row(
+        Rule("M10", MemVerdict.COOLDOWN, "now - last lowering < M.cooldown_s"),
+        lambda s: s.since_lowering_s < s.memory.cooldown_s,
+        lambda s: None,
+    ),
+    Row(
+        Rule(
+            "M11",
+            MemVerdict.UNWIRED,
+            "no replica can give: the one that could is not wired (its unit does not read guardian's env file "
+            "last, or does not pass --gpu-memory-utilization ${GPU_MEMORY_UTILIZATION}, or M9)",
+        ),
+        lambda s: s.chosen is None and s.unwired is not None,
+        lambda s: s.unwired,
+    ),
+    Row(
+        Rule("M12", MemVerdict.FLOOR, "no replica can give: every fraction is unknown or <= M.floor"),
+        lambda s: s.chosen is None,
+        lambda s: None,
+    ),
+    Row(
+        Rule(
+            "M13",
+            MemVerdict.NO_FIT,
+            "for the chosen replica (the first of M.priority that can give, else the most above the "
+            "floor) no fraction on the 0.01 grid, <= current - M.step and >= M.floor, has total x fraction <= "
+            "headroom + what it holds (NVML, else total x current) - M.reserve_bytes",
+        ),
+        lambda s: s.new is None,
+        _chosen,
+    ),
+    Row(
+        Rule(
+            "M14",
+            MemVerdict.NO_PEER,
+            "no other replica of the same model is healthy or busy (on this box, at M.peer_urls, or on another box "
+            "in the fleet view when [fleet] is set) AND not critical",
+        ),
+        lambda s: not s.peers and not s.critical,
+        _chosen,
+    ),
+    Row(
+        Rule(
+            "M15",
+            MemVerdict.DEFERRED,
+            "restart admission refuses it now (A1-A3: budget, back-off, one at a time), or it waits for a fleet "
+            "slot (F3-F6; not when critical: then it goes ahead without one, said at error)",
+        ),
+        lambda s: s.refusal is not None and not s.without_slot,
+        _chosen,
+    ),
+    Row(
+        Rule(
+            "M16",
+            MemVerdict.DRAINING,
+            "a proxy is configured ([proxy]) AND not critical AND the chosen replica is not drained yet "
+            "(core/drain.py D5, D6): it is marked down and drained first; the lowering waits (with dry_run: not "
+            "drained)",
+        ),
+        lambda s: s.drain_first and not s.critical and not s.dry_run and not s.drained,
+        _chosen,
+    ),
+    Row(
+        Rule(
+            "M17",
+            MemVerdict.LOWER,
+            "otherwise: write the env file, restart that replica's unit alone through the unit gates "
+            "(with dry_run = true: logged, not done)",
+        ),
+        lambda s: True,
+        _chosen,
+    ),
+)
+
+RULES: tuple[Rule, ...] = (*DEFINITIONS, *LOWERING_RULES, OVERRIDDEN, *(row.rule for row in SQUEEZE_ROWS))
+_ID = {rule.outcome: rule.id for rule in RULES} | {MemVerdict.DRY_RUN: "M17"}
+# The verdicts past M15: a lowering that waits for nothing more (M16 drains first, then lowers).
+_GOES_AHEAD = frozenset({MemVerdict.DRAINING, MemVerdict.DRY_RUN, MemVerdict.LOWER})
+
+
+# --- what each verdict says -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Facts:
+    """The numbers a verdict's line needs besides its replica; each line reads the ones it names."""
+
+    why: str = ""  # the squeeze: headroom, for how long, PSI, critical, the largest consumers
+    headroom_bytes: int = 0
+    total_bytes: int = 0
+    written: float = 0.0  # the fraction of the lowering followed (M4-M8)
+    current: float = 0.0  # the chosen replica's fraction now (M13, M16, M17)
+    highest: float = 0.0  # the highest fraction a lowering may write: current - M.step (M13)
+    new: float = 0.0  # the fraction to write (M7, M14-M17)
+    since_lowering_s: float = 0.0  # since the lowering followed (M4), or the last one (M10)
+    failure: str = ""  # why the lowering failed: its restart's result (M6), or the new start (M7, M8)
+    refusal: Refusal | None = None  # why the lowering waits (M15)
+    no_slot: Refusal | None = None  # the fleet's refusal that a critical lowering goes ahead without
+    serving: str = ""  # who carries the model meanwhile (M16, M17)
+    undrained: str = ""  # "; not drained (critical)" under a proxy (M17)
+
+
+@dataclass(frozen=True)
+class Message:
+    """How a verdict is said: a str.format template over `replica`, `memory` (the [memory] config)
+    and the fields of Facts, where a size takes the GiB spec: {total_bytes:GiB} is "128.0 GiB"."""
+
+    priority: Priority
+    template: str
+    decision: Decision = Decision.MEMORY_NOTE
+    every_time: bool = False  # False: once per squeeze and cause
+
+
+MESSAGES: dict[MemVerdict, Message] = {
+    MemVerdict.DONE: Message(
+        Priority.INFO,
+        "replica {replica.name}: serving again with gpu_memory_utilization {written:g} {since_lowering_s:.0f} s "
+        "after the lowering; headroom {headroom_bytes:GiB}",
+        every_time=True,
+    ),
+    MemVerdict.MISMATCH: Message(
+        Priority.ERROR,
+        "replica {replica.name}: serving again, but with gpu_memory_utilization {replica.running_fraction:g}, "
+        "not the {written:g} guardian wrote: something overrides guardian's env file (a later EnvironmentFile= "
+        "that sets GPU_MEMORY_UTILIZATION, or an ExecStart= drop-in); not lowering it again until that is fixed "
+        "(guardian check; systemctl cat {replica.unit})",
+        every_time=True,
+    ),
+    MemVerdict.ABANDONED: Message(
+        Priority.ERROR, "replica {replica.name}: lowering to {written:g} abandoned: {failure}", every_time=True
+    ),
+    MemVerdict.RETRY: Message(
+        Priority.ERROR,
+        "replica {replica.name}: start with gpu_memory_utilization {written:g} failed ({failure}); trying {new:g}",
+        every_time=True,
+    ),
+    MemVerdict.GAVE_UP: Message(
+        Priority.ERROR,
+        "replica {replica.name}: start with gpu_memory_utilization {written:g} failed ({failure}); no lower "
+        "fraction >= floor {memory.floor:g} fits in headroom {headroom_bytes:GiB}; leaving it to the operator "
+        "(journalctl -u {replica.unit})",
+        every_time=True,
+    ),
+    MemVerdict.COOLDOWN: Message(
+        Priority.INFO,
+        "memory squeezed: {why}; cooldown: last lowering {since_lowering_s:.0f} s ago, next allowed after "
+        "{memory.cooldown_s:g} s",
+    ),
+    MemVerdict.UNWIRED: Message(
+        Priority.ERROR,
+        "memory squeezed: {why}; replica {replica.name}: {replica.unit} is not wired for the memory guard, "
+        "refusing to restart it (a restart without a lower fraction frees nothing): {replica.wiring_problem}",
+    ),
+    MemVerdict.FLOOR: Message(
+        Priority.ERROR,
+        "memory squeezed: {why}; every replica is at its floor {memory.floor:g} (or its fraction is unknown): "
+        "nothing left to give",
+    ),
+    MemVerdict.NO_FIT: Message(
+        Priority.ERROR,
+        "memory squeezed: {why}; replica {replica.name}: no fraction between {highest:g} and the floor "
+        "{memory.floor:g} fits (total {total_bytes:GiB} x fraction must be <= headroom + what it holds - reserve "
+        "{memory.reserve_bytes:GiB}); waiting rather than a start vLLM would refuse",
+    ),
+    MemVerdict.NO_PEER: Message(
+        Priority.ERROR,
+        "memory squeezed: {why}; replica {replica.name}: no other replica of {replica.model} is serving right now, "
+        "deferring the lowering to {new:g} (acts anyway below {memory.critical_headroom_bytes:GiB})",
+    ),
+    MemVerdict.DEFERRED: Message(
+        Priority.ERROR, "memory squeezed: {why}; replica {replica.name}: lowering to {new:g} deferred: {refusal.text}"
+    ),
+    MemVerdict.DRY_RUN: Message(
+        Priority.WARNING,
+        "memory squeezed: {why}; DRY-RUN: would lower replica {replica.name} {current:g} -> {new:g} and restart "
+        "{replica.unit} alone; {serving}",
+        Decision.DRY_RUN,
+    ),
+    MemVerdict.DRAINING: Message(
+        Priority.WARNING,
+        "memory squeezed: {why}; replica {replica.name}: draining it at the proxy first, then lowering it "
+        "{current:g} -> {new:g}; {serving}",
+        Decision.PROXY,
+    ),
+    MemVerdict.LOWER: Message(
+        Priority.WARNING,
+        "{why}; replica {replica.name} {current:g} -> {new:g}; restarting {replica.unit} alone; {serving}{undrained}",
+        Decision.MEMORY,
+        every_time=True,
+    ),
+}
+# Said before a critical lowering's own line when it goes ahead without a fleet slot (M15).
+NO_SLOT_BUT_CRITICAL = Message(
+    Priority.ERROR,
+    "memory squeezed: {why}; replica {replica.name}: no fleet slot ({no_slot.text}); critical, so the lowering goes "
+    "ahead without one",
+    Decision.FLEET,
+    every_time=True,
+)
+
+
+class _Text(string.Formatter):
+    """str.format, plus the GiB spec for sizes in bytes."""
+
+    def format_field(self, value: Any, format_spec: str) -> Any:
+        return gib(value) if format_spec == "GiB" else super().format_field(value, format_spec)
+
+
+_TEXT = _Text()
+
+
+def _line(message: Message, verdict: MemVerdict, replica: ReplicaMemory | None, facts: Facts, cfg: Config) -> LogLine:
+    text = _TEXT.vformat(message.template, (), {"replica": replica, "memory": cfg.memory, **vars(facts)})
+    name, unit = (replica.name, replica.unit) if replica is not None else (None, None)
+    return LogLine(message.priority, text, message.decision, name, unit, rule=_ID[verdict])
+
+
+# --- the decision -----------------------------------------------------------------------------
 
 
 def grid(x: float) -> float:
@@ -163,307 +393,234 @@ def grid(x: float) -> float:
 
 
 def choose_fraction(
-    current: float, held_bytes: int, headroom: int, total: int, step: float, floor: float, reserve: int
+    current: float, held_bytes: int, headroom_bytes: int, total_bytes: int, memory: MemoryConfig
 ) -> float | None:
-    """The highest grid fraction <= current - step and >= floor that fits; None if none does."""
-    f = grid(max(floor, current - step))
-    available_after = headroom + held_bytes - reserve
-    while f >= floor - 1e-9 and f < current:
-        if total * f <= available_after:
-            return f
-        f = grid(f - 0.01)
+    """The highest grid fraction <= current - M.step and >= M.floor that fits (M13); None if none does."""
+    fraction = grid(max(memory.floor, current - memory.step))
+    available_after = headroom_bytes + held_bytes - memory.reserve_bytes
+    while fraction >= memory.floor - 1e-9 and fraction < current:
+        if total_bytes * fraction <= available_after:
+            return fraction
+        fraction = grid(fraction - 0.01)
     return None
 
 
-def _held(r: ReplicaMemory, total: int) -> int:
-    return r.usage_bytes if r.usage_bytes is not None else int(total * (r.fraction or 0.0))
+def _held(replica: ReplicaMemory, total_bytes: int) -> int:
+    return replica.usage_bytes if replica.usage_bytes is not None else int(total_bytes * (replica.fraction or 0.0))
 
 
 def decide(track: MemTrack, view: MemoryView, now: float, cfg: Config) -> tuple[MemTrack, list[MemAction]]:
-    m = cfg.memory
-    actions: list[MemAction] = []
+    """The memory guard's tick: the verdict, in TRACK, and what it says and does."""
+    track = _count_squeeze(track, view.sample, now, cfg.memory)
+    if track.pending is not None:
+        followed = _follow_lowering(track.pending, view, now, cfg.memory)
+        if followed is None:  # the replica has left the config: nothing left to follow
+            return replace(track, pending=None), []
+        return _conclude(track, *followed, now, cfg)
+    if not _squeezed(track, now, cfg.memory):
+        return replace(track, last_notice=None, verdict=MemVerdict.NOT_SQUEEZED, rule=None), []
+    return _conclude(track, *_squeeze_chain(track, view, now, cfg), now, cfg)
+
+
+def _count_squeeze(track: MemTrack, sample: MemorySample, now: float, memory: MemoryConfig) -> MemTrack:
+    """M1's clocks: since when headroom has been below the line, and PSI at or above its threshold."""
+    below = sample.available_bytes < memory.min_headroom_bytes
+    psi = sample.psi_some_avg10
+    pressed = memory.psi_some_threshold_pct is not None and psi is not None and psi >= memory.psi_some_threshold_pct
+    return replace(
+        track,
+        below_since=(track.below_since if track.below_since is not None else now) if below else None,
+        psi_since=(track.psi_since if track.psi_since is not None else now) if pressed else None,
+    )
+
+
+def _squeezed(track: MemTrack, now: float, memory: MemoryConfig) -> bool:
+    """M1."""
+
+    def lasted(since: float | None) -> bool:
+        return since is not None and now - since >= memory.sustain_s
+
+    return lasted(track.below_since) and (memory.psi_some_threshold_pct is None or lasted(track.psi_since))
+
+
+def _follow_lowering(
+    pending: Pending, view: MemoryView, now: float, memory: MemoryConfig
+) -> tuple[MemVerdict, ReplicaMemory, Facts] | None:
+    """M3-M8 for the lowering in flight; None when its replica is no longer configured."""
+    replica = next((r for r in view.replicas if r.name == pending.replica), None)
+    if replica is None:
+        return None
     headroom = view.sample.available_bytes
-    t = track
-    t = replace(
-        t,
-        below_since=(t.below_since if t.below_since is not None else now) if headroom < m.min_headroom_bytes else None,
+    facts = Facts(written=pending.new, since_lowering_s=now - pending.issued_at, headroom_bytes=headroom)
+    outcome = (view.restart_results or {}).get(pending.replica)
+    if outcome is not None and not outcome.issued:
+        return MemVerdict.ABANDONED, replica, replace(facts, failure=outcome.result)
+    restarted = replica.started_at is not None and replica.started_at >= pending.issued_at
+    if replica.state in SERVING_STATES and restarted:
+        running = replica.running_fraction
+        overridden = running is not None and abs(running - pending.new) > 1e-6
+        return (MemVerdict.MISMATCH if overridden else MemVerdict.DONE), replica, facts
+    failure = _start_failure(replica, facts.since_lowering_s)
+    if failure is None:
+        return MemVerdict.PENDING, replica, facts
+    facts = replace(facts, failure=failure)
+    lower = choose_fraction(pending.new, _held(replica, view.total_bytes), headroom, view.total_bytes, memory)
+    if lower is None:
+        return MemVerdict.GAVE_UP, replica, facts
+    return MemVerdict.RETRY, replica, replace(facts, new=lower)
+
+
+def _start_failure(replica: ReplicaMemory, since_lowering_s: float) -> str | None:
+    """Why the start after a lowering failed (M7, M8), by facts only; None while it may still succeed."""
+    if replica.start_failure:
+        return replica.start_failure
+    if replica.state is State.STOPPED:
+        return "unit failed"
+    if since_lowering_s >= replica.startup_grace_s:
+        return f"not serving {since_lowering_s:.0f} s after the restart (grace {replica.startup_grace_s:g} s)"
+    return None
+
+
+def _squeeze_chain(
+    track: MemTrack, view: MemoryView, now: float, cfg: Config
+) -> tuple[MemVerdict, ReplicaMemory | None, Facts]:
+    """M10-M17: the first row of SQUEEZE_ROWS that holds."""
+    squeeze = _squeeze(track, view, now, cfg)
+    found = first_match(SQUEEZE_ROWS, squeeze)
+    assert found is not None, "M17 always holds"
+    rule, replica = found
+    verdict = MemVerdict(rule.outcome)
+    if verdict is MemVerdict.LOWER and squeeze.dry_run:
+        verdict = MemVerdict.DRY_RUN
+    chosen = squeeze.chosen
+    current = chosen.fraction if chosen is not None and chosen.fraction is not None else 0.0
+    facts = Facts(
+        why=squeeze.why,
+        total_bytes=view.total_bytes,
+        current=current,
+        highest=grid(current - cfg.memory.step),
+        new=squeeze.new or 0.0,
+        since_lowering_s=squeeze.since_lowering_s,
+        refusal=squeeze.refusal if verdict is MemVerdict.DEFERRED else None,
+        no_slot=squeeze.refusal if squeeze.without_slot and verdict in _GOES_AHEAD else None,
+        serving=f"{', '.join(squeeze.peers)} serving" if squeeze.peers else "NO other replica serving (critical)",
+        undrained="; not drained (critical)" if squeeze.drain_first and squeeze.critical else "",
     )
+    return verdict, replica, facts
+
+
+def _squeeze(track: MemTrack, view: MemoryView, now: float, cfg: Config) -> Squeeze:
+    memory = cfg.memory
+    headroom = view.sample.available_bytes
+    critical = headroom < memory.critical_headroom_bytes
+    order = _giving_order(view.replicas, memory)
+    chosen = next((r for r in order if _can_give(r, memory)), None)
+    new = None
+    if chosen is not None and chosen.fraction is not None:
+        new = choose_fraction(chosen.fraction, _held(chosen, view.total_bytes), headroom, view.total_bytes, memory)
+    below_for_s = now - track.below_since if track.below_since is not None else 0.0
+    return Squeeze(
+        memory=memory,
+        why=_why(view, below_for_s, critical, memory),
+        critical=critical,
+        since_lowering_s=now - track.last_change_at if track.last_change_at is not None else math.inf,
+        chosen=chosen,
+        unwired=next((r for r in order if r.wiring_problem is not None), None),
+        new=new,
+        peers=_peers(chosen, view) if chosen is not None else (),
+        refusal=(view.restart_blocked or {}).get(chosen.name) if chosen is not None else None,
+        drained=chosen is not None and chosen.drained,
+        drain_first=view.drain_first,
+        dry_run=cfg.dry_run,
+        total_bytes=view.total_bytes,
+    )
+
+
+def _why(view: MemoryView, below_for_s: float, critical: bool, memory: MemoryConfig) -> str:
+    """The squeeze, as every line about it starts."""
     psi = view.sample.psi_some_avg10
-    if m.psi_some_threshold_pct is not None and psi is not None and psi >= m.psi_some_threshold_pct:
-        t = replace(t, psi_since=t.psi_since if t.psi_since is not None else now)
-    else:
-        t = replace(t, psi_since=None)
-    by_name = {r.name: r for r in view.replicas}
-
-    def verdict(v: MemVerdict, key: tuple[str, ...] | None = None, line: LogLine | None = None) -> None:
-        """The tick's verdict; LINE is logged once per KEY (once per squeeze and cause)."""
-        nonlocal t
-        t = replace(t, verdict=v, rule=_ID.get(v))
-        if line is not None and (key is None or t.last_notice != key):
-            actions.append(line)
-            t = replace(t, last_notice=key)
-
-    # --- a lowering in flight ---------------------------------------------------------------
-    if t.pending is not None:
-        p = t.pending
-        r = by_name.get(p.replica)
-        if r is None:
-            return replace(t, pending=None), actions
-        outcome = (view.restart_results or {}).get(p.replica)
-        if outcome is not None and not outcome.issued:
-            verdict(
-                MemVerdict.ABANDONED,
-                None,
-                _log(
-                    Priority.ERROR,
-                    MemVerdict.ABANDONED,
-                    f"replica {r.name}: lowering to {p.new:g} abandoned: {outcome.result}",
-                    r,
-                ),
-            )
-            return replace(t, pending=None), actions
-        restarted = r.started_at is not None and r.started_at >= p.issued_at
-        if r.state in SERVING_STATES and restarted:
-            if r.running_fraction is not None and abs(r.running_fraction - p.new) > 1e-6:
-                verdict(
-                    MemVerdict.MISMATCH,
-                    None,
-                    _log(
-                        Priority.ERROR,
-                        MemVerdict.MISMATCH,
-                        f"replica {r.name}: serving again, but with gpu_memory_utilization "
-                        f"{r.running_fraction:g}, not the {p.new:g} guardian wrote: something overrides "
-                        f"guardian's env file (a later EnvironmentFile= "
-                        f"that sets GPU_MEMORY_UTILIZATION, or an ExecStart= drop-in); not lowering it again until "
-                        f"that is fixed (guardian check; systemctl cat {r.unit})",
-                        r,
-                    ),
-                )
-                return replace(t, pending=None, last_change_at=now), actions
-            verdict(
-                MemVerdict.DONE,
-                None,
-                _log(
-                    Priority.INFO,
-                    MemVerdict.DONE,
-                    f"replica {r.name}: serving again with gpu_memory_utilization {p.new:g} "
-                    f"{now - p.issued_at:.0f} s after the lowering; headroom {gib(headroom)}",
-                    r,
-                ),
-            )
-            return replace(t, pending=None, last_notice=None), actions
-        failed = r.start_failure or (
-            "unit failed"
-            if r.state is State.STOPPED
-            else f"not serving {now - p.issued_at:.0f} s after the restart (grace {r.startup_grace_s:g} s)"
-            if now - p.issued_at >= r.startup_grace_s
-            else None
-        )
-        if failed is None:
-            verdict(MemVerdict.PENDING)
-            return t, actions
-        nxt = choose_fraction(
-            p.new, _held(r, view.total_bytes), headroom, view.total_bytes, m.step, m.floor, m.reserve_bytes
-        )
-        if nxt is None:
-            verdict(
-                MemVerdict.GAVE_UP,
-                None,
-                _log(
-                    Priority.ERROR,
-                    MemVerdict.GAVE_UP,
-                    f"replica {r.name}: start with gpu_memory_utilization {p.new:g} failed ({failed}); "
-                    f"no lower fraction >= floor {m.floor:g} fits in headroom {gib(headroom)}; "
-                    f"leaving it to the operator (journalctl -u {r.unit})",
-                    r,
-                ),
-            )
-            return replace(t, pending=None, last_change_at=now), actions
-        verdict(
-            MemVerdict.RETRY,
-            None,
-            _log(
-                Priority.ERROR,
-                MemVerdict.RETRY,
-                f"replica {r.name}: start with gpu_memory_utilization {p.new:g} failed ({failed}); trying {nxt:g}",
-                r,
-            ),
-        )
-        actions.append(
-            LowerFraction(
-                r.name,
-                r.unit,
-                p.new,
-                nxt,
-                restart=r.state is not State.STARTING,
-                evidence=f"start with {p.new:g} failed: {failed}",
-                retry=True,
-            )
-        )
-        return replace(t, pending=Pending(r.name, p.new, nxt, now), last_change_at=now), actions
-
-    squeezed = (
-        t.below_since is not None
-        and now - t.below_since >= m.sustain_s
-        and (m.psi_some_threshold_pct is None or (t.psi_since is not None and now - t.psi_since >= m.sustain_s))
-    )
-    if not squeezed or t.below_since is None:
-        return replace(t, last_notice=None, verdict=MemVerdict.NOT_SQUEEZED, rule=None), actions
-    critical = headroom < m.critical_headroom_bytes
-    why = (
-        f"headroom {gib(headroom)} < {gib(m.min_headroom_bytes)} for {now - t.below_since:.0f} s"
+    return (
+        f"headroom {gib(view.sample.available_bytes)} < {gib(memory.min_headroom_bytes)} for {below_for_s:.0f} s"
         + (f", PSI some {psi:.1f}%" if psi is not None else "")
-        + (f" (CRITICAL: < {gib(m.critical_headroom_bytes)})" if critical else "")
+        + (f" (CRITICAL: < {gib(memory.critical_headroom_bytes)})" if critical else "")
         + (f" (largest: {view.consumers})" if view.consumers else "")
     )
 
-    if t.last_change_at is not None and now - t.last_change_at < m.cooldown_s:
-        verdict(
-            MemVerdict.COOLDOWN,
-            (MemVerdict.COOLDOWN,),
-            _log(
-                Priority.INFO,
-                MemVerdict.COOLDOWN,
-                f"memory squeezed: {why}; cooldown: last lowering {now - t.last_change_at:.0f} s ago, "
-                f"next allowed after {m.cooldown_s:g} s",
-            ),
-        )
-        return t, actions
 
-    order = [by_name[n] for n in m.priority if n in by_name] + sorted(
-        (r for r in view.replicas if r.name not in m.priority), key=lambda r: -((r.fraction or 0.0) - m.floor)
+def _giving_order(replicas: tuple[ReplicaMemory, ...], memory: MemoryConfig) -> list[ReplicaMemory]:
+    """M.priority first, then the others, the most above the floor first."""
+    by_name = {r.name: r for r in replicas}
+    first = [by_name[name] for name in memory.priority if name in by_name]
+    rest = sorted(
+        (r for r in replicas if r.name not in memory.priority), key=lambda r: -((r.fraction or 0.0) - memory.floor)
     )
-    able = [r for r in order if r.fraction is not None and r.fraction > m.floor + 1e-9 and r.wiring_problem is None]
-    if not able:
-        unwired = [r for r in order if r.wiring_problem is not None]
-        if unwired:
-            r = unwired[0]
-            verdict(
-                MemVerdict.UNWIRED,
-                (MemVerdict.UNWIRED, r.name),
-                _log(
-                    Priority.ERROR,
-                    MemVerdict.UNWIRED,
-                    f"memory squeezed: {why}; replica {r.name}: {r.unit} is not wired for the memory guard, "
-                    f"refusing to restart it (a restart without a lower fraction frees nothing): {r.wiring_problem}",
-                    r,
-                ),
-            )
-        else:
-            verdict(
-                MemVerdict.FLOOR,
-                (MemVerdict.FLOOR,),
-                _log(
-                    Priority.ERROR,
-                    MemVerdict.FLOOR,
-                    f"memory squeezed: {why}; every replica is at its floor {m.floor:g} "
-                    "(or its fraction is unknown): nothing left to give",
-                ),
-            )
-        return t, actions
-    r = able[0]
-    assert r.fraction is not None
-    new = choose_fraction(
-        r.fraction, _held(r, view.total_bytes), headroom, view.total_bytes, m.step, m.floor, m.reserve_bytes
-    )
-    if new is None:
-        verdict(
-            MemVerdict.NO_FIT,
-            (MemVerdict.NO_FIT, r.name),
-            _log(
-                Priority.ERROR,
-                MemVerdict.NO_FIT,
-                f"memory squeezed: {why}; replica {r.name}: no fraction between {grid(r.fraction - m.step):g} and the "
-                f"floor {m.floor:g} fits (total {gib(view.total_bytes)} x fraction must be <= headroom + what it holds "
-                f"- reserve {gib(m.reserve_bytes)}); waiting rather than a start vLLM would refuse",
-                r,
-            ),
+    return first + rest
+
+
+def _can_give(replica: ReplicaMemory, memory: MemoryConfig) -> bool:
+    return replica.fraction is not None and replica.fraction > memory.floor + 1e-9 and replica.wiring_problem is None
+
+
+def _peers(chosen: ReplicaMemory, view: MemoryView) -> tuple[str, ...]:
+    """Who serves CHOSEN's model while it restarts: this box's replicas, M.peer_urls, other boxes."""
+    local = [
+        r.name for r in view.replicas if r.name != chosen.name and r.model == chosen.model and r.state in SERVING_STATES
+    ]
+    return (*local, *view.peers_serving, *(view.fleet_serving or {}).get(chosen.model, ()))
+
+
+def _conclude(
+    track: MemTrack, verdict: MemVerdict, replica: ReplicaMemory | None, facts: Facts, now: float, cfg: Config
+) -> tuple[MemTrack, list[MemAction]]:
+    """The verdict's effects: its line (once per cause, unless said every time), what it asks
+    for, and the track it leaves."""
+    track = replace(track, verdict=verdict, rule=_ID[verdict])
+    actions: list[MemAction] = []
+    if facts.refusal is not None and facts.refusal.gate is Gate.FLEET and facts.refusal.rule == "F6":
+        assert replica is not None
+        actions.append(AcquireSlot(replica.name, replica.model))
+    if facts.no_slot is not None:
+        actions.append(_line(NO_SLOT_BUT_CRITICAL, MemVerdict.LOWER, replica, facts, cfg))
+    message = MESSAGES.get(verdict)
+    if message is not None:
+        cause = None if message.every_time else _cause(verdict, replica, facts)
+        if cause is None or track.last_notice != cause:
+            actions.append(_line(message, verdict, replica, facts, cfg))
+            track = replace(track, last_notice=cause)
+    if verdict in (MemVerdict.DONE, MemVerdict.ABANDONED):
+        track = replace(track, pending=None)
+    elif verdict in (MemVerdict.MISMATCH, MemVerdict.GAVE_UP):
+        track = replace(track, pending=None, last_change_at=now)
+    if verdict is MemVerdict.DRAINING and replica is not None:
+        actions.append(DrainReplica(replica.name, facts.why))
+    lowering = _lowering(verdict, replica, facts)
+    if lowering is not None:
+        actions.append(lowering)
+        track = replace(track, pending=Pending(lowering.replica, lowering.old, lowering.new, now), last_change_at=now)
+    return track, actions
+
+
+def _cause(verdict: MemVerdict, replica: ReplicaMemory | None, facts: Facts) -> tuple[str, ...]:
+    """What makes a line new: its verdict, its replica, and the refusal's own key (M15)."""
+    about = (replica.name,) if replica is not None else ()
+    return (verdict, *about, *(facts.refusal.key if facts.refusal is not None else ()))
+
+
+def _lowering(verdict: MemVerdict, replica: ReplicaMemory | None, facts: Facts) -> LowerFraction | None:
+    """The env file to write and the restart: a lowering (M17), or the next fraction after a failed start (M7)."""
+    if replica is None:
+        return None
+    if verdict is MemVerdict.LOWER:
+        return LowerFraction(replica.name, replica.unit, facts.current, facts.new, restart=True, evidence=facts.why)
+    if verdict is MemVerdict.RETRY:
+        return LowerFraction(
+            replica.name,
+            replica.unit,
+            facts.written,
+            facts.new,
+            # systemd restarts a unit still starting by itself (Restart=): only the file is written
+            restart=replica.state is not State.STARTING,
+            evidence=f"start with {facts.written:g} failed: {facts.failure}",
+            retry=True,
         )
-        return t, actions
-    peers = [o.name for o in view.replicas if o.name != r.name and o.model == r.model and o.state in SERVING_STATES]
-    peers += list(view.peers_serving)
-    peers += list((view.fleet_serving or {}).get(r.model, ()))
-    if not peers and not critical:
-        verdict(
-            MemVerdict.NO_PEER,
-            (MemVerdict.NO_PEER, r.name),
-            _log(
-                Priority.ERROR,
-                MemVerdict.NO_PEER,
-                f"memory squeezed: {why}; replica {r.name}: no other replica of {r.model} is serving right now, "
-                f"deferring the lowering to {new:g} (acts anyway below {gib(m.critical_headroom_bytes)})",
-                r,
-            ),
-        )
-        return t, actions
-    blocked = (view.restart_blocked or {}).get(r.name)
-    if blocked is not None and blocked.gate is Gate.FLEET and critical:
-        actions.append(
-            _log(
-                Priority.ERROR,
-                MemVerdict.LOWER,
-                f"memory squeezed: {why}; replica {r.name}: no fleet slot ({blocked.text}); critical, so the "
-                "lowering goes ahead without one",
-                r,
-                Decision.FLEET,
-            )
-        )
-        blocked = None
-    if blocked is not None:
-        if blocked.gate is Gate.FLEET and blocked.rule == "F6":
-            actions.append(AcquireSlot(r.name, r.model))
-        verdict(
-            MemVerdict.DEFERRED,
-            (MemVerdict.DEFERRED, r.name, *blocked.key),
-            _log(
-                Priority.ERROR,
-                MemVerdict.DEFERRED,
-                f"memory squeezed: {why}; replica {r.name}: lowering to {new:g} deferred: {blocked.text}",
-                r,
-            ),
-        )
-        return t, actions
-    serving = f"{', '.join(peers)} serving" if peers else "NO other replica serving (critical)"
-    if cfg.dry_run:
-        verdict(
-            MemVerdict.DRY_RUN,
-            (MemVerdict.DRY_RUN, r.name),
-            _log(
-                Priority.WARNING,
-                MemVerdict.DRY_RUN,
-                f"memory squeezed: {why}; DRY-RUN: would lower replica {r.name} {r.fraction:g} -> {new:g} and restart "
-                f"{r.unit} alone; {serving}",
-                r,
-                Decision.DRY_RUN,
-            ),
-        )
-        return t, actions
-    if view.drain_first and not critical and not r.drained:
-        verdict(
-            MemVerdict.DRAINING,
-            (MemVerdict.DRAINING, r.name),
-            _log(
-                Priority.WARNING,
-                MemVerdict.DRAINING,
-                f"memory squeezed: {why}; replica {r.name}: draining it at the proxy first, then lowering it "
-                f"{r.fraction:g} -> {new:g}; {serving}",
-                r,
-                Decision.PROXY,
-            ),
-        )
-        actions.append(DrainReplica(r.name, why))
-        return t, actions
-    undrained = "; not drained (critical)" if view.drain_first and critical else ""
-    verdict(
-        MemVerdict.LOWER,
-        None,
-        _log(
-            Priority.WARNING,
-            MemVerdict.LOWER,
-            f"{why}; replica {r.name} {r.fraction:g} -> {new:g}; restarting {r.unit} alone; {serving}{undrained}",
-            r,
-            Decision.MEMORY,
-        ),
-    )
-    actions.append(LowerFraction(r.name, r.unit, r.fraction, new, restart=True, evidence=why))
-    return replace(t, pending=Pending(r.name, r.fraction, new, now), last_change_at=now, last_notice=None), actions
+    return None

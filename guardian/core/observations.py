@@ -1,9 +1,10 @@
-"""Immutable values that observers make of the world and the policy reads.
+"""Immutable values that observers make of the world and the core reads.
 
 Times are monotonic seconds (CLOCK_MONOTONIC, floats), the clock of the ``now`` the core is
 given and of systemd's *TimestampMonotonic properties, so that they compare directly and no step
 of the wall clock moves a window. Persisted wall-clock times are converted at the edge
-(act/state.py).
+(act/state.py). One exception, named as such: VllmSample.process_start_time_s is vLLM's own
+wall-clock stamp, only compared with itself (to tell one serving process from another).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from .vocab import ActiveState, LoadState, PortOwner, UnitFileState
+from .vocab import SERVING_STATES, ActiveState, LoadState, PortOwner, UnitFileState
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,6 @@ class RestartOutcome:
 
     unit: str
     result: str  # systemd job result: done, failed, timeout, canceled, ...; or why none was made
-    finished_at: float
     issued: bool = False  # a job was made (False: refused on the re-check, or the call failed)
     ok: bool = False  # the job ended "done"
 
@@ -198,7 +198,7 @@ class Pause:
 
 @dataclass(frozen=True)
 class PersistentView:
-    """The part of the persistent state the policy reads."""
+    """The part of the persistent state the core reads."""
 
     restarts: dict[str, tuple[float, ...]] = field(default_factory=dict)  # replica -> restart times
     pauses: dict[str, Pause] = field(default_factory=dict)
@@ -289,7 +289,7 @@ class FleetView:
             f"{m.box}/{m.name}"
             for m in self.members
             if m.model == model
-            and m.state in ("healthy", "busy")
+            and m.state in SERVING_STATES
             and (m.box, m.name) not in held
             and not (m.box == self.box and m.name == except_replica)
         ]

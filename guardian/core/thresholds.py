@@ -7,21 +7,24 @@ from .observations import gib
 
 
 def describe(cfg: Config) -> list[str]:
-    w = cfg.watchdog
+    watchdog = cfg.watchdog
     lines = [
         f"loop: every {cfg.interval_s:g} s; dry_run={'yes' if cfg.dry_run else 'no'}; "
         f"state in {cfg.state_dir}, status in {cfg.runtime_dir}",
-        f"watchdog: stalled when running+waiting > 0 and no counter progress for >= {w.stall_window_s:g} s; "
-        f"unresponsive when no probe gets an answer (or /health 503) for >= {w.unresponsive_after_s:g} s "
+        f"watchdog: stalled when running+waiting > 0 and no counter progress for >= {watchdog.stall_window_s:g} s; "
+        f"unresponsive when no probe gets an answer (or /health 503) for >= {watchdog.unresponsive_after_s:g} s "
         "and no progress as long; "
-        f"idle-dead when idle and >= {w.canary_failures} canaries fail in a row (one {w.canary_after_traffic_s:g} s "
-        f"after traffic stops, then every {w.canary_interval_s:g} s when idle, "
-        f"{w.canary_retry_s:g} s after a failure); "
-        f"stalled also when work is queued, nothing moves for >= {w.stall_canary_after_s:g} s and a canary then fails; "
-        f"canary deadline {w.canary_deadline_factor:g} x the slowest of the last 8 good ones, within "
-        f"[{w.canary_deadline_floor_s:g} s, canary_timeout_s] once 3 succeeded",
-        f"restarts: at most {w.restart_budget} per replica in {w.restart_window_s:g} s, back-off {w.backoff_s:g} s "
-        f"doubling per restart, job result awaited for {w.restart_job_timeout_s:g} s; one at a time per box",
+        f"idle-dead when idle and >= {watchdog.canary_failures} canaries fail in a row "
+        f"(one {watchdog.canary_after_traffic_s:g} s "
+        f"after traffic stops, then every {watchdog.canary_interval_s:g} s when idle, "
+        f"{watchdog.canary_retry_s:g} s after a failure); "
+        f"stalled also when work is queued, nothing moves for >= {watchdog.stall_canary_after_s:g} s "
+        "and a canary then fails; "
+        f"canary deadline {watchdog.canary_deadline_factor:g} x the slowest of the last 8 good ones, within "
+        f"[{watchdog.canary_deadline_floor_s:g} s, canary_timeout_s] once 3 succeeded",
+        f"restarts: at most {watchdog.restart_budget} per replica in {watchdog.restart_window_s:g} s, "
+        f"back-off {watchdog.backoff_s:g} s "
+        f"doubling per restart, job result awaited for {watchdog.restart_job_timeout_s:g} s; one at a time per box",
         f"memory guard: {'on' if cfg.memory.enabled else 'off'}; squeezed when MemAvailable < "
         f"{gib(cfg.memory.min_headroom_bytes)} for >= {cfg.memory.sustain_s:g} s; "
         f"critical below {gib(cfg.memory.critical_headroom_bytes)}",
@@ -36,11 +39,12 @@ def describe(cfg: Config) -> list[str]:
         _proxy(cfg),
         _fleet(cfg),
     ]
-    for r in cfg.replicas:
+    for replica in cfg.replicas:
         lines.append(
-            f"replica {r.name}: unit {r.unit}, {r.url}, model {r.model}; startup grace {r.startup_grace_s:g} s; "
-            f"timeouts /health {r.health_timeout_s:g} s, /metrics {r.metrics_timeout_s:g} s, "
-            f"canary {r.canary_timeout_s:g} s"
+            f"replica {replica.name}: unit {replica.unit}, {replica.url}, model {replica.model}; "
+            f"startup grace {replica.startup_grace_s:g} s; "
+            f"timeouts /health {replica.health_timeout_s:g} s, /metrics {replica.metrics_timeout_s:g} s, "
+            f"canary {replica.canary_timeout_s:g} s"
         )
     if not cfg.replicas:
         lines.append("no replicas configured: guardian watches nothing")
@@ -48,31 +52,32 @@ def describe(cfg: Config) -> list[str]:
 
 
 def _proxy(cfg: Config) -> str:
-    p = cfg.proxy
-    if not p.enabled:
+    proxy = cfg.proxy
+    if not proxy.enabled:
         return "proxy: none (planned restarts are not drained; hung replicas are not marked down)"
     how = []
-    if p.nginx_upstream_dir is not None:
+    if proxy.nginx_upstream_dir is not None:
         how.append(
-            f"nginx upstream files in {p.nginx_upstream_dir} (checked by {p.nginx_check_unit}, "
-            f"applied by reloading {p.nginx_unit})"
+            f"nginx upstream files in {proxy.nginx_upstream_dir} (checked by {proxy.nginx_check_unit}, "
+            f"applied by reloading {proxy.nginx_unit})"
         )
-    if p.drain_command:
-        how.append(f"drain_command {p.drain_command[0]}, undrain_command {(p.undrain_command or ['none'])[0]}")
+    if proxy.drain_command:
+        how.append(f"drain_command {proxy.drain_command[0]}, undrain_command {(proxy.undrain_command or ['none'])[0]}")
     return (
         f"proxy: {'; '.join(how)}; a planned restart drains first: restarted when running+waiting == 0 or after "
-        f"{p.drain_timeout_s:g} s, its stop bounded to {p.stop_timeout_s:g} s (then its processes are killed); "
+        f"{proxy.drain_timeout_s:g} s, its stop bounded to {proxy.stop_timeout_s:g} s (then its processes are killed); "
         "a hung replica is marked down when its restart is issued; marked up when it serves again"
     )
 
 
 def _fleet(cfg: Config) -> str:
-    f = cfg.fleet
-    if not f.enabled:
+    fleet = cfg.fleet
+    if not fleet.enabled:
         return "fleet: none (planned restarts are coordinated on this box only)"
     return (
-        f"fleet: {f.name} on etcd {', '.join(f.endpoints)}; at most {f.max_planned_restarts} planned restart(s) in "
-        f"the fleet at once, each only with >= {f.min_serving} other replica(s) of its model serving; lease ttl "
-        f"{f.lease_ttl_s} s; etcd unreachable: planned restarts wait (critical lowerings go ahead), hung replicas "
+        f"fleet: {fleet.name} on etcd {', '.join(fleet.endpoints)}; "
+        f"at most {fleet.max_planned_restarts} planned restart(s) in "
+        f"the fleet at once, each only with >= {fleet.min_serving} other replica(s) of its model serving; lease ttl "
+        f"{fleet.lease_ttl_s} s; etcd unreachable: planned restarts wait (critical lowerings go ahead), hung replicas "
         "are restarted"
     )

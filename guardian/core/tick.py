@@ -1,26 +1,38 @@
 """One tick's decision: ``decide(state, observation, now, cfg) -> (state, actions)``. Pure.
 
 This is the whole of guardian's judgement; the daemon observes, calls this once, and performs
-the actions. In order:
+the actions. ``now`` is the tick's moment in monotonic seconds (CLOCK_MONOTONIC, a float): the
+clock of every time in the observation and in the state (core/observations.py). The core never
+reads a clock itself.
 
-1. liveness: each replica's observation is folded into its track (core/liveness.py, L1-L17);
-   state changes and unreadable /metrics are logged once; canaries are asked for; canary
-   latencies that changed are recorded in the state file (one action a tick), where a track
-   created later starts from them;
-2. drains in progress (core/drain.py, D3-D8, D10-D11): a drained replica is restarted, a drain
-   that cannot go on is abandoned, a replica back in service is marked up at the proxy;
-3. unplanned restarts: a replica whose verdict asks for one (stalled, unresponsive, idle-dead)
-   is restarted if admission allows (core/admission.py, A1-A3 then G1-G9), at most one per tick,
+decide() makes a Tick, which holds what it was given and what it has decided so far, and runs
+its steps in order:
+
+1. judge_liveness: each replica's observation is folded into its track (core/liveness.py,
+   L1-L17); state changes and unreadable /metrics are logged once; canaries are asked for;
+   canary latencies that changed are recorded in the state file (one action a tick), where a
+   track created later starts from them;
+2. follow_drains (core/drain.py, D3-D8, D10, D11): a drained replica is restarted, a drain that
+   cannot go on is abandoned, a replica back in service is marked up at the proxy;
+3. restart_unplanned: a replica whose verdict asks for one (stalled, unresponsive, idle-dead) is
+   restarted if admission allows (core/admission.py, A1-A3 then G1-G9), at most one per tick,
    and marked down at the proxy (D9);
-4. operators' restart requests (`guardian restart NAME`, recorded in the state file) pass the
-   same admission, then drain first when a proxy is configured (D1, D2); each is answered,
-   refused or done, exactly once;
-5. the memory guard (core/memguard.py, M1-M16) sees the tracks and what admission would say, and
-   a lowering it starts marks that replica's restart in flight, as any other restart does.
+4. take_requests: operators' restart requests (`guardian restart NAME`, recorded in the state
+   file) wait for a fleet slot when [fleet] is set (core/fleet.py, F2-F6), pass the same
+   admission, then drain first when a proxy is configured (D1, D2); each is answered, refused
+   or done, exactly once;
+5. guard_memory: the memory guard (its view built by core/memview.py, its verdict by
+   core/memguard.py, M1-M17) sees the tracks and what admission would say; a lowering it starts
+   marks that replica's restart in flight, as any other restart does; its drains are kept here
+   (D7, D9);
+6. release_fleet_slots: a fleet slot whose planned restart is over is given back (F7);
+7. watch_bypass: clients that talk to a replica past the proxy are said (core/bypass.py, B1-B3);
+8. sync_proxy: with a proxy configured, the last action is SyncProxy(the replicas marked down).
 
-The coupling lives here and nowhere else: a restart issued in step 2, 3 or 4 blocks the others
-(one at a time per box), and so does a drain in progress for planned ones; a lowering's restart
-counts against the same budget and back-off.
+The coupling lives here and nowhere else: a restart under way (in flight, or issued in step 2, 3
+or 4) blocks the others (one at a time per box), and a drain in progress blocks the planned ones
+too (Tick.planned_restarts_blocked); a lowering's restart counts against the same budget and
+back-off.
 """
 
 from __future__ import annotations
@@ -28,7 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from ..config import Config, ReplicaConfig
-from . import admission, bypass, drain, fleet, liveness, memguard
+from . import admission, bypass, drain, fleet, liveness, memguard, memview
 from .actions import (
     AcquireSlot,
     Action,
@@ -40,16 +52,19 @@ from .actions import (
     ReleaseSlot,
     RestartUnit,
     StartCanary,
+    SyncProxy,
 )
 from .drain import Drain, Phase
 from .liveness import Track
-from .observations import MemoryObservation, ReplicaObservation, TickObservation
+from .observations import RestartRequest, TickObservation
 from .rules import Refusal
-from .vocab import LOADING_STATES, RESTART_STATES, SERVING_STATES, Decision, Priority, RestartKind, State
+from .vocab import LOADING_STATES, RESTART_STATES, Decision, Priority, RestartKind, State
 
 
 @dataclass(frozen=True)
 class TickState:
+    """What one tick hands the next (the daemon keeps it in memory; the state file is the shell's)."""
+
     tracks: dict[str, Track] = field(default_factory=dict)
     mem: memguard.MemTrack = field(default_factory=memguard.MemTrack)
     requests_taken: frozenset[str] = frozenset()  # operators' requests acted on, answer not yet recorded
@@ -64,85 +79,639 @@ class TickState:
         return frozenset(self.drains)
 
 
-@dataclass
-class _Out:
-    tracks: dict[str, Track]
-    drains: dict[str, Drain] = field(default_factory=dict)
-    fleet_said: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    slots_released: frozenset[str] = frozenset()
-    actions: list[Action] = field(default_factory=list)
+@dataclass(frozen=True)
+class RestartAsk:
+    """A restart to put through admission (Tick._restart)."""
 
-    def log(self, line: LogLine) -> None:
-        self.actions.append(line)
+    kind: RestartKind
+    head: str  # how its journal lines start: "replica a: stalled (...)"
+    evidence: str  # what the restart is recorded with
+    request_id: str | None = None  # an operator's request: answered when the job ends, its refusals said every time
+    stop_timeout_s: float | None = None  # drained first: its processes are killed if the stop takes longer
 
 
 def decide(state: TickState, obs: TickObservation, now: float, cfg: Config) -> tuple[TickState, list[Action]]:
-    # D11: a replica gone from the config leaves the proxy's file with its server line.
-    out = _Out(
-        tracks={},
-        drains={n: d for n, d in state.drains.items() if cfg.replica(n) is not None},
-        slots_released=state.slots_released,
-    )
-    for r in cfg.replicas:
-        old = state.tracks[r.name] if r.name in state.tracks else _new_track(r.name, obs, now)
-        _liveness(out, r, old, obs.replicas[r.name], obs, now, cfg)
-    _record_canary_latencies(out, state.tracks, obs)
-    issued = any(t.restart_in_flight for t in out.tracks.values())
-    for r in cfg.replicas:
-        issued = _drain_step(out, r, obs, now, cfg, issued) or issued
-    for r in cfg.replicas:
-        issued = _unplanned(out, r, obs, now, cfg, issued) or issued
-    planned = issued or any(d.phase is Phase.DRAINING for d in out.drains.values())
-    out.fleet_said = {k: v for k, v in state.fleet_said.items() if k in {q.id for q in obs.persistent.requests}}
-    taken, planned = _requests(out, state.requests_taken, obs, now, cfg, planned)
-    mem = state.mem
-    if obs.memory is not None:
-        mem = _memory(out, state.mem, obs.memory, obs, now, cfg, planned)
-    else:  # the memory guard is off (a reload): its drains are not waited for
-        out.drains = {n: d for n, d in out.drains.items() if not (d.for_memory and d.phase is Phase.DRAINING)}
-    waiting = {q.replica for q in obs.persistent.requests if q.id not in taken}
-    released = _release_slots(out, obs, mem, waiting, state.slots_released)
-    seen, bypassing = _bypass(out, state, obs, now, cfg)
-    return TickState(out.tracks, mem, taken, out.drains, out.fleet_said, released, seen, bypassing), out.actions
+    tick = Tick(state, obs, now, cfg)
+    tick.judge_liveness()
+    tick.follow_drains()
+    tick.restart_unplanned()
+    tick.take_requests()
+    tick.guard_memory()
+    tick.release_fleet_slots()
+    tick.watch_bypass()
+    tick.sync_proxy()
+    return tick.next_state(), tick.actions
 
 
-def _bypass(
-    out: _Out, state: TickState, obs: TickObservation, now: float, cfg: Config
-) -> tuple[dict[tuple[str, str], float], tuple[bypass.Bypass, ...]]:
-    """B1-B3: each client that starts bypassing the proxy is said once at warning, and once more
-    when it has gone."""
-    views = {n: o.conns for n, o in obs.replicas.items()}
-    seen, found = bypass.update(state.bypass_seen, state.bypassing, views, now, cfg)
-    before = {(b.replica, b.peer) for b in state.bypassing}
-    for b in found:
-        if (b.replica, b.peer) not in before:
-            h = b.hazard(cfg, now)
-            out.log(
+class Tick:
+    """One tick's decision in the making: what it was given (the previous state, the observation,
+    now, the config) and what it has decided so far (the next state's parts and the actions).
+    decide() runs each step (a public method) once, in order, then takes next_state() and the
+    actions; each step reads and adds to what is here."""
+
+    def __init__(self, previous: TickState, obs: TickObservation, now: float, cfg: Config) -> None:
+        self.previous = previous
+        self.obs = obs
+        self.now = now
+        self.cfg = cfg
+        self.actions: list[Action] = []
+        # The next state's parts, as the steps make them.
+        self.tracks: dict[str, Track] = {}
+        # D11: a replica gone from the config leaves the proxy's file with its server line.
+        self.drains = {name: down for name, down in previous.drains.items() if cfg.replica(name) is not None}
+        self.mem = previous.mem
+        self.requests_taken = previous.requests_taken
+        asked = {request.id for request in obs.persistent.requests}
+        self.fleet_said = {rid: said for rid, said in previous.fleet_said.items() if rid in asked}
+        self.slots_released = previous.slots_released
+        self.bypass_seen = previous.bypass_seen
+        self.bypassing = previous.bypassing
+        # A restart is under way on this box: in flight since an earlier tick, or issued on this
+        # one. No other starts (A3).
+        self.restart_under_way = False
+
+    @property
+    def planned_restarts_blocked(self) -> bool:
+        """A planned restart (an operator's, a lowering's) waits: a restart is under way, or a
+        drain is in progress."""
+        return self.restart_under_way or any(down.phase is Phase.DRAINING for down in self.drains.values())
+
+    def next_state(self) -> TickState:
+        return TickState(
+            self.tracks,
+            self.mem,
+            self.requests_taken,
+            self.drains,
+            self.fleet_said,
+            self.slots_released,
+            self.bypass_seen,
+            self.bypassing,
+        )
+
+    def _say(self, line: LogLine) -> None:
+        self.actions.append(line)
+
+    # --- 1. liveness --------------------------------------------------------------------------
+
+    def judge_liveness(self) -> None:
+        """Step 1 (L1-L17): every replica's verdict, said when it changes; canaries asked for."""
+        before = self.previous.tracks
+        for replica in self.cfg.replicas:
+            old = before[replica.name] if replica.name in before else _new_track(replica.name, self.obs, self.now)
+            self._judge(replica, old)
+        self._record_canary_latencies()
+        self.restart_under_way = any(track.restart_in_flight for track in self.tracks.values())
+
+    def _judge(self, replica: ReplicaConfig, old: Track) -> None:
+        seen = self.obs.replicas[replica.name]
+        pause = self.obs.persistent.pauses.get(replica.name)
+        new, canary_timeout_s = liveness.step(old, seen, self.now, replica, self.cfg.watchdog, pause)
+        if new.state not in RESTART_STATES:
+            new = replace(new, last_notice=None)
+        if new.state != old.state or not old.observed:
+            self._say(_state_change(replica, old, new, self.now))
+        # Garbage on /metrics is bad input: say so once, and base no restart on it.
+        error = seen.metrics_probe.error if seen.metrics_probe.answered and seen.metrics is None else None
+        if error != new.metrics_error:
+            if error is not None:
+                self._say(
+                    LogLine(
+                        Priority.ERROR,
+                        f"replica {replica.name}: /metrics {error}; progress cannot be judged, so no "
+                        "stall or idle verdict (and no restart) will be based on it until it reads again",
+                        Decision.NOTE,
+                        replica.name,
+                        replica.unit,
+                    )
+                )
+            new = replace(new, metrics_error=error)
+        if new.state is State.HEALTHY and new.restart_issued_at is not None:
+            new = replace(new, restart_issued_at=None)
+        if canary_timeout_s is not None:
+            self.actions.append(StartCanary(replica.name, canary_timeout_s))
+        self.tracks[replica.name] = new
+
+    def _record_canary_latencies(self) -> None:
+        """One action for all the replicas whose canary latencies changed this tick (a canary
+        succeeded), none when nothing changed: the state file is written at most once a tick."""
+        before = self.previous.tracks
+        changed = tuple(
+            (name, track.canary_latencies)
+            for name, track in self.tracks.items()
+            if track.canary_latencies != (before[name].canary_latencies if name in before else _kept(name, self.obs))
+        )
+        if changed:
+            self.actions.append(RecordCanaryLatencies(changed))
+
+    # --- 2. drains in progress ----------------------------------------------------------------
+
+    def follow_drains(self) -> None:
+        """Step 2: each replica marked down at the proxy (core/drain.py D3-D8, D10)."""
+        for replica in self.cfg.replicas:
+            down = self.drains.get(replica.name)
+            if down is None:
+                continue
+            if down.phase is Phase.AWAY:
+                self._mark_up_when_back(replica, down)
+            elif self.tracks[replica.name].state not in RESTART_STATES:  # one that hung: step 3 restarts it (D9)
+                self._follow_drain(replica, down)
+
+    def _mark_up_when_back(self, replica: ReplicaConfig, down: Drain) -> None:
+        """D10."""
+        track = self.tracks[replica.name]
+        if not drain.back(down, track):
+            return
+        del self.drains[replica.name]
+        self._say(
+            LogLine(
+                Priority.INFO,
+                f"replica {replica.name}: serving again ({track.evidence}); marked up at the proxy, which also "
+                "clears its count of failed attempts (D10)",
+                Decision.PROXY,
+                replica.name,
+                replica.unit,
+                state=track.state,
+                rule="D10",
+            )
+        )
+
+    def _follow_drain(self, replica: ReplicaConfig, down: Drain) -> None:
+        """A draining replica: wait, give the drain up (D3, D4), or restart it once drained (D5, D6,
+        D8); one the memory guard waits for is its business once drained (D7)."""
+        down = drain.confirmed(down, replica.name, self.obs.proxy, self.now)
+        self.drains[replica.name] = down
+        error = drain.refused_by_proxy(down, replica.name, self.obs.proxy)
+        if error is not None and down.for_memory:
+            self._say_memory_drain_waits(replica, down, error)
+            return
+        if error is not None:
+            self._abandon(
+                replica,
+                down,
+                "D3",
+                f"marking it down at the proxy failed: {error}; fix the proxy (see `guardian check`) or "
+                "P.drain_command, then ask again",
+            )
+            return
+        peers = drain.peers_serving(self.obs, self.cfg, replica.model)
+        if drain.others_serving(replica.name, self.cfg, self.tracks, self.drains, peers) == 0:
+            none_left = f"no other replica of {replica.model} serves any more, so draining it would leave none"
+            self._abandon(replica, down, "D4", none_left)
+            return
+        over = drain.drained(down, self.obs.replicas[replica.name], self.now, self.cfg)
+        if over is not None and not down.for_memory:
+            self._restart_drained(replica, down, over)
+
+    def _say_memory_drain_waits(self, replica: ReplicaConfig, down: Drain, error: str) -> None:
+        """D3 for the memory guard's drain: it waits for the proxy's retry, said once."""
+        if down.error_said:
+            return
+        self._say(
+            LogLine(
+                Priority.ERROR,
+                f"replica {replica.name}: the memory guard's lowering waits: marking it down at the proxy failed: "
+                f"{error}; the proxy is asked again every 30 s (D3)",
+                Decision.REFUSED,
+                replica.name,
+                replica.unit,
+                rule="D3",
+            )
+        )
+        self.drains[replica.name] = replace(down, error_said=True)
+
+    def _restart_drained(self, replica: ReplicaConfig, down: Drain, why: str) -> None:
+        """D5, D6: the planned restart, with a bounded stop; refused when it comes to it: D8."""
+        ask = RestartAsk(
+            RestartKind.OPERATOR,
+            f"replica {replica.name}: {why}",
+            f"requested by an operator; {why}",
+            down.request_id,
+            stop_timeout_s=self.cfg.proxy.stop_timeout_s,
+        )
+        refusal = self._restart(replica, ask, self.restart_under_way)
+        if refusal is not None:
+            self._abandon(replica, down, "D8", f"refused ({refusal.gate}): {refusal.text}", already_said=True)
+            return
+        self.drains[replica.name] = Drain(
+            Phase.AWAY, self.now, "planned restart after its drain", down.request_id, down.confirmed_at
+        )
+        self.restart_under_way = True  # a dry run's too, as the restart it stands for would be
+
+    def _abandon(self, replica: ReplicaConfig, down: Drain, rule: str, why: str, already_said: bool = False) -> None:
+        """Give a drain up: marked up again, its operator's request refused; said unless ALREADY_SAID."""
+        del self.drains[replica.name]
+        what = "the memory guard's lowering" if down.for_memory else "planned restart"
+        if not already_said:
+            self._say(
+                LogLine(
+                    Priority.ERROR,
+                    f"replica {replica.name}: {what} of {replica.unit} given up and the replica marked up again at "
+                    f"the proxy: {why} ({rule})",
+                    Decision.REFUSED,
+                    replica.name,
+                    replica.unit,
+                    rule=rule,
+                )
+            )
+        if down.request_id is not None:
+            self.actions.append(AnswerRequest(down.request_id, replica.name, False, f"refused ({rule}): {why}"))
+
+    # --- restarts: one path for the watchdog's and the operators' -----------------------------
+
+    def _restart(self, replica: ReplicaConfig, ask: RestartAsk, busy: bool) -> Refusal | None:
+        """Admit (BUSY: another restart is under way), then issue, or log the dry run. A refusal is
+        logged and returned."""
+        track = self.tracks[replica.name]
+        refusal = admission.refusal(replica.name, self.tracks, self.obs, self.now, self.cfg, busy)
+        if refusal is not None:
+            line = LogLine(
+                refusal.priority,
+                f"{ask.head}; restart of {replica.unit} refused: {refusal.text}",
+                Decision.REFUSED,
+                replica.name,
+                replica.unit,
+                state=track.state,
+                gate=refusal.gate,
+                rule=refusal.rule,
+            )
+            self._say_once(replica, ask, refusal.key, line)
+        elif self.cfg.dry_run:
+            line = LogLine(
+                Priority.WARNING,
+                f"{ask.head}; DRY-RUN: would restart {replica.unit} now",
+                Decision.DRY_RUN,
+                replica.name,
+                replica.unit,
+                state=track.state,
+                rule=track.rule,
+            )
+            self._say_once(replica, ask, (Decision.DRY_RUN,), line)
+        else:
+            self._issue(replica, ask)
+        return refusal
+
+    def _say_once(self, replica: ReplicaConfig, ask: RestartAsk, key: tuple[str, ...], line: LogLine) -> None:
+        """LINE: the watchdog's once per episode (KEY, kept in the track), an operator's every time."""
+        track = self.tracks[replica.name]
+        if ask.request_id is not None:
+            self._say(line)
+        elif track.last_notice != key:
+            self._say(line)
+            self.tracks[replica.name] = replace(track, last_notice=key)
+
+    def _issue(self, replica: ReplicaConfig, ask: RestartAsk) -> None:
+        budget = admission.budget(replica.name, self.obs.persistent, self.now, self.cfg)
+        # A hung engine will not shut down gracefully: vLLM's API server would wait on it until
+        # systemd's TimeoutStopSec. Its processes are killed as soon as the restart job is queued.
+        kill = ask.kind is RestartKind.HANG
+        how = ", its processes killed at once (hung)" if kill else ""
+        if ask.stop_timeout_s is not None and not kill:
+            how = f", its processes killed if the stop takes over {ask.stop_timeout_s:g} s"
+        track = self.tracks[replica.name]
+        self._say(
+            LogLine(  # an action taken is always said
+                Priority.WARNING,
+                f"{ask.head}; restarting {replica.unit}{how} (restart {budget.used + 1} of {budget.limit} in "
+                f"{self.cfg.watchdog.restart_window_s:.0f} s)",
+                Decision.RESTART,
+                replica.name,
+                replica.unit,
+                state=track.state,
+                rule=track.rule if kill else None,
+            )
+        )
+        self.actions.append(
+            RestartUnit(
+                replica.name,
+                replica.unit,
+                ask.kind,
+                ask.evidence,
+                ask.request_id,
+                kill_first=kill,
+                stop_timeout_s=ask.stop_timeout_s,
+            )
+        )
+        self.tracks[replica.name] = replace(
+            track,
+            restart_in_flight=True,
+            restart_issued_at=self.now,
+            last_notice=(Decision.RESTART,) if ask.request_id is None else track.last_notice,
+        )
+
+    # --- 3. unplanned restarts ----------------------------------------------------------------
+
+    def restart_unplanned(self) -> None:
+        """Step 3: a replica whose verdict asks for a restart gets one if admitted, and is marked
+        down at the proxy (D9)."""
+        for replica in self.cfg.replicas:
+            track = self.tracks[replica.name]
+            if track.state not in RESTART_STATES:
+                continue
+            ask = RestartAsk(
+                RestartKind.HANG,
+                f"replica {replica.name}: {track.state} ({track.evidence})",
+                f"{track.state}: {track.evidence}",
+            )
+            self._restart(replica, ask, self.restart_under_way)
+            if self.tracks[replica.name].restart_in_flight:
+                self.restart_under_way = True
+                self._mark_down_hung(replica, track)
+
+    def _mark_down_hung(self, replica: ReplicaConfig, track: Track) -> None:
+        """D9: marked down while it restarts; a drain it hung in ends here, its request answered."""
+        down = self.drains.get(replica.name)
+        if not self.cfg.proxy.enabled or (down is not None and down.phase is not Phase.DRAINING):
+            return
+        if down is not None and down.request_id is not None:
+            self.actions.append(
+                AnswerRequest(
+                    down.request_id,
+                    replica.name,
+                    True,
+                    f"it hung while draining ({track.state}): restarted as a hung replica",
+                )
+            )
+        self.drains[replica.name] = Drain(
+            Phase.AWAY, self.now, f"hung: {track.state}", confirmed_at=down.confirmed_at if down else None
+        )
+        if down is None:
+            self._say(
                 LogLine(
                     Priority.WARNING,
-                    f"hazard: {h.message}",
-                    Decision.HAZARD,
-                    h.replica,
-                    h.unit,
-                    rule="B2",
-                    hazard=h.key,
+                    f"replica {replica.name}: marked down at the proxy while it restarts ({track.state}): no new "
+                    "request goes to it until it serves again (D9)",
+                    Decision.PROXY,
+                    replica.name,
+                    replica.unit,
+                    rule="D9",
                 )
             )
-    for b in state.bypassing:
-        if (b.replica, b.peer) not in {(f.replica, f.peer) for f in found}:
-            r = cfg.replica(b.replica)
-            out.log(
+
+    # --- 4. operators' requests ---------------------------------------------------------------
+
+    def take_requests(self) -> None:
+        """Each operator's request is acted on once: admitted and issued, or refused; and answered."""
+        asked = {request.id for request in self.obs.persistent.requests}
+        taken = set(self.previous.requests_taken & asked)  # answered ones have left the state file
+        for request in self.obs.persistent.requests:
+            if request.id not in taken and self._take(request):
+                taken.add(request.id)
+        self.requests_taken = frozenset(taken)
+
+    def _take(self, request: RestartRequest) -> bool:
+        """Act on REQUEST; False while it waits for a fleet slot (it is asked again on the next tick)."""
+        replica = self.cfg.replica(request.replica)
+        if replica is None:
+            answer = f"no replica named {request.replica!r} in the config"
+            self.actions.append(AnswerRequest(request.id, request.replica, False, answer))
+            return True
+        head = f"replica {replica.name}: an operator asked for a restart (it is {self.tracks[replica.name].state})"
+        if self._waits_for_fleet(replica, request.id, head):
+            return False
+        # Without the proxy's report (no daemon runs: `guardian restart` decides alone) nobody would
+        # finish a drain, so it is restarted at once.
+        drain_first = self.cfg.proxy.enabled and self.obs.proxy is not None and not self.cfg.dry_run
+        if drain_first and replica.name not in self.drains and self._start_drain(replica, request.id, head):
+            return True
+        ask = RestartAsk(RestartKind.OPERATOR, head, "requested by an operator", request.id)
+        refusal = self._restart(replica, ask, self.planned_restarts_blocked)
+        if refusal is not None:
+            answer = f"refused ({refusal.gate}): {refusal.text}"
+            self.actions.append(AnswerRequest(request.id, replica.name, False, answer))
+        elif self.cfg.dry_run:
+            self.actions.append(AnswerRequest(request.id, replica.name, True, f"DRY-RUN: would restart {replica.unit}"))
+        else:
+            self.restart_under_way = True
+        return True
+
+    def _admitted(self, replica: ReplicaConfig) -> bool:
+        """Admission (A1-A3, G1-G9) would let a planned restart of REPLICA through now."""
+        busy = self.planned_restarts_blocked
+        return admission.refusal(replica.name, self.tracks, self.obs, self.now, self.cfg, busy) is None
+
+    def _waits_for_fleet(self, replica: ReplicaConfig, request_id: str, head: str) -> bool:
+        """F2-F6 for an operator's request that admission would let through: True while it waits for
+        a fleet slot (asked for with F6); each reason is said once per request."""
+        if not self.cfg.fleet.enabled or self.cfg.dry_run:
+            return False
+        if not self._admitted(replica):
+            return False  # refused on this box's own grounds: the restart path says so
+        refusal = fleet.slot_refusal(replica.name, replica.model, self.obs.fleet, self.cfg, self.slots_released)
+        if refusal is None:
+            return False
+        if refusal.rule == "F6":
+            self.actions.append(AcquireSlot(replica.name, replica.model))
+        if self.fleet_said.get(request_id) != refusal.key:
+            self.fleet_said[request_id] = refusal.key
+            text = f"{head}; {refusal.text} ({refusal.rule})"
+            self._say(LogLine(refusal.priority, text, Decision.FLEET, replica.name, replica.unit, rule=refusal.rule))
+        return True
+
+    def _start_drain(self, replica: ReplicaConfig, request_id: str, head: str) -> bool:
+        """D1: mark REPLICA down at the proxy instead of restarting it now; True if so. D2 says why not."""
+        if not self._admitted(replica):
+            return False  # the restart path logs and answers the refusal
+        peers = drain.peers_serving(self.obs, self.cfg, replica.model)
+        if drain.others_serving(replica.name, self.cfg, self.tracks, self.drains, peers) == 0:
+            self._say(
+                LogLine(
+                    Priority.WARNING,
+                    f"{head}; not drained: no other replica of {replica.model} serves, so it is restarted at once and "
+                    "its clients will see errors until it serves again (D2)",
+                    Decision.PROXY,
+                    replica.name,
+                    replica.unit,
+                    rule="D2",
+                )
+            )
+            return False
+        sample = self.obs.replicas[replica.name].metrics
+        work = (
+            "an unknown number of"
+            if sample is None
+            else f"{sample.running:.0f} running and {sample.waiting:.0f} waiting"
+        )
+        self.drains[replica.name] = Drain(Phase.DRAINING, self.now, "an operator's restart", request_id)
+        self._say(
+            LogLine(
+                Priority.WARNING,
+                f"{head}; draining first: marked down at the proxy, restarted once its {work} requests end or after "
+                f"{self.cfg.proxy.drain_timeout_s:g} s (D1)",
+                Decision.PROXY,
+                replica.name,
+                replica.unit,
+                rule="D1",
+            )
+        )
+        return True
+
+    # --- 5. the memory guard ------------------------------------------------------------------
+
+    def guard_memory(self) -> None:
+        """Step 5 (M1-M17): the memory guard's verdict on its view of the box, and its drains (D7, D9)."""
+        observed = self.obs.memory
+        if observed is None:  # the memory guard is off (a reload): its drains are not waited for
+            self.drains = {
+                name: down
+                for name, down in self.drains.items()
+                if not (down.for_memory and down.phase is Phase.DRAINING)
+            }
+            return
+        view = memview.memory_view(self, observed)
+        self.mem, actions = memguard.decide(self.previous.mem, view, self.now, self.cfg)
+        asked = self._take_memory_actions(actions)
+        self._mark_up_unasked(asked)
+
+    def _take_memory_actions(self, actions: list[memguard.MemAction]) -> set[str]:
+        """The memory guard's actions, its drains kept here; returns the replicas it works on."""
+        asked: set[str] = set()
+        for action in actions:
+            if isinstance(action, DrainReplica):  # consumed here, never by the executor
+                asked.add(action.replica)
+                if action.replica not in self.drains:
+                    why = "the memory guard's lowering"
+                    self.drains[action.replica] = Drain(Phase.DRAINING, self.now, why, for_memory=True)
+                continue
+            if isinstance(action, LowerFraction) and action.restart and action.replica in self.tracks:
+                asked.add(action.replica)
+                # The watchdog keeps out of it, and no other restart starts, until the job is done.
+                track = self.tracks[action.replica]
+                self.tracks[action.replica] = replace(track, restart_in_flight=True, restart_issued_at=self.now)
+                self.actions.append(self._lowering_at_the_proxy(action))
+                continue
+            self.actions.append(action)
+        return asked
+
+    def _lowering_at_the_proxy(self, lowering: LowerFraction) -> LowerFraction:
+        """A lowering's restart: after its drain (D7) with a bounded stop; a critical one, not drained,
+        is marked down as it restarts (D9)."""
+        if not self.cfg.proxy.enabled:
+            return lowering
+        name = lowering.replica
+        down = self.drains.get(name)
+        replica = self.cfg.replica(name)
+        unit = replica.unit if replica is not None else None
+        if down is not None and down.for_memory and down.phase is Phase.DRAINING:
+            why = drain.drained(down, self.obs.replicas[name], self.now, self.cfg) or "drained"
+            self.drains[name] = replace(down, phase=Phase.AWAY, since=self.now)
+            text = f"replica {name}: {why}; the memory guard lowers it now (D7)"
+            self._say(LogLine(Priority.INFO, text, Decision.PROXY, name, unit, rule="D7"))
+            return replace(lowering, stop_timeout_s=self.cfg.proxy.stop_timeout_s)
+        if down is None:
+            self.drains[name] = Drain(Phase.AWAY, self.now, "a critical lowering")
+            text = f"replica {name}: marked down at the proxy while the memory guard restarts it (D9)"
+            self._say(LogLine(Priority.WARNING, text, Decision.PROXY, name, unit, rule="D9"))
+        return lowering
+
+    def _mark_up_unasked(self, asked: set[str]) -> None:
+        """D7: a drain the memory guard no longer asks for (the squeeze ended, it chose another)."""
+        for replica in self.cfg.replicas:
+            down = self.drains.get(replica.name)
+            if down is None or not down.for_memory or down.phase is not Phase.DRAINING or replica.name in asked:
+                continue
+            del self.drains[replica.name]
+            self._say(
                 LogLine(
                     Priority.INFO,
-                    f"replica {b.replica}: {b.peer} no longer talks to it directly",
-                    Decision.HAZARD,
-                    b.replica,
-                    r.unit if r is not None else None,
-                    rule="B2",
-                    hazard=f"bypass:{b.replica}:{b.peer}",
+                    f"replica {replica.name}: the memory guard no longer lowers it; marked up again at the proxy (D7)",
+                    Decision.PROXY,
+                    replica.name,
+                    replica.unit,
+                    rule="D7",
                 )
             )
-    return seen, tuple(found)
+
+    # --- 6. fleet slots -----------------------------------------------------------------------
+
+    def release_fleet_slots(self) -> None:
+        """F7: give back each slot of this box whose planned restart is over or given up. The
+        slots given back that the view may still show (the release is under way) are not asked twice."""
+        view = self.obs.fleet
+        if view is None or not view.ok:
+            return
+        released = self.previous.slots_released & view.mine
+        for name in sorted(view.mine - released):
+            if self._slot_in_use(name):
+                continue
+            track = self.tracks.get(name)
+            state = track.state if track is not None else "not configured"
+            self.actions.append(ReleaseSlot(name))
+            self._say(
+                LogLine(
+                    Priority.INFO,
+                    f"replica {name}: its planned restart is over ({state}); fleet slot given back (F7)",
+                    Decision.FLEET,
+                    name,
+                    rule="F7",
+                )
+            )
+            released |= {name}
+        self.slots_released = released
+
+    def _slot_in_use(self, name: str) -> bool:
+        """NAME's planned restart is not over: drained or away, asking for its slot, requested, being
+        lowered, or restarting."""
+        track = self.tracks.get(name)
+        pending = self.mem.pending
+        return (
+            name in self.drains
+            or any(isinstance(action, AcquireSlot) and action.replica == name for action in self.actions)
+            or any(request.replica == name for request in self._requests_waiting())
+            or (pending is not None and pending.replica == name)
+            or (track is not None and (track.restart_in_flight or track.state in LOADING_STATES))
+        )
+
+    def _requests_waiting(self) -> list[RestartRequest]:
+        """Operators' requests not acted on yet (waiting for a fleet slot)."""
+        return [request for request in self.obs.persistent.requests if request.id not in self.requests_taken]
+
+    # --- 7. clients that bypass the proxy -----------------------------------------------------
+
+    def watch_bypass(self) -> None:
+        """B1-B3: each client that starts bypassing the proxy is said once at warning, and once more
+        when it has gone."""
+        conns = {name: seen.conns for name, seen in self.obs.replicas.items()}
+        before = self.previous.bypassing
+        self.bypass_seen, found = bypass.update(self.previous.bypass_seen, before, conns, self.now, self.cfg)
+        self.bypassing = tuple(found)
+        for client in found:
+            if (client.replica, client.peer) not in {(b.replica, b.peer) for b in before}:
+                hazard = client.hazard(self.cfg, self.now)
+                self._say(
+                    LogLine(
+                        Priority.WARNING,
+                        f"hazard: {hazard.message}",
+                        Decision.HAZARD,
+                        hazard.replica,
+                        hazard.unit,
+                        rule="B2",
+                        hazard=hazard.key,
+                    )
+                )
+        for client in before:
+            if (client.replica, client.peer) not in {(f.replica, f.peer) for f in found}:
+                self._say_bypass_gone(client)
+
+    def _say_bypass_gone(self, client: bypass.Bypass) -> None:
+        replica = self.cfg.replica(client.replica)
+        self._say(
+            LogLine(
+                Priority.INFO,
+                f"replica {client.replica}: {client.peer} no longer talks to it directly",
+                Decision.HAZARD,
+                client.replica,
+                replica.unit if replica is not None else None,
+                rule="B2",
+                hazard=f"bypass:{client.replica}:{client.peer}",
+            )
+        )
+
+    # --- 8. the proxy -------------------------------------------------------------------------
+
+    def sync_proxy(self) -> None:
+        """The whole set marked down, every tick: the shell applies only a change, and retries a failed one."""
+        if self.cfg.proxy.enabled:
+            self.actions.append(SyncProxy(frozenset(self.drains)))
 
 
 def next_tick_at(state: TickState, last_started: float, now: float, cfg: Config) -> float:
@@ -152,8 +721,8 @@ def next_tick_at(state: TickState, last_started: float, now: float, cfg: Config)
     that moment has passed (this tick judged just short of it), it starts at the deadline itself.
     At most two extra ticks per deadline; never one in the past."""
     at = last_started + cfg.interval_s
-    for t in state.tracks.values():
-        deadline = liveness.next_deadline(t, cfg.watchdog)
+    for track in state.tracks.values():
+        deadline = liveness.next_deadline(track, cfg.watchdog)
         if deadline is None or deadline <= now:
             continue
         early = deadline - cfg.probe_wait_s
@@ -169,14 +738,11 @@ def probe_wait_s(state: TickState, now: float, cfg: Config) -> float:
     deadline (liveness.next_deadline), so that the verdict is given at it rather than a whole
     wait later; at least PROBE_WAIT_FLOOR_S, for the replicas that do answer."""
     wait = cfg.probe_wait_s
-    for t in state.tracks.values():
-        deadline = liveness.next_deadline(t, cfg.watchdog)
+    for track in state.tracks.values():
+        deadline = liveness.next_deadline(track, cfg.watchdog)
         if deadline is not None and deadline >= now:  # one already past must not shorten every tick
             wait = min(wait, max(deadline - now, PROBE_WAIT_FLOOR_S))
     return wait
-
-
-# --- 1. liveness ------------------------------------------------------------------------------
 
 
 def _kept(name: str, obs: TickObservation) -> tuple[float, ...]:
@@ -191,568 +757,12 @@ def _new_track(name: str, obs: TickObservation, now: float) -> Track:
     return Track(state_since=now, canary_latencies=_kept(name, obs))
 
 
-def _record_canary_latencies(out: _Out, before: dict[str, Track], obs: TickObservation) -> None:
-    """One action for all the replicas whose canary latencies changed this tick (a canary
-    succeeded), none when nothing changed: the state file is written at most once a tick."""
-    changed = tuple(
-        (name, t.canary_latencies)
-        for name, t in out.tracks.items()
-        if t.canary_latencies != (before[name].canary_latencies if name in before else _kept(name, obs))
-    )
-    if changed:
-        out.actions.append(RecordCanaryLatencies(changed))
-
-
-def _liveness(
-    out: _Out, r: ReplicaConfig, old: Track, o: ReplicaObservation, obs: TickObservation, now: float, cfg: Config
-) -> None:
-    new, want_canary = liveness.step(old, o, now, r, cfg.watchdog, obs.persistent.pauses.get(r.name))
-    if new.state not in RESTART_STATES:
-        new = replace(new, last_notice=None)
-    if new.state != old.state or not old.observed:
-        msg = f"replica {r.name}: {old.state} -> {new.state} ({new.evidence})"
-        if new.state is State.HEALTHY and old.restart_issued_at is not None:
-            msg += f"; serving again {now - old.restart_issued_at:.1f} s after guardian's restart"
-        if new.state is State.WRONG_MODEL:
-            msg += "; not restarting: a wrong model is a wiring or cutover fault, fix the unit or the config"
-        priority = Priority.ERROR if new.state in (State.WRONG_MODEL, State.UNKNOWN) else Priority.INFO
-        out.log(LogLine(priority, msg, Decision.STATE, r.name, r.unit, state=new.state, rule=new.rule))
-    # Garbage on /metrics is bad input: say so once, and base no restart on it.
-    err = o.metrics_probe.error if o.metrics_probe.answered and o.metrics is None else None
-    if err != new.metrics_error:
-        if err is not None:
-            out.log(
-                LogLine(
-                    Priority.ERROR,
-                    f"replica {r.name}: /metrics {err}; progress cannot be judged, so no "
-                    "stall or idle verdict (and no restart) will be based on it until it reads again",
-                    Decision.NOTE,
-                    r.name,
-                    r.unit,
-                )
-            )
-        new = replace(new, metrics_error=err)
-    if new.state is State.HEALTHY and new.restart_issued_at is not None:
-        new = replace(new, restart_issued_at=None)
-    if want_canary is not None:
-        out.actions.append(StartCanary(r.name, want_canary))
-    out.tracks[r.name] = new
-
-
-# --- 2 and 3. restarts: one path for the watchdog's and the operators' -------------------------
-
-
-def _restart(
-    out: _Out,
-    r: ReplicaConfig,
-    kind: RestartKind,
-    head: str,
-    evidence: str,
-    obs: TickObservation,
-    now: float,
-    cfg: Config,
-    issued: bool,
-    request_id: str | None = None,
-    stop_timeout_s: float | None = None,
-) -> Refusal | None:
-    """Admit, then issue (or log the dry run). A refusal is logged and returned; a watchdog's
-    refusal or dry run is logged once per episode (its stable key), an operator's every time."""
-    t = out.tracks[r.name]
-
-    def say(key: tuple[str, ...], line: LogLine) -> None:
-        """Log LINE: the watchdog's once per episode (KEY), an operator's request always."""
-        nonlocal t
-        if request_id is None and t.last_notice == key:
-            return
-        out.log(line)
-        t = replace(t, last_notice=key if request_id is None else t.last_notice)
-
-    no = admission.refusal(r.name, out.tracks, obs.replicas[r.name], obs.persistent, now, cfg, issued)
-    if no is not None:
-        say(
-            no.key,
-            LogLine(
-                no.priority,
-                f"{head}; restart of {r.unit} refused: {no.text}",
-                Decision.REFUSED,
-                r.name,
-                r.unit,
-                state=t.state,
-                gate=no.gate,
-                rule=no.rule,
-            ),
-        )
-    elif cfg.dry_run:
-        say(
-            (Decision.DRY_RUN,),
-            LogLine(
-                Priority.WARNING,
-                f"{head}; DRY-RUN: would restart {r.unit} now",
-                Decision.DRY_RUN,
-                r.name,
-                r.unit,
-                state=t.state,
-                rule=t.rule,
-            ),
-        )
-    else:
-        b = admission.budget(r.name, obs.persistent, now, cfg)
-        # A hung engine will not shut down gracefully: vLLM's API server would wait on it until
-        # systemd's TimeoutStopSec. Its processes are killed as soon as the restart job is queued.
-        kill = kind is RestartKind.HANG
-        how = ", its processes killed at once (hung)" if kill else ""
-        if stop_timeout_s is not None and not kill:
-            how = f", its processes killed if the stop takes over {stop_timeout_s:g} s"
-        out.log(
-            LogLine(  # an action taken is always said
-                Priority.WARNING,
-                f"{head}; restarting {r.unit}{how} (restart {b.used + 1} of {b.limit} in "
-                f"{cfg.watchdog.restart_window_s:.0f} s)",
-                Decision.RESTART,
-                r.name,
-                r.unit,
-                state=t.state,
-                rule=t.rule if kind is RestartKind.HANG else None,
-            )
-        )
-        out.actions.append(
-            RestartUnit(r.name, r.unit, kind, evidence, request_id, kill_first=kill, stop_timeout_s=stop_timeout_s)
-        )
-        t = replace(
-            t,
-            restart_in_flight=True,
-            restart_issued_at=now,
-            last_notice=(Decision.RESTART,) if request_id is None else t.last_notice,
-        )
-    out.tracks[r.name] = t
-    return no
-
-
-def _unplanned(out: _Out, r: ReplicaConfig, obs: TickObservation, now: float, cfg: Config, issued: bool) -> bool:
-    """Restart R if its verdict asks for it and admission allows; True when a restart was issued."""
-    t = out.tracks[r.name]
-    if t.state not in RESTART_STATES:
-        return False
-    _restart(
-        out,
-        r,
-        RestartKind.HANG,
-        f"replica {r.name}: {t.state} ({t.evidence})",
-        f"{t.state}: {t.evidence}",
-        obs,
-        now,
-        cfg,
-        issued,
-    )
-    if not out.tracks[r.name].restart_in_flight:
-        return False
-    d = out.drains.get(r.name)
-    if cfg.proxy.enabled and (d is None or d.phase is Phase.DRAINING):
-        if d is not None and d.request_id is not None:
-            out.actions.append(
-                AnswerRequest(
-                    d.request_id, r.name, True, f"it hung while draining ({t.state}): restarted as a hung replica"
-                )
-            )
-        out.drains[r.name] = Drain(Phase.AWAY, now, f"hung: {t.state}", confirmed_at=d.confirmed_at if d else None)
-        if d is None:
-            out.log(
-                LogLine(
-                    Priority.WARNING,
-                    f"replica {r.name}: marked down at the proxy while it restarts ({t.state}): no new request "
-                    "goes to it until it serves again (D9)",
-                    Decision.PROXY,
-                    r.name,
-                    r.unit,
-                    rule="D9",
-                )
-            )
-    return True
-
-
-def _drain_step(out: _Out, r: ReplicaConfig, obs: TickObservation, now: float, cfg: Config, issued: bool) -> bool:
-    """A replica marked down at the proxy: restart it once drained, give the drain up, or mark it
-    up once it serves again (core/drain.py). True when a restart was issued."""
-    d = out.drains.get(r.name)
-    if d is None:
-        return False
-    t = out.tracks[r.name]
-    if d.phase is Phase.AWAY:
-        if drain.back(d, t):
-            del out.drains[r.name]
-            out.log(
-                LogLine(
-                    Priority.INFO,
-                    f"replica {r.name}: serving again ({t.evidence}); marked up at the proxy, which also clears "
-                    "its count of failed attempts (D10)",
-                    Decision.PROXY,
-                    r.name,
-                    r.unit,
-                    state=t.state,
-                    rule="D10",
-                )
-            )
-        return False
-    if t.state in RESTART_STATES:
-        return False  # it hung while draining: the unplanned path restarts it (D9)
-    d = drain.confirmed(d, r.name, obs.proxy, now)
-    out.drains[r.name] = d
-    err = drain.refused_by_proxy(d, r.name, obs.proxy)
-    peers = _peer_count(obs, cfg, r.model)
-    if err is not None and d.for_memory:
-        if not d.error_said:
-            out.log(
-                LogLine(
-                    Priority.ERROR,
-                    f"replica {r.name}: the memory guard's lowering waits: marking it down at the proxy failed: "
-                    f"{err}; the proxy is asked again every 30 s (D3)",
-                    Decision.REFUSED,
-                    r.name,
-                    r.unit,
-                    rule="D3",
-                )
-            )
-            out.drains[r.name] = replace(d, error_said=True)
-        return False
-    if err is not None:
-        _abandon(
-            out,
-            r,
-            d,
-            "D3",
-            f"marking it down at the proxy failed: {err}; fix the proxy (see `guardian check`) or "
-            "P.drain_command, then ask again",
-        )
-        return False
-    if drain.others_serving(r.name, cfg, out.tracks, out.drains, peers) == 0:
-        _abandon(out, r, d, "D4", f"no other replica of {r.model} serves any more, so draining it would leave none")
-        return False
-    why = drain.drained(d, obs.replicas[r.name], now, cfg)
-    if why is None or d.for_memory:  # the memory guard lowers it when it is drained (D7)
-        return False
-    no = _restart(
-        out,
-        r,
-        RestartKind.OPERATOR,
-        f"replica {r.name}: {why}",
-        f"requested by an operator; {why}",
-        obs,
-        now,
-        cfg,
-        issued,
-        d.request_id,
-        stop_timeout_s=cfg.proxy.stop_timeout_s,
-    )
-    if no is not None:
-        _abandon(out, r, d, "D8", f"refused ({no.gate}): {no.text}", logged=True)
-        return False
-    out.drains[r.name] = Drain(Phase.AWAY, now, "planned restart after its drain", d.request_id, d.confirmed_at)
-    return True
-
-
-def _abandon(out: _Out, r: ReplicaConfig, d: Drain, rule: str, why: str, logged: bool = False) -> None:
-    del out.drains[r.name]
-    what = "the memory guard's lowering" if d.for_memory else "planned restart"
-    if not logged:
-        out.log(
-            LogLine(
-                Priority.ERROR,
-                f"replica {r.name}: {what} of {r.unit} given up and the replica marked up again at the "
-                f"proxy: {why} ({rule})",
-                Decision.REFUSED,
-                r.name,
-                r.unit,
-                rule=rule,
-            )
-        )
-    if d.request_id is not None:
-        out.actions.append(AnswerRequest(d.request_id, r.name, False, f"refused ({rule}): {why}"))
-
-
-def _requests(
-    out: _Out, taken: frozenset[str], obs: TickObservation, now: float, cfg: Config, issued: bool
-) -> tuple[frozenset[str], bool]:
-    """Each operator's request is acted on once: admitted and issued, or refused; and answered."""
-    pending = {q.id for q in obs.persistent.requests}
-    still = set(taken & pending)  # answered ones have left the state file
-    for q in obs.persistent.requests:
-        if q.id in still:
-            continue
-        still.add(q.id)
-        r = cfg.replica(q.replica)
-        if r is None:
-            out.actions.append(AnswerRequest(q.id, q.replica, False, f"no replica named {q.replica!r} in the config"))
-            continue
-        head = f"replica {r.name}: an operator asked for a restart (it is {out.tracks[r.name].state})"
-        if _waits_for_fleet(out, r, q.id, head, obs, now, cfg, issued):
-            still.discard(q.id)  # asked again on the next tick
-            continue
-        # Without the proxy's report (no daemon runs: `guardian restart` decides alone) nobody would
-        # finish a drain, so it is restarted at once.
-        if cfg.proxy.enabled and obs.proxy is not None and not cfg.dry_run and r.name not in out.drains:
-            if _start_drain(out, r, q.id, head, obs, now, cfg, issued):
-                issued = True
-                continue
-        no = _restart(out, r, RestartKind.OPERATOR, head, "requested by an operator", obs, now, cfg, issued, q.id)
-        if no is not None:
-            out.actions.append(AnswerRequest(q.id, r.name, False, f"refused ({no.gate}): {no.text}"))
-        elif cfg.dry_run:
-            out.actions.append(AnswerRequest(q.id, r.name, True, f"DRY-RUN: would restart {r.unit}"))
-        else:
-            issued = True
-    return frozenset(still), issued
-
-
-def _waits_for_fleet(
-    out: _Out, r: ReplicaConfig, request_id: str, head: str, obs: TickObservation, now: float, cfg: Config, issued: bool
-) -> bool:
-    """F2-F6 for an operator's request that admission would let through: True while it waits for
-    a fleet slot (asked for with F6); each reason is said once per request."""
-    if not cfg.fleet.enabled or cfg.dry_run:
-        return False
-    if admission.refusal(r.name, out.tracks, obs.replicas[r.name], obs.persistent, now, cfg, issued) is not None:
-        return False  # refused on this box's own grounds: the restart path says so
-    b = fleet.slot_refusal(r.name, r.model, obs.fleet, cfg, out.slots_released)
-    if b is None:
-        return False
-    if b.rule == "F6":
-        out.actions.append(AcquireSlot(r.name, r.model))
-    if out.fleet_said.get(request_id) != b.key:
-        out.fleet_said[request_id] = b.key
-        out.log(LogLine(b.priority, f"{head}; {b.text} ({b.rule})", Decision.FLEET, r.name, r.unit, rule=b.rule))
-    return True
-
-
-def _release_slots(
-    out: _Out, obs: TickObservation, mem: memguard.MemTrack, pending_requests: set[str], released: frozenset[str]
-) -> frozenset[str]:
-    """F7: give back each slot of this box whose planned restart is over or given up. Returns the
-    slots given back that the view may still show (the release is under way): not asked twice."""
-    if obs.fleet is None or not obs.fleet.ok:
-        return released
-    asking = {a.replica for a in out.actions if isinstance(a, AcquireSlot)}
-    still = released & obs.fleet.mine
-    for name in sorted(obs.fleet.mine - still):
-        t = out.tracks.get(name)
-        busy = (
-            name in out.drains
-            or name in asking
-            or name in pending_requests
-            or (mem.pending is not None and mem.pending.replica == name)
-            or (t is not None and (t.restart_in_flight or t.state in LOADING_STATES))
-        )
-        if not busy:
-            out.actions.append(ReleaseSlot(name))
-            state = t.state if t is not None else "not configured"
-            out.log(
-                LogLine(
-                    Priority.INFO,
-                    f"replica {name}: its planned restart is over ({state}); fleet slot given back (F7)",
-                    Decision.FLEET,
-                    name,
-                    rule="F7",
-                )
-            )
-            still |= {name}
-    return still
-
-
-def _start_drain(
-    out: _Out, r: ReplicaConfig, request_id: str, head: str, obs: TickObservation, now: float, cfg: Config, issued: bool
-) -> bool:
-    """D1: mark R down at the proxy instead of restarting it now; True if so. D2 says why not."""
-    if admission.refusal(r.name, out.tracks, obs.replicas[r.name], obs.persistent, now, cfg, issued) is not None:
-        return False  # the restart path logs and answers the refusal
-    peers = _peer_count(obs, cfg, r.model)
-    if drain.others_serving(r.name, cfg, out.tracks, out.drains, peers) == 0:
-        out.log(
-            LogLine(
-                Priority.WARNING,
-                f"{head}; not drained: no other replica of {r.model} serves, so it is restarted at once and its "
-                "clients will see errors until it serves again (D2)",
-                Decision.PROXY,
-                r.name,
-                r.unit,
-                rule="D2",
-            )
-        )
-        return False
-    s = obs.replicas[r.name].metrics
-    work = "an unknown number of" if s is None else f"{s.running:.0f} running and {s.waiting:.0f} waiting"
-    out.drains[r.name] = Drain(Phase.DRAINING, now, "an operator's restart", request_id)
-    out.log(
-        LogLine(
-            Priority.WARNING,
-            f"{head}; draining first: marked down at the proxy, restarted once its {work} requests end or after "
-            f"{cfg.proxy.drain_timeout_s:g} s (D1)",
-            Decision.PROXY,
-            r.name,
-            r.unit,
-            rule="D1",
-        )
-    )
-    return True
-
-
-# --- 4. the memory guard ----------------------------------------------------------------------
-
-
-def _memory(
-    out: _Out,
-    track: memguard.MemTrack,
-    mobs: MemoryObservation,
-    obs: TickObservation,
-    now: float,
-    cfg: Config,
-    issued: bool,
-) -> memguard.MemTrack:
-    pending = track.pending
-    replicas = []
-    blocked: dict[str, Refusal] = {}
-    for r in cfg.replicas:
-        t = out.tracks[r.name]
-        o = obs.replicas[r.name]
-        mo = mobs.replicas.get(r.name)
-        reported = t.last_sample.gpu_memory_utilization if t.last_sample is not None else None
-        if reported is None and mo is not None:
-            reported = mo.cmdline_fraction
-        configured = mo.configured_fraction if mo is not None else None
-        wiring = mo.wiring_problem if mo is not None else "not observed"
-        lowering = pending is not None and pending.replica == r.name
-        if (
-            wiring is None
-            and not lowering
-            and t.state in SERVING_STATES
-            and configured is not None
-            and reported is not None
-            and abs(configured - reported) > 1e-6
-        ):
-            wiring = (
-                f"it serves with gpu_memory_utilization {reported:g} while guardian's env file says "
-                f"{configured:g}: something overrides that file (a later EnvironmentFile= or an ExecStart= drop-in)"
-            )
-        replicas.append(
-            memguard.ReplicaMemory(
-                name=r.name,
-                unit=r.unit,
-                model=r.model,
-                fraction=configured if configured is not None else reported,
-                running_fraction=reported,
-                started_at=o.unit.inactive_exit_mono if o.unit else None,
-                wiring_problem=wiring,
-                state=t.state,
-                usage_bytes=mo.usage_bytes if mo else None,
-                start_failure=mo.start_failure if mo and lowering else None,
-                startup_grace_s=r.startup_grace_s,
-                drained=_memory_drained(out.drains.get(r.name), o, now, cfg),
-            )
-        )
-        # Its own drain is the first step of this lowering, not another restart in flight.
-        mine = out.drains.get(r.name)
-        own = mine is not None and mine.for_memory and mine.phase is Phase.DRAINING
-        others = any(d.phase is Phase.DRAINING for n, d in out.drains.items() if n != r.name)
-        b = admission.admit(r.name, out.tracks, obs.persistent, now, cfg, issued if not own else others)
-        if b is None and not own:  # a drain for the memory guard was begun with its slot held
-            b = fleet.slot_refusal(r.name, r.model, obs.fleet, cfg, out.slots_released)
-        if b is not None:
-            blocked[r.name] = b
-    results = {n: o.restart_outcome for n, o in obs.replicas.items() if o.restart_outcome is not None}
-    view = memguard.MemoryView(
-        mobs.sample,
-        mobs.total_bytes,
-        tuple(replicas),
-        mobs.peers_serving,
-        mobs.consumers,
-        blocked,
-        results,
-        drain_first=cfg.proxy.enabled,
-        fleet_serving=_fleet_serving(obs, cfg),
-    )
-    new, actions = memguard.decide(track, view, now, cfg)
-    asked: set[str] = set()
-    for a in actions:
-        if isinstance(a, DrainReplica):
-            asked.add(a.replica)
-            if a.replica not in out.drains:
-                out.drains[a.replica] = Drain(Phase.DRAINING, now, "the memory guard's lowering", for_memory=True)
-            continue
-        if isinstance(a, LowerFraction) and a.restart and a.replica in out.tracks:
-            asked.add(a.replica)
-            # The watchdog keeps out of it, and no other restart starts, until the job is done.
-            out.tracks[a.replica] = replace(out.tracks[a.replica], restart_in_flight=True, restart_issued_at=now)
-            a = _lowering_at_the_proxy(out, a, obs, now, cfg)
-        out.actions.append(a)
-    for r in cfg.replicas:
-        d = out.drains.get(r.name)
-        if d is not None and d.for_memory and d.phase is Phase.DRAINING and r.name not in asked:
-            del out.drains[r.name]
-            out.log(
-                LogLine(
-                    Priority.INFO,
-                    f"replica {r.name}: the memory guard no longer lowers it; marked up again at the proxy (D7)",
-                    Decision.PROXY,
-                    r.name,
-                    r.unit,
-                    rule="D7",
-                )
-            )
-    return new
-
-
-def _peer_count(obs: TickObservation, cfg: Config, model: str) -> int:
-    """Replicas of MODEL serving elsewhere: memory.peer_urls that answered, and other boxes in the fleet."""
-    peers = len(obs.memory.peers_serving) if obs.memory is not None else 0
-    return peers + len(_fleet_serving(obs, cfg).get(model, ()))
-
-
-def _fleet_serving(obs: TickObservation, cfg: Config) -> dict[str, tuple[str, ...]]:
-    """Per model, the replicas serving on other boxes, from the fleet view (this box's own are
-    judged by its own tracks)."""
-    v = obs.fleet
-    if v is None or not v.ok:
-        return {}
-    out: dict[str, tuple[str, ...]] = {}
-    for model in {r.model for r in cfg.replicas}:
-        out[model] = tuple(x for x in v.serving(model, "") if not x.startswith(f"{v.box}/"))
-    return out
-
-
-def _memory_drained(d: Drain | None, o: ReplicaObservation, now: float, cfg: Config) -> bool:
-    return d is not None and d.for_memory and d.phase is Phase.DRAINING and drain.drained(d, o, now, cfg) is not None
-
-
-def _lowering_at_the_proxy(out: _Out, a: LowerFraction, obs: TickObservation, now: float, cfg: Config) -> LowerFraction:
-    """A lowering's restart: after its drain (D7) with a bounded stop; a critical one, not drained,
-    is marked down as it restarts (D9)."""
-    if not cfg.proxy.enabled:
-        return a
-    d = out.drains.get(a.replica)
-    r = cfg.replica(a.replica)
-    unit = r.unit if r is not None else None
-    if d is not None and d.for_memory and d.phase is Phase.DRAINING:
-        why = drain.drained(d, obs.replicas[a.replica], now, cfg) or "drained"
-        out.drains[a.replica] = replace(d, phase=Phase.AWAY, since=now)
-        out.log(
-            LogLine(
-                Priority.INFO,
-                f"replica {a.replica}: {why}; the memory guard lowers it now (D7)",
-                Decision.PROXY,
-                a.replica,
-                unit,
-                rule="D7",
-            )
-        )
-        return replace(a, stop_timeout_s=cfg.proxy.stop_timeout_s)
-    if d is None:
-        out.drains[a.replica] = Drain(Phase.AWAY, now, "a critical lowering")
-        out.log(
-            LogLine(
-                Priority.WARNING,
-                f"replica {a.replica}: marked down at the proxy while the memory guard restarts it (D9)",
-                Decision.PROXY,
-                a.replica,
-                unit,
-                rule="D9",
-            )
-        )
-    return a
+def _state_change(replica: ReplicaConfig, old: Track, new: Track, now: float) -> LogLine:
+    """The line for a replica's new verdict (or its first)."""
+    text = f"replica {replica.name}: {old.state} -> {new.state} ({new.evidence})"
+    if new.state is State.HEALTHY and old.restart_issued_at is not None:
+        text += f"; serving again {now - old.restart_issued_at:.1f} s after guardian's restart"
+    if new.state is State.WRONG_MODEL:
+        text += "; not restarting: a wrong model is a wiring or cutover fault, fix the unit or the config"
+    priority = Priority.ERROR if new.state in (State.WRONG_MODEL, State.UNKNOWN) else Priority.INFO
+    return LogLine(priority, text, Decision.STATE, replica.name, replica.unit, state=new.state, rule=new.rule)

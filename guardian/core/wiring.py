@@ -11,7 +11,8 @@ later file overrides an earlier one, and every EnvironmentFile= overrides Enviro
    ``$GPU_MEMORY_UTILIZATION``, or the ``--gpu-memory-utilization=...`` form).
 
 Otherwise a restart would start it with the same fraction and free nothing. What the restarted
-replica really runs with is confirmed afterwards (core/memguard.py, M4/M5).
+replica really runs with is confirmed afterwards (core/memguard.py, M4/M5), and a serving
+replica that reports another fraction than guardian's file counts as not wired (core/memview.py, M9).
 """
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ def env_value(text: str, key: str = VAR) -> str | None:
         line = line.strip()
         if not line or line.startswith(("#", ";")):
             continue
-        k, sep, value = line.partition("=")
-        if sep and k.strip() == key:
+        name, sep, value = line.partition("=")
+        if sep and name.strip() == key:
             found = value.strip().strip("\"'")
     return found
 
@@ -59,8 +60,8 @@ def parse_fraction(value: str | None) -> float | None:
     [MIN_FRACTION, MAX_FRACTION]."""
     if value is None or not _PLAIN_DECIMAL.fullmatch(value):
         return None
-    f = float(value)
-    return f if MIN_FRACTION <= f <= MAX_FRACTION else None
+    fraction = float(value)
+    return fraction if MIN_FRACTION <= fraction <= MAX_FRACTION else None
 
 
 def wiring_problem(unit: str, env_files: tuple[EnvFile, ...], exec_start: tuple[str, ...], env_path: str) -> str | None:
@@ -70,15 +71,15 @@ def wiring_problem(unit: str, env_files: tuple[EnvFile, ...], exec_start: tuple[
         problems.append(f"add EnvironmentFile=-{env_path} to {unit}, after every other EnvironmentFile= line")
     else:
         later = env_files[len(paths) - paths[::-1].index(env_path) :]
-        for e in later:
-            if e.error is not None:
+        for later_file in later:
+            if later_file.error is not None:
                 problems.append(
-                    f"{e.path} comes after guardian's {env_path} in {unit} and cannot be read to check "
-                    f"that it does not set {VAR} ({e.error})"
+                    f"{later_file.path} comes after guardian's {env_path} in {unit} and cannot be read to check "
+                    f"that it does not set {VAR} ({later_file.error})"
                 )
-            elif e.text is not None and env_value(e.text) is not None:
+            elif later_file.text is not None and env_value(later_file.text) is not None:
                 problems.append(
-                    f"{e.path} comes after guardian's {env_path} in {unit} and sets {VAR}: it overrides "
+                    f"{later_file.path} comes after guardian's {env_path} in {unit} and sets {VAR}: it overrides "
                     f"every lowering; remove {VAR} from it, or list guardian's file last"
                 )
     argv = list(exec_start)
@@ -96,9 +97,9 @@ def wiring_problem(unit: str, env_files: tuple[EnvFile, ...], exec_start: tuple[
 
 def cmdline_fraction(argv: tuple[str, ...]) -> float | None:
     """--gpu-memory-utilization from a process's command line (what a running vLLM was given)."""
-    for i, a in enumerate(argv):
-        if a == "--gpu-memory-utilization" and i + 1 < len(argv):
-            return parse_fraction(argv[i + 1])
-        if a.startswith("--gpu-memory-utilization="):
-            return parse_fraction(a.partition("=")[2])
+    for at, arg in enumerate(argv):
+        if arg == "--gpu-memory-utilization" and at + 1 < len(argv):
+            return parse_fraction(argv[at + 1])
+        if arg.startswith("--gpu-memory-utilization="):
+            return parse_fraction(arg.partition("=")[2])
     return None

@@ -1,0 +1,102 @@
+"""The memory guard's view of the box (memguard.MemoryView), built from the tick so far. Pure.
+
+The tick (core/tick.py) has judged every replica's liveness, moved its drains on and issued its
+restarts before the memory guard looks. This module turns that, and what the memory observer
+found, into what core/memguard.py decides on, per replica:
+
+- its fraction: guardian's env file for it, else what it reports (vllm:cache_config_info, else
+  --gpu-memory-utilization on its command line);
+- whether it is wired (core/wiring.py), and M9: a replica with no lowering pending that serves
+  with another fraction than its env file says is overridden by something, so not wired;
+- whether it is drained at the proxy for a lowering (core/drain.py D5, D6);
+- why it could not be restarted now: admission (A1-A3), then a fleet slot (F3-F6).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..config import ReplicaConfig
+from . import admission, drain, fleet
+from .drain import Phase
+from .memguard import MemoryView, ReplicaMemory
+from .observations import MemoryObservation, ReplicaMemoryObservation
+from .rules import Refusal
+from .vocab import SERVING_STATES
+
+if TYPE_CHECKING:  # the tick builds the view: only its type is needed here
+    from .tick import Tick
+
+
+def memory_view(tick: Tick, observed: MemoryObservation) -> MemoryView:
+    obs = tick.obs
+    return MemoryView(
+        observed.sample,
+        observed.total_bytes,
+        tuple(_replica(tick, replica, observed.replicas.get(replica.name)) for replica in tick.cfg.replicas),
+        observed.peers_serving,
+        observed.consumers,
+        restart_blocked=_refusals(tick),
+        restart_results={n: o.restart_outcome for n, o in obs.replicas.items() if o.restart_outcome is not None},
+        drain_first=tick.cfg.proxy.enabled,
+        fleet_serving=drain.serving_elsewhere(obs, tick.cfg),
+    )
+
+
+def _replica(tick: Tick, replica: ReplicaConfig, found: ReplicaMemoryObservation | None) -> ReplicaMemory:
+    track = tick.tracks[replica.name]
+    seen = tick.obs.replicas[replica.name]
+    reported = track.last_sample.gpu_memory_utilization if track.last_sample is not None else None
+    if reported is None and found is not None:
+        reported = found.cmdline_fraction
+    configured = found.configured_fraction if found is not None else None
+    pending = tick.previous.mem.pending
+    lowering = pending is not None and pending.replica == replica.name
+    wiring = found.wiring_problem if found is not None else "not observed"
+    if wiring is None and not lowering and track.state in SERVING_STATES:
+        wiring = _overridden(configured, reported)
+    down = tick.drains.get(replica.name)
+    return ReplicaMemory(
+        name=replica.name,
+        unit=replica.unit,
+        model=replica.model,
+        fraction=configured if configured is not None else reported,
+        running_fraction=reported,
+        started_at=seen.unit.inactive_exit_mono if seen.unit else None,
+        wiring_problem=wiring,
+        state=track.state,
+        usage_bytes=found.usage_bytes if found else None,
+        start_failure=found.start_failure if found and lowering else None,
+        startup_grace_s=replica.startup_grace_s,
+        drained=down is not None
+        and down.for_memory
+        and down.phase is Phase.DRAINING
+        and drain.drained(down, seen, tick.now, tick.cfg) is not None,
+    )
+
+
+def _overridden(configured: float | None, reported: float | None) -> str | None:
+    """M9, for a serving replica with no lowering pending: why it is not wired, or None."""
+    if configured is not None and reported is not None and abs(configured - reported) > 1e-6:
+        return (
+            f"it serves with gpu_memory_utilization {reported:g} while guardian's env file says "
+            f"{configured:g}: something overrides that file (a later EnvironmentFile= or an ExecStart= drop-in)"
+        )
+    return None
+
+
+def _refusals(tick: Tick) -> dict[str, Refusal]:
+    """Per replica, why a lowering's restart of it could not happen now."""
+    found: dict[str, Refusal] = {}
+    for replica in tick.cfg.replicas:
+        # Its own drain is the first step of this lowering, not another restart in flight.
+        mine = tick.drains.get(replica.name)
+        own = mine is not None and mine.for_memory and mine.phase is Phase.DRAINING
+        others = any(d.phase is Phase.DRAINING for n, d in tick.drains.items() if n != replica.name)
+        busy = others if own else tick.planned_restarts_blocked
+        refusal = admission.admit(replica.name, tick.tracks, tick.obs.persistent, tick.now, tick.cfg, busy)
+        if refusal is None and not own:  # a drain for the memory guard was begun with its slot held
+            refusal = fleet.slot_refusal(replica.name, replica.model, tick.obs.fleet, tick.cfg, tick.slots_released)
+        if refusal is not None:
+            found[replica.name] = refusal
+    return found
