@@ -13,6 +13,8 @@ import socket
 import struct
 import sys
 import threading
+import traceback
+from collections.abc import Iterable
 
 from ..core.actions import LogLine
 from ..core.vocab import Decision, Priority
@@ -73,6 +75,14 @@ class Journal:
         unit: str | None = None,
     ) -> None:
         self.line(LogLine(priority, message, decision, replica, unit))
+
+    def with_traceback(self, priority: Priority, message: str) -> None:
+        """MESSAGE, with the traceback of the exception being handled in GUARDIAN_TRACEBACK."""
+        self.line(LogLine(priority, message, Decision.NOTE), {"GUARDIAN_TRACEBACK": traceback.format_exc()})
+
+    def send_each(self, priority: Priority, messages: Iterable[str]) -> None:
+        for message in messages:
+            self.send(priority, message)
 
     def _send(self, priority: Priority, message: str, fields: dict[str, str]) -> None:
         if self._sock is not None:

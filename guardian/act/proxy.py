@@ -1,4 +1,5 @@
-"""The proxy, made to match the core's set of replicas marked down (core/drain.py), after each tick.
+"""The proxy, made to match the core's set of replicas marked down (core/drain.py), as the last
+action of each tick (SyncProxy) asks; only a change is applied.
 
 nginx: guardian owns one file per upstream, ``P.nginx_upstream_dir/NAME.conf``, that the operator's
 ``upstream NAME { ... }`` block includes. It holds the ``server`` lines of this box's replicas of
@@ -26,7 +27,7 @@ import asyncio
 import contextlib
 import os
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +35,7 @@ import psutil
 
 from ..config import Config, ReplicaConfig
 from ..core.actions import LogLine
+from ..core.drain import Drain, Phase
 from ..core.observations import ProxyView
 from ..core.vocab import Decision, Priority
 from ..observe.clock import Now
@@ -98,9 +100,9 @@ def nginx_workers(processes: list[tuple[int, str]]) -> frozenset[int]:
     return frozenset(pid for pid, t in titles if t.startswith("nginx: worker process") and "shutting down" not in t)
 
 
-def nginx_took_over(before: frozenset[int], now: frozenset[int]) -> bool:
-    """A reload is in effect once every worker that takes requests started after it."""
-    return bool(now) and not now & before
+def nginx_took_over(before: frozenset[int], current: frozenset[int]) -> bool:
+    """A reload is in effect once every worker that takes requests (CURRENT) started after it."""
+    return bool(current) and not current & before
 
 
 @dataclass(frozen=True)
@@ -235,6 +237,37 @@ async def run_command(
     return CommandRun(proc.returncode, bytes(tail.kept), tail.total_bytes, timed_out, killed, pipe_held)
 
 
+@dataclass(frozen=True)
+class _Rewrite:
+    """One rewrite of nginx's upstream files: what each held before (None: nothing guardian reads),
+    those where something was planted (not a regular file guardian reads: replaced by the rename,
+    never put back; why not read), and the new text of each file that changes."""
+
+    old: dict[Path, bytes | None]
+    planted: dict[Path, str]
+    changed: dict[Path, str]
+
+
+class _Unreadable(Exception):
+    pass
+
+
+def _rewrite_of(files: dict[Path, str]) -> _Rewrite:
+    """The rewrite that makes each of FILES hold its text. _Unreadable: one could not be read."""
+    old: dict[Path, bytes | None] = {}
+    planted: dict[Path, str] = {}
+    for path in files:
+        try:
+            old[path] = read_back(path, UPSTREAM_MAX_BYTES)
+        except FileNotFoundError:
+            old[path] = None
+        except Refused as e:
+            old[path], planted[path] = None, e.strerror or str(e)
+        except OSError as e:
+            raise _Unreadable(f"cannot read {path}: {e}") from e
+    return _Rewrite(old, planted, {path: text for path, text in files.items() if old[path] != text.encode()})
+
+
 def upstream_path(cfg: Config, upstream: str) -> Path:
     assert cfg.proxy.nginx_upstream_dir is not None
     return cfg.proxy.nginx_upstream_dir / f"{upstream}.conf"
@@ -248,7 +281,6 @@ class ProxySync:
         store: StateStore,
         journal: Journal,
         clock: Callable[[], Now],
-        persisted: frozenset[str] = frozenset(),
     ) -> None:
         self.cfg = cfg
         self.sd = sd
@@ -256,9 +288,9 @@ class ProxySync:
         self.journal = journal
         self.clock = clock
         # What the proxy has now. nginx's is unknown until its files have been compared once;
-        # the hooks' is what the state file says they were last told.
+        # the hooks' is what the state file says they were last told (adopt).
         self.nginx_down: frozenset[str] | None = None
-        self.hook_down: frozenset[str] = persisted
+        self.hook_down: frozenset[str] = frozenset()
         self.failed: frozenset[str] = frozenset()
         self.error: str | None = None
         self.retry_at_mono = 0.0
@@ -277,9 +309,31 @@ class ProxySync:
             out &= s if s is not None else frozenset()
         return out
 
-    def reconfigure(self, cfg: Config, store: StateStore) -> None:
-        """After a reload: the files may have moved or changed; compare them afresh."""
-        self.cfg, self.store, self.nginx_down = cfg, store, None
+    def adopt(self, persisted: Iterable[str], at_mono: float) -> dict[str, Drain]:
+        """At startup: what the state file says was marked down when guardian last ran (it may
+        have died in the middle of a drain) is what the hooks were told. The configured replicas
+        among them stay down until they serve (D10): said, and returned as the tick's drains."""
+        down = [name for name in persisted if self.cfg.replica(name) is not None]
+        self.hook_down = frozenset(down)
+        if not down or not self.cfg.proxy.enabled:
+            return {}
+        self.journal.send(
+            Priority.INFO,
+            f"proxy: {', '.join(down)} marked down when guardian last ran; each is marked up once it serves (D10)",
+        )
+        return {name: Drain(Phase.AWAY, at_mono, "marked down when guardian last ran") for name in down}
+
+    def reload(self, cfg: Config) -> None:
+        """The files may have moved or changed: compare them afresh."""
+        self.cfg, self.store, self.nginx_down = cfg, StateStore(cfg.state_dir), None
+
+    async def stop(self, timeout_s: float) -> int:
+        """A change under way is finished, so that the state file says what the proxy has."""
+        try:
+            await asyncio.wait_for(self.wait(), timeout_s)
+        except TimeoutError:
+            return 1
+        return 0
 
     def view(self) -> ProxyView | None:
         if not self.cfg.proxy.enabled:
@@ -335,32 +389,25 @@ class ProxySync:
 
     # --- nginx -------------------------------------------------------------------------------
     async def _nginx(self, want: frozenset[str]) -> str | None:
+        """Make nginx's upstream files say WANT: write, check, reload; None, or what failed (said)."""
         cfg = self.cfg
-        p = cfg.proxy
         files = {upstream_path(cfg, u): render_upstream(cfg, u, want) for u in upstreams(cfg)}
-        old: dict[Path, bytes | None] = {}
-        planted: dict[Path, str] = {}  # not a regular file guardian reads: replaced, never put back
-        for path in files:
-            try:
-                old[path] = read_back(path, UPSTREAM_MAX_BYTES)
-            except FileNotFoundError:
-                old[path] = None
-            except Refused as e:
-                old[path], planted[path] = None, e.strerror or str(e)
-            except OSError as e:
-                return self._say_nginx(want, f"cannot read {path}: {e}")
-        changed = {path: text for path, text in files.items() if old[path] != text.encode()}
-        if not changed:
+        try:
+            rewrite = _rewrite_of(files)
+        except _Unreadable as e:
+            return self._say_nginx(want, str(e))
+        if not rewrite.changed:
             self.nginx_down = want  # already so (at start, or after guardian was restarted)
             return None
         began = self.clock()
         try:
-            for path, text in changed.items():
+            for path, text in rewrite.changed.items():
                 atomic_write(path, text.encode(), 0o644)
         except OSError as e:
-            self._restore(old, changed)
-            return self._say_nginx(want, f"cannot write {e.filename or p.nginx_upstream_dir}: {e.strerror or e}")
-        for path, why in planted.items():
+            self._restore(rewrite)
+            where = e.filename or cfg.proxy.nginx_upstream_dir
+            return self._say_nginx(want, f"cannot write {where}: {e.strerror or e}")
+        for path, why in rewrite.planted.items():
             self.journal.line(
                 LogLine(
                     Priority.WARNING,
@@ -368,45 +415,55 @@ class ProxySync:
                     Decision.PROXY,
                 )
             )
-        check = await self._job("StartUnit", p.nginx_check_unit)
+        check = await self._job("StartUnit", cfg.proxy.nginx_check_unit)
         if check != JOB_DONE:
-            said = await unit_lines(p.nginx_check_unit, began.wall, 8)
-            detail = " | ".join(line for line in (said or []) if line.strip())[-OUTPUT_CHARS:]
-            self._restore(old, changed)
-            gone = "".join(f"; {path} is not put back (it was {why}): removed" for path, why in planted.items())
-            return self._say_nginx(
-                want,
-                f"nginx -t ({p.nginx_check_unit}) {check}: {detail or 'see journalctl -u ' + p.nginx_check_unit}; "
-                f"the previous upstream file is back and nginx was not reloaded{gone}",
-            )
+            return await self._check_failed(want, check, rewrite, began)
+        return await self._reload_nginx(want, rewrite, began)
+
+    async def _check_failed(self, want: frozenset[str], check: str, rewrite: _Rewrite, began: Now) -> str:
+        """nginx -t refused the new files: the previous ones are put back, nginx is not reloaded."""
+        unit = self.cfg.proxy.nginx_check_unit
+        said = await unit_lines(unit, began.wall, 8)
+        detail = " | ".join(line for line in (said or []) if line.strip())[-OUTPUT_CHARS:]
+        self._restore(rewrite)
+        gone = "".join(f"; {path} is not put back (it was {why}): removed" for path, why in rewrite.planted.items())
+        return self._say_nginx(
+            want,
+            f"nginx -t ({unit}) {check}: {detail or 'see journalctl -u ' + unit}; "
+            f"the previous upstream file is back and nginx was not reloaded{gone}",
+        )
+
+    async def _reload_nginx(self, want: frozenset[str], rewrite: _Rewrite, began: Now) -> str | None:
+        """Reload nginx onto the checked files and wait for its new workers to take over."""
+        unit = self.cfg.proxy.nginx_unit
         try:
-            running = (await self.sd.active_state(p.nginx_unit)).running
+            running = (await self.sd.active_state(unit)).running
         except SystemdError:
             running = True  # ask for the reload: its error says what is wrong
         if not running:  # nothing to reload: nginx reads the file when it starts
             self.nginx_down = want
-            self._say_written(want, changed, f"{p.nginx_unit} is not running, so it was not reloaded", began)
+            self._say_written(want, rewrite.changed, f"{unit} is not running, so it was not reloaded", began)
             return None
         before, unread = await self._workers()
-        reload = await self._job("ReloadUnit", p.nginx_unit)
+        reload = await self._job("ReloadUnit", unit)
         if reload != JOB_DONE:
             self.nginx_down = None  # the files are new, nginx may still run the old ones: compare again
-            return self._say_nginx(want, f"reload of {p.nginx_unit}: {reload} (the upstream file is written)")
-        how = f"{p.nginx_unit} reloaded"
+            return self._say_nginx(want, f"reload of {unit}: {reload} (the upstream file is written)")
+        how = f"{unit} reloaded"
         if before:
             took_s, why = await self._takeover(before)
             if took_s is None:
                 self.nginx_down = None
                 return self._say_nginx(
                     want,
-                    f"{p.nginx_unit} reloaded, but {NGINX_TAKEOVER_S:g} s later {why} "
-                    f"(the upstream file is written; see journalctl -u {p.nginx_unit})",
+                    f"{unit} reloaded, but {NGINX_TAKEOVER_S:g} s later {why} "
+                    f"(the upstream file is written; see journalctl -u {unit})",
                 )
             how += f", its new workers in charge after {took_s:.2f} s"
         else:
             how += f" (not confirmed that its new workers took over: {unread or 'no nginx worker found'})"
         self.nginx_down = want
-        self._say_written(want, changed, how, began)
+        self._say_written(want, rewrite.changed, how, began)
         return None
 
     async def _workers(self) -> tuple[frozenset[int], str | None]:
@@ -445,9 +502,9 @@ class ProxySync:
         except SystemdError as e:
             return f"could not be asked: {e}"
 
-    def _restore(self, old: dict[Path, bytes | None], changed: dict[Path, str]) -> None:
-        for path in changed:
-            prev = old[path]
+    def _restore(self, rewrite: _Rewrite) -> None:
+        for path in rewrite.changed:
+            prev = rewrite.old[path]
             try:
                 if prev is None:
                     with contextlib.suppress(FileNotFoundError):

@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
-from ..config import MAX_WINDOW_S
+from ..config import MAX_WINDOW_S, Config
 from ..core.liveness import CANARY_LATENCIES_KEPT
 from ..core.observations import Pause, PersistentView, RestartRequest
 from ..observe.clock import Now, boot_id
@@ -122,8 +122,8 @@ def _empty() -> StateDoc:
 Stamp = dict[str, float | None]
 
 
-def stamp(now: Now) -> Stamp:
-    return {"wall": now.wall, "mono": now.mono}
+def stamp(at: Now) -> Stamp:
+    return {"wall": at.wall, "mono": at.mono}
 
 
 def _number(value: Any) -> float:
@@ -166,24 +166,25 @@ def _table(value: Any) -> dict[str, Any]:
     return value
 
 
-def _validate(data: Any, now: Now) -> StateDoc:
-    """Typed validation: anything of the wrong type, or not a time, makes the file corrupt."""
+def _validate(data: Any, latest: Now) -> StateDoc:
+    """Typed validation: anything of the wrong type, or not a time, makes the file corrupt; a time
+    after LATEST (now) is clamped to it."""
     if not isinstance(data, dict) or data.get("version") != STATE_VERSION:
         raise ValueError("not a guardian state file of version 1")
     out = _empty()
     for name, times in _table(data.get("restarts", {})).items():
         if not isinstance(times, list):
             raise ValueError(f"restarts of {name!r} is not a list")
-        out["restarts"][name] = sorted((_time(t, now) for t in times), key=lambda st: st["wall"] or 0.0)
+        out["restarts"][name] = sorted((_time(t, latest) for t in times), key=lambda st: st["wall"] or 0.0)
     for name, p in _table(data.get("pauses", {})).items():
         until = _table(p).get("until")
         if until is not None:  # a pause's end lies in the future, at most the longest pause away
-            until = _time(until, Now(now.mono + MAX_WINDOW_S, now.wall + MAX_WINDOW_S))
+            until = _time(until, Now(latest.mono + MAX_WINDOW_S, latest.wall + MAX_WINDOW_S))
         out["pauses"][name] = {"until": until, "reason": _text(p.get("reason", "operator"))}
     for name, t in _table(data.get("resumed_at", {})).items():
-        out["resumed_at"][name] = _time(t, now)
+        out["resumed_at"][name] = _time(t, latest)
     for rid, q in _table(data.get("requests", {})).items():
-        out["requests"][rid] = {"replica": _text(_table(q)["replica"]), "at": _time(q["at"], now)}
+        out["requests"][rid] = {"replica": _text(_table(q)["replica"]), "at": _time(q["at"], latest)}
     for rid, a in _table(data.get("answers", {})).items():
         a = _table(a)
         if not isinstance(a["ok"], bool):
@@ -192,7 +193,7 @@ def _validate(data: Any, now: Now) -> StateDoc:
             "replica": _text(a["replica"]),
             "ok": a["ok"],
             "message": _text(a["message"]),
-            "at": _time(a["at"], now),
+            "at": _time(a["at"], latest),
         }
     for name, latencies in _table(data.get("canary_latencies", {})).items():
         if not isinstance(latencies, list):
@@ -300,15 +301,15 @@ class StateStore:
         return data
 
 
-def view(data: StateDoc, now: Now, this_boot: str | None = None) -> PersistentView:
-    """The core's view: every time on the monotonic clock of NOW."""
+def view(data: StateDoc, at: Now, this_boot: str | None = None) -> PersistentView:
+    """The core's view: every time on the monotonic clock of AT."""
     same_boot = data.get("boot_id") == (boot_id() if this_boot is None else this_boot) and data.get("boot_id")
 
     def mono(st: Stamp) -> float:
         m, wall = st.get("mono"), st.get("wall") or 0.0
         if same_boot and m is not None:
             return m
-        return now.mono_of(wall)
+        return at.mono_of(wall)
 
     def until(st: Stamp | None) -> float | None:
         if st is None:
@@ -316,7 +317,7 @@ def view(data: StateDoc, now: Now, this_boot: str | None = None) -> PersistentVi
         m = st.get("mono")
         if same_boot and m is not None:
             return m
-        return now.mono - (now.wall - (st.get("wall") or 0.0))  # an end may lie ahead
+        return at.mono - (at.wall - (st.get("wall") or 0.0))  # an end may lie ahead
 
     return PersistentView(
         restarts={k: tuple(sorted(mono(st) for st in v)) for k, v in data["restarts"].items()},
@@ -333,9 +334,9 @@ def view(data: StateDoc, now: Now, this_boot: str | None = None) -> PersistentVi
     )
 
 
-def record_restart(data: StateDoc, replica: str, now: Now, keep_s: float) -> None:
-    times = [st for st in data["restarts"].get(replica, []) if (st.get("wall") or 0.0) > now.wall - keep_s]
-    data["restarts"][replica] = [*times, stamp(now)]
+def record_restart(data: StateDoc, replica: str, at: Now, keep_s: float) -> None:
+    times = [st for st in data["restarts"].get(replica, []) if (st.get("wall") or 0.0) > at.wall - keep_s]
+    data["restarts"][replica] = [*times, stamp(at)]
 
 
 def record_canary_latencies(data: StateDoc, latencies: tuple[tuple[str, tuple[float, ...]], ...]) -> None:
@@ -346,13 +347,13 @@ def record_canary_latencies(data: StateDoc, latencies: tuple[tuple[str, tuple[fl
         data["canary_latencies"][name] = kept[-CANARY_LATENCIES_KEPT:]
 
 
-def record_answer(data: StateDoc, request_id: str, replica: str, ok: bool, message: str, now: Now) -> None:
+def record_answer(data: StateDoc, request_id: str, replica: str, ok: bool, message: str, at: Now) -> None:
     """Move a request to the answers (and forget answers nobody fetched for ANSWERS_KEPT_S)."""
     data["requests"].pop(request_id, None)
     data["answers"] = {
-        k: a for k, a in data["answers"].items() if (a["at"].get("wall") or 0.0) > now.wall - ANSWERS_KEPT_S
+        k: a for k, a in data["answers"].items() if (a["at"].get("wall") or 0.0) > at.wall - ANSWERS_KEPT_S
     }
-    data["answers"][request_id] = {"replica": replica, "ok": ok, "message": message, "at": stamp(now)}
+    data["answers"][request_id] = {"replica": replica, "ok": ok, "message": message, "at": stamp(at)}
 
 
 class StateCache:
@@ -389,9 +390,23 @@ class StateCache:
         self._view = None
         return problems
 
-    def view(self, now: Now) -> PersistentView:
+    def reset(self, cfg: Config) -> list[str]:
+        """At start and on reload: the state file in CFG's state_dir, where replicas no longer
+        configured leave no history behind, read afresh (nothing loaded before is kept)."""
+        self.store, self.data, self._view, self._loaded = StateStore(cfg.state_dir), _empty(), None, False
+        replicas = {r.name for r in cfg.replicas}
+        problems = []
+        try:
+            self.store.update(lambda d: forget_unconfigured(d, replicas))
+        except CorruptState as e:
+            problems.append(str(e))
+        except OSError as e:
+            problems.append(f"cannot update state in {self.store.dir}: {e}")
+        return problems + self.load(force=True)
+
+    def view(self, at: Now) -> PersistentView:
         """Converted once per load: monotonic times do not move, and wall times only map anew
         after a reload of the file."""
         if self._view is None:
-            self._view = view(self.data, now)
+            self._view = view(self.data, at)
         return self._view

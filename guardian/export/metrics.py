@@ -1,4 +1,5 @@
-"""guardian's own metrics, folded from each tick's state, observation and actions.
+"""guardian's own metrics: what was done, counted as the executor performs each action, and
+gauges set from each tick's state and observation.
 
 Names follow Prometheus' rules: the `guardian_` prefix, base units (seconds, bytes, ratios),
 `_total` only on counters, labels of low cardinality (replica, unit, state, reason, gate, kind).
@@ -8,17 +9,18 @@ Counters count since guardian started; Prometheus' rate() and increase() handle 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from ..config import Config
+from ..config import Config, ReplicaConfig
 from ..core import admission
 from ..core.actions import Action, LogLine, LowerFraction, RestartUnit
 from ..core.bypass import Bypass
 from ..core.hazards import Hazard
 from ..core.liveness import Track
-from ..core.observations import PersistentView, TickObservation
+from ..core.observations import PersistentView, ReplicaObservation, TickObservation
+from ..core.tick import TickState
 from ..core.vocab import RESTART_STATES, SERVING_STATES, Decision, RestartKind, State
 from ..observe.clock import Now
 
@@ -43,126 +45,133 @@ def detection_start(t: Track) -> float | None:
 
 
 class Metrics:
+    """guardian's registry. The executor tells it of every action it performs (count); the daemon
+    sets the gauges after each tick (gauges, tick_done) and after a scan (set_hazards)."""
+
     def __init__(self, version: str) -> None:
-        self.registry = r = CollectorRegistry(auto_describe=True)
-        self.build_info = Gauge("guardian_build_info", "guardian's version (always 1)", ["version"], registry=r)
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.build_info = self._gauge("guardian_build_info", "guardian's version (always 1)", "version")
         self.build_info.labels(version).set(1)
-        self.state = Gauge(
-            "guardian_replica_state",
-            "1 for the replica's current verdict, 0 for the others",
-            ["replica", "unit", "state"],
-            registry=r,
-        )
-        self.info = Gauge(
-            "guardian_replica_info",
-            "a configured replica (always 1): its unit and model",
-            ["replica", "unit", "model"],
-            registry=r,
-        )
-        self.restarts = Counter(
-            "guardian_restarts",
-            "restarts guardian issued, by reason (a verdict, operator, memory)",
-            ["replica", "reason"],
-            registry=r,
-        )
-        self.refusals = Counter(
-            "guardian_restart_refusals",
-            "restart refusals, once per episode, by the gate that refused",
-            ["replica", "gate"],
-            registry=r,
-        )
-        self.budget = Gauge(
-            "guardian_restart_budget_remaining", "restarts left in the replica's budget window", ["replica"], registry=r
-        )
-        self.gave_up = Gauge(
-            "guardian_gave_up", "1 while the replica needs a restart and its budget is spent", ["replica"], registry=r
-        )
-        self.detection = Histogram(
-            "guardian_detection_seconds",
-            "from the start of a hang to the restart decision",
-            buckets=DETECTION_BUCKETS_S,
-            registry=r,
-        )
-        self.to_serving = Histogram(
-            "guardian_restart_to_serving_seconds",
-            "from a restart decision to the replica judged serving again",
-            buckets=TO_SERVING_BUCKETS_S,
-            registry=r,
-        )
-        self.canary = Histogram(
-            "guardian_canary_duration_seconds",
-            "canary completions, each to its answer or failure",
-            buckets=CANARY_BUCKETS_S,
-            registry=r,
-        )
-        self.canary_failures = Counter("guardian_canary_failures", "canaries that failed", ["replica"], registry=r)
-        self.last_progress = Gauge(
-            "guardian_replica_last_progress_timestamp_seconds",
-            "wall time of the replica's last progress (token counters, kv cache or requests moved)",
-            ["replica"],
-            registry=r,
-        )
-        self.fraction = Gauge(
-            "guardian_replica_gpu_memory_utilization_ratio",
-            "the replica's gpu_memory_utilization as its /metrics reports it",
-            ["replica"],
-            registry=r,
-        )
-        self.mem_available = Gauge(
-            "guardian_memory_available_bytes", "MemAvailable: what everything else can still get", registry=r
-        )
-        self.psi_some = Gauge(
-            "guardian_memory_pressure_some_ratio",
-            "share of the last 10 s some task stalled on memory (PSI some avg10)",
-            registry=r,
-        )
-        self.mem_floor = Gauge(
-            "guardian_memory_floor_ratio", "the memory guard's floor: no fraction goes below it", registry=r
-        )
-        self.lowerings = Counter(
-            "guardian_memory_lowerings", "fractions the memory guard lowered", ["replica"], registry=r
-        )
-        self.hazards = Gauge("guardian_hazards", "1 for each hazard present now", ["kind", "unit"], registry=r)
-        self.bypass = Gauge(
-            "guardian_bypass_connections",
-            "connections to a replica's own port from a client that bypasses the proxy (at most 8 per replica)",
-            ["replica", "peer"],
-            registry=r,
-        )
-        self.tick = Histogram(
-            "guardian_tick_duration_seconds", "one tick, observe to act", buckets=TICK_BUCKETS_S, registry=r
-        )
-        self.last_tick = Gauge("guardian_last_tick_timestamp_seconds", "wall time the last tick completed", registry=r)
+        self._replica_families()
+        self._restart_families()
+        self._box_families()
         self._decided_at: dict[str, float] = {}  # replica -> mono of its last restart decision
 
-    # --- folding one tick -------------------------------------------------------------------
-    def fold(
-        self,
-        cfg: Config,
-        tracks: dict[str, Track],
-        obs: TickObservation,
-        actions: Iterable[Action],
-        persistent: PersistentView,
-        now: Now,
-    ) -> None:
+    def _replica_families(self) -> None:
+        """The replicas' verdicts, progress and fractions, and the clients that bypass the proxy."""
+        gauge = self._gauge
+        self.state = gauge(
+            "guardian_replica_state",
+            "1 for the replica's current verdict, 0 for the others",
+            "replica",
+            "unit",
+            "state",
+        )
+        self.info = gauge(
+            "guardian_replica_info", "a configured replica (always 1): its unit and model", "replica", "unit", "model"
+        )
+        self.last_progress = gauge(
+            "guardian_replica_last_progress_timestamp_seconds",
+            "wall time of the replica's last progress (token counters, kv cache or requests moved)",
+            "replica",
+        )
+        self.fraction = gauge(
+            "guardian_replica_gpu_memory_utilization_ratio",
+            "the replica's gpu_memory_utilization as its /metrics reports it",
+            "replica",
+        )
+        self.bypass = gauge(
+            "guardian_bypass_connections",
+            "connections to a replica's own port from a client that bypasses the proxy (at most 8 per replica)",
+            "replica",
+            "peer",
+        )
+
+    def _restart_families(self) -> None:
+        """Restarts, refusals and canaries."""
+        gauge, counter, histogram = self._gauge, self._counter, self._histogram
+        self.restarts = counter(
+            "guardian_restarts",
+            "restarts guardian issued, by reason (a verdict, operator, memory)",
+            "replica",
+            "reason",
+        )
+        self.refusals = counter(
+            "guardian_restart_refusals",
+            "restart refusals, once per episode, by the gate that refused",
+            "replica",
+            "gate",
+        )
+        self.budget = gauge(
+            "guardian_restart_budget_remaining", "restarts left in the replica's budget window", "replica"
+        )
+        self.gave_up = gauge(
+            "guardian_gave_up", "1 while the replica needs a restart and its budget is spent", "replica"
+        )
+        self.detection = histogram(
+            "guardian_detection_seconds", "from the start of a hang to the restart decision", DETECTION_BUCKETS_S
+        )
+        self.to_serving = histogram(
+            "guardian_restart_to_serving_seconds",
+            "from a restart decision to the replica judged serving again",
+            TO_SERVING_BUCKETS_S,
+        )
+        self.canary = histogram(
+            "guardian_canary_duration_seconds", "canary completions, each to its answer or failure", CANARY_BUCKETS_S
+        )
+        self.canary_failures = counter("guardian_canary_failures", "canaries that failed", "replica")
+
+    def _box_families(self) -> None:
+        """The box's memory, the hazards, the loop."""
+        gauge, counter, histogram = self._gauge, self._counter, self._histogram
+        self.mem_available = gauge(
+            "guardian_memory_available_bytes", "MemAvailable: what everything else can still get"
+        )
+        self.psi_some = gauge(
+            "guardian_memory_pressure_some_ratio", "share of the last 10 s some task stalled on memory (PSI some avg10)"
+        )
+        self.mem_floor = gauge("guardian_memory_floor_ratio", "the memory guard's floor: no fraction goes below it")
+        self.lowerings = counter("guardian_memory_lowerings", "fractions the memory guard lowered", "replica")
+        self.hazards = gauge("guardian_hazards", "1 for each hazard present now", "kind", "unit")
+        self.tick = histogram("guardian_tick_duration_seconds", "one tick, observe to act", TICK_BUCKETS_S)
+        self.last_tick = gauge("guardian_last_tick_timestamp_seconds", "wall time the last tick completed")
+
+    def _gauge(self, name: str, documentation: str, *labels: str) -> Gauge:
+        return Gauge(name, documentation, labels, registry=self.registry)
+
+    def _counter(self, name: str, documentation: str, *labels: str) -> Counter:
+        return Counter(name, documentation, labels, registry=self.registry)
+
+    def _histogram(self, name: str, documentation: str, buckets_s: tuple[float, ...]) -> Histogram:
+        return Histogram(name, documentation, buckets=buckets_s, registry=self.registry)
+
+    # --- what was done, as the executor performs it ------------------------------------------
+    def count(self, action: Action, tracks: Mapping[str, Track], at: Now) -> None:
+        """Count ACTION, performed AT, decided from the replicas' TRACKS (for a restart's reason and
+        how long its hang went undetected)."""
+        if isinstance(action, RestartUnit):
+            t = tracks.get(action.replica)
+            reason = "operator" if action.kind is RestartKind.OPERATOR else str(t.state if t else "unknown")
+            self.restarts.labels(action.replica, reason).inc()
+            self._decided_at[action.replica] = at.mono
+            start = detection_start(t) if t is not None and action.kind is RestartKind.HANG else None
+            if start is not None:
+                self.detection.observe(max(0.0, at.mono - start))
+        elif isinstance(action, LowerFraction):
+            self.lowerings.labels(action.replica).inc()
+            if action.restart:
+                self.restarts.labels(action.replica, "memory").inc()
+                self._decided_at[action.replica] = at.mono
+        elif isinstance(action, LogLine) and action.decision is Decision.REFUSED and action.replica and action.gate:
+            self.refusals.labels(action.replica, str(action.gate)).inc()
+
+    # --- the state after a tick ----------------------------------------------------------------
+    def gauges(self, cfg: Config, state: TickState, obs: TickObservation, persistent: PersistentView, at: Now) -> None:
+        """The replicas' and the box's gauges after the tick that observed OBS and left STATE, AT."""
         # NaN while the memory guard is off: every comparison with it is false (no floor alert)
         self.mem_floor.set(cfg.memory.floor if cfg.memory.enabled else float("nan"))
-        for a in actions:
-            if isinstance(a, RestartUnit):
-                t = tracks.get(a.replica)
-                reason = "operator" if a.kind is RestartKind.OPERATOR else str(t.state if t else "unknown")
-                self.restarts.labels(a.replica, reason).inc()
-                self._decided_at[a.replica] = now.mono
-                start = detection_start(t) if t is not None and a.kind is RestartKind.HANG else None
-                if start is not None:
-                    self.detection.observe(max(0.0, now.mono - start))
-            elif isinstance(a, LowerFraction):
-                self.lowerings.labels(a.replica).inc()
-                if a.restart:
-                    self.restarts.labels(a.replica, "memory").inc()
-                    self._decided_at[a.replica] = now.mono
-            elif isinstance(a, LogLine) and a.decision is Decision.REFUSED and a.replica and a.gate:
-                self.refusals.labels(a.replica, str(a.gate)).inc()
+        self._set_bypass(state.bypassing)
+        tracks = state.tracks
         self.state.clear()
         self.info.clear()
         for g in (self.budget, self.gave_up, self.last_progress, self.fraction):
@@ -170,37 +179,46 @@ class Metrics:
         for r in cfg.replicas:
             self.info.labels(r.name, r.unit, r.model).set(1)
             t = tracks.get(r.name)
-            if t is None:
-                continue
-            for s in State:
-                self.state.labels(r.name, r.unit, str(s)).set(1 if s is t.state else 0)
-            b = admission.budget(r.name, persistent, now.mono, cfg)
-            self.budget.labels(r.name).set(max(0, b.limit - b.used))
-            self.gave_up.labels(r.name).set(1 if b.spent and t.state in RESTART_STATES else 0)
-            if t.last_progress_at is not None:
-                self.last_progress.labels(r.name).set(now.wall - (now.mono - t.last_progress_at))
-            o = obs.replicas.get(r.name)
-            if o is not None and o.metrics is not None and o.metrics.gpu_memory_utilization is not None:
-                self.fraction.labels(r.name).set(o.metrics.gpu_memory_utilization)
-            if o is not None and o.canary is not None:
-                self.canary.observe(o.canary.latency_s)
-                if not o.canary.ok:
-                    self.canary_failures.labels(r.name).inc()
-            decided = self._decided_at.get(r.name)
-            if decided is not None and t.state in SERVING_STATES and t.start_ts is not None and t.start_ts >= decided:
-                self.to_serving.observe(max(0.0, now.mono - decided))
-                del self._decided_at[r.name]
+            if t is not None:
+                self._replica(cfg, r, t, obs.replicas.get(r.name), persistent, at)
         if obs.memory is not None:
             self.mem_available.set(obs.memory.sample.available_bytes)
             if obs.memory.sample.psi_some_avg10 is not None:
                 self.psi_some.set(obs.memory.sample.psi_some_avg10 / 100)
+
+    def _replica(
+        self,
+        cfg: Config,
+        r: ReplicaConfig,
+        t: Track,
+        o: ReplicaObservation | None,
+        persistent: PersistentView,
+        at: Now,
+    ) -> None:
+        for s in State:
+            self.state.labels(r.name, r.unit, str(s)).set(1 if s is t.state else 0)
+        b = admission.budget(r.name, persistent, at.mono, cfg)
+        self.budget.labels(r.name).set(max(0, b.limit - b.used))
+        self.gave_up.labels(r.name).set(1 if b.spent and t.state in RESTART_STATES else 0)
+        if t.last_progress_at is not None:
+            self.last_progress.labels(r.name).set(at.wall - (at.mono - t.last_progress_at))
+        if o is not None and o.metrics is not None and o.metrics.gpu_memory_utilization is not None:
+            self.fraction.labels(r.name).set(o.metrics.gpu_memory_utilization)
+        if o is not None and o.canary is not None:
+            self.canary.observe(o.canary.latency_s)
+            if not o.canary.ok:
+                self.canary_failures.labels(r.name).inc()
+        decided = self._decided_at.get(r.name)
+        if decided is not None and t.state in SERVING_STATES and t.start_ts is not None and t.start_ts >= decided:
+            self.to_serving.observe(max(0.0, at.mono - decided))
+            del self._decided_at[r.name]
 
     def set_hazards(self, found: Iterable[Hazard]) -> None:
         self.hazards.clear()
         for h in found:
             self.hazards.labels(h.key.split(":", 1)[0], h.unit or "").set(1)
 
-    def set_bypass(self, bypassing: Iterable[Bypass]) -> None:
+    def _set_bypass(self, bypassing: Iterable[Bypass]) -> None:
         """Bounded in cardinality: the 8 peers with the most connections per replica."""
         self.bypass.clear()
         per: dict[str, list[Bypass]] = {}
@@ -210,9 +228,9 @@ class Metrics:
             for b in sorted(found, key=lambda b: (-b.connections, b.peer))[:MAX_BYPASS_PEERS]:
                 self.bypass.labels(replica, b.peer).set(b.connections)
 
-    def tick_done(self, duration_s: float, now: Now) -> None:
+    def tick_done(self, duration_s: float, at: Now) -> None:
         self.tick.observe(duration_s)
-        self.last_tick.set(now.wall)
+        self.last_tick.set(at.wall)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

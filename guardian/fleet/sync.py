@@ -17,6 +17,8 @@ ReleaseSlot), as tasks, each under the same bound. When etcd cannot be reached, 
 not etcd's, or anything at all goes wrong in the step, this is said once; the view says so to the
 core, which holds planned restarts (core/fleet.py F3). A value under the prefix that is not a
 guardian's is skipped, said once, and the rest of the view is used.
+
+FleetSync is one membership (one lease); Fleet is the daemon's part that holds it across reloads.
 """
 
 from __future__ import annotations
@@ -25,16 +27,17 @@ import asyncio
 import contextlib
 import json
 import socket
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import replace
 from typing import Any
 
 from ..config import Config
-from ..core.actions import AcquireSlot, Action, LogLine, ReleaseSlot
+from ..core.actions import AcquireSlot, LogLine, ReleaseSlot
 from ..core.liveness import Track
-from ..core.observations import FleetMember, FleetSlot, FleetView
-from ..core.vocab import Decision, Priority
+from ..core.observations import FleetMember, FleetSlot, FleetView, TickObservation
+from ..core.vocab import Decision, Priority, State
 from ..observe.clock import Now
-from .etcd import KV, Compare, Etcd, EtcdError, delete_op, json_kind, put_op
+from .etcd import KV, Compare, Etcd, EtcdError, Tls, delete_op, json_kind, put_op
 
 
 def box_name(cfg: Config) -> str:
@@ -46,15 +49,12 @@ def make_etcd(cfg: Config) -> Etcd:
     password = None
     if f.password_file is not None:
         password = f.password_file.read_text().strip()  # OSError: said by the caller
-    return Etcd(
-        f.endpoints,
-        f.timeout_s,
+    tls = Tls(
         str(f.ca_file) if f.ca_file else None,
         str(f.cert_file) if f.cert_file else None,
         str(f.key_file) if f.key_file else None,
-        f.username or None,
-        password,
     )
+    return Etcd(f.endpoints, f.timeout_s, tls, f.username or None, password)
 
 
 # A guardian writes values of about 200 bytes, every field text. Anyone who can write under the
@@ -166,8 +166,8 @@ class FleetSync:
         """The bound on one whole step, slot request or slot release, waiting for the lock included."""
         return 2 * self.cfg.fleet.timeout_s
 
-    async def step(self, tracks: dict[str, Track], now: Now) -> FleetView:
-        failed = await self._locked(self._step(tracks, now))
+    async def step(self, tracks: dict[str, Track], at: Now) -> FleetView:
+        failed = await self._locked(self._step(tracks, at))
         if failed is not None:  # whatever etcd sent, the tick goes on: the fleet is unreadable
             return self.unreadable(failed)
         if self.down_said:
@@ -204,13 +204,13 @@ class FleetSync:
             )
         return self.view
 
-    async def _step(self, tracks: dict[str, Track], now: Now) -> None:
+    async def _step(self, tracks: dict[str, Track], at: Now) -> None:
         f = self.cfg.fleet
         if self.etcd is None:
             self.etcd = make_etcd(self.cfg)
-        if self.lease is not None and now.mono - self.renewed_mono >= f.lease_ttl_s / 3:
+        if self.lease is not None and at.mono - self.renewed_mono >= f.lease_ttl_s / 3:
             if await self.etcd.keepalive(self.lease) > 0:
-                self.renewed_mono = now.mono
+                self.renewed_mono = at.mono
             else:
                 held = [s.replica for s, _ in self.slot_kvs if s.box == self.box]
                 self._say(
@@ -222,7 +222,7 @@ class FleetSync:
                 self.lease = None
         if self.lease is None:
             self.lease = await self.etcd.grant(f.lease_ttl_s)
-            self.renewed_mono = now.mono
+            self.renewed_mono = at.mono
             self.published = {}
             self._say(
                 Priority.INFO,
@@ -231,8 +231,8 @@ class FleetSync:
             )
         for r in self.cfg.replicas:
             t = tracks.get(r.name)
-            state = str(t.state) if t is not None else "starting"
-            since = now.wall - (now.mono - t.state_since) if t is not None else now.wall
+            state = str(t.state if t is not None else State.STARTING)
+            since = at.wall - (at.mono - t.state_since) if t is not None else at.wall
             value = json.dumps(
                 {"box": self.box, "name": r.name, "unit": r.unit, "model": r.model, "state": state},
                 sort_keys=True,
@@ -267,12 +267,11 @@ class FleetSync:
         self.skipped_said = {k for k, _ in skipped}
 
     # --- slots ---------------------------------------------------------------------------------
-    def perform(self, actions: list[Action]) -> None:
-        for a in actions:
-            if isinstance(a, AcquireSlot):
-                self._spawn(self.acquire(a.replica, a.model))
-            elif isinstance(a, ReleaseSlot):
-                self._spawn(self.release(a.replica))
+    def acquire_slot(self, action: AcquireSlot) -> None:
+        self._spawn(self.acquire(action.replica, action.model))
+
+    def release_slot(self, action: ReleaseSlot) -> None:
+        self._spawn(self.release(action.replica))
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
@@ -335,6 +334,62 @@ class FleetSync:
     def _say(self, priority: Priority, text: str, replica: str | None = None) -> None:
         r = self.cfg.replica(replica) if replica else None
         self.journal.line(LogLine(priority, text, Decision.FLEET, replica, r.unit if r else None))
+
+
+class Fleet:
+    """The daemon's fleet part: this box's membership (a FleetSync; None while [fleet] is off)
+    across reloads. A reload that changes [fleet] leaves the fleet, its lease revoked in the
+    background and waited for at stop, and joins anew with the new settings at the next step."""
+
+    def __init__(self, cfg: Config, journal: Any, clock: Callable[[], Now]) -> None:
+        self.journal = journal
+        self.clock = clock
+        self.membership = FleetSync(cfg, journal, clock) if cfg.fleet.enabled else None
+        self.leaving: set[asyncio.Future[None]] = set()
+
+    async def beside(self, observing: Awaitable[TickObservation], tracks: dict[str, Track], at: Now) -> TickObservation:
+        """OBSERVING, with this tick's fleet view read beside it: neither waits for the other."""
+        obs, view = await asyncio.gather(observing, self.step(tracks, at))
+        return replace(obs, fleet=view)
+
+    async def step(self, tracks: dict[str, Track], at: Now) -> FleetView | None:
+        """This tick's fleet view (None: no fleet). Whatever the step raises (it should catch
+        everything itself) is an unreadable fleet for this tick, said once, never a tick abandoned,
+        which would stop the watchdog's pings and have systemd restart guardian over something etcd
+        sent."""
+        if self.membership is None:
+            return None
+        try:
+            return await self.membership.step(tracks, at)
+        except Exception as e:  # noqa: BLE001 - planned restarts wait (F3); the tick acts on everything else
+            return self.membership.unreadable(f"{type(e).__name__}: {e}")
+
+    def acquire_slot(self, action: AcquireSlot) -> None:
+        if self.membership is not None:
+            self.membership.acquire_slot(action)
+
+    def release_slot(self, action: ReleaseSlot) -> None:
+        if self.membership is not None:
+            self.membership.release_slot(action)
+
+    def reload(self, cfg: Config) -> None:
+        if self.membership is not None and cfg.fleet != self.membership.cfg.fleet:
+            self.leaving.add(asyncio.ensure_future(self.membership.close()))
+            self.membership = None
+        if self.membership is not None:
+            self.membership.cfg = cfg
+        elif cfg.fleet.enabled:
+            self.membership = FleetSync(cfg, self.journal, self.clock)
+
+    async def stop(self, timeout_s: float) -> int:
+        """This box leaves the fleet view at once (its lease revoked), and the fleets left on reload
+        finish leaving. None of it counts as cut short: each wait is bounded by the fleet's own
+        deadlines."""
+        if self.membership is not None:
+            await self.membership.close()
+        if self.leaving:
+            await asyncio.wait(self.leaving, timeout=timeout_s)
+        return 0
 
 
 def read_deadline_s(cfg: Config) -> float:

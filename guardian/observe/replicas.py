@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import replace
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
@@ -106,7 +107,7 @@ class UnitInfoCache:
     fingerprint (states, job, invocation id) is cheap. The full view is asked again when the
     fingerprint changes, after a daemon-reload, a change of unit files or a bus reconnect
     (invalidate()), and at least every max_age_s. Restarts re-check the
-    unit gates on a fresh, uncached view anyway (executor.checked_restart).
+    unit gates on a fresh, uncached view anyway (act/restart.checked_restart).
     """
 
     def __init__(self, max_age_s: float = 30.0) -> None:
@@ -232,21 +233,29 @@ async def _send(client: httpx.AsyncClient, r: ReplicaConfig, endpoint: str) -> A
     return await probes.probe_models(client, r)
 
 
+@dataclass(frozen=True)
+class Results:
+    """What the executor's tasks brought back since the last tick (Executor.take_results), for the
+    observation of their replicas: the canaries' results and the restarts' outcomes."""
+
+    canaries: Mapping[str, CanaryResult] = field(default_factory=dict)
+    outcomes: Mapping[str, RestartOutcome] = field(default_factory=dict)
+
+
 def replica_observation(
     r: ReplicaConfig,
-    at: float,
-    unit_view: UnitView,
-    owner: PortOwner | None,
-    canary: CanaryResult | None,
-    outcome: RestartOutcome | None,
-    results: ProbeResults,
-    pending_s: float | None = None,
+    at_mono: float,
+    views: tuple[UnitView, PortOwner | None],
+    results: Results,
+    probed: tuple[ProbeResults, float | None],
 ) -> ReplicaObservation:
-    unit, unit_error = unit_view
-    health, (mprobe, sample), (models_probe, models) = results
+    """R's observation from its unit's and port's VIEWS, the executor's RESULTS and its probes
+    (PROBED: their results, and how long they have been pending when none answered)."""
+    (unit, unit_error), owner = views
+    (health, (mprobe, sample), (models_probe, models)), pending_s = probed
     return ReplicaObservation(
         name=r.name,
-        at=at,
+        at=at_mono,
         unit=unit,
         unit_error=unit_error,
         health=health,
@@ -255,62 +264,20 @@ def replica_observation(
         models_probe=models_probe,
         models=models,
         port_owner=owner,
-        canary=canary,
-        restart_outcome=outcome,
+        canary=results.canaries.get(r.name),
+        restart_outcome=results.outcomes.get(r.name),
         probes_pending_s=pending_s,
     )
 
 
-async def observe_all(
-    cfg: Config,
-    sd: Systemd,
-    client: httpx.AsyncClient,
-    at: float,
-    canaries: dict[str, CanaryResult],
-    outcomes: dict[str, RestartOutcome],
-    port_cache: PortOwnerCache,
-    unit_cache: UnitInfoCache,
-    carry: ProbeCarry | None = None,
-    wait_s: float | None = None,
-    containers: ContainerWatch | None = None,
-) -> dict[str, ReplicaObservation]:
-    """One observation per replica. With CARRY, probes still running after WAIT_S are carried over
-    (see ProbeCarry); without, every probe is waited for (its own timeout bounds it). CONTAINERS
-    names the containers that hold ports and stands in for the unit of a unit-less container."""
-    carry = carry if carry is not None else ProbeCarry()
-    carry.forget({r.name for r in cfg.replicas})
-    tasks = [task for r in cfg.replicas for task in carry.start(client, r, at)]
-    containers = containers if containers is not None else ContainerWatch(sd)
+@dataclass(frozen=True)
+class UnitScan:
+    """Each replica's unit (by unit name; None: not seen), and every enabled service unit file with
+    the units it conflicts with (empty, and why, when systemd could not list them)."""
 
-    async def views() -> tuple[dict[int, PortOwner], dict[str, UnitView]]:
-        owners, units = await asyncio.gather(
-            port_cache.get(sd, {r.port for r in cfg.replicas}),
-            unit_cache.get(sd, [r.unit for r in cfg.replicas if not r.unitless], time.monotonic()),
-        )
-        if any(r.container is not None for r in cfg.replicas):
-            owners = await containers.owners(cfg.replicas, owners)
-            for r in cfg.replicas:
-                if r.unitless:
-                    units[r.unit] = await containers.unitless_view(r)
-        return owners, units
-
-    (owners, units), _ = await asyncio.gather(
-        views(),
-        asyncio.wait(tasks, timeout=wait_s) if tasks else asyncio.sleep(0),
-    )
-    judged_at = time.monotonic() if wait_s is not None else at
-    out: dict[str, ReplicaObservation] = {}
-    for r in cfg.replicas:
-        out[r.name] = replica_observation(
-            r,
-            at,
-            units[r.unit],
-            owners.get(r.port),
-            canaries.pop(r.name, None),
-            outcomes.pop(r.name, None),
-            *carry.take(r.name, judged_at),
-        )
-    return out
+    units: dict[str, UnitInfo | None]
+    enabled_conflicts: dict[str, tuple[str, ...]]
+    enabled_error: str | None = None
 
 
 class WorldObserver:
@@ -330,7 +297,7 @@ class WorldObserver:
 
     async def _look(self, cfg: Config, mono: float) -> dict[str, ConnView | None]:
         """The kernel's view, never an exception: beside the probes, a failure here would lose
-        their results and the canaries' (taken from the executor as they are read)."""
+        their results and the executor's (taken as they are read)."""
         # A Docker replica's work is done in its container's scope, not in its unit (the docker CLI).
         scopes = {r.name: self.containers.scope_of(r) for r in cfg.replicas if r.engine == "docker" and r.container}
         self.conns.cpu_units = {name: scope for name, scope in scopes.items() if scope is not None}
@@ -340,38 +307,85 @@ class WorldObserver:
             self.conns.unavailable = f"the kernel's view failed: {type(e).__name__}: {e}"[:300]
             return {}
 
+    def start(self, cfg: Config) -> list[str]:
+        """Open what CFG needs (NVML, once, for the memory guard); what to say about it."""
+        return [f"memory guard: {self.memory.start()}"] if cfg.memory.enabled else []
+
     def invalidate(self) -> None:
         """systemd reloaded, unit files changed, or the bus dropped: no cached unit view is trusted."""
         self.unit_cache.invalidate()
+
+    async def scan(self, cfg: Config) -> UnitScan:
+        """What the hazards are judged from, looked at afresh (when units may have changed), and
+        the memory guard's wiring."""
+        units = {}
+        for r in cfg.replicas:
+            if r.unitless:
+                units[r.unit], _ = await self.containers.unitless_view(r)
+            else:
+                units[r.unit], _ = await unit_or_error(self.sd, r.unit)
+        try:
+            scan = UnitScan(units, await self.sd.enabled_service_conflicts())
+        except SystemdError as e:
+            scan = UnitScan(units, {}, str(e))
+        if cfg.memory.enabled:
+            await self.memory.scan_wiring(cfg)
+        return scan
 
     async def observe(
         self,
         cfg: Config,
         persistent: PersistentView,
-        canaries: dict[str, CanaryResult],
-        outcomes: dict[str, RestartOutcome],
+        take_results: Callable[[], Results],
         pending: Pending | None,
-        now: Now,
+        at: Now,
         wait_s: float | None = None,
     ) -> TickObservation:
+        """The tick's observation, started AT. TAKE_RESULTS is called once the probes are in."""
         # The kernel's view is taken beside the probes, at the tick's start: what flowed since the
         # last look is measured over the same span as the probes' wait.
         replicas, views = await asyncio.gather(
-            observe_all(
-                cfg,
-                self.sd,
-                self.client,
-                now.mono,
-                canaries,
-                outcomes,
-                self.port_cache,
-                self.unit_cache,
-                self.carry,
-                wait_s=cfg.probe_wait_s if wait_s is None else wait_s,
-                containers=self.containers,
-            ),
-            self._look(cfg, now.mono),
+            self.replicas(cfg, at.mono, take_results, cfg.probe_wait_s if wait_s is None else wait_s),
+            self._look(cfg, at.mono),
         )
         replicas = {n: replace(o, conns=views.get(n)) for n, o in replicas.items()}
-        memory = await self.memory.observe(cfg, replicas, pending, now) if cfg.memory.enabled else None
+        memory = await self.memory.observe(cfg, replicas, pending, at) if cfg.memory.enabled else None
         return TickObservation(replicas, persistent, memory)
+
+    async def replicas(
+        self,
+        cfg: Config,
+        at_mono: float,
+        take_results: Callable[[], Results] = Results,
+        wait_s: float | None = None,
+    ) -> dict[str, ReplicaObservation]:
+        """One observation per replica. Probes still running after WAIT_S are carried over (see
+        ProbeCarry); with WAIT_S None, every probe is waited for (its own timeout bounds it)."""
+        self.carry.forget({r.name for r in cfg.replicas})
+        tasks = [task for r in cfg.replicas for task in self.carry.start(self.client, r, at_mono)]
+        (owners, units), _ = await asyncio.gather(
+            self._views(cfg),
+            asyncio.wait(tasks, timeout=wait_s) if tasks else asyncio.sleep(0),
+        )
+        judged_at = time.monotonic() if wait_s is not None else at_mono
+        results = take_results()
+        return {
+            r.name: replica_observation(
+                r, at_mono, (units[r.unit], owners.get(r.port)), results, self.carry.take(r.name, judged_at)
+            )
+            for r in cfg.replicas
+        }
+
+    async def _views(self, cfg: Config) -> tuple[dict[int, PortOwner], dict[str, UnitView]]:
+        """Who holds each replica's port, and each unit; the containers name the containers that
+        hold ports and stand in for the unit of a unit-less container."""
+        owners, units = await asyncio.gather(
+            self.port_cache.get(self.sd, {r.port for r in cfg.replicas}),
+            self.unit_cache.get(self.sd, [r.unit for r in cfg.replicas if not r.unitless], time.monotonic()),
+        )
+        if any(r.container is not None for r in cfg.replicas):
+            owners = await self.containers.owners(cfg.replicas, owners)
+            for r in cfg.replicas:
+                if r.unitless:
+                    units[r.unit] = await self.containers.unitless_view(r)
+        return owners, units

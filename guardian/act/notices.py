@@ -1,0 +1,49 @@
+"""Conditions said when they begin (and when they end), never every tick: the kernel's view of
+the replicas' connections lost and back, and each hazard a scan finds. (The system bus lost and
+back, and the watchdog no longer pinged, are said by act/notify.Watchdog.)"""
+
+from __future__ import annotations
+
+from ..config import Config
+from ..core.actions import LogLine
+from ..core.hazards import Hazard, find_hazards
+from ..core.vocab import Decision, Priority
+from ..observe.replicas import UnitScan
+from .journal import Journal
+
+
+class Notices:
+    def __init__(self, journal: Journal) -> None:
+        self.journal = journal
+        self.hazards_said: set[str] = set()  # the keys of the hazards found by the last scan
+        self.kernel_view_said: str | None = None  # why the kernel's view was last said to be missing
+
+    def kernel_view(self, why_unavailable: str | None) -> None:
+        """Once when the kernel's view of the replicas' connections is lost, once when it is back."""
+        if why_unavailable == self.kernel_view_said:
+            return
+        if why_unavailable is not None:
+            self.journal.send(
+                Priority.WARNING,
+                f"the kernel's view of the replicas' connections is not available: {why_unavailable}; responses "
+                "flowing and clients waiting are not seen, so replicas are judged from their probes alone",
+            )
+        else:
+            self.journal.send(Priority.INFO, "the kernel's view of the replicas' connections is available again")
+        self.kernel_view_said = why_unavailable
+
+    def hazards(self, cfg: Config, seen: UnitScan) -> list[Hazard]:
+        """The hazards in what a scan SEEN (core/hazards.py), each said once, when a scan first
+        finds it, again if it comes back after a scan without it; and those found."""
+        if seen.enabled_error is not None:
+            self.journal.send(
+                Priority.ERROR, f"cannot list enabled unit files for the Conflicts= scan: {seen.enabled_error}"
+            )
+        found = find_hazards(cfg, seen.units, seen.enabled_conflicts)
+        for h in found:
+            if h.key not in self.hazards_said:
+                self.journal.line(
+                    LogLine(Priority.ERROR, f"hazard: {h.message}", Decision.HAZARD, h.replica, h.unit, hazard=h.key)
+                )
+        self.hazards_said = {h.key for h in found}
+        return found

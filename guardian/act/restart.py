@@ -1,0 +1,303 @@
+"""One restart, as the executor and `guardian restart` perform it: the unit gates checked again on
+a fresh look right before acting, the restart recorded in the state file, the job issued and
+waited for, and its stop helped along in the way the order says (Stop). Nothing here decides: the
+re-check is the core's own pure function (gates.unit_refusal), and the way of the stop is the
+core's (RestartUnit.kill_first, stop_timeout_s)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import os
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from ..config import Config, ReplicaConfig
+from ..core import gates
+from ..core.actions import LogLine
+from ..core.container import helper_unit
+from ..core.observations import RestartOutcome, UnitInfo
+from ..core.rules import Refusal
+from ..core.vocab import ActiveState, Decision, Gate, HeldBy, Priority
+from ..observe.clock import Now
+from ..observe.clock import now as clock_now
+from ..observe.containers import ContainerWatch, run_helper
+from ..observe.replicas import port_owners, unit_or_error
+from ..observe.systemd import JOB_DONE, Systemd, SystemdError
+from .journal import Journal
+from .state import CorruptState, StateStore, atomic_write, record_restart
+
+STOP_POLL_S = 0.2  # how often a bounded stop asks systemd whether the unit is still stopping
+ACT_HELPER_TIMEOUT_S = 30.0  # a kill or restart by the container helper (a task: the loop never waits for it)
+
+
+@dataclass(frozen=True)
+class Tools:
+    """What acting on this box takes. The executor keeps one and replaces it on reload."""
+
+    sd: Systemd
+    store: StateStore
+    journal: Journal
+    cfg: Config
+    clock: Callable[[], Now] = clock_now
+    # The observer's, so that there is one set of container reports; None: a fresh one per restart.
+    containers: ContainerWatch | None = None
+
+
+@dataclass(frozen=True)
+class RestartOrder:
+    """One restart to perform: REPLICA's unit (or unit-less container), for WHY (said at the end
+    of the restart's journal line)."""
+
+    replica: ReplicaConfig
+    why: str
+    allow_failed: bool = False  # a failed unit may be restarted (the memory guard's retry of a start)
+    kill_first: bool = False  # a hung replica: SIGKILL its processes once the job is queued
+    stop_timeout_s: float | None = None  # a drained replica: SIGKILL its processes if the stop takes longer
+    before_restart: Callable[[], None] | None = None  # the memory guard's env file write, once the gates pass
+
+
+async def checked_restart(tools: Tools, order: RestartOrder) -> RestartOutcome:
+    """Re-check the unit gates on a fresh look, record the restart, then restart and wait.
+
+    A replica in a container has its container killed beside its unit when its processes are
+    killed, and a unit-less one is restarted by the root helper, not by systemd (see Stop)."""
+    r = order.replica
+    containers = tools.containers if tools.containers is not None else ContainerWatch(tools.sd)
+    unit, refusal = await _fresh_look(tools.sd, r, containers, order.allow_failed)
+    if refusal is not None:
+        return _refused(tools, r, refusal)
+    if order.before_restart is not None:
+        try:
+            order.before_restart()
+        except OSError as e:
+            tools.journal.line(
+                LogLine(
+                    Priority.ERROR,
+                    f"replica {r.name}: not restarting {r.unit}: {e}",
+                    Decision.REFUSED,
+                    r.name,
+                    r.unit,
+                    gate=Gate.ENV_FILE,
+                )
+            )
+            return RestartOutcome(r.unit, f"refused: {e}")
+    issued = tools.clock()
+    try:
+        tools.store.update(lambda d: record_restart(d, r.name, issued, tools.cfg.watchdog.restart_window_s * 4))
+    except CorruptState as e:
+        tools.journal.send(Priority.ERROR, str(e))
+    stop = Stop(tools, r, issued, unit.inactive_exit_mono if unit is not None else None)
+    if r.unitless:
+        return await stop.restart_unitless(order.why)
+    return await _issue(tools, order, stop)
+
+
+async def _fresh_look(
+    sd: Systemd, r: ReplicaConfig, containers: ContainerWatch, allow_failed: bool
+) -> tuple[UnitInfo | None, Refusal | None]:
+    """The unit (or a unit-less container as one) and the port's holder looked at afresh, and the
+    first gate that refuses. A container holding the port is judged on a fresh helper report."""
+    unit, err = await containers.unitless_view(r) if r.unitless else await unit_or_error(sd, r.unit)
+    owner = (await port_owners(sd, {r.port}))[r.port]
+    if r.container is not None:
+        if isinstance(owner, HeldBy) and owner.unit != r.unit:
+            await containers.refresh(r, force=True)
+        owner = (await containers.owners([r], {r.port: owner}))[r.port]
+    return unit, gates.unit_refusal(unit, owner, allow_failed, unit_error=err)
+
+
+def _refused(tools: Tools, r: ReplicaConfig, refusal: Refusal) -> RestartOutcome:
+    tools.journal.line(
+        LogLine(
+            Priority.ERROR,
+            f"replica {r.name}: restart of {r.unit} refused on the re-check right before acting: {refusal.text}",
+            Decision.REFUSED,
+            r.name,
+            r.unit,
+            gate=refusal.gate,
+            rule=refusal.rule,
+        )
+    )
+    return RestartOutcome(r.unit, f"refused: {refusal.reason}")
+
+
+async def _issue(tools: Tools, order: RestartOrder, stop: Stop) -> RestartOutcome:
+    """Ask systemd for the restart job, help its stop along once it is queued, and say how it ended."""
+    r = order.replica
+    try:
+        result = await tools.sd.restart(
+            r.unit,
+            tools.cfg.watchdog.restart_job_timeout_s,
+            start_if_stopped=order.allow_failed,
+            kill=stop.during(order),
+        )
+    except SystemdError as e:
+        tools.journal.line(
+            LogLine(
+                Priority.ERROR,
+                f"replica {r.name}: restart of {r.unit} could not be issued: {e}",
+                Decision.RESTART_FAILED,
+                r.name,
+                r.unit,
+            )
+        )
+        return RestartOutcome(r.unit, f"error: {e}")
+    elapsed_s = tools.clock().mono - stop.issued.mono
+    return _said(
+        tools,
+        r,
+        result,
+        f"restart job of {r.unit} done in {elapsed_s:.1f} s{stop.note} ({order.why})",
+        f"restart job of {r.unit} ended with '{result}' after {elapsed_s:.1f} s; see journalctl -u {r.unit}",
+    )
+
+
+def _said(tools: Tools, r: ReplicaConfig, result: str, done: str, failed: str) -> RestartOutcome:
+    """The restart's end, one line at the priority it deserves, as the outcome for the next tick."""
+    ok = result == JOB_DONE
+    tools.journal.line(
+        LogLine(
+            Priority.INFO if ok else Priority.ERROR,
+            f"replica {r.name}: " + (f"{done}; waiting for it to serve" if ok else failed),
+            Decision.RESTARTED if ok else Decision.RESTART_FAILED,
+            r.name,
+            r.unit,
+        )
+    )
+    return RestartOutcome(r.unit, result, issued=True, ok=ok)
+
+
+class Stop:
+    """How one restart's stop is helped along, in the way its order says (during):
+
+    - kill_hung (kill_first): a hung replica's processes are SIGKILLed once the job is queued;
+    - bounded (stop_timeout_s): a drained replica's stop is waited for up to its bound, then its
+      processes are SIGKILLed; how long the stop took is said either way;
+    - either kill takes a replica's container with it, through the root helper: the unit's
+      cgroup holds only the engine's CLI or conmon (_kill_container);
+    - restart_unitless: a container that no unit runs is restarted by the root helper instead.
+
+    `note` is what was done, for the end of the restart's journal line."""
+
+    def __init__(self, tools: Tools, r: ReplicaConfig, issued: Now, started_before_mono: float | None) -> None:
+        self.tools = tools
+        self.r = r
+        self.issued = issued
+        self.started_before_mono = started_before_mono  # when the process being stopped started
+        self.note = ""
+
+    def during(self, order: RestartOrder) -> Callable[[], Awaitable[None]] | None:
+        """What runs once the restart job is queued."""
+        if order.kill_first:
+            return self.kill_hung
+        if order.stop_timeout_s is not None:
+            return functools.partial(self.bounded, order.stop_timeout_s)
+        return None
+
+    async def kill_hung(self) -> None:
+        if await self._kill("hung"):
+            self.note = "; its processes were killed (SIGKILL) as the job began"
+        else:
+            self.note = "; killing its processes failed, so the stop waited for the unit's own stop"
+
+    async def bounded(self, timeout_s: float) -> None:
+        clock = self.tools.clock
+        began_mono = clock().mono
+        while clock().mono - began_mono < timeout_s:
+            if await self._stopped():
+                self.note = f"; the stop took {clock().mono - began_mono:.1f} s"
+                return
+            await asyncio.sleep(STOP_POLL_S)
+        killed = await self._kill("drained")
+        self.note = f"; the stop was still running after {timeout_s:g} s, so " + (
+            "its processes were killed (SIGKILL)" if killed else "killing them was tried and failed"
+        )
+
+    async def restart_unitless(self, why: str) -> RestartOutcome:
+        """The root helper restarts the container at once (SIGKILL, then its start), and only if it
+        is running, so a `docker stop` between the look and now still wins."""
+        r = self.r
+        helper = helper_unit("restart", r.name)
+        result = await run_helper(self.tools.sd, "restart", r.name, ACT_HELPER_TIMEOUT_S)
+        elapsed_s = self.tools.clock().mono - self.issued.mono
+        return _said(
+            self.tools,
+            r,
+            result,
+            f"container {r.container} restarted in {elapsed_s:.1f} s by {helper} "
+            f"(docker restart --time 0: its processes were killed at once) ({why})",
+            f"restart of container {r.container} ended with '{result}' after {elapsed_s:.1f} s; "
+            f"see journalctl -u {helper}",
+        )
+
+    async def _stopped(self) -> bool:
+        """The unit's stop is over: it is down, starting again, or has started since (a stop faster
+        than one poll). Never judged from the new process, which must not be killed."""
+        try:
+            unit = await self.tools.sd.unit_info(self.r.unit)
+        except SystemdError:
+            return False
+        return (
+            unit.active_state in (ActiveState.INACTIVE, ActiveState.FAILED, ActiveState.ACTIVATING)
+            or unit.inactive_exit_mono != self.started_before_mono
+        )
+
+    async def _kill(self, what: str) -> bool:
+        if self.r.container is None:
+            return await self._kill_unit(what)
+        unit_killed, container_killed = await asyncio.gather(self._kill_unit(what), self._kill_container())
+        return unit_killed and container_killed
+
+    async def _kill_unit(self, what: str) -> bool:
+        r = self.r
+        try:
+            await self.tools.sd.kill(r.unit)
+            return True
+        except SystemdError as e:
+            # systemd may report a failure for the cgroup's other processes after the main one was
+            # signalled ("Failed to send signal SIGKILL to auxiliary processes"): what counts is
+            # whether the stop ended.
+            for _ in range(5):
+                if await self._stopped():
+                    return True
+                await asyncio.sleep(STOP_POLL_S)
+            self.tools.journal.line(
+                LogLine(
+                    Priority.ERROR,
+                    f"replica {r.name}: could not kill the processes of {what} {r.unit}: {e}; the restart goes on "
+                    "with systemd's graceful stop (up to the unit's TimeoutStopSec)",
+                    Decision.RESTART_FAILED,
+                    r.name,
+                    r.unit,
+                )
+            )
+            return False
+
+    async def _kill_container(self) -> bool:
+        """SIGKILL the container through the root helper. The helper kills only the container that
+        started before the restart was issued: the unit's own restart may start a new one under
+        the same name before the helper gets to it."""
+        r, journal = self.r, self.tools.journal
+        request = self.tools.cfg.runtime_dir / f"kill-{r.name}.json"
+        try:
+            atomic_write(request, json.dumps({"started_before": self.issued.wall}).encode())
+        except OSError as e:
+            journal.send(Priority.ERROR, f"replica {r.name}: cannot write {request}: {e}")
+            with contextlib.suppress(OSError):  # an older request would make the helper spare the hung one
+                os.unlink(request)
+        result = await run_helper(self.tools.sd, "kill", r.name, ACT_HELPER_TIMEOUT_S)
+        if result != JOB_DONE:
+            journal.line(
+                LogLine(
+                    Priority.ERROR,
+                    f"replica {r.name}: killing its container {r.container} failed: the helper ended with "
+                    f"'{result}' (journalctl -u {helper_unit('kill', r.name)})",
+                    Decision.RESTART_FAILED,
+                    r.name,
+                    r.unit,
+                )
+            )
+        return result == JOB_DONE
