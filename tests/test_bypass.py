@@ -8,7 +8,10 @@ import pytest
 
 from guardian.config import Config, ProxyConfig, ReplicaConfig, WatchdogConfig
 from guardian.core import bypass
-from guardian.core.observations import ConnView, Peer, PeerKind
+from guardian.core.actions import LogLine
+from guardian.core.observations import ConnView, Peer, PeerKind, ReplicaObservation
+from guardian.core.vocab import Decision, Priority
+from harness import OK, Box, of
 
 
 def cfg(proxy: bool = True, proxy_peers: list[str] | None = None) -> Config:
@@ -63,29 +66,29 @@ def test_a_look_without_the_peer_starts_its_time_again_and_a_look_without_a_view
     assert run(cfg(), [(100.0, view(JOB)), (110.0, None), (130.0, view(JOB))])
 
 
+def answering(now: float, v: ConnView | None) -> ReplicaObservation:
+    """Replica a answering every probe (its unit unknown: D-Bus down), the kernel's view V of its clients."""
+    return ReplicaObservation(name="a", at=now, unit=None, health=OK, metrics_probe=OK, metrics=None,
+                              models_probe=OK, models=None, conns=v)
+
+
+def hazard_lines(actions: list) -> list[LogLine]:
+    return [a for a in of(actions, LogLine) if a.decision is Decision.HAZARD]
+
+
 def test_the_tick_says_a_bypass_once_at_warning_and_once_more_when_it_has_gone():
     """Through the real tick.decide: one hazard line per (replica, peer), with its rule and key."""
-    from guardian.core import tick
-    from guardian.core.actions import LogLine
-    from guardian.core.observations import PersistentView, Probe, ReplicaObservation, TickObservation
-    from guardian.core.vocab import Decision, Priority
-
-    c = cfg()
-    ok = Probe(True, 200, 0.01)
-    state, said = tick.TickState(), []
+    box, said = Box(cfg(), proxy_reports=False), []
     for now, v in [(100.0, view(JOB, NGINX)), (120.0, view(JOB, NGINX)), (130.0, view(JOB, NGINX)),
                    (140.0, view(JOB, NGINX)), (150.0, view(NGINX))]:
-        o = ReplicaObservation(name="a", at=now, unit=None, health=ok, metrics_probe=ok, metrics=None,
-                               models_probe=ok, models=None, conns=v)
-        state, actions = tick.decide(state, TickObservation({"a": o}, PersistentView()), now, c)
-        said += [(now, a) for a in actions if isinstance(a, LogLine) and a.decision is Decision.HAZARD]
+        said += [(now, a) for a in hazard_lines(box.tick(now, a=answering(now, v)))]
         if now == 140.0:
-            assert [(b.replica, b.peer) for b in state.bypassing] == [("a", "batch.service")]
+            assert [(b.replica, b.peer) for b in box.core.bypassing] == [("a", "batch.service")]
     assert [(t, a.priority, a.rule, a.hazard) for t, a in said] == [
         (130.0, Priority.WARNING, "B2", "bypass:a:batch.service"),
         (150.0, Priority.INFO, "B2", "bypass:a:batch.service"),
     ]
-    assert "point it at the proxy" in said[0][1].message and state.bypassing == ()
+    assert "point it at the proxy" in said[0][1].message and box.core.bypassing == ()
 
 
 def test_with_only_drain_commands_the_proxys_address_is_unknown_and_no_client_is_a_bypass():
@@ -101,19 +104,11 @@ def test_with_only_drain_commands_the_proxys_address_is_unknown_and_no_client_is
 
 
 def test_a_look_without_the_kernels_view_does_not_say_a_bypass_gone_and_back():
-    from guardian.core import tick
-    from guardian.core.actions import LogLine
-    from guardian.core.observations import PersistentView, Probe, ReplicaObservation, TickObservation
-    from guardian.core.vocab import Decision
-
-    c, ok, state, said = cfg(), Probe(True, 200, 0.01), tick.TickState(), []
+    box, said = Box(cfg(), proxy_reports=False), []
     for now, v in [(100.0, view(JOB)), (130.0, view(JOB)), (132.0, None), (134.0, view(JOB))]:
-        o = ReplicaObservation(name="a", at=now, unit=None, health=ok, metrics_probe=ok, metrics=None,
-                               models_probe=ok, models=None, conns=v)
-        state, actions = tick.decide(state, TickObservation({"a": o}, PersistentView()), now, c)
-        said += [a.message for a in actions if isinstance(a, LogLine) and a.decision is Decision.HAZARD]
+        said += [a.message for a in hazard_lines(box.tick(now, a=answering(now, v)))]
     assert len(said) == 1 and "point it at the proxy" in said[0], said
-    assert [b.peer for b in state.bypassing] == ["batch.service"]
+    assert [b.peer for b in box.core.bypassing] == ["batch.service"]
 
 
 def test_b3_a_look_without_a_view_keeps_who_was_bypassing():

@@ -22,6 +22,7 @@ from guardian.core.observations import UnitInfo
 from guardian.core.vocab import ActiveState, Gate, HeldBy, LoadState, UnitFileState
 from guardian.engine_helper import normalize
 from guardian.observe.containers import Seen, parse_report, resolve
+from harness import checked
 
 CID = "a" * 64
 OTHER = "b" * 64
@@ -147,19 +148,19 @@ def test_a_unitless_container_as_a_unit(c, scope, active, enabled):
 
 def test_a_missing_container_is_not_loaded_and_refused():
     u = synthetic_unit("docker:vllm-a", None, None)
-    refusal = gates.unit_refusal(u, None)
+    refusal = checked(gates.unit_refusal(u, None))
     assert refusal is not None and refusal.gate is Gate.NOT_LOADED
 
 
 def test_a_container_stopped_on_purpose_is_left_alone():
     u = synthetic_unit("docker:vllm-a", _c(running=False, status="exited"), None)
-    refusal = gates.unit_refusal(u, None)
+    refusal = checked(gates.unit_refusal(u, None))
     assert refusal is not None and refusal.gate is Gate.INACTIVE
     assert "never starts a stopped unit" in refusal.reason
 
 
 def test_a_container_without_a_restart_policy_is_refused_as_disabled():
-    refusal = gates.unit_refusal(synthetic_unit("docker:vllm-a", _c(restart_policy="no"), SCOPE), None)
+    refusal = checked(gates.unit_refusal(synthetic_unit("docker:vllm-a", _c(restart_policy="no"), SCOPE), None))
     assert refusal is not None and refusal.gate is Gate.DISABLED
 
 
@@ -201,7 +202,7 @@ def test_the_holder_is_the_replicas_own_container_or_named(seen, name, own):
     held = resolve(_owner(), _replica(), seen, REPORT)
     assert held.container == name and held.own_container is own
     unit = UnitInfo("vllm-a.service", LoadState.LOADED, ActiveState.ACTIVE, unit_file_state=UnitFileState.ENABLED)
-    refusal = gates.unit_refusal(unit, held)
+    refusal = checked(gates.unit_refusal(unit, held))
     if own:
         assert refusal is None
     else:

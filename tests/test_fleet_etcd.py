@@ -18,7 +18,7 @@ from guardian.core.observations import FleetView
 from guardian.core.vocab import State
 from guardian.fleet.sync import FleetSync, fleet_status
 from guardian.observe.clock import Now
-from test_shell import Recorder
+from harness import Recorder
 
 pytestmark = pytest.mark.system
 NAMES = itertools.count()

@@ -19,7 +19,6 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
-from test_shell import Recorder
 
 from guardian.config import Config, FleetConfig, ReplicaConfig
 from guardian.core.liveness import Track
@@ -28,6 +27,7 @@ from guardian.core.vocab import Priority, State
 from guardian.fleet.etcd import KV, MAX_ANSWER_BYTES, Etcd, EtcdError
 from guardian.fleet.sync import FleetSync, fleet_status, parse_view, read_deadline_s
 from guardian.observe.clock import Now
+from harness import Recorder, obs
 
 MiB = 2**20
 SLACK_S = 1.5  # two shared cores: what a deadline may be overrun by before it counts as not kept
@@ -623,8 +623,6 @@ def test_a_slot_key_holding_garbage_counts_as_taken_and_no_doomed_transaction_is
 
 # --- the daemon: a fleet step that raises anyway is an unreadable fleet, not an abandoned tick ----
 def test_a_fleet_step_that_raises_is_an_unreadable_fleet_for_the_tick_said_once_and_the_tick_completes(tmp_path):
-    from test_liveness import obs
-
     from guardian.daemon import Daemon
 
     cfg = config("http://127.0.0.1:9").model_copy(
@@ -634,7 +632,7 @@ def test_a_fleet_step_that_raises_is_an_unreadable_fleet_for_the_tick_said_once_
 
     async def go() -> Daemon:
         d = Daemon(cfg, tmp_path / "guardian.toml", journal=journal)
-        assert d.fleet is not None
+        assert d.fleet.membership is not None
 
         async def observed(*a: object, **kw: object) -> TickObservation:
             return TickObservation({"a": obs("a", time.monotonic())}, PersistentView())
@@ -643,7 +641,7 @@ def test_a_fleet_step_that_raises_is_an_unreadable_fleet_for_the_tick_said_once_
             raise RecursionError("maximum recursion depth exceeded")
 
         d.observer.observe = observed  # type: ignore[method-assign]
-        d.fleet.step = broken  # type: ignore[method-assign]
+        d.fleet.membership.step = broken  # type: ignore[method-assign]
         for _ in range(2):
             before = d.last_completed_mono
             await d.tick()

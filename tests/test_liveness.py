@@ -1,5 +1,5 @@
 """The pure core's watchdog side (liveness, admission, gates), driven through the tick's one
-decide() call in memory with a fake clock, table by table.
+decide() call in memory with a fake clock (harness.Box), table by table.
 
 Every threshold is tested at the boundary: one tick before, exactly at, one tick after.
 """
@@ -12,149 +12,74 @@ import pytest
 
 from guardian.config import Config, ReplicaConfig, WatchdogConfig
 from guardian.core import gates, tick
-from guardian.core.actions import LogLine, RestartUnit, StartCanary
+from guardian.core.actions import LogLine, RecordCanaryLatencies
 from guardian.core.hazards import find_hazards
+from guardian.core.liveness import LEARNING_CANARIES
 from guardian.core.observations import (
-    CanaryResult, Pause, PersistentView, Probe, ReplicaObservation, RestartOutcome, TickObservation, UnitInfo,
-    VllmSample,
+    CanaryResult, Pause, PersistentView, Probe, ReplicaObservation, RestartOutcome, VllmSample,
 )
-from guardian.core.vocab import ActiveState, Decision, HeldBy, Hidden, LoadState, Nobody, State, UnitFileState
+from guardian.core.vocab import Decision, HeldBy, Hidden, Nobody, State
+from harness import (
+    DEAD_503, SLOW, SLOW_FAIL, TIMEOUT, Box, canaries, cfg, checked, conns, logs, obs, restarts, sample, unit,
+)
 
-OK = Probe(True, 200, 0.01)
-SLOW = Probe(True, 200, 2.5)  # answered, but slower than health_timeout_s = 2
-TIMEOUT = Probe(False, None, 2.0, "timeout")
-DEAD_503 = Probe(False, 503, 0.01, "HTTP 503")
-SLOW_FAIL = Probe(False, None, 2.0, "timeout")  # /health timed out while /metrics still answers
-
-
-def cfg(n=2, **watchdog) -> Config:
-    reps = [ReplicaConfig(name=x, unit=f"vllm-{x}.service", url=f"http://127.0.0.1:800{i}", model="m",
-                          startup_grace_s=1200) for i, x in enumerate("abcd"[:n], start=1)]
-    return Config(replicas=reps, watchdog=WatchdogConfig(**watchdog))
+# Three canaries of 0.1 s learned, as the state file keeps them (the tests that count idle
+# canaries start from it: with nothing learned, a replica first gets its learning canaries).
+LEARNED = PersistentView(canary_latencies={"a": (0.1, 0.1, 0.1)})
 
 
-def unit(name="vllm-a.service", **kw) -> UnitInfo:
-    base = dict(name=name, load_state="loaded", active_state="active", unit_file_state="enabled",
-                inactive_exit_mono=0.0, main_pid=100, restart="always")
-    base.update(kw)
-    base["load_state"] = LoadState.parse(base["load_state"])
-    base["active_state"] = ActiveState.parse(base["active_state"])
-    base["unit_file_state"] = UnitFileState.parse(base["unit_file_state"])
-    base["conflicts"] = tuple((n, ActiveState.parse(st)) for n, st in base.get("conflicts", ()))
-    return UnitInfo(**base)
-
-
-def sample(gen=0.0, running=0, waiting=0, kv=0.0, prompt=0.0) -> VllmSample:
-    return VllmSample(running=running, waiting=waiting, kv_cache_usage=kv, generation_tokens=gen,
-                      prompt_tokens=prompt, iteration_count=gen, iteration_sum=gen + prompt, request_success=0)
-
-
-def obs(name="a", t=0.0, health=OK, s=None, models=("m",), u=None, canary=None, outcome=None, port=None, metrics_down=False):
-    s = s if s is not None else sample()
-    unit_info = u if u is not None else unit(f"vllm-{name}.service")
-    if metrics_down or health is TIMEOUT:
-        mprobe, s2 = (TIMEOUT, None) if health is TIMEOUT or metrics_down else (OK, s)
-    else:
-        mprobe, s2 = OK, s
-    models_probe, m = (TIMEOUT, None) if health is TIMEOUT else (OK, models)
-    owner = port if port is not None else HeldBy(8001, 100, unit_info.name)
-    return ReplicaObservation(name=name, at=t, unit=unit_info, health=health, metrics_probe=mprobe, metrics=s2,
-                              models_probe=models_probe, models=m, port_owner=owner, canary=canary, restart_outcome=outcome)
-
-
-class Sim:
-    """Feeds observations to tick.decide at fake times; remembers the state and the actions."""
-
-    def __init__(self, config: Config, persistent: PersistentView | None = None):
-        self.cfg = config
-        self.core = tick.TickState()
-        self.persistent = persistent or PersistentView()
-        self.actions: list = []
-
-    @property
-    def tracks(self) -> dict:
-        return self.core.tracks
-
-    def tick(self, t: float, **per_replica) -> list:
-        observations = {}
-        for r in self.cfg.replicas:
-            o = per_replica.get(r.name) or obs(r.name, t)
-            observations[r.name] = replace(o, at=t)
-        self.core, actions = tick.decide(self.core, TickObservation(observations, self.persistent), t, self.cfg)
-        self.actions += actions
-        return actions
-
-    def state(self, name="a") -> State:
-        return self.tracks[name].state
-
-    def rule(self, name="a") -> str:
-        return self.tracks[name].rule
-
-
-def restarts(actions) -> list:
-    return [a for a in actions if isinstance(a, RestartUnit)]
-
-
-def logs(actions, priority=None) -> list[str]:
-    return [a.message for a in actions if isinstance(a, LogLine) and (priority is None or a.priority == priority)]
-
-
-def lines(actions, priority=None) -> list[LogLine]:
-    return [a for a in actions if isinstance(a, LogLine) and (priority is None or a.priority == priority)]
-
-
-def healthy_start(sim: Sim, t0=100.0, **kw):
+def healthy_start(box: Box, t0=100.0, **kw):
     """A replica that was started at 0 and is serving at t0 (grace over by being healthy once)."""
-    sim.tick(t0, **kw)
-    assert sim.state() == State.HEALTHY
+    box.tick(t0, **kw)
+    assert box.state() == State.HEALTHY
 
 
 # --- stalled --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dt, state", [(59.0, State.HEALTHY), (60.0, State.STALLED), (61.0, State.STALLED)])
 def test_stall_window_boundary(dt, state):
-    sim = Sim(cfg(1, stall_window_s=60))
-    healthy_start(sim)
+    box = Box(cfg(1, stall_window_s=60))
+    healthy_start(box)
     flat = sample(gen=500, running=4, kv=0.3)
-    sim.tick(200, a=obs(t=200, s=flat))  # work first seen queued here
-    actions = sim.tick(200 + dt, a=obs(t=200 + dt, s=flat))
-    assert sim.state() == state
+    box.tick(200, a=obs(t=200, s=flat))  # work first seen queued here
+    actions = box.tick(200 + dt, a=obs(t=200 + dt, s=flat))
+    assert box.state() == state
     assert bool(restarts(actions)) == (state == State.STALLED)
 
 
 def test_stall_counts_from_last_progress_not_from_when_work_appeared():
-    sim = Sim(cfg(1, stall_window_s=60))
-    healthy_start(sim)
-    sim.tick(200, a=obs(t=200, s=sample(gen=1, running=2)))
-    sim.tick(250, a=obs(t=250, s=sample(gen=9, running=2)))  # progress at 250
-    sim.tick(309, a=obs(t=309, s=sample(gen=9, running=2)))
-    assert sim.state() != State.STALLED
-    sim.tick(310, a=obs(t=310, s=sample(gen=9, running=2)))
-    assert sim.state() == State.STALLED
+    box = Box(cfg(1, stall_window_s=60))
+    healthy_start(box)
+    box.tick(200, a=obs(t=200, s=sample(gen=1, running=2)))
+    box.tick(250, a=obs(t=250, s=sample(gen=9, running=2)))  # progress at 250
+    box.tick(309, a=obs(t=309, s=sample(gen=9, running=2)))
+    assert box.state() != State.STALLED
+    box.tick(310, a=obs(t=310, s=sample(gen=9, running=2)))
+    assert box.state() == State.STALLED
 
 
 def test_long_prefill_moves_kv_usage_only_and_is_not_a_stall():
-    sim = Sim(cfg(1, stall_window_s=60))
-    healthy_start(sim)
+    box = Box(cfg(1, stall_window_s=60))
+    healthy_start(box)
     for i, t in enumerate(range(200, 500, 10)):
-        sim.tick(t, a=obs(t=t, s=sample(gen=10, running=1, kv=0.01 * i)))  # token counters flat for 300 s
-        assert sim.state() == State.HEALTHY, t
-    assert restarts(sim.actions) == []
+        box.tick(t, a=obs(t=t, s=sample(gen=10, running=1, kv=0.01 * i)))  # token counters flat for 300 s
+        assert box.state() == State.HEALTHY, t
+    assert restarts(box.actions) == []
 
 
 # --- busy is not hung -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("health", [SLOW, TIMEOUT])
 def test_busy_with_slow_or_timed_out_health_is_never_restarted(health):
-    sim = Sim(cfg(1))
-    healthy_start(sim)
+    box = Box(cfg(1))
+    healthy_start(box)
     for i, t in enumerate(range(200, 200 + 600, 2)):  # ten minutes of load
         o = obs(t=t, s=sample(gen=100 + i * 7, running=12, waiting=3))
         o = replace(o, health=health)  # /health slow or failing; /metrics still answers
-        sim.tick(t, a=o)
-        assert sim.state() in (State.BUSY, State.HEALTHY)
-    assert sim.state() == State.BUSY
-    assert restarts(sim.actions) == []
+        box.tick(t, a=o)
+        assert box.state() in (State.BUSY, State.HEALTHY)
+    assert box.state() == State.BUSY
+    assert restarts(box.actions) == []
 
 
 # --- unresponsive ---------------------------------------------------------------------------
@@ -163,142 +88,142 @@ def test_busy_with_slow_or_timed_out_health_is_never_restarted(health):
 def test_unresponsive_window_boundary(dt, state):
     """The window runs from the last answer, not from the first failed tick (which ends a whole
     probe timeout after the process hung)."""
-    sim = Sim(cfg(1, unresponsive_after_s=10))
-    healthy_start(sim, t0=200.0)  # the last answer
-    sim.tick(205, a=obs(t=205, health=TIMEOUT))  # first failure
-    actions = sim.tick(200 + dt, a=obs(t=200 + dt, health=TIMEOUT))
-    assert sim.state() == state
+    box = Box(cfg(1, unresponsive_after_s=10))
+    healthy_start(box, t0=200.0)  # the last answer
+    box.tick(205, a=obs(t=205, health=TIMEOUT))  # first failure
+    actions = box.tick(200 + dt, a=obs(t=200 + dt, health=TIMEOUT))
+    assert box.state() == state
     assert bool(restarts(actions)) == (state == State.UNRESPONSIVE)
 
 
 @pytest.mark.parametrize("dt, state", [(9.5, State.DEGRADED), (10.0, State.UNRESPONSIVE)])
 def test_health_503_means_engine_dead_after_the_window(dt, state):
-    sim = Sim(cfg(1, unresponsive_after_s=10))
-    healthy_start(sim)
-    sim.tick(200, a=obs(t=200, health=DEAD_503))
-    sim.tick(200 + dt, a=obs(t=200 + dt, health=DEAD_503))
-    assert sim.state() == state
+    box = Box(cfg(1, unresponsive_after_s=10))
+    healthy_start(box)
+    box.tick(200, a=obs(t=200, health=DEAD_503))
+    box.tick(200 + dt, a=obs(t=200 + dt, health=DEAD_503))
+    assert box.state() == state
 
 
 # --- starting and its grace ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("t, state", [(1199.0, State.STARTING), (1200.0, State.UNRESPONSIVE)])
 def test_startup_grace_is_measured_from_the_units_own_start(t, state):
-    sim = Sim(cfg(1, unresponsive_after_s=10))
+    box = Box(cfg(1, unresponsive_after_s=10))
     u = unit(inactive_exit_mono=0.0)
     for now in (5.0, 600.0, t):  # connection refused all along
-        sim.tick(now, a=obs(t=now, health=TIMEOUT, u=u))
-    assert sim.state() == state
+        box.tick(now, a=obs(t=now, health=TIMEOUT, u=u))
+    assert box.state() == state
 
 
 def test_guardian_restart_does_not_reset_grace():
     """A fresh policy (guardian restarted) still measures grace from systemd's start time."""
-    sim = Sim(cfg(1))
+    box = Box(cfg(1))
     u = unit(inactive_exit_mono=0.0)
-    sim.tick(1199.0, a=obs(t=1199.0, health=TIMEOUT, u=u))
-    assert sim.state() == State.STARTING
-    sim.tick(1200.0, a=obs(t=1200.0, health=TIMEOUT, u=u))
-    assert sim.state() == State.DEGRADED  # grace over; failures counted from first seen
-    sim.tick(1209.0, a=obs(t=1209.0, health=TIMEOUT, u=u))
-    assert sim.state() == State.UNRESPONSIVE
+    box.tick(1199.0, a=obs(t=1199.0, health=TIMEOUT, u=u))
+    assert box.state() == State.STARTING
+    box.tick(1200.0, a=obs(t=1200.0, health=TIMEOUT, u=u))
+    assert box.state() == State.DEGRADED  # grace over; failures counted from first seen
+    box.tick(1209.0, a=obs(t=1209.0, health=TIMEOUT, u=u))
+    assert box.state() == State.UNRESPONSIVE
 
 
 def test_activating_unit_is_starting_and_healthy_once_ends_grace():
-    sim = Sim(cfg(1))
-    sim.tick(10, a=obs(t=10, health=TIMEOUT, u=unit(active_state="activating")))
-    assert sim.state() == State.STARTING
-    sim.tick(20, a=obs(t=20))
-    assert sim.state() == State.HEALTHY
-    assert any("starting -> healthy" in m for m in logs(sim.actions, "info"))
+    box = Box(cfg(1))
+    box.tick(10, a=obs(t=10, health=TIMEOUT, u=unit(active_state="activating")))
+    assert box.state() == State.STARTING
+    box.tick(20, a=obs(t=20))
+    assert box.state() == State.HEALTHY
+    assert any("starting -> healthy" in m for m in logs(box.actions, "info"))
 
 
 def test_unit_restarted_by_anyone_starts_a_new_grace():
-    sim = Sim(cfg(1))
-    healthy_start(sim)
-    sim.tick(300, a=obs(t=300, health=TIMEOUT, u=unit(inactive_exit_mono=295.0)))
-    assert sim.state() == State.STARTING
+    box = Box(cfg(1))
+    healthy_start(box)
+    box.tick(300, a=obs(t=300, health=TIMEOUT, u=unit(inactive_exit_mono=295.0)))
+    assert box.state() == State.STARTING
 
 
 # --- idle-dead and canaries ---------------------------------------------------------------------
 
 def test_canary_only_when_idle_and_due():
-    sim = Sim(cfg(1, canary_interval_s=30), LEARNED)
-    healthy_start(sim, t0=100.0)  # start_ts 0: the first canary is due at once
-    assert any(isinstance(a, StartCanary) for a in sim.actions)
-    sim.actions.clear()
-    sim.tick(110, a=obs(t=110, canary=CanaryResult(True, 100.0, 0.1)))
-    sim.tick(139, a=obs(t=139))
-    assert not any(isinstance(a, StartCanary) for a in sim.actions)
-    sim.tick(140.1, a=obs(t=140.1, s=sample(running=3)))  # busy: no canary, even though due
-    assert not any(isinstance(a, StartCanary) for a in sim.actions)
-    sim.tick(141, a=obs(t=141))  # traffic stopped 0.9 s ago: not yet (canary_after_traffic_s = 5)
-    assert not any(isinstance(a, StartCanary) for a in sim.actions)
-    sim.tick(145.1, a=obs(t=145.1))
-    assert any(isinstance(a, StartCanary) for a in sim.actions)
+    box = Box(cfg(1, canary_interval_s=30), LEARNED)
+    healthy_start(box, t0=100.0)  # start_ts 0: the first canary is due at once
+    assert canaries(box.actions)
+    box.actions.clear()
+    box.tick(110, a=obs(t=110, canary=CanaryResult(True, 100.0, 0.1)))
+    box.tick(139, a=obs(t=139))
+    assert not canaries(box.actions)
+    box.tick(140.1, a=obs(t=140.1, s=sample(running=3)))  # busy: no canary, even though due
+    assert not canaries(box.actions)
+    box.tick(141, a=obs(t=141))  # traffic stopped 0.9 s ago: not yet (canary_after_traffic_s = 5)
+    assert not canaries(box.actions)
+    box.tick(145.1, a=obs(t=145.1))
+    assert canaries(box.actions)
 
 
 @pytest.mark.parametrize("failures, state", [(1, State.DEGRADED), (2, State.IDLE_DEAD)])
 def test_idle_dead_after_consecutive_canary_failures(failures, state):
-    sim = Sim(cfg(1, canary_failures=2, canary_retry_s=5))
-    healthy_start(sim)
+    box = Box(cfg(1, canary_failures=2, canary_retry_s=5))
+    healthy_start(box)
     t = 100.0
     for _ in range(failures):
         t += 10
-        sim.tick(t, a=obs(t=t, canary=CanaryResult(False, t - 10, 10.0, "timeout")))
-    assert sim.state() == state
-    assert bool(restarts(sim.actions)) == (state == State.IDLE_DEAD)
+        box.tick(t, a=obs(t=t, canary=CanaryResult(False, t - 10, 10.0, "timeout")))
+    assert box.state() == state
+    assert bool(restarts(box.actions)) == (state == State.IDLE_DEAD)
 
 
 def test_canary_failure_during_real_progress_does_not_count():
-    sim = Sim(cfg(1, canary_failures=1))
-    healthy_start(sim)
-    sim.tick(105, a=obs(t=105, s=sample(gen=50)))  # traffic moved the counters while the canary ran
-    sim.tick(110, a=obs(t=110, s=sample(gen=50), canary=CanaryResult(False, 100.0, 10.0, "timeout")))
-    assert sim.state() == State.HEALTHY and restarts(sim.actions) == []
+    box = Box(cfg(1, canary_failures=1))
+    healthy_start(box)
+    box.tick(105, a=obs(t=105, s=sample(gen=50)))  # traffic moved the counters while the canary ran
+    box.tick(110, a=obs(t=110, s=sample(gen=50), canary=CanaryResult(False, 100.0, 10.0, "timeout")))
+    assert box.state() == State.HEALTHY and restarts(box.actions) == []
 
 
 # --- wrong model, stopped, paused -------------------------------------------------------------------
 
 def test_wrong_model_is_an_error_and_never_restarted():
-    sim = Sim(cfg(1))
-    healthy_start(sim)
+    box = Box(cfg(1))
+    healthy_start(box)
     for t in range(200, 400, 5):
-        sim.tick(t, a=obs(t=t, models=("old-split",), s=sample(running=2)))
-    assert sim.state() == State.WRONG_MODEL
-    errors = logs(sim.actions, "error")
+        box.tick(t, a=obs(t=t, models=("old-split",), s=sample(running=2)))
+    assert box.state() == State.WRONG_MODEL
+    errors = logs(box.actions, "error")
     assert len(errors) == 1 and "old-split" in errors[0] and "expected m" in errors[0]
-    assert restarts(sim.actions) == []
+    assert restarts(box.actions) == []
 
 
 @pytest.mark.parametrize("u", [unit(active_state="inactive"), unit(active_state="failed"), unit(load_state="not-found")])
 def test_stopped_units_are_reported_not_started(u):
-    sim = Sim(cfg(1))
-    healthy_start(sim)
+    box = Box(cfg(1))
+    healthy_start(box)
     for t in range(200, 300, 5):
-        sim.tick(t, a=obs(t=t, health=TIMEOUT, u=u))
-    assert sim.state() == State.STOPPED and restarts(sim.actions) == []
+        box.tick(t, a=obs(t=t, health=TIMEOUT, u=u))
+    assert box.state() == State.STOPPED and restarts(box.actions) == []
 
 
 @pytest.mark.parametrize("until, now, state", [(None, 500, State.PAUSED), (600, 599, State.PAUSED),
                                                (600, 600, State.UNRESPONSIVE)])
 def test_pause_boundary(until, now, state):
-    sim = Sim(cfg(1))
-    healthy_start(sim, t0=1.0)
-    sim.persistent = PersistentView(pauses={"a": Pause(until)})
-    sim.tick(now - 20, a=obs(t=now - 20, health=TIMEOUT))
-    sim.tick(now, a=obs(t=now, health=TIMEOUT))
-    assert sim.state() == state
+    box = Box(cfg(1))
+    healthy_start(box, t0=1.0)
+    box.persistent = PersistentView(pauses={"a": Pause(until)})
+    box.tick(now - 20, a=obs(t=now - 20, health=TIMEOUT))
+    box.tick(now, a=obs(t=now, health=TIMEOUT))
+    assert box.state() == state
 
 
 # --- restart checks: budget, back-off, one at a time, dry-run ---------------------------------------------
 
-def stalled_sim(config, persistent=None, t=1000.0) -> tuple[Sim, list]:
-    sim = Sim(config, persistent)
-    sim.tick(t - 200, a=obs(t=t - 200))
-    sim.tick(t - 100, a=obs(t=t - 100, s=sample(gen=5, running=2)))
-    actions = sim.tick(t, a=obs(t=t, s=sample(gen=5, running=2)))
-    assert sim.state() == State.STALLED
-    return sim, actions
+def stalled_sim(config, persistent=None, t=1000.0) -> tuple[Box, list]:
+    box = Box(config, persistent)
+    box.tick(t - 200, a=obs(t=t - 200))
+    box.tick(t - 100, a=obs(t=t - 100, s=sample(gen=5, running=2)))
+    actions = box.tick(t, a=obs(t=t, s=sample(gen=5, running=2)))
+    assert box.state() == State.STALLED
+    return box, actions
 
 
 @pytest.mark.parametrize("ages, allowed", [
@@ -308,14 +233,14 @@ def stalled_sim(config, persistent=None, t=1000.0) -> tuple[Sim, list]:
 ])
 def test_budget_window_boundary(ages, allowed):
     now = 5000.0
-    sim, actions = stalled_sim(cfg(1, restart_budget=3, restart_window_s=1800, backoff_s=0),
+    box, actions = stalled_sim(cfg(1, restart_budget=3, restart_window_s=1800, backoff_s=0),
                                PersistentView(restarts={"a": tuple(now - a for a in ages)}), t=now)
     assert bool(restarts(actions)) == allowed
     if not allowed:
         crit = logs(actions, "critical")
         assert len(crit) == 1 and "budget spent" in crit[0] and "guardian resume a" in crit[0]
-        sim.tick(now + 5, a=obs(t=now + 5, s=sample(gen=5, running=2)))
-        assert logs(sim.actions, "critical") == crit  # said once, not every tick
+        box.tick(now + 5, a=obs(t=now + 5, s=sample(gen=5, running=2)))
+        assert logs(box.actions, "critical") == crit  # said once, not every tick
 
 
 def test_resume_resets_the_budget():
@@ -338,49 +263,49 @@ def test_backoff_boundary(restart_ages, backoff_s, allowed):
 
 
 def test_one_restart_at_a_time_per_box():
-    sim = Sim(cfg(2))
+    box = Box(cfg(2))
     t = 1000.0
-    sim.tick(t - 200)
+    box.tick(t - 200)
     flat = sample(gen=5, running=2)
-    sim.tick(t - 100, a=obs("a", t - 100, s=flat), b=obs("b", t - 100, s=flat))
-    actions = sim.tick(t, a=obs("a", t, s=flat), b=obs("b", t, s=flat))
+    box.tick(t - 100, a=obs("a", t - 100, s=flat), b=obs("b", t - 100, s=flat))
+    actions = box.tick(t, a=obs("a", t, s=flat), b=obs("b", t, s=flat))
     assert [r.replica for r in restarts(actions)] == ["a"]
     assert any("one restart at a time" in m for m in logs(actions, "error"))
     # while a is starting again, b still waits
-    actions = sim.tick(t + 5, a=obs("a", t + 5, u=unit(active_state="activating")), b=obs("b", t + 5, s=flat))
-    assert restarts(actions) == [] and sim.state("a") == State.STARTING
+    actions = box.tick(t + 5, a=obs("a", t + 5, u=unit(active_state="activating")), b=obs("b", t + 5, s=flat))
+    assert restarts(actions) == [] and box.state("a") == State.STARTING
 
 
 def test_restart_outcome_clears_in_flight():
-    sim, actions = stalled_sim(cfg(1))
-    assert restarts(actions) and sim.tracks["a"].restart_in_flight
-    sim.tick(1001, a=obs(t=1001, health=TIMEOUT))
-    assert sim.state() == State.STARTING
-    sim.tick(1010, a=obs(t=1010, u=unit(inactive_exit_mono=1005.0), outcome=RestartOutcome("vllm-a.service", "done", 1009)))
-    assert not sim.tracks["a"].restart_in_flight and sim.state() == State.HEALTHY
-    assert any("serving again 10.0 s after guardian's restart" in m for m in logs(sim.actions, "info"))
+    box, actions = stalled_sim(cfg(1))
+    assert restarts(actions) and box.tracks["a"].restart_in_flight
+    box.tick(1001, a=obs(t=1001, health=TIMEOUT))
+    assert box.state() == State.STARTING
+    box.tick(1010, a=obs(t=1010, u=unit(inactive_exit_mono=1005.0), outcome=RestartOutcome("vllm-a.service", "done")))
+    assert not box.tracks["a"].restart_in_flight and box.state() == State.HEALTHY
+    assert any("serving again 10.0 s after guardian's restart" in m for m in logs(box.actions, "info"))
 
 
 def test_dry_run_logs_what_it_would_do_once():
     config = cfg(1).model_copy(update={"dry_run": True})
-    sim, actions = stalled_sim(config)
+    box, actions = stalled_sim(config)
     assert restarts(actions) == []
     warn = logs(actions, "warning")
     assert len(warn) == 1 and "DRY-RUN: would restart vllm-a.service" in warn[0]
-    sim.tick(1005, a=obs(t=1005, s=sample(gen=5, running=2)))
-    assert len(logs(sim.actions, "warning")) == 1
+    box.tick(1005, a=obs(t=1005, s=sample(gen=5, running=2)))
+    assert len(logs(box.actions, "warning")) == 1
 
 
 def test_unit_gate_refusal_is_logged_once_with_reason():
-    sim = Sim(cfg(1))
+    box = Box(cfg(1))
     t = 1000.0
     u = unit(unit_file_state="disabled")
-    sim.tick(t - 200, a=obs(t=t - 200, u=u))
+    box.tick(t - 200, a=obs(t=t - 200, u=u))
     for now in (t - 100, t, t + 1, t + 2):
-        sim.tick(now, a=obs(t=now, s=sample(gen=5, running=2), u=u))
-    errors = logs(sim.actions, "error")
+        box.tick(now, a=obs(t=now, s=sample(gen=5, running=2), u=u))
+    errors = logs(box.actions, "error")
     assert len(errors) == 1 and "disabled" in errors[0] and "systemctl enable vllm-a.service" in errors[0]
-    assert restarts(sim.actions) == []
+    assert restarts(box.actions) == []
 
 
 # --- gates ------------------------------------------------------------------------------------
@@ -409,18 +334,18 @@ OWN = HeldBy(8001, 100, "vllm-a.service")
     (None, OWN, "dbus"),
 ])
 def test_unit_gates(u, owner, gate):
-    refusal = gates.unit_refusal(u, owner)
+    refusal = checked(gates.unit_refusal(u, owner))
     assert (refusal.gate if refusal else None) == gate
     if refusal is not None and u is not None:
         assert refusal.remedy
 
 
 def test_refusals_name_what_would_be_hurt():
-    r = gates.unit_refusal(unit(conflicts=(("legacy.service", "active"),)), OWN)
+    r = checked(gates.unit_refusal(unit(conflicts=(("legacy.service", "active"),)), OWN))
     assert "would stop legacy.service (active)" in r.reason
-    r = gates.unit_refusal(unit(), HeldBy(8001, 4242, "impostor.service"))
+    r = checked(gates.unit_refusal(unit(), HeldBy(8001, 4242, "impostor.service")))
     assert "impostor.service (pid 4242)" in r.reason
-    r = gates.unit_refusal(unit(), HeldBy(8001, None, "impostor.service"))
+    r = checked(gates.unit_refusal(unit(), HeldBy(8001, None, "impostor.service")))
     assert "held by impostor.service, not by vllm-a.service" in r.reason
 
 
@@ -450,24 +375,24 @@ def test_hazard_missing_unit_and_shared_port():
 
 
 def test_garbage_metrics_is_said_once_and_never_grounds_for_a_restart():
-    sim = Sim(cfg(1, stall_window_s=60))
-    healthy_start(sim)
-    sim.actions.clear()
+    box = Box(cfg(1, stall_window_s=60))
+    healthy_start(box)
+    box.actions.clear()
     garbage = Probe(False, 200, 0.01, "unreadable: not Prometheus text: could not convert string to float")
     for t in range(200, 500, 5):
         o = replace(obs(t=t), metrics_probe=garbage, metrics=None)
-        sim.tick(t, a=o)
-        assert sim.state() == State.DEGRADED
-    errors = logs(sim.actions, "error")
+        box.tick(t, a=o)
+        assert box.state() == State.DEGRADED
+    errors = logs(box.actions, "error")
     assert len(errors) == 1 and "/metrics unreadable" in errors[0] and "no restart" in errors[0]
-    assert restarts(sim.actions) == [] and not any(isinstance(a, StartCanary) for a in sim.actions)
+    assert restarts(box.actions) == [] and not canaries(box.actions)
 
 
 def test_failed_unit_is_restartable_only_for_the_memory_guards_retry():
     failed = unit(active_state="failed")
-    assert gates.unit_refusal(failed, OWN).gate == "inactive"
+    assert checked(gates.unit_refusal(failed, OWN)).gate == "inactive"
     assert gates.unit_refusal(failed, OWN, allow_failed=True) is None
-    assert gates.unit_refusal(unit(active_state="inactive"), OWN, allow_failed=True).gate == "inactive"
+    assert checked(gates.unit_refusal(unit(active_state="inactive"), OWN, allow_failed=True)).gate == "inactive"
 
 
 # --- every liveness rule, by id ---------------------------------------------------------------
@@ -475,57 +400,68 @@ def test_failed_unit_is_restartable_only_for_the_memory_guards_retry():
 def _after_healthy(*steps):
     """A replica healthy at t=100, then STEPS as (t, observation kwargs)."""
     def run():
-        sim = Sim(cfg(1, stall_window_s=60, unresponsive_after_s=10, canary_failures=2))
-        healthy_start(sim)
+        box = Box(cfg(1, stall_window_s=60, unresponsive_after_s=10, canary_failures=2))
+        healthy_start(box)
         for t, kw in steps:
             o = kw.pop("_obs", None) or obs(t=t, **kw)
-            sim.tick(t, a=o)
-        return sim
+            box.tick(t, a=o)
+        return box
     return run
 
 
 def _paused():
-    sim = Sim(cfg(1), PersistentView(pauses={"a": Pause(None)}))
-    sim.tick(100)
-    return sim
+    box = Box(cfg(1), PersistentView(pauses={"a": Pause(None)}))
+    box.tick(100)
+    return box
 
 
 def _fresh(**kw):
     def run():
-        sim = Sim(cfg(1))
-        sim.tick(100, a=obs(t=100, **kw))
-        return sim
+        box = Box(cfg(1))
+        box.tick(100, a=obs(t=100, **kw))
+        return box
     return run
 
 
 FLAT = sample(gen=5, running=2)
 
 
-@pytest.mark.parametrize("scenario, state, rule", [
-    (_paused, State.PAUSED, "L1"),
+@pytest.mark.parametrize("scenario, state, rule, evidence", [
+    (_paused, State.PAUSED, "L1", "paused by operator until resumed"),
     (_after_healthy((110, {"_obs": replace(obs(t=110), unit=None, unit_error="D-Bus GetUnit timed out")})),
-     State.UNKNOWN, "L2"),
-    (_after_healthy((110, {"u": unit(active_state="failed"), "health": TIMEOUT})), State.STOPPED, "L3"),
-    (_after_healthy((110, {"u": unit(active_state="deactivating")})), State.STARTING, "L4"),
-    (_fresh(health=TIMEOUT, u=unit(inactive_exit_mono=50.0)), State.STARTING, "L5"),
-    (_after_healthy((110, {"models": ("other",)})), State.WRONG_MODEL, "L6"),
-    (_after_healthy((105, {"health": TIMEOUT}), (110, {"health": TIMEOUT})), State.UNRESPONSIVE, "L7"),
-    (_after_healthy((105, {"health": DEAD_503}), (115, {"health": DEAD_503})), State.UNRESPONSIVE, "L8"),
-    (_after_healthy((110, {"s": sample(gen=9, running=2), "health": SLOW})), State.BUSY, "L10"),
-    (_after_healthy((110, {"s": sample(gen=9, running=2)})), State.HEALTHY, "L11"),
-    (_after_healthy((110, {"s": FLAT}), (170, {"s": FLAT})), State.STALLED, "L12"),
-    (lambda: _quiet_queue_canary(QUEUED), State.STALLED, "L13"),
+     State.UNKNOWN, "L2", "systemd not reachable: D-Bus GetUnit timed out"),
+    (_after_healthy((110, {"u": unit(active_state="failed"), "health": TIMEOUT})), State.STOPPED, "L3",
+     "unit vllm-a.service is failed"),
+    (_after_healthy((110, {"u": unit(active_state="deactivating")})), State.STARTING, "L4", "unit deactivating"),
+    (_fresh(health=TIMEOUT, u=unit(inactive_exit_mono=50.0)), State.STARTING, "L5", "loading for 50 s of 1200 s grace"),
+    (_after_healthy((110, {"models": ("other",)})), State.WRONG_MODEL, "L6", "/v1/models lists other, expected m"),
+    (_after_healthy((105, {"health": TIMEOUT}), (110, {"health": TIMEOUT})), State.UNRESPONSIVE, "L7",
+     "no HTTP answer for 10 s (/health: timeout)"),
+    (_after_healthy((105, {"health": DEAD_503}), (115, {"health": DEAD_503})), State.UNRESPONSIVE, "L8",
+     "/health 503 (engine dead) for 10 s"),
+    (_after_healthy((110, {"s": sample(gen=9, running=2), "health": SLOW})), State.BUSY, "L10",
+     "/health took 2.5 s, but counters advance (2 running, 0 waiting)"),
+    (_after_healthy((110, {"s": sample(gen=9, running=2)})), State.HEALTHY, "L11",
+     "2 running, 0 waiting, tokens flowing"),
+    (_after_healthy((110, {"s": FLAT}), (170, {"s": FLAT})), State.STALLED, "L12",
+     "2 running, 0 waiting and no counter progress for 60 s"),
+    (lambda: _quiet_queue_canary(QUEUED), State.STALLED, "L13",
+     "12 running, 4 waiting, nothing moved for 25 s, and a canary sent 15 s ago failed"),
     (_after_healthy((110, {"canary": CanaryResult(False, 105, 2, "timeout")}),
-                    (120, {"canary": CanaryResult(False, 115, 2, "timeout")})), State.IDLE_DEAD, "L14"),
-    (_after_healthy((110, {"s": FLAT}), (120, {"s": FLAT, "health": SLOW_FAIL})), State.BUSY, "L15"),
-    (_after_healthy((110, {"metrics_down": True})), State.DEGRADED, "L16"),
-    (_after_healthy((110, {})), State.HEALTHY, "L17"),
-    (_after_healthy((102, {"_obs": replace(obs(t=102, health=TIMEOUT), probes_pending_s=1.0)})), State.HEALTHY, "L9"),
+                    (120, {"canary": CanaryResult(False, 115, 2, "timeout")})), State.IDLE_DEAD, "L14",
+     "idle, and 2 canary completions failed in a row"),
+    (_after_healthy((110, {"s": FLAT}), (120, {"s": FLAT, "health": SLOW_FAIL})), State.BUSY, "L15",
+     "/health timeout, progress 10 s ago"),
+    (_after_healthy((110, {"metrics_down": True})), State.DEGRADED, "L16", "/metrics: timeout"),
+    (_after_healthy((110, {})), State.HEALTHY, "L17", "0 running, 0 waiting"),
+    # no news: the standing verdict keeps its own evidence (L17's, from the tick at 100)
+    (_after_healthy((102, {"_obs": replace(obs(t=102, health=TIMEOUT), probes_pending_s=1.0)})), State.HEALTHY, "L9",
+     "0 running, 0 waiting"),
 ])
-def test_each_liveness_rule_by_id(scenario, state, rule):
-    sim = scenario()
-    assert (sim.state(), sim.rule()) == (state, rule)
-    assert sim.tracks["a"].evidence  # every verdict says why
+def test_each_liveness_rule_by_id(scenario, state, rule, evidence):
+    box = scenario()
+    assert (box.state(), box.rule()) == (state, rule)
+    assert evidence in box.tracks["a"].evidence  # the verdict says why, with this case's own facts
 
 
 # --- probes carried over (observe/replicas.py ProbeCarry): no news is not a verdict ----------------
@@ -540,50 +476,46 @@ def pending(t: float, for_s: float):
     (110.1, State.UNRESPONSIVE, "L7"),
 ])
 def test_probes_in_flight_count_from_the_last_answer(last_t, state, rule):
-    sim = Sim(cfg(1, unresponsive_after_s=10))
-    healthy_start(sim)
+    box = Box(cfg(1, unresponsive_after_s=10))
+    healthy_start(box)
     t = 101.0
     while t < last_t - 0.5:
-        sim.tick(t, a=pending(t, t - 100.5))
-        assert sim.state() == State.HEALTHY
+        box.tick(t, a=pending(t, t - 100.5))
+        assert box.state() == State.HEALTHY
         t += 1.0
-    sim.tick(last_t, a=pending(last_t, last_t - 100.5))
-    assert (sim.state(), sim.rule()) == (state, rule)
+    box.tick(last_t, a=pending(last_t, last_t - 100.5))
+    assert (box.state(), box.rule()) == (state, rule)
 
 
 def test_a_replica_whose_probes_take_longer_than_half_an_interval_does_not_flap():
     """Under load, /health slow: every other tick has no news. The verdict must not flip each tick."""
-    sim = Sim(cfg(1))
-    healthy_start(sim)
+    box = Box(cfg(1))
+    healthy_start(box)
     gen = 10.0
     for i, t in enumerate(range(102, 160, 2)):
         if i % 2:
-            sim.tick(t, a=pending(t, 1.0))
+            box.tick(t, a=pending(t, 1.0))
         else:
             gen += 40
-            sim.tick(t, a=obs(t=t, s=sample(gen=gen, running=4), health=SLOW))
-        assert sim.state() in (State.BUSY, State.HEALTHY), (t, sim.state())
-    changes = [a for a in sim.actions if isinstance(a, LogLine) and a.decision == Decision.STATE]
+            box.tick(t, a=obs(t=t, s=sample(gen=gen, running=4), health=SLOW))
+        assert box.state() in (State.BUSY, State.HEALTHY), (t, box.state())
+    changes = [a for a in box.actions if isinstance(a, LogLine) and a.decision == Decision.STATE]
     assert len(changes) <= 2, [c.message for c in changes]
 
 
 # --- canaries after traffic, for a quiet queue, with a learned deadline (issue 13) -----------------
 
-def canaries(sim) -> list:
-    return [a for a in sim.actions if isinstance(a, StartCanary)]
-
-
 def idle_after_traffic(after_s: float):
     """Healthy and idle; traffic (tokens moving) until 200, then nothing: a tick at 200 + AFTER_S."""
-    sim = Sim(cfg(1, canary_after_traffic_s=5, canary_interval_s=30), LEARNED)
-    healthy_start(sim)
-    sim.tick(101, a=obs(t=101, canary=CanaryResult(True, 100.0, 0.1)))
+    box = Box(cfg(1, canary_after_traffic_s=5, canary_interval_s=30), LEARNED)
+    healthy_start(box)
+    box.tick(101, a=obs(t=101, canary=CanaryResult(True, 100.0, 0.1)))
     for i, t in enumerate(range(150, 201, 2)):
-        sim.tick(t, a=obs(t=t, s=sample(gen=10.0 * (i + 1))))
-    sim.actions.clear()
+        box.tick(t, a=obs(t=t, s=sample(gen=10.0 * (i + 1))))
+    box.actions.clear()
     frozen = sample(gen=10.0 * 26)  # counters as they stood at 200 (26 traffic ticks)
-    sim.tick(200 + after_s, a=obs(t=200 + after_s, s=frozen))
-    return sim
+    box.tick(200 + after_s, a=obs(t=200 + after_s, s=frozen))
+    return box
 
 
 @pytest.mark.parametrize("after_s, sent", [(4.9, False), (5.0, True), (5.1, True)])
@@ -591,18 +523,18 @@ def test_a_canary_soon_after_traffic_stops(after_s, sent):
     """An engine frozen between two steps shows 0 running, 0 waiting and frozen counters while
     clients' requests wait in the API server: only a canary finds it, and it is sent
     canary_after_traffic_s after the traffic stopped, not canary_interval_s."""
-    assert bool(canaries(idle_after_traffic(after_s))) == sent
+    assert bool(canaries(idle_after_traffic(after_s).actions)) == sent
 
 
 def test_after_the_traffic_canary_the_idle_interval_applies_again():
-    sim = idle_after_traffic(5.0)
-    sim.tick(206, a=obs(t=206, s=sample(gen=261.0), canary=CanaryResult(True, 205.0, 0.1)))
-    sim.actions.clear()
+    box = idle_after_traffic(5.0)
+    box.tick(206, a=obs(t=206, s=sample(gen=261.0), canary=CanaryResult(True, 205.0, 0.1)))
+    box.actions.clear()
     for t in (210, 230, 235.0):
-        sim.tick(t, a=obs(t=t, s=sample(gen=261.0)))
-    assert canaries(sim) == []  # the canary's own token is not traffic
-    sim.tick(236.2, a=obs(t=236.2, s=sample(gen=261.0)))
-    assert len(canaries(sim)) == 1  # 30 s after the last canary (its progress at 206)
+        box.tick(t, a=obs(t=t, s=sample(gen=261.0)))
+    assert canaries(box.actions) == []  # the canary's own token is not traffic
+    box.tick(236.2, a=obs(t=236.2, s=sample(gen=261.0)))
+    assert len(canaries(box.actions)) == 1  # 30 s after the last canary (its progress at 206)
 
 
 QUEUED = sample(gen=50, running=12, waiting=4)
@@ -610,39 +542,39 @@ QUEUED = sample(gen=50, running=12, waiting=4)
 
 @pytest.mark.parametrize("quiet_s, sent", [(9.9, False), (10.0, True)])
 def test_a_quiet_queue_gets_a_canary_after_stall_canary_after_s(quiet_s, sent):
-    sim = Sim(cfg(1, stall_canary_after_s=10), LEARNED)
-    healthy_start(sim)
-    sim.tick(101, a=obs(t=101, canary=CanaryResult(True, 100.0, 0.1)))
-    sim.tick(110, a=obs(t=110, s=sample(gen=40, running=12, waiting=4)))
-    sim.tick(112, a=obs(t=112, s=QUEUED))  # the last progress: 112
-    sim.actions.clear()
-    sim.tick(112 + quiet_s, a=obs(t=112 + quiet_s, s=QUEUED))
-    assert bool(canaries(sim)) == sent
+    box = Box(cfg(1, stall_canary_after_s=10), LEARNED)
+    healthy_start(box)
+    box.tick(101, a=obs(t=101, canary=CanaryResult(True, 100.0, 0.1)))
+    box.tick(110, a=obs(t=110, s=sample(gen=40, running=12, waiting=4)))
+    box.tick(112, a=obs(t=112, s=QUEUED))  # the last progress: 112
+    box.actions.clear()
+    box.tick(112 + quiet_s, a=obs(t=112 + quiet_s, s=QUEUED))
+    assert bool(canaries(box.actions)) == sent
 
 
 def _quiet_queue_canary(during: VllmSample):
-    sim = Sim(cfg(1, stall_canary_after_s=10, stall_window_s=60))
-    healthy_start(sim)
-    sim.tick(110, a=obs(t=110, s=sample(gen=40, running=12, waiting=4)))
-    sim.tick(112, a=obs(t=112, s=QUEUED))
-    sim.tick(122, a=obs(t=122, s=QUEUED))  # canary sent at 122
-    assert canaries(sim)
-    sim.tick(124, a=obs(t=124, s=during))
-    sim.tick(137, a=obs(t=137, s=during, canary=CanaryResult(False, 122.0, 15.0, "timeout")))
-    return sim
+    box = Box(cfg(1, stall_canary_after_s=10, stall_window_s=60))
+    healthy_start(box)
+    box.tick(110, a=obs(t=110, s=sample(gen=40, running=12, waiting=4)))
+    box.tick(112, a=obs(t=112, s=QUEUED))
+    box.tick(122, a=obs(t=122, s=QUEUED))  # canary sent at 122
+    assert canaries(box.actions)
+    box.tick(124, a=obs(t=124, s=during))
+    box.tick(137, a=obs(t=137, s=during, canary=CanaryResult(False, 122.0, 15.0, "timeout")))
+    return box
 
 
 def test_a_canary_that_fails_while_nothing_moves_with_work_queued_is_a_stall():
-    sim = _quiet_queue_canary(QUEUED)
-    assert (sim.state(), sim.rule()) == (State.STALLED, "L13")
-    assert restarts(sim.actions)
+    box = _quiet_queue_canary(QUEUED)
+    assert (box.state(), box.rule()) == (State.STALLED, "L13")
+    assert restarts(box.actions)
 
 
 def test_a_canary_late_while_the_kv_cache_moves_proves_nothing():
     """A long chunked prefill: token counters flat, kv_cache_usage_perc rising with every chunk.
     The canary waits behind the prompt; it failing is no evidence."""
-    sim = _quiet_queue_canary(replace(QUEUED, kv_cache_usage=0.3))
-    assert sim.state() is not State.STALLED and not restarts(sim.actions)
+    box = _quiet_queue_canary(replace(QUEUED, kv_cache_usage=0.3))
+    assert box.state() is not State.STALLED and not restarts(box.actions)
 
 
 @pytest.mark.parametrize("latencies, deadline", [
@@ -661,11 +593,11 @@ def test_canary_deadline_is_learned_within_floor_and_ceiling(latencies, deadline
 
 # --- judging at the deadline, not at the next tick mark ------------------------------------
 
-def _failing_since(t_answer: float, t_fail: float, health=TIMEOUT) -> Sim:
-    sim = Sim(cfg(1, unresponsive_after_s=10))  # interval 2 s: probes waited for up to 1 s
-    healthy_start(sim, t0=t_answer)  # the last answer
-    sim.tick(t_fail, a=obs(t=t_fail, health=health))
-    return sim
+def _failing_since(t_answer: float, t_fail: float, health=TIMEOUT) -> Box:
+    box = Box(cfg(1, unresponsive_after_s=10))  # interval 2 s: probes waited for up to 1 s
+    healthy_start(box, t0=t_answer)  # the last answer
+    box.tick(t_fail, a=obs(t=t_fail, health=health))
+    return box
 
 
 @pytest.mark.parametrize("last_started, now, expected", [
@@ -676,33 +608,33 @@ def _failing_since(t_answer: float, t_fail: float, health=TIMEOUT) -> Sim:
     (208.0, 210.0, 210.0),  # the deadline reached (the verdict was given): the mark, nothing earlier
 ])
 def test_the_next_tick_judges_at_the_unresponsive_deadline(last_started, now, expected):
-    sim = _failing_since(200.0, 202.0)
-    assert tick.liveness.next_deadline(sim.tracks["a"], sim.cfg.watchdog) == 210.0
-    assert tick.next_tick_at(sim.core, last_started, now, sim.cfg) == pytest.approx(expected)
+    box = _failing_since(200.0, 202.0)
+    assert tick.liveness.next_deadline(box.tracks["a"], box.cfg.watchdog) == 210.0
+    assert tick.next_tick_at(box.core, last_started, now, box.cfg) == pytest.approx(expected)
 
 
 def test_a_deadline_counts_from_the_later_of_the_last_answer_and_the_last_progress():
-    sim = Sim(cfg(1, unresponsive_after_s=10))
-    healthy_start(sim, t0=200.0, a=obs(t=200.0, s=sample(gen=5)))
-    sim.tick(203, a=obs(t=203, health=Probe(True, 503, 0.01, "HTTP 503"), s=sample(gen=9)))  # 503, yet progress
-    assert tick.liveness.next_deadline(sim.tracks["a"], sim.cfg.watchdog) == 213.0
+    box = Box(cfg(1, unresponsive_after_s=10))
+    healthy_start(box, t0=200.0, a=obs(t=200.0, s=sample(gen=5)))
+    box.tick(203, a=obs(t=203, health=Probe(True, 503, 0.01, "HTTP 503"), s=sample(gen=9)))  # 503, yet progress
+    assert tick.liveness.next_deadline(box.tracks["a"], box.cfg.watchdog) == 213.0
 
 
 @pytest.mark.parametrize("setup", ["healthy", "stopped", "unresponsive"])
 def test_no_deadline_for_a_replica_that_answers_is_down_or_already_judged(setup):
-    sim = Sim(cfg(1, unresponsive_after_s=10), LEARNED)
-    healthy_start(sim, t0=200.0)
+    box = Box(cfg(1, unresponsive_after_s=10), LEARNED)
+    healthy_start(box, t0=200.0)
     if setup == "healthy":  # its canary answered: nothing in flight, no work queued
-        sim.tick(201, a=obs(t=201, canary=CanaryResult(True, 200.0, 0.1)))
-        assert sim.tracks["a"].canary_due_at is None
+        box.tick(201, a=obs(t=201, canary=CanaryResult(True, 200.0, 0.1)))
+        assert box.tracks["a"].canary_due_at is None
     if setup == "stopped":
-        sim.tick(202, a=obs(t=202, u=unit(active_state="inactive")))
+        box.tick(202, a=obs(t=202, u=unit(active_state="inactive")))
     elif setup == "unresponsive":
-        sim.tick(205, a=obs(t=205, health=TIMEOUT))
-        sim.tick(210, a=obs(t=210, health=TIMEOUT))
-        assert sim.state() is State.UNRESPONSIVE
-    assert tick.liveness.next_deadline(sim.tracks["a"], sim.cfg.watchdog) is None
-    assert tick.next_tick_at(sim.core, 210.0, 210.5, sim.cfg) == 212.0
+        box.tick(205, a=obs(t=205, health=TIMEOUT))
+        box.tick(210, a=obs(t=210, health=TIMEOUT))
+        assert box.state() is State.UNRESPONSIVE
+    assert tick.liveness.next_deadline(box.tracks["a"], box.cfg.watchdog) is None
+    assert tick.next_tick_at(box.core, 210.0, 210.5, box.cfg) == 212.0
 
 
 @pytest.mark.parametrize("now, wait", [
@@ -712,14 +644,14 @@ def test_no_deadline_for_a_replica_that_answers_is_down_or_already_judged(setup)
     (210.0, 0.05),
 ])
 def test_a_tick_waits_for_its_probes_no_longer_than_a_replicas_deadline(now, wait):
-    sim = _failing_since(200.0, 202.0)
-    assert tick.probe_wait_s(sim.core, now, sim.cfg) == pytest.approx(wait)
+    box = _failing_since(200.0, 202.0)
+    assert tick.probe_wait_s(box.core, now, box.cfg) == pytest.approx(wait)
 
 
 def test_with_no_deadline_a_tick_waits_half_an_interval():
-    sim = Sim(cfg(1))
-    healthy_start(sim, t0=200.0)
-    assert tick.probe_wait_s(sim.core, 201.0, sim.cfg) == pytest.approx(1.0)
+    box = Box(cfg(1))
+    healthy_start(box, t0=200.0)
+    assert tick.probe_wait_s(box.core, 201.0, box.cfg) == pytest.approx(1.0)
 
 
 @pytest.mark.parametrize("during, counts", [
@@ -732,24 +664,16 @@ def test_traffic_while_a_canary_runs_is_still_traffic(during, counts):
     """A short batch of clients' requests that starts and ends while guardian's canary is in
     flight: it must still count as traffic, or no canary follows it (an engine frozen right
     after it would be found by the 30 s idle cycle instead)."""
-    sim = Sim(cfg(1, canary_after_traffic_s=5, canary_interval_s=30), LEARNED)
-    healthy_start(sim)
-    sim.tick(101, a=obs(t=101, canary=CanaryResult(True, 100.0, 0.1)))
-    sim.tick(131, a=obs(t=131))  # the idle canary is due: sent
-    assert sim.tracks["a"].canary_in_flight_since == 131
-    sim.tick(132, a=obs(t=132, s=during))
-    assert (sim.tracks["a"].last_traffic_at == 132) == counts
+    box = Box(cfg(1, canary_after_traffic_s=5, canary_interval_s=30), LEARNED)
+    healthy_start(box)
+    box.tick(101, a=obs(t=101, canary=CanaryResult(True, 100.0, 0.1)))
+    box.tick(131, a=obs(t=131))  # the idle canary is due: sent
+    assert box.tracks["a"].canary_in_flight_since == 131
+    box.tick(132, a=obs(t=132, s=during))
+    assert (box.tracks["a"].last_traffic_at == 132) == counts
 
 
 # --- the kernel's view (issue 20): responses flowing are progress, waiting clients queued work -----
-
-from guardian.core.observations import ConnView  # noqa: E402
-
-
-def conns(flowing=0, bytes_out=0, waiting=0, oldest_wait_s=0.0, since_s=2.0, cpu_s=None) -> ConnView:
-    return ConnView(connections=flowing + waiting + 1, flowing=flowing, bytes_out=bytes_out, waiting=waiting,
-                    since_s=since_s, cpu_s=cpu_s, waits_s=(oldest_wait_s,) * waiting)
-
 
 def starved(t: float, flowing: int) -> ReplicaObservation:
     """Every endpoint times out (the API server's loop is starved); the kernel sees FLOWING streams."""
@@ -759,13 +683,13 @@ def starved(t: float, flowing: int) -> ReplicaObservation:
 def test_a_replica_whose_endpoints_all_time_out_while_responses_flow_is_never_unresponsive():
     """The false restart measured on a real vLLM 0.32 (issue 20): /health, /metrics and /v1/models
     unanswered for 11 s while 5 streams kept delivering tokens; guardian killed it."""
-    sim = Sim(cfg(1, unresponsive_after_s=10))
-    healthy_start(sim)
+    box = Box(cfg(1, unresponsive_after_s=10))
+    healthy_start(box)
     for t in range(102, 160, 2):
-        sim.tick(t, a=starved(t, flowing=5))
-        assert sim.state() in (State.HEALTHY, State.BUSY), (t, sim.state(), sim.rule())
-    assert not restarts(sim.actions)
-    assert sim.rule() == "L10" and "responses flowing to 5 client connection(s), 20000 bytes" in sim.tracks["a"].evidence
+        box.tick(t, a=starved(t, flowing=5))
+        assert box.state() in (State.HEALTHY, State.BUSY), (t, box.state(), box.rule())
+    assert not restarts(box.actions)
+    assert box.rule() == "L10" and "responses flowing to 5 client connection(s), 20000 bytes" in box.tracks["a"].evidence
 
 
 @pytest.mark.parametrize("last_flow_t, t, state, rule", [
@@ -774,53 +698,53 @@ def test_a_replica_whose_endpoints_all_time_out_while_responses_flow_is_never_un
     (120.0, 130.1, State.UNRESPONSIVE, "L7"),
 ])
 def test_when_the_flow_stops_too_the_window_runs_from_the_last_response_that_flowed(last_flow_t, t, state, rule):
-    sim = Sim(cfg(1, unresponsive_after_s=10))
-    healthy_start(sim)
+    box = Box(cfg(1, unresponsive_after_s=10))
+    healthy_start(box)
     tt = 102.0
     while tt <= last_flow_t:
-        sim.tick(tt, a=starved(tt, flowing=3))
+        box.tick(tt, a=starved(tt, flowing=3))
         tt += 2.0
     while tt < t - 1.0:
-        sim.tick(tt, a=starved(tt, flowing=0))
+        box.tick(tt, a=starved(tt, flowing=0))
         tt += 2.0
-    sim.tick(t, a=starved(t, flowing=0))
-    assert (sim.state(), sim.rule()) == (state, rule)
+    box.tick(t, a=starved(t, flowing=0))
+    assert (box.state(), box.rule()) == (state, rule)
 
 
 def test_a_sigstopped_server_is_unresponsive_in_the_usual_window_with_its_kernel_view_read():
-    sim = Sim(cfg(1, unresponsive_after_s=10))
-    healthy_start(sim)
+    box = Box(cfg(1, unresponsive_after_s=10))
+    healthy_start(box)
     for t in (102.0, 104.0, 106.0, 108.0, 109.9):
-        sim.tick(t, a=replace(obs(t=t, health=TIMEOUT), conns=conns(cpu_s=0.0)))
-    assert sim.state() != State.UNRESPONSIVE
-    sim.tick(110.0, a=replace(obs(t=110.0, health=TIMEOUT), conns=conns(cpu_s=0.0)))
-    assert (sim.state(), sim.rule()) == (State.UNRESPONSIVE, "L7")
-    assert restarts(sim.actions)
+        box.tick(t, a=replace(obs(t=t, health=TIMEOUT), conns=conns(cpu_s=0.0)))
+    assert box.state() != State.UNRESPONSIVE
+    box.tick(110.0, a=replace(obs(t=110.0, health=TIMEOUT), conns=conns(cpu_s=0.0)))
+    assert (box.state(), box.rule()) == (State.UNRESPONSIVE, "L7")
+    assert restarts(box.actions)
 
 
 def frozen_between_steps(oldest_wait_s_at: callable, until: float, canary=None):  # noqa: ANN001
     """Healthy and idle at 100 (3 canaries learned), frozen counters from 110; clients waiting as told."""
-    sim = Sim(cfg(1, stall_canary_after_s=10, client_wait_s=3), LEARNED)
-    healthy_start(sim)
+    box = Box(cfg(1, stall_canary_after_s=10, client_wait_s=3), LEARNED)
+    healthy_start(box)
     frozen = sample()  # the counters as they stood at 100: nothing moves from here on
-    sim.tick(101, a=obs(t=101, s=frozen, canary=CanaryResult(True, 100.0, 0.1)))  # the idle canary at 100
-    sim.actions.clear()
+    box.tick(101, a=obs(t=101, s=frozen, canary=CanaryResult(True, 100.0, 0.1)))  # the idle canary at 100
+    box.actions.clear()
     t = 102.0
     while t <= until:
         wait = oldest_wait_s_at(t)
         c = conns(waiting=4 if wait > 0 else 0, oldest_wait_s=max(0.0, wait))
-        sim.tick(t, a=replace(obs(t=t, s=frozen, canary=canary(t) if canary else None), conns=c))
+        box.tick(t, a=replace(obs(t=t, s=frozen, canary=canary(t) if canary else None), conns=c))
         t += 1.0
-    return sim
+    return box
 
 
 @pytest.mark.parametrize("oldest_wait_s, queued", [(2.9, False), (3.0, True), (3.1, True)])
 def test_clients_waiting_at_least_client_wait_s_are_queued_work(oldest_wait_s, queued):
-    sim = frozen_between_steps(lambda t: oldest_wait_s if t == 130 else 0.0, until=130)
-    assert (sim.tracks["a"].work_since is not None) == queued
+    box = frozen_between_steps(lambda t: oldest_wait_s if t == 130 else 0.0, until=130)
+    assert (box.tracks["a"].work_since is not None) == queued
     if queued:
-        assert sim.tracks["a"].work_since == pytest.approx(130 - oldest_wait_s)
-        assert "4 client(s) waiting for an answer" in sim.tracks["a"].evidence
+        assert box.tracks["a"].work_since == pytest.approx(130 - oldest_wait_s)
+        assert "4 client(s) waiting for an answer" in box.tracks["a"].evidence
 
 
 def test_an_engine_frozen_between_steps_with_clients_waiting_gets_a_stall_canary_then_is_stalled():
@@ -828,37 +752,31 @@ def test_an_engine_frozen_between_steps_with_clients_waiting_gets_a_stall_canary
     def wait_from_110(t: float) -> float:
         return t - 110.0
 
-    sim = frozen_between_steps(wait_from_110, until=119)
-    assert not [a for a in sim.actions if isinstance(a, StartCanary)]  # 9 s since the work was queued
-    sim = frozen_between_steps(wait_from_110, until=120)
-    sent = [a for a in sim.actions if isinstance(a, StartCanary)]
+    box = frozen_between_steps(wait_from_110, until=119)
+    assert not canaries(box.actions)  # 9 s since the work was queued
+    box = frozen_between_steps(wait_from_110, until=120)
+    sent = canaries(box.actions)
     assert len(sent) == 1  # stall_canary_after_s after the oldest client started waiting
     failed = CanaryResult(False, 120.0, 3.0, "timeout")
-    sim = frozen_between_steps(wait_from_110, until=124, canary=lambda t: failed if t == 124 else None)
-    assert (sim.state(), sim.rule()) == (State.STALLED, "L13")
-    assert restarts(sim.actions)
+    box = frozen_between_steps(wait_from_110, until=124, canary=lambda t: failed if t == 124 else None)
+    assert (box.state(), box.rule()) == (State.STALLED, "L13")
+    assert restarts(box.actions)
 
 
 def test_an_idle_keep_alive_or_a_long_answer_with_counters_moving_is_not_a_stall():
-    sim = Sim(cfg(1, stall_canary_after_s=10, client_wait_s=3), LEARNED)
-    healthy_start(sim)
-    sim.tick(101, a=obs(t=101, canary=CanaryResult(True, 100.0, 0.1)))  # the idle canary at 100
-    sim.actions.clear()
+    box = Box(cfg(1, stall_canary_after_s=10, client_wait_s=3), LEARNED)
+    healthy_start(box)
+    box.tick(101, a=obs(t=101, canary=CanaryResult(True, 100.0, 0.1)))  # the idle canary at 100
+    box.actions.clear()
     for i, t in enumerate(range(102, 200, 2)):  # 4 clients waiting on long non-streaming answers
         moving = sample(gen=10.0 * i, running=4)
-        sim.tick(t, a=replace(obs(t=t, s=moving), conns=conns(waiting=4, oldest_wait_s=float(t - 100))))
-        assert sim.state() == State.HEALTHY
-    assert not [a for a in sim.actions if isinstance(a, StartCanary)] and not restarts(sim.actions)
+        box.tick(t, a=replace(obs(t=t, s=moving), conns=conns(waiting=4, oldest_wait_s=float(t - 100))))
+        assert box.state() == State.HEALTHY
+    assert not canaries(box.actions) and not restarts(box.actions)
 
 
 # --- learned canary deadlines: kept in the state file, learned within seconds (issue 20) ----------
 
-from guardian.core.actions import RecordCanaryLatencies  # noqa: E402
-from guardian.core.liveness import LEARNING_CANARIES  # noqa: E402
-
-# Three canaries of 0.1 s learned, as the state file keeps them (the tests above that count idle
-# canaries start from it: with nothing learned, a replica first gets its learning canaries).
-LEARNED = PersistentView(canary_latencies={"a": (0.1, 0.1, 0.1)})
 STARTED_95 = unit(inactive_exit_mono=95.0)  # the idle interval's first canary is due at 125
 
 
@@ -866,182 +784,182 @@ def started_at_95(t: float, **kw) -> ReplicaObservation:
     return obs(t=t, u=STARTED_95, **kw)
 
 
-def sent_at(sim: Sim) -> dict[float, float]:
+def sent_at(box: Box) -> dict[float, float]:
     """When each canary was asked for -> its deadline."""
-    return {sim.tracks["a"].canary_in_flight_since: a.timeout_s for a in canaries(sim)}
+    return {box.tracks["a"].canary_in_flight_since: a.timeout_s for a in canaries(box.actions)}
 
 
 def test_a_replica_that_first_serves_with_nothing_learned_gets_a_canary_at_each_tick_until_3_succeed():
     """Measured on a real vLLM (issue 20): an engine frozen 77 s after guardian started was found
     only at the unlearned 15 s deadline. Now the deadline is learned in the first seconds."""
-    sim = Sim(cfg(1, canary_interval_s=30))
+    box = Box(cfg(1, canary_interval_s=30))
     asked: dict[float, float] = {}
     for t, canary in ((100.0, None), (102.0, CanaryResult(True, 100.0, 0.5)), (104.0, CanaryResult(True, 102.0, 0.6)),
                       (106.0, CanaryResult(True, 104.0, 0.7))):
-        sim.actions.clear()
-        sim.tick(t, a=started_at_95(t, canary=canary))
-        asked |= sent_at(sim)
-        assert sim.state() is State.HEALTHY
+        box.actions.clear()
+        box.tick(t, a=started_at_95(t, canary=canary))
+        asked |= sent_at(box)
+        assert box.state() is State.HEALTHY
     assert asked == {100.0: 15.0, 102.0: 15.0, 104.0: 15.0}  # one a tick, at canary_timeout_s until 3 succeeded
-    assert sim.tracks["a"].canary_latencies == (0.5, 0.6, 0.7) and sim.tracks["a"].learning_canaries == 3
-    sim.actions.clear()
+    assert box.tracks["a"].canary_latencies == (0.5, 0.6, 0.7) and box.tracks["a"].learning_canaries == 3
+    box.actions.clear()
     for t in range(108, 136):  # idle, nothing learned is missing: the interval applies (30 s after 106)
-        sim.tick(float(t), a=started_at_95(float(t)))
-    assert canaries(sim) == []
-    sim.tick(136.0, a=started_at_95(136.0))
-    assert [a.timeout_s for a in canaries(sim)] == [3.0]  # learned: 4 x 0.7 = 2.8, raised to the floor
+        box.tick(float(t), a=started_at_95(float(t)))
+    assert canaries(box.actions) == []
+    box.tick(136.0, a=started_at_95(136.0))
+    assert [a.timeout_s for a in canaries(box.actions)] == [3.0]  # learned: 4 x 0.7 = 2.8, raised to the floor
 
 
 def test_learning_canaries_are_at_most_3_even_when_they_fail_and_a_restart_of_the_replica_gives_no_more():
-    sim = Sim(cfg(1, canary_interval_s=30, canary_retry_s=30, canary_failures=5))
+    box = Box(cfg(1, canary_interval_s=30, canary_retry_s=30, canary_failures=5))
     asked: dict[float, float] = {}
     for t in (100.0, 102.0, 104.0, 106.0, *range(108, 136)):
-        sim.actions.clear()
+        box.actions.clear()
         failed = CanaryResult(False, t - 2, 2.0, "timeout") if t in (102.0, 104.0, 106.0) else None
-        sim.tick(t, a=started_at_95(t, canary=failed))
-        asked |= sent_at(sim)
+        box.tick(t, a=started_at_95(t, canary=failed))
+        asked |= sent_at(box)
     assert asked == {100.0: 15.0, 102.0: 15.0, 104.0: 15.0}  # degraded after a failure: still one a tick
-    assert LEARNING_CANARIES == 3 and sim.tracks["a"].learning_canaries == 3
-    assert sim.tracks["a"].canary_failures == 3 and sim.state() is State.DEGRADED  # counted as any failure
-    assert sim.tracks["a"].canary_latencies == ()
-    sim.actions.clear()
+    assert LEARNING_CANARIES == 3 and box.tracks["a"].learning_canaries == 3
+    assert box.tracks["a"].canary_failures == 3 and box.state() is State.DEGRADED  # counted as any failure
+    assert box.tracks["a"].canary_latencies == ()
+    box.actions.clear()
     restarted = unit(inactive_exit_mono=140.0)  # the replica restarted (by anyone): serving again at 141
     for t in range(141, 170):
-        sim.tick(float(t), a=obs(t=float(t), u=restarted))
-        assert sim.state() is State.HEALTHY
-    assert canaries(sim) == []  # no burst again: its first canary is the idle interval's, at 170
-    sim.tick(170.0, a=obs(t=170.0, u=restarted))
-    assert [a.timeout_s for a in canaries(sim)] == [15.0]
+        box.tick(float(t), a=obs(t=float(t), u=restarted))
+        assert box.state() is State.HEALTHY
+    assert canaries(box.actions) == []  # no burst again: its first canary is the idle interval's, at 170
+    box.tick(170.0, a=obs(t=170.0, u=restarted))
+    assert [a.timeout_s for a in canaries(box.actions)] == [15.0]
 
 
 def test_a_replica_whose_latencies_the_state_file_kept_gets_its_learned_deadline_at_once_and_no_burst():
-    sim = Sim(cfg(1, canary_interval_s=30), PersistentView(canary_latencies={"a": (0.5, 1.0, 2.0)}))
+    box = Box(cfg(1, canary_interval_s=30), PersistentView(canary_latencies={"a": (0.5, 1.0, 2.0)}))
     for t in range(100, 125):
-        sim.tick(float(t), a=started_at_95(float(t)))
-    assert canaries(sim) == [] and sim.tracks["a"].learning_canaries == 0
-    assert not [a for a in sim.actions if isinstance(a, RecordCanaryLatencies)]  # read, not changed
-    sim.tick(125.0, a=started_at_95(125.0))
-    assert [a.timeout_s for a in canaries(sim)] == [8.0]  # 4 x 2.0, not canary_timeout_s
+        box.tick(float(t), a=started_at_95(float(t)))
+    assert canaries(box.actions) == [] and box.tracks["a"].learning_canaries == 0
+    assert not [a for a in box.actions if isinstance(a, RecordCanaryLatencies)]  # read, not changed
+    box.tick(125.0, a=started_at_95(125.0))
+    assert [a.timeout_s for a in canaries(box.actions)] == [8.0]  # 4 x 2.0, not canary_timeout_s
 
 
 def test_a_replica_with_fewer_than_3_kept_gets_only_the_canaries_it_misses():
-    sim = Sim(cfg(1, canary_interval_s=30), PersistentView(canary_latencies={"a": (0.5, 1.0)}))
-    sim.tick(100.0, a=started_at_95(100.0))
-    sim.tick(102.0, a=started_at_95(102.0, canary=CanaryResult(True, 100.0, 0.4)))
-    sim.tick(104.0, a=started_at_95(104.0))
-    assert [a.timeout_s for a in canaries(sim)] == [15.0]
-    assert sim.tracks["a"].canary_latencies == (0.5, 1.0, 0.4) and sim.tracks["a"].learning_canaries == 1
+    box = Box(cfg(1, canary_interval_s=30), PersistentView(canary_latencies={"a": (0.5, 1.0)}))
+    box.tick(100.0, a=started_at_95(100.0))
+    box.tick(102.0, a=started_at_95(102.0, canary=CanaryResult(True, 100.0, 0.4)))
+    box.tick(104.0, a=started_at_95(104.0))
+    assert [a.timeout_s for a in canaries(box.actions)] == [15.0]
+    assert box.tracks["a"].canary_latencies == (0.5, 1.0, 0.4) and box.tracks["a"].learning_canaries == 1
 
 
 def test_a_track_that_exists_keeps_its_own_latencies_whatever_the_state_file_says():
-    sim = Sim(cfg(1), LEARNED)
-    healthy_start(sim)
-    sim.persistent = PersistentView(canary_latencies={"a": (9.0, 9.0, 9.0)})  # written since (a reload re-reads)
-    sim.tick(102.0)
-    assert sim.tracks["a"].canary_latencies == (0.1, 0.1, 0.1)
+    box = Box(cfg(1), LEARNED)
+    healthy_start(box)
+    box.persistent = PersistentView(canary_latencies={"a": (9.0, 9.0, 9.0)})  # written since (a reload re-reads)
+    box.tick(102.0)
+    assert box.tracks["a"].canary_latencies == (0.1, 0.1, 0.1)
 
 
 def test_learned_latencies_go_to_the_state_file_once_per_change_and_a_new_guardian_starts_from_them():
     """A guardian restarted: the latencies the first one recorded seed the second one's tracks."""
-    sim = Sim(cfg(1, canary_interval_s=30))
+    box = Box(cfg(1, canary_interval_s=30))
     records: list[list] = []
     for t, canary in ((100.0, None), (102.0, CanaryResult(True, 100.0, 0.5)), (103.0, None),
                       (104.0, CanaryResult(True, 102.0, 0.6)), (105.0, None), (106.0, CanaryResult(True, 104.0, 0.7)),
                       (107.0, None)):
-        acts = sim.tick(t, a=started_at_95(t, canary=canary))
+        acts = box.tick(t, a=started_at_95(t, canary=canary))
         records.append([a for a in acts if isinstance(a, RecordCanaryLatencies)])
     assert [len(r) for r in records] == [0, 1, 0, 1, 0, 1, 0]  # only at ticks where a canary succeeded
     assert records[-2] == [RecordCanaryLatencies((("a", (0.5, 0.6, 0.7)),))]
-    again = Sim(cfg(1, canary_interval_s=30), PersistentView(canary_latencies=dict(records[-2][0].latencies)))
+    again = Box(cfg(1, canary_interval_s=30), PersistentView(canary_latencies=dict(records[-2][0].latencies)))
     for t in range(200, 230):
         again.tick(float(t), a=obs(t=float(t), u=unit(inactive_exit_mono=200.0)))
     again.tick(230.0, a=obs(t=230.0, u=unit(inactive_exit_mono=200.0)))
-    assert [a.timeout_s for a in canaries(again)] == [3.0]  # learned: no burst, no 15 s deadline
+    assert [a.timeout_s for a in canaries(again.actions)] == [3.0]  # learned: no burst, no 15 s deadline
 
 
 @pytest.mark.parametrize("t, state", [(127.4, State.BUSY), (127.5, State.UNRESPONSIVE)])
 def test_the_window_runs_from_the_last_byte_that_flowed_not_from_the_look_that_saw_it(t, state):
     """A frozen server's last bytes are acked after the freeze: the look after it still sees a flow,
     sent 0.5 s before that look (tcpi_last_data_sent). L7 counts from the send, not the look."""
-    sim = Sim(cfg(1, unresponsive_after_s=10))
-    healthy_start(sim)
+    box = Box(cfg(1, unresponsive_after_s=10))
+    healthy_start(box)
     for tt in (102.0, 104.0, 106.0, 118.0):
-        sim.tick(tt, a=replace(starved(tt, flowing=3), conns=conns(flowing=3, bytes_out=100) if tt < 118
+        box.tick(tt, a=replace(starved(tt, flowing=3), conns=conns(flowing=3, bytes_out=100) if tt < 118
                                else replace(conns(flowing=3, bytes_out=100), last_flow_s=0.5)))
-    assert sim.tracks["a"].last_progress_at == 117.5
-    sim.tick(t, a=starved(t, flowing=0))
-    assert sim.state() == state, (sim.state(), sim.rule())
+    assert box.tracks["a"].last_progress_at == 117.5
+    box.tick(t, a=starved(t, flowing=0))
+    assert box.state() == state, (box.state(), box.rule())
 
 
 def test_a_canary_in_flight_and_a_stall_canary_falling_due_are_deadlines_of_their_own():
     """The tick lands on them (next_tick_at), not up to an interval later: an engine frozen between
     steps with clients waiting is judged as soon as its canary's deadline passes."""
-    sim = Sim(cfg(1, stall_canary_after_s=10, client_wait_s=3), LEARNED)
-    healthy_start(sim)
-    assert sim.tracks["a"].canary_due_at == 100.0 + 3.0  # the canary sent at 100, its learned deadline (floor)
-    assert tick.liveness.next_deadline(sim.tracks["a"], sim.cfg.watchdog) == 103.0 + 0.25
-    sim.tick(101, a=obs(t=101, canary=CanaryResult(True, 100.0, 0.1)))
-    assert tick.liveness.next_deadline(sim.tracks["a"], sim.cfg.watchdog) is None
-    sim.tick(104, a=replace(obs(t=104), conns=conns(waiting=4, oldest_wait_s=3.0)))  # queued since 101
-    assert sim.tracks["a"].work_since == 101.0
-    assert tick.liveness.next_deadline(sim.tracks["a"], sim.cfg.watchdog) == 111.0
+    box = Box(cfg(1, stall_canary_after_s=10, client_wait_s=3), LEARNED)
+    healthy_start(box)
+    assert box.tracks["a"].canary_due_at == 100.0 + 3.0  # the canary sent at 100, its learned deadline (floor)
+    assert tick.liveness.next_deadline(box.tracks["a"], box.cfg.watchdog) == 103.0 + 0.25
+    box.tick(101, a=obs(t=101, canary=CanaryResult(True, 100.0, 0.1)))
+    assert tick.liveness.next_deadline(box.tracks["a"], box.cfg.watchdog) is None
+    box.tick(104, a=replace(obs(t=104), conns=conns(waiting=4, oldest_wait_s=3.0)))  # queued since 101
+    assert box.tracks["a"].work_since == 101.0
+    assert tick.liveness.next_deadline(box.tracks["a"], box.cfg.watchdog) == 111.0
     # the tick starts a probe wait early, so that its judgment lands on the due moment
-    assert tick.next_tick_at(sim.core, 108.5, 109.0, sim.cfg) == pytest.approx(111.0 - sim.cfg.probe_wait_s)
+    assert tick.next_tick_at(box.core, 108.5, 109.0, box.cfg) == pytest.approx(111.0 - box.cfg.probe_wait_s)
 
 
 def test_a_replica_never_idle_still_learns_its_canary_deadline():
     """Measured in the container: 4 clients looping kept the replica busy from its first tick, no
     learning canary went out, and when its engine froze the first canary had the unlearned 15 s."""
-    sim = Sim(cfg(1))
+    box = Box(cfg(1))
     for i, t in enumerate((100.0, 102.0, 104.0, 106.0)):
         done = CanaryResult(True, t - 2.0, 0.4) if i else None
-        sim.tick(t, a=obs(t=t, s=sample(gen=10.0 * (i + 1), running=4), canary=done))
-    sent = [a for a in sim.actions if isinstance(a, StartCanary)]
+        box.tick(t, a=obs(t=t, s=sample(gen=10.0 * (i + 1), running=4), canary=done))
+    sent = canaries(box.actions)
     assert len(sent) == 3 and all(c.timeout_s == 15.0 for c in sent)  # one a tick until 3 succeeded
-    assert tick.liveness.canary_deadline(sim.tracks["a"], sim.cfg.replicas[0], sim.cfg.watchdog) == pytest.approx(3.0)
+    assert tick.liveness.canary_deadline(box.tracks["a"], box.cfg.replicas[0], box.cfg.watchdog) == pytest.approx(3.0)
 
 
 def test_clients_that_waited_before_guardian_first_looked_are_not_a_stall_at_its_first_tick():
     """guardian (re)started while a long non-streaming answer was being computed: the client had
     waited 90 s. Counting its wait from before guardian watched made L12 fire at once."""
-    sim = Sim(cfg(1), LEARNED)
-    sim.tick(100.0, a=replace(obs(t=100.0, s=sample(gen=5000, running=1)), conns=conns(waiting=1, oldest_wait_s=90)))
-    assert sim.state() != State.STALLED and not restarts(sim.actions)
-    assert sim.tracks["a"].work_since == 100.0
+    box = Box(cfg(1), LEARNED)
+    box.tick(100.0, a=replace(obs(t=100.0, s=sample(gen=5000, running=1)), conns=conns(waiting=1, oldest_wait_s=90)))
+    assert box.state() != State.STALLED and not restarts(box.actions)
+    assert box.tracks["a"].work_since == 100.0
 
 
 def test_a_client_stuck_since_before_the_last_good_canary_is_not_queued_work():
     """An upload stuck half-way (uvicorn has no timeout for it) waits for ever; once a canary has
     succeeded after it began, it says nothing about the engine, and one failed canary is no stall."""
-    sim = Sim(cfg(1, client_wait_s=3), LEARNED)
-    healthy_start(sim)
+    box = Box(cfg(1, client_wait_s=3), LEARNED)
+    healthy_start(box)
     stuck = lambda t: replace(conns(waiting=1, oldest_wait_s=t - 90.0), at=t)  # noqa: E731
-    sim.tick(101, a=replace(obs(t=101, canary=CanaryResult(True, 100.0, 0.1)), conns=stuck(101)))
-    assert sim.tracks["a"].work_since is None  # it began at 90, before the canary that succeeded at 100
-    sim.tick(140, a=replace(obs(t=140, canary=CanaryResult(False, 131.0, 3.0, "timeout")), conns=stuck(140)))
-    assert sim.state() != State.STALLED and not restarts(sim.actions)
+    box.tick(101, a=replace(obs(t=101, canary=CanaryResult(True, 100.0, 0.1)), conns=stuck(101)))
+    assert box.tracks["a"].work_since is None  # it began at 90, before the canary that succeeded at 100
+    box.tick(140, a=replace(obs(t=140, canary=CanaryResult(False, 131.0, 3.0, "timeout")), conns=stuck(140)))
+    assert box.state() != State.STALLED and not restarts(box.actions)
 
 
 def test_times_from_the_kernel_count_from_when_it_was_read_not_from_the_judgment():
     """The tick reads the kernel at its start and judges after its probe wait (1 s here)."""
-    sim = Sim(cfg(1), LEARNED)
-    healthy_start(sim)
+    box = Box(cfg(1), LEARNED)
+    healthy_start(box)
     for t in (102.0, 104.0):
-        sim.tick(t, a=replace(obs(t=t), conns=replace(conns(flowing=2, bytes_out=10), last_flow_s=0.5, at=t - 1.0)))
-    assert sim.tracks["a"].last_progress_at == 104.0 - 1.0 - 0.5
+        box.tick(t, a=replace(obs(t=t), conns=replace(conns(flowing=2, bytes_out=10), last_flow_s=0.5, at=t - 1.0)))
+    assert box.tracks["a"].last_progress_at == 104.0 - 1.0 - 0.5
 
 
 def test_a_deadline_already_past_does_not_shorten_every_tick_and_a_lost_canary_is_forgotten():
     """A stall canary that cannot be sent (/health failing) leaves its due moment in the past; and
     a canary whose result never came (the executor lost it) would block every later canary."""
-    sim = Sim(cfg(1, stall_canary_after_s=10, unresponsive_after_s=100), LEARNED)
-    healthy_start(sim)
-    sim.tick(101, a=obs(t=101, s=sample(running=4), canary=CanaryResult(True, 100.0, 0.1)))  # queued from 101
+    box = Box(cfg(1, stall_canary_after_s=10, unresponsive_after_s=100), LEARNED)
+    healthy_start(box)
+    box.tick(101, a=obs(t=101, s=sample(running=4), canary=CanaryResult(True, 100.0, 0.1)))  # queued from 101
     slow = Probe(False, None, 2.0, "timeout")  # /health times out, /metrics answers: no canary can go
-    sim.tick(113, a=replace(obs(t=113, s=sample(running=4)), health=slow))
-    assert sim.state() is State.BUSY and tick.liveness.next_deadline(sim.tracks["a"], sim.cfg.watchdog) == 111.0
-    assert tick.probe_wait_s(sim.core, 113.5, sim.cfg) == pytest.approx(1.0)  # not the 0.05 floor
-    s2 = Sim(cfg(1), LEARNED)
+    box.tick(113, a=replace(obs(t=113, s=sample(running=4)), health=slow))
+    assert box.state() is State.BUSY and tick.liveness.next_deadline(box.tracks["a"], box.cfg.watchdog) == 111.0
+    assert tick.probe_wait_s(box.core, 113.5, box.cfg) == pytest.approx(1.0)  # not the 0.05 floor
+    s2 = Box(cfg(1), LEARNED)
     healthy_start(s2)  # its canary went out at 100, due at 103
     s2.tick(133.0)
     assert s2.tracks["a"].canary_due_at == 103.0  # not yet given up: 30 s past its deadline

@@ -14,8 +14,8 @@ from guardian.act.state import StateStore
 from guardian.config import Config, ProxyConfig, ReplicaConfig
 from guardian.core.vocab import Priority
 from guardian.observe.clock import now
+from harness import Recorder, returns_within
 from systemd_box import wait_for
-from test_shell import Recorder, returns_within
 
 
 def config(tmp_path, **proxy) -> Config:

@@ -12,7 +12,7 @@ import pytest
 
 from guardian.cli import main
 from guardian.core.hazards import proxy_suspect
-from test_simulator import Running
+from harness import Running
 
 
 @pytest.mark.parametrize("starts, suspect", [

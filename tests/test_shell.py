@@ -12,18 +12,9 @@ from guardian.act.journal import MAX_MESSAGE_CHARS, Journal
 from guardian.act.notify import Notifier
 from guardian.cli import build_parser, main
 from guardian.config import Config, ReplicaConfig
-from guardian.core.actions import LogLine
 from guardian.core.vocab import Decision, Priority
 from guardian.daemon import Daemon
-
-
-class Recorder(Journal):
-    def __init__(self) -> None:
-        super().__init__(socket_path="/nonexistent")
-        self.lines: list[tuple[LogLine, dict[str, str]]] = []
-
-    def line(self, line: LogLine, extra: dict[str, str] | None = None) -> None:
-        self.lines.append((line, extra or {}))
+from harness import Recorder, returns_within
 
 
 def test_an_unexpected_exception_in_a_tick_is_logged_critical_and_the_tick_abandoned(tmp_path):
@@ -139,37 +130,6 @@ def test_shutdown_cancels_the_probes_carried_over_from_the_last_tick(tmp_path):
 
 
 # --- issue 21: files read back are bounded and not followed ------------------------------------
-def returns_within(bound_s: float, fn, *args, unblock=()):
-    """FN(*ARGS)'s result, run in a thread: fails if it has not returned after BOUND_S (an open
-    of a FIFO with no writer never returns; a read of /dev/zero never ends). UNBLOCK: FIFOs
-    opened for writing and closed afterwards, so that a reader stuck on one ends too."""
-    import os
-    import threading
-
-    result: dict = {}
-
-    def run() -> None:
-        try:
-            result["value"] = fn(*args)
-        except BaseException as e:  # noqa: BLE001 - raised again in the test's thread
-            result["error"] = e
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(bound_s)
-    blocked = t.is_alive()
-    for fifo in unblock:
-        try:
-            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
-        except OSError:
-            pass  # no reader waits on it
-    if blocked:
-        t.join(bound_s)
-    assert not blocked, f"{getattr(fn, '__name__', fn)} did not return within {bound_s} s"
-    if "error" in result:
-        raise result["error"]
-    return result["value"]
-
 
 def test_a_fifo_at_status_json_is_one_line_and_exit_1_not_a_hang(tmp_path, capsys):
     """A FIFO planted in the runtime directory would hang a root `guardian status` for ever."""
@@ -210,7 +170,7 @@ def test_status_shows_each_replicas_connections_flowing_and_waiting_clients():
     from guardian.core.observations import ConnView, Peer, PeerKind, Probe, ReplicaObservation, TickObservation
     from guardian.core.tick import TickState
     from guardian.observe.clock import Now
-    from guardian.status import LoopStats, status_dict
+    from guardian.status import LoopStats, Seen, status_dict
 
     cfg = Config(replicas=[ReplicaConfig(name="a", unit="vllm-a.service", url="http://127.0.0.1:8001", model="m")])
     view = ConnView(connections=9, flowing=5, bytes_out=20480, waiting=2, waits_s=(4.2, 1.0), since_s=2.0, cpu_s=0.35,
@@ -221,17 +181,18 @@ def test_status_shows_each_replicas_connections_flowing_and_waiting_clients():
     now = Now(mono=10.0, wall=1000.0)
     from guardian.core.observations import PersistentView
 
-    data = status_dict(cfg, "/etc/guardian/guardian.toml", TickState(), PersistentView(),
-                       TickObservation({"a": o}, PersistentView()), None, {}, LoopStats(), True, now)
+    data = status_dict(cfg, "/etc/guardian/guardian.toml",
+                       Seen(TickState(), PersistentView(), TickObservation({"a": o}, PersistentView()), None, {}),
+                       LoopStats(), True, now)
     c = data["replicas"]["a"]["connections"]
     assert (c["established"], c["flowing"], c["bytes_out"], c["waiting"]) == (9, 5, 20480, 2)
     line = _connections_line(c)
     assert line.startswith("connections 9: 5 flowing (20480 bytes in 2.0 s), 2 waiting (longest 4 s)")
     assert "unit CPU 350 ms" in line and "proxy nginx.service x7, other batch.service x2" in line
-    none = status_dict(cfg, "x", TickState(), PersistentView(), None, None, {}, LoopStats(), True, now)
+    none = status_dict(cfg, "x", Seen(TickState(), PersistentView(), None, None, {}), LoopStats(), True, now)
     assert none["replicas"]["a"]["connections"] is None and none["bypassing"] == []
     from guardian.core.bypass import Bypass
 
     bypassing = TickState(bypassing=(Bypass("a", "batch.service", 2, 5.0),))
-    data = status_dict(cfg, "x", bypassing, PersistentView(), None, None, {}, LoopStats(), True, now)
+    data = status_dict(cfg, "x", Seen(bypassing, PersistentView(), None, None, {}), LoopStats(), True, now)
     assert len(data["bypassing"]) == 1 and "batch.service talks to it directly" in data["bypassing"][0]

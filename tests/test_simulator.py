@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -17,48 +15,11 @@ import psutil
 import pytest
 
 from guardian.observe.metrics import parse_vllm_metrics
+from harness import Running
 from systemd_box import wait_for
 
 # A complete /metrics page from a real vLLM 0.32 server (copied from shared/).
 SAMPLE = Path(__file__).resolve().parent.parent / "vllm_sim" / "data" / "vllm-0.32-metrics-sample.txt"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Running:
-    def __init__(self, *args: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen([sys.executable, "-m", "vllm_sim", "--port", str(self.port), "--model", "m",
-                                      "--tokens-per-s", "50", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-    def get(self, path: str, timeout: float = 2.0) -> httpx.Response:
-        return httpx.get(self.url + path, timeout=timeout)
-
-    def post(self, path: str, body: dict, timeout: float = 5.0) -> httpx.Response:
-        return httpx.post(self.url + path, json=body, timeout=timeout)
-
-    def wait_up(self) -> "Running":
-        def up():
-            try:
-                return self.get("/health").status_code == 200
-            except httpx.HTTPError:
-                return False
-        wait_for(up, 15, "the simulator to serve")
-        return self
-
-    def sample(self):
-        return parse_vllm_metrics(self.get("/metrics").text)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            psutil.Process(self.proc.pid).resume()
-            self.proc.kill()
-        self.proc.wait(5)
 
 
 def stream_tokens(s: Running, max_tokens: int) -> list[float]:

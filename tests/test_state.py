@@ -250,10 +250,11 @@ def test_the_daemons_cache_says_a_400_digit_number_once_and_goes_on_from_default
 
 def executor_on(store: StateStore):
     from guardian.act.executor import Executor
+    from guardian.act.restart import Tools
     from guardian.act.journal import Journal
     from guardian.config import Config
 
-    return Executor(Config(), None, None, store, Journal(socket_path="/nonexistent"), clock=lambda: NOW)
+    return Executor(Tools(None, store, Journal(socket_path="/nonexistent"), Config(), lambda: NOW), None)
 
 
 def test_canary_latencies_round_trip_through_the_executor_and_the_view(tmp_path):
@@ -262,13 +263,13 @@ def test_canary_latencies_round_trip_through_the_executor_and_the_view(tmp_path)
     store = store_at(tmp_path)
     store.update(lambda d: record_restart(d, "a", NOW, keep_s=600))
     ex = executor_on(store)
-    ex.perform([RecordCanaryLatencies((("a", (0.5, 0.25, 0.75)), ("b", (1.0,))))])
-    ex.perform([RecordCanaryLatencies((("b", (1.0, 2.0)),))])  # only what changed: a's are kept
+    ex.perform([RecordCanaryLatencies((("a", (0.5, 0.25, 0.75)), ("b", (1.0,))))], {}, NOW)
+    ex.perform([RecordCanaryLatencies((("b", (1.0, 2.0)),))], {}, NOW)  # only what changed: a's are kept
     pv = view(store_at(tmp_path).read(), NOW)
     assert pv.canary_latencies == {"a": (0.5, 0.25, 0.75), "b": (1.0, 2.0)}
     assert pv.restarts == {"a": (NOW.mono,)}  # the rest of the file untouched
     # the newest 8 only; a canary_timeout_s may be longer than the file's bound: brought within it
-    ex.perform([RecordCanaryLatencies((("a", tuple(float(i) for i in range(1, 10)) + (7200.0,)),))])
+    ex.perform([RecordCanaryLatencies((("a", tuple(float(i) for i in range(1, 10)) + (7200.0,)),))], {}, NOW)
     assert view(store_at(tmp_path).read(), NOW).canary_latencies["a"] == (3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 3600.0)
 
 

@@ -160,7 +160,7 @@ def test_arm64_package_runs_guardian_check_under_qemu_in_an_arm64_debian_root(tm
     Python) unpacked into an arm64 Debian 12 root and run by an aarch64 python3 under qemu-user:
     `guardian check` parses the config and probes a real replica (the simulator, on the host)."""
     from arm64_root import chroot, ensure_arm64_root, ensure_binfmt
-    from test_simulator import Running
+    from harness import Running
 
     ensure_binfmt()
     root = tmp_path / "root"

@@ -41,7 +41,7 @@ def test_eight_squeezed_boxes_lower_one_at_a_time_through_a_leader_kill_and_a_cl
     for i in range(fleet.n):
         lowers = [e for e in fleet.lines(i, "GUARDIAN_DECISION=memory") if "restarting" in e["MESSAGE"]]
         assert len(lowers) == 1, [e["MESSAGE"] for e in lowers]
-    waits = [e["MESSAGE"] for i in range(fleet.n) for e in fleet.lines(i, "GUARDIAN_RULE=M14")]
+    waits = [e["MESSAGE"] for i in range(fleet.n) for e in fleet.lines(i, "GUARDIAN_RULE=M15")]
     assert any("waiting for a fleet slot" in m and "held, by box" in m for m in waits), waits[:3]
     out = fleet.box.run(["guardian", "--config", "/etc/guardian/box0.toml", "status", "--fleet"]).stdout
     assert "8 box(es)" in out and "planned restarts 0 of 1" in out

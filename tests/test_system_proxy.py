@@ -147,7 +147,7 @@ def test_a_failing_drain_command_blocks_a_planned_restart_but_never_a_hung_repli
 
 
 def test_a_memory_guard_lowering_with_8_streams_drains_first_and_no_client_request_fails(world):
-    from test_system_memory import DEVICE_TOTAL, HOG, hog, line_with, start_with_thresholds
+    from world import DEVICE_TOTAL, HOG, hog, line_with, start_with_thresholds
 
     for r in world.replicas:
         r.fraction = 0.78
@@ -164,7 +164,7 @@ def test_a_memory_guard_lowering_with_8_streams_drains_first_and_no_client_reque
     world.start_load()
     world.wait_requests(30)
     hog(world, "build.service", 3)
-    line_with(world, "draining it at the proxy first", "GUARDIAN_REPLICA=a", "GUARDIAN_RULE=M15")
+    line_with(world, "draining it at the proxy first", "GUARDIAN_REPLICA=a", "GUARDIAN_RULE=M16")
     line_with(world, "serving again with gpu_memory_utilization 0.74", "GUARDIAN_REPLICA=a", timeout_s=90)
     wait_for(lambda: "D10" in proxy_rules(world, "a"), 30, "a marked up again")
     back_at = float(world.box.run(["date", "+%s.%N"]).stdout.strip())

@@ -9,6 +9,7 @@ import pytest
 from guardian.observe.unitlog import find_start_error
 from guardian.core.wiring import EnvFile, wiring_problem
 from guardian.observe.memory import read_env_fraction
+from harness import returns_within
 
 MEM_074 = ("ValueError: Free memory on device cuda:0 (1.40/2.00 GiB) on startup is less than desired GPU memory "
            "utilization (0.74, 1.48 GiB). Decrease GPU memory utilization or reduce GPU memory used by other processes.")
@@ -108,7 +109,6 @@ def test_a_fifo_or_a_device_as_an_environment_file_is_unreadable_not_a_hang(tmp_
     import os
 
     from guardian.observe.memory import read_env_file
-    from test_shell import returns_within
 
     fifo = tmp_path / "a.env"
     os.mkfifo(fifo)

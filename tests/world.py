@@ -7,6 +7,7 @@ import json
 import time
 from dataclasses import dataclass, field
 
+from guardian.observe.meminfo import sample_memory
 from systemd_box import SystemdBox, wait_for
 
 REPLICA_UNIT = """[Unit]
@@ -278,3 +279,42 @@ class World:
     def restarts_of(self, r: Replica) -> list[dict]:
         return [e for e in self.guardian_lines(f"GUARDIAN_REPLICA={r.name}", "GUARDIAN_DECISION=restart")]
 
+
+# --- a real memory squeeze (the memory guard's system tests) ---------------------------------------
+
+GiB = 2**30
+DEVICE_TOTAL = 1 * GiB  # what the fraction is of, for the simulated replicas and for guardian
+HOG = """#!/usr/bin/python3
+import sys, time
+n = int(sys.argv[1])
+b = bytearray(n)
+b[::4096] = b"\\x01" * len(range(0, n, 4096))
+print(f"holding {n} bytes", flush=True)
+time.sleep(1e9)
+"""
+
+
+def mem_available() -> int:
+    return sample_memory().available_bytes
+
+
+def start_with_thresholds(w: World, below_now_gib: float = 1.0, critical_below_now_gib: float = 6.0) -> int:
+    """Replicas up, then thresholds relative to what is available now; then guardian."""
+    w.setup(start_guardian=False)
+    avail0 = mem_available()
+    w.memory["min_headroom_bytes"] = avail0 - int(below_now_gib * GiB)
+    w.memory["critical_headroom_bytes"] = avail0 - int(critical_below_now_gib * GiB)
+    w.write_config()
+    w.start_guardian()
+    return avail0
+
+
+def hog(w: World, name: str, gib: float) -> None:
+    w.install_plain(name, exec_start=f"/usr/local/bin/hog {int(gib * GiB)}", description="stand-in build")
+    w.box.daemon_reload()
+    w.box.systemctl("start", name)
+
+
+def line_with(w: World, contains: str, *match: str, timeout_s: float = 40) -> dict:
+    return wait_for(lambda: next((e for e in w.guardian_lines(*match) if contains in e["MESSAGE"]), None),
+                    timeout_s, f"a guardian line containing {contains!r}")
