@@ -10,11 +10,13 @@ test:
 	$(MAKE) lint
 	scripts/run-tests
 
-# Static checks on guardian/: ruff (lint and format) and mypy --strict (settings in pyproject.toml).
+# Static checks on guardian/: ruff (lint and format), mypy --strict (settings in pyproject.toml),
+# and the shape limits of a function (scripts/check-shape: 60 lines, 6 parameters).
 lint:
 	.venv/bin/ruff check guardian
 	.venv/bin/ruff format --check guardian
 	.venv/bin/mypy
+	.venv/bin/python scripts/check-shape
 
 # The static checks and the pure tests only (no container, no root): quick feedback while editing.
 unit: lint

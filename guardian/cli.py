@@ -11,20 +11,22 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from . import __version__, engine_helper, polkit
 from .act import proxy
-from .act.executor import checked_restart
 from .act.journal import Journal
+from .act.restart import RestartOrder, Tools, checked_restart
 from .act.state import STATUS_FILE, CorruptState, StateDoc, StateStore, atomic_write, stamp, view
 from .config import MAX_WINDOW_S, Config, ConfigError, ReplicaConfig, config_path, load_config
 from .core import gates, hazards, thresholds, tick
 from .core.actions import AnswerRequest, LogLine, RestartUnit
 from .core.container import KEEPING_POLICIES, helper_unit, parse_run_line, unit_problems
-from .core.observations import RestartRequest, TickObservation
+from .core.observations import RestartRequest, TickObservation, UnitInfo, VllmSample
 from .core.vocab import Decision, Priority
 from .observe import clock, probes
 from .observe.containers import ContainerWatch
@@ -32,7 +34,7 @@ from .observe.memory import env_path, wiring_of
 from .observe.nvml import Nvml
 from .observe.probes import make_client
 from .observe.readback import Refused, read_back
-from .observe.replicas import PortOwnerCache, UnitInfoCache, observe_all, port_owners, unit_or_error
+from .observe.replicas import WorldObserver, port_owners, unit_or_error
 from .observe.systemd import Systemd, SystemdError
 
 EXIT_CONFIG = 2
@@ -76,98 +78,139 @@ def cmd_check(args: argparse.Namespace) -> int:
     return asyncio.run(_check_live(cfg, args.no_systemd))
 
 
+@dataclass
+class _Bus:
+    """What `check` learned over the system bus, for the per-replica lines."""
+
+    sd: Systemd
+    watch: ContainerWatch
+    units: dict[str, UnitInfo | None]
+
+
 async def _check_live(cfg: Config, no_systemd: bool) -> int:
     problems = 0
     sd = Systemd()
-    units = {}
+    bus = None
     if not no_systemd:
         try:
             await sd.connect()
         except SystemdError as e:
             print(f"problem: cannot talk to systemd over the system bus: {e}")
             return 1
-        watch = ContainerWatch(sd)
-        units = {
-            r.unit: (await watch.unitless_view(r) if r.unitless else await unit_or_error(sd, r.unit))[0]
-            for r in cfg.replicas
-        }
-        for r in cfg.replicas:
-            problems += await _check_container(sd, r, watch)
-        try:
-            enabled = await sd.enabled_service_conflicts()
-        except SystemdError as e:
-            print(f"problem: cannot list enabled unit files: {e}")
-            enabled, problems = {}, problems + 1
-        found = hazards.find_hazards(cfg, units, enabled)
-        for h in found:
-            print(f"hazard: {h.message}")
-        problems += len(found)
-        if cfg.memory.enabled:
-            print(f"memory guard: {Nvml().note}")
-            for r in cfg.replicas:
-                problem = await wiring_of(sd, cfg, r)
-                if problem:
-                    problems += 1
-                    print(
-                        f"memory guard: replica {r.name}: NOT wired, it will never be restarted to lower its "
-                        f"fraction: {problem}"
-                    )
-                else:
-                    print(
-                        f"memory guard: replica {r.name}: wired ({env_path(cfg, r.name)} is the last "
-                        "EnvironmentFile= that sets GPU_MEMORY_UTILIZATION)"
-                    )
-    try:
-        down = frozenset(view(StateStore(cfg.state_dir).read(), clock.now()).proxy_down)
-    except (OSError, CorruptState):
-        down = frozenset()  # what the files say is still shown; the diff assumes nothing is marked down
-    for bad, text in proxy.describe(cfg, down):
-        problems += bad
-        print(text)
+        bus, problems = await _check_units(cfg, sd)
+    problems += _check_proxy(cfg)
     if cfg.fleet.enabled:
         problems += await _check_fleet(cfg)
     async with make_client() as client:
         for r in cfg.replicas:
-            health = await probes.probe_health(client, r)
-            mprobe, sample = await probes.probe_metrics(client, r)
-            models_probe, models = await probes.probe_models(client, r)
-            line = f"replica {r.name} ({r.url}): /health {health.status or health.error} in {health.latency_s:.2f} s"
-            if sample is not None:
-                line += (
-                    f"; {sample.running:.0f} running, {sample.waiting:.0f} waiting, "
-                    f"{sample.generation_tokens:.0f} tokens so far"
-                )
-                if sample.gpu_memory_utilization is not None:
-                    line += f", gpu_memory_utilization {sample.gpu_memory_utilization:g}"
-            else:
-                line += f"; /metrics {mprobe.error}"
-                problems += 1
-            starts = [sample.process_start_time_s if sample is not None else None]
-            for _ in range(hazards.PROXY_READS - 1):
-                _probe, again = await probes.probe_metrics(client, r)
-                starts.append(again.process_start_time_s if again is not None else None)
-            suspect = hazards.proxy_suspect(r.name, r.url, starts)
-            if suspect is not None:
-                print(f"warning: {suspect}")
-                problems += 1
-            if models is not None and r.model not in models:
-                line += f"; WRONG MODEL: serves {', '.join(models) or 'nothing'}, expected {r.model}"
-                problems += 1
-            elif models is None:
-                line += f"; /v1/models {models_probe.error}"
-            if not health.ok:
-                problems += 1
-            if not no_systemd:
-                owner = (await watch.owners([r], await port_owners(sd, {r.port})))[r.port]
-                refusal = gates.unit_refusal(units[r.unit], owner)
-                line += f"; {r.unit}: " + (
-                    f"guardian could NOT restart it: {refusal.text}" if refusal else "restartable"
-                )
-            print(line)
+            problems += await _check_replica(client, r, bus)
     problems += _check_connections(cfg)
     sd.close()
     print("ok" if problems == 0 else f"{problems} problem(s)")
     return 0 if problems == 0 else 1
+
+
+async def _check_units(cfg: Config, sd: Systemd) -> tuple[_Bus, int]:
+    """Each replica's unit and container, the hazards among the enabled units, and the memory
+    guard's wiring. Counts the problems."""
+    problems = 0
+    watch = ContainerWatch(sd)
+    units = {
+        r.unit: (await watch.unitless_view(r) if r.unitless else await unit_or_error(sd, r.unit))[0]
+        for r in cfg.replicas
+    }
+    for r in cfg.replicas:
+        problems += await _check_container(sd, r, watch)
+    try:
+        enabled = await sd.enabled_service_conflicts()
+    except SystemdError as e:
+        print(f"problem: cannot list enabled unit files: {e}")
+        enabled, problems = {}, problems + 1
+    found = hazards.find_hazards(cfg, units, enabled)
+    for h in found:
+        print(f"hazard: {h.message}")
+    problems += len(found)
+    if cfg.memory.enabled:
+        problems += await _check_wiring(cfg, sd)
+    return _Bus(sd, watch, units), problems
+
+
+async def _check_wiring(cfg: Config, sd: Systemd) -> int:
+    print(f"memory guard: {Nvml().note}")
+    problems = 0
+    for r in cfg.replicas:
+        problem = await wiring_of(sd, cfg, r)
+        if problem:
+            problems += 1
+            print(
+                f"memory guard: replica {r.name}: NOT wired, it will never be restarted to lower its "
+                f"fraction: {problem}"
+            )
+        else:
+            print(
+                f"memory guard: replica {r.name}: wired ({env_path(cfg, r.name)} is the last "
+                "EnvironmentFile= that sets GPU_MEMORY_UTILIZATION)"
+            )
+    return problems
+
+
+def _check_proxy(cfg: Config) -> int:
+    try:
+        down = frozenset(view(StateStore(cfg.state_dir).read(), clock.now()).proxy_down)
+    except (OSError, CorruptState):
+        down = frozenset()  # what the files say is still shown; the diff assumes nothing is marked down
+    problems = 0
+    for bad, text in proxy.describe(cfg, down):
+        problems += bad
+        print(text)
+    return problems
+
+
+async def _check_replica(client: httpx.AsyncClient, r: ReplicaConfig, bus: _Bus | None) -> int:
+    """One line for the replica: its probes, its model and whether guardian could restart it.
+    Counts the problems (a proxy suspected in front of it is a warning line of its own)."""
+    problems = 0
+    health = await probes.probe_health(client, r)
+    mprobe, sample = await probes.probe_metrics(client, r)
+    models_probe, models = await probes.probe_models(client, r)
+    line = f"replica {r.name} ({r.url}): /health {health.status or health.error} in {health.latency_s:.2f} s"
+    if sample is not None:
+        line += (
+            f"; {sample.running:.0f} running, {sample.waiting:.0f} waiting, "
+            f"{sample.generation_tokens:.0f} tokens so far"
+        )
+        if sample.gpu_memory_utilization is not None:
+            line += f", gpu_memory_utilization {sample.gpu_memory_utilization:g}"
+    else:
+        line += f"; /metrics {mprobe.error}"
+        problems += 1
+    problems += await _check_proxy_suspect(client, r, sample)
+    if models is not None and r.model not in models:
+        line += f"; WRONG MODEL: serves {', '.join(models) or 'nothing'}, expected {r.model}"
+        problems += 1
+    elif models is None:
+        line += f"; /v1/models {models_probe.error}"
+    if not health.ok:
+        problems += 1
+    if bus is not None:
+        owner = (await bus.watch.owners([r], await port_owners(bus.sd, {r.port})))[r.port]
+        refusal = gates.unit_refusal(bus.units[r.unit], owner)
+        line += f"; {r.unit}: " + (f"guardian could NOT restart it: {refusal.text}" if refusal else "restartable")
+    print(line)
+    return problems
+
+
+async def _check_proxy_suspect(client: httpx.AsyncClient, r: ReplicaConfig, first: VllmSample | None) -> int:
+    """A process start time that changes between reads: a load balancer answers for the URL."""
+    starts = [first.process_start_time_s if first is not None else None]
+    for _ in range(hazards.PROXY_READS - 1):
+        _probe, again = await probes.probe_metrics(client, r)
+        starts.append(again.process_start_time_s if again is not None else None)
+    suspect = hazards.proxy_suspect(r.name, r.url, starts)
+    if suspect is not None:
+        print(f"warning: {suspect}")
+        return 1
+    return 0
 
 
 async def _check_container(sd: Systemd, r: ReplicaConfig, watch: ContainerWatch) -> int:
@@ -322,23 +365,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         f"{', DRY-RUN' if data.get('dry_run') else ''}"
         f"{', SYSTEM BUS LOST' if data.get('system_bus') == 'LOST' else ''}"
     )
-    mem = data.get("memory")
-    if mem:
-        psi = mem.get("psi_some_avg10")
-        print(
-            f"memory: {mem['available_bytes'] / 2**30:.1f} GiB available of {mem['total_bytes'] / 2**30:.1f} GiB"
-            + (f", PSI some avg10 {psi:.2f}%" if psi is not None else ", PSI not available")
-        )
-        if mem.get("guard"):
-            below = mem.get("below_min_since")
-            line = f"memory guard: on, min headroom {mem['min_headroom_bytes'] / 2**30:.1f} GiB"
-            line += f", below it for {time.time() - below:.0f} s" if below else ", not squeezed"
-            if mem.get("pending"):
-                p = mem["pending"]
-                line += f"; lowering {p['replica']} {p['old']:g} -> {p['new']:g} in progress"
-            print(line)
-        else:
-            print("memory guard: off")
+    if data.get("memory"):
+        _print_memory(data["memory"])
     for text in data.get("bypassing", []):
         print(f"hazard: {text}")
     for name, r in data.get("replicas", {}).items():
@@ -353,6 +381,24 @@ def cmd_status(args: argparse.Namespace) -> int:
         if isinstance(conns, dict):
             print(f"  {'':<12} {_connections_line(conns)}")
     return 0 if not stale else 3
+
+
+def _print_memory(mem: dict[str, Any]) -> None:
+    psi = mem.get("psi_some_avg10")
+    print(
+        f"memory: {mem['available_bytes'] / 2**30:.1f} GiB available of {mem['total_bytes'] / 2**30:.1f} GiB"
+        + (f", PSI some avg10 {psi:.2f}%" if psi is not None else ", PSI not available")
+    )
+    if not mem.get("guard"):
+        print("memory guard: off")
+        return
+    below = mem.get("below_min_since")
+    line = f"memory guard: on, min headroom {mem['min_headroom_bytes'] / 2**30:.1f} GiB"
+    line += f", below it for {time.time() - below:.0f} s" if below else ", not squeezed"
+    if mem.get("pending"):
+        pending = mem["pending"]
+        line += f"; lowering {pending['replica']} {pending['old']:g} -> {pending['new']:g} in progress"
+    print(line)
 
 
 def _connections_line(c: dict[str, Any]) -> str:
@@ -577,7 +623,7 @@ async def _restart_without_daemon(cfg: Config, name: str) -> int:
         )
     try:
         async with make_client() as client:
-            replicas = await observe_all(cfg, sd, client, now.mono, {}, {}, PortOwnerCache(), UnitInfoCache())
+            replicas = await WorldObserver(sd, client).replicas(cfg, now.mono)
         now = clock.now()
         persistent = replace(pv, requests=(RestartRequest(rid, name, now.mono),))
         _state, actions = tick.decide(tick.TickState(), TickObservation(replicas, persistent), now.mono, cfg)
@@ -588,7 +634,8 @@ async def _restart_without_daemon(cfg: Config, name: str) -> int:
                 print(a.message, file=sys.stdout if a.ok else sys.stderr)
                 return 0 if a.ok else 1
             elif isinstance(a, RestartUnit) and a.request_id == rid:
-                outcome = await checked_restart(sd, store, journal, cfg, r, "requested by an operator")
+                order = RestartOrder(r, "requested by an operator")
+                outcome = await checked_restart(Tools(sd, store, journal, cfg), order)
                 print(f"{r.unit}: {outcome.result}")
                 return 0 if outcome.ok else 1
         print(f"guardian: the request for {name} got no answer (a bug)", file=sys.stderr)

@@ -8,7 +8,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import Config
+from .config import Config, ReplicaConfig
 from .core.admission import budget
 from .core.liveness import Track
 from .core.observations import MemorySample, PersistentView, ReplicaObservation, TickObservation, gib
@@ -49,9 +49,9 @@ def status_line(
 
 def _fraction(name: str, t: Track | None, obs: TickObservation | None) -> float | None:
     """guardian's env file for it, else what the replica reports."""
-    mo = obs.memory.replicas.get(name) if obs is not None and obs.memory is not None else None
-    if mo is not None and mo.configured_fraction is not None:
-        return mo.configured_fraction
+    seen = obs.memory.replicas.get(name) if obs is not None and obs.memory is not None else None
+    if seen is not None and seen.configured_fraction is not None:
+        return seen.configured_fraction
     return t.last_sample.gpu_memory_utilization if t is not None and t.last_sample is not None else None
 
 
@@ -73,48 +73,22 @@ def _connections(o: ReplicaObservation | None) -> dict[str, Any] | None:
     }
 
 
+@dataclass(frozen=True)
+class Seen:
+    """What the last tick saw and decided, as the status file shows it."""
+
+    state: TickState
+    persistent: PersistentView
+    observation: TickObservation | None
+    memory: MemorySample | None
+    wiring: dict[str, str | None]  # replica -> why the memory guard cannot lower it (None: wired)
+
+
 def status_dict(
-    cfg: Config,
-    config_path: str,
-    state: TickState,
-    persistent: PersistentView,
-    obs: TickObservation | None,
-    memory: MemorySample | None,
-    wiring: dict[str, str | None],
-    stats: LoopStats,
-    bus_connected: bool,
-    now: Now,
+    cfg: Config, config_path: str, seen: Seen, stats: LoopStats, bus_connected: bool, now: Now
 ) -> dict[str, Any]:
     """Times in it are wall-clock (epoch s), converted from the monotonic times the core keeps."""
-    wall = now.wall_of
-    replicas = {}
-    for r in cfg.replicas:
-        t = state.tracks.get(r.name, Track())
-        b = budget(r.name, persistent, now.mono, cfg)
-        pause = persistent.pauses.get(r.name)
-        replicas[r.name] = {
-            "unit": r.unit,
-            "url": r.url,
-            "model": r.model,
-            "state": str(t.state),
-            "rule": t.rule,
-            "since": wall(t.state_since),
-            "evidence": t.evidence,
-            "unit_started_at": wall(t.start_ts),
-            "restarts_in_window": b.used,
-            "restart_budget": b.limit,
-            "gave_up": b.spent,
-            "paused_until": wall(pause.until) if pause else None,
-            "paused": pause is not None,
-            "last_progress_at": wall(t.last_progress_at),
-            "gpu_memory_utilization": _fraction(r.name, state.tracks.get(r.name), obs),
-            "memory_wiring": (wiring.get(r.name, "not checked yet") or "wired")
-            if cfg.memory.enabled
-            else "not checked (memory guard off)",
-            "connections": _connections(obs.replicas.get(r.name) if obs is not None else None),
-        }
     ticks = sorted(stats.durations_s)
-    m = state.mem
     return {
         "pid": os.getpid(),
         "updated_at": now.wall,
@@ -129,29 +103,64 @@ def status_dict(
             "max_watchdog_ping_gap_s": stats.max_watchdog_ping_gap_s,
         },
         "config": config_path,
-        "status": status_line(cfg, state, persistent, memory, now.mono),
-        "bypassing": [b.hazard(cfg, now.mono).message for b in state.bypassing],
-        "replicas": replicas,
-        "memory": None
-        if memory is None
+        "status": status_line(cfg, seen.state, seen.persistent, seen.memory, now.mono),
+        "bypassing": [b.hazard(cfg, now.mono).message for b in seen.state.bypassing],
+        "replicas": {r.name: _replica_status(cfg, r, seen, now) for r in cfg.replicas},
+        "memory": _memory_status(cfg, seen, now),
+    }
+
+
+def _replica_status(cfg: Config, r: ReplicaConfig, seen: Seen, now: Now) -> dict[str, Any]:
+    wall = now.wall_of
+    track = seen.state.tracks.get(r.name, Track())
+    used = budget(r.name, seen.persistent, now.mono, cfg)
+    pause = seen.persistent.pauses.get(r.name)
+    observed = seen.observation.replicas.get(r.name) if seen.observation is not None else None
+    return {
+        "unit": r.unit,
+        "url": r.url,
+        "model": r.model,
+        "state": str(track.state),
+        "rule": track.rule,
+        "since": wall(track.state_since),
+        "evidence": track.evidence,
+        "unit_started_at": wall(track.start_ts),
+        "restarts_in_window": used.used,
+        "restart_budget": used.limit,
+        "gave_up": used.spent,
+        "paused_until": wall(pause.until) if pause else None,
+        "paused": pause is not None,
+        "last_progress_at": wall(track.last_progress_at),
+        "gpu_memory_utilization": _fraction(r.name, seen.state.tracks.get(r.name), seen.observation),
+        "memory_wiring": (seen.wiring.get(r.name, "not checked yet") or "wired")
+        if cfg.memory.enabled
+        else "not checked (memory guard off)",
+        "connections": _connections(observed),
+    }
+
+
+def _memory_status(cfg: Config, seen: Seen, now: Now) -> dict[str, Any] | None:
+    memory, guard = seen.memory, seen.state.mem
+    if memory is None:
+        return None
+    pending = guard.pending
+    return {
+        "total_bytes": memory.total_bytes,
+        "available_bytes": memory.available_bytes,
+        "free_bytes": memory.free_bytes,
+        "psi_some_avg10": memory.psi_some_avg10,
+        "psi_full_avg10": memory.psi_full_avg10,
+        "guard": cfg.memory.enabled,
+        "min_headroom_bytes": cfg.memory.min_headroom_bytes,
+        "below_min_since": now.wall_of(guard.below_since),
+        "verdict": str(guard.verdict),
+        "rule": guard.rule,
+        "pending": None
+        if pending is None
         else {
-            "total_bytes": memory.total_bytes,
-            "available_bytes": memory.available_bytes,
-            "free_bytes": memory.free_bytes,
-            "psi_some_avg10": memory.psi_some_avg10,
-            "psi_full_avg10": memory.psi_full_avg10,
-            "guard": cfg.memory.enabled,
-            "min_headroom_bytes": cfg.memory.min_headroom_bytes,
-            "below_min_since": wall(m.below_since),
-            "verdict": str(m.verdict),
-            "rule": m.rule,
-            "pending": None
-            if m.pending is None
-            else {
-                "replica": m.pending.replica,
-                "old": m.pending.old,
-                "new": m.pending.new,
-                "issued_at": wall(m.pending.issued_at),
-            },
+            "replica": pending.replica,
+            "old": pending.old,
+            "new": pending.new,
+            "issued_at": now.wall_of(pending.issued_at),
         },
     }

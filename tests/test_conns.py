@@ -413,7 +413,7 @@ def _srv(
 
 
 def _one(socks: list[Sock], prev: Memory = Memory(), now: float = 12.0, who: Who = Who()) -> ConnView:
-    return conn_views(socks, REPLICAS, who, prev, now)[0]["a"]
+    return conn_views(Table(tuple(socks)), REPLICAS, who, prev, now)[0]["a"]
 
 
 def _prev(acked: int = 1000, inode: int = 100, at: float = 10.0, moving: bool = True) -> Memory:
@@ -490,14 +490,14 @@ def test_guardian_and_monitoring_never_flow_nor_wait():
 
 
 def test_memory_keeps_the_sockets_of_this_look_only():
-    _v, mem = conn_views([_srv(acked=5)], REPLICAS, Who(), _prev(), 12.0)
+    _v, mem = conn_views(Table((_srv(acked=5),)), REPLICAS, Who(), _prev(), 12.0)
     assert mem == Memory(at=12.0, sockets={("10.0.0.1", PORT, "10.0.0.9", 40000): Seen(100, 5, False, 100, 1)})
-    _v, mem = conn_views([], REPLICAS, Who(), mem, 14.0)
+    _v, mem = conn_views(Table(()), REPLICAS, Who(), mem, 14.0)
     assert mem == Memory(at=14.0, sockets={})
 
 
 def test_a_replica_without_connections_and_cpu():
-    views, _ = conn_views([], [("a", PORT), ("b", 9000)], Who(), Memory(), 1.0, cpu={"b": 0.25})
+    views, _ = conn_views(Table(()), [("a", PORT), ("b", 9000)], Who(), Memory(), 1.0, cpu={"b": 0.25})
     assert views["a"] == ConnView(0, 0, 0, 0, None, None, at=1.0)
     assert views["b"].cpu_s == 0.25
 

@@ -239,28 +239,36 @@ def _decode(raw: bytes, path: str, parse: Callable[[dict[str, Any]], T]) -> T:
     return parse(data)
 
 
+@dataclass(frozen=True)
+class Tls:
+    """Client TLS for etcd: CA_FILE is the store that verifies the server (None: the default
+    store); CERT_FILE and KEY_FILE, both or neither, the client's certificate."""
+
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+
+
 class Etcd:
     def __init__(
         self,
         endpoints: list[str],
         timeout_s: float = 2.0,
-        ca_file: str | None = None,
-        cert_file: str | None = None,
-        key_file: str | None = None,
+        tls: Tls | None = None,
         username: str | None = None,
         password: str | None = None,
-        max_bytes: int = MAX_ANSWER_BYTES,
     ) -> None:
         if not endpoints:
             raise ValueError("no etcd endpoints")
         self.endpoints = [e.rstrip("/") for e in endpoints]
         self.current = 0
         self.timeout_s = timeout_s
-        self.max_bytes = max_bytes
+        self.max_bytes = MAX_ANSWER_BYTES
         self.username, self.password = username, password
         self.token: str | None = None
-        verify: Any = ca_file if ca_file else True
-        cert = (cert_file, key_file) if cert_file and key_file else None
+        tls = tls or Tls()
+        verify: Any = tls.ca_file if tls.ca_file else True
+        cert = (tls.cert_file, tls.key_file) if tls.cert_file and tls.key_file else None
         # trust_env=False: an HTTP(S)_PROXY in the environment must not route etcd's traffic.
         self.client = httpx.AsyncClient(
             timeout=timeout_s, verify=verify, cert=cert, trust_env=False, follow_redirects=False

@@ -380,17 +380,17 @@ def local_peers(socks: Iterable[Sock], ports: Iterable[int]) -> list[Sock]:
 
 
 def conn_views(
-    socks: Sequence[Sock],
+    table: Table,
     replicas: Sequence[tuple[str, int]],
     who: Who,
     prev: Memory,
     now: float,
-    truncated: bool = False,
     cpu: Mapping[str, float | None] | None = None,
 ) -> tuple[dict[str, ConnView], Memory]:
     """Each replica's ConnView (REPLICAS: (name, port)) from the sockets of one look at NOW
     (monotonic seconds), and the memory for the next look. CPU: each replica's CPU seconds
     since the previous look, None or absent where unknown."""
+    socks, truncated = table.socks, table.truncated
     ports = {port for _name, port in replicas}
     clients = {s.key: s for s in socks if s.rport in ports}
     since_s = None if prev.at is None else max(0.0, now - prev.at)
@@ -659,7 +659,7 @@ class ConnObserver:
             if sample is not None:
                 samples[r.name] = sample
         self._cpu = samples
-        views, self._memory = conn_views(table.socks, replicas, who, self._memory, mono_now, table.truncated, cpu)
+        views, self._memory = conn_views(table, replicas, who, self._memory, mono_now, cpu)
         return dict(views)
 
     @staticmethod

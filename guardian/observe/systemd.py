@@ -210,7 +210,6 @@ class Systemd:
         body: list[Any],
         path: str = SD_PATH,
         destination: str = SD,
-        timeout_s: float | None = None,
     ) -> list[Any]:
         bus = self.bus
         if bus is None:
@@ -218,7 +217,7 @@ class Systemd:
         msg = Message(
             destination=destination, path=path, interface=interface, member=member, signature=signature, body=body
         )
-        limit_s = timeout_s or self.call_timeout_s
+        limit_s = self.call_timeout_s
         try:
             async with self._in_flight:
                 reply = await asyncio.wait_for(bus.call(msg), limit_s)
