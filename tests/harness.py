@@ -36,7 +36,7 @@ import guardian.core
 from guardian.act.journal import Journal
 from guardian.config import Config, FleetConfig, MemoryConfig, ProxyConfig, ReplicaConfig, WatchdogConfig
 from guardian.core import memguard, tick
-from guardian.core.actions import AnswerRequest, LogLine, LowerFraction, RestartUnit, StartCanary
+from guardian.core.actions import AnswerRequest, LogLine, SetFraction, RestartUnit, StartCanary
 from guardian.core.observations import (
     ConnView, FleetMember, FleetView, MemoryObservation, MemorySample, PersistentView, Probe, ProxyView,
     ReplicaMemoryObservation, ReplicaObservation, RestartRequest, TickObservation, UnitInfo, VllmSample,
@@ -63,13 +63,20 @@ RULE_TABLES = {name: module.RULES for name, module in rule_modules().items()}
 KNOWN_RULE_IDS = frozenset(r.id for rows in RULE_TABLES.values() for r in rows)
 
 
-def check_rule_ids(actions: list, tracks: dict | None = None) -> None:
-    """Fail on a rule id, in a journal line or behind a replica's verdict, that is in no table."""
+def family_ids(module_name: str) -> frozenset[str]:
+    return frozenset(r.id for r in RULE_TABLES[module_name])
+
+
+def check_rule_ids(actions: list, tracks: dict | None = None, mem_rule: str | None = None) -> None:
+    """Fail on a rule id, in a journal line or behind a verdict, that is in no table; a replica's
+    verdict must name a liveness rule (L), the memory guard's a memory rule (M)."""
     for a in actions:
         if isinstance(a, LogLine) and a.rule is not None:
             assert a.rule in KNOWN_RULE_IDS, f"rule {a.rule!r} is in no rule table: {a}"
     for name, track in (tracks or {}).items():
-        assert track.rule in KNOWN_RULE_IDS, f"replica {name}'s verdict names rule {track.rule!r}, in no table"
+        assert track.rule in family_ids("liveness"), f"replica {name}'s verdict names rule {track.rule!r}, no L rule"
+    if mem_rule is not None:
+        assert mem_rule in family_ids("memguard"), f"the memory guard's verdict names rule {mem_rule!r}, no M rule"
 
 
 def checked(refusal: Refusal | None) -> Refusal | None:
@@ -201,8 +208,8 @@ def answers(actions: list) -> list[AnswerRequest]:
     return of(actions, AnswerRequest)
 
 
-def lowerings(actions: list) -> list[LowerFraction]:
-    return of(actions, LowerFraction)
+def lowerings(actions: list) -> list[SetFraction]:
+    return of(actions, SetFraction)
 
 
 def canaries(actions: list) -> list[StartCanary]:
@@ -278,7 +285,7 @@ class Box:
             fleet if fleet is not None else self.fleet,
         )
         self.core, actions = tick.decide(self.core, self.observation, t, self.cfg)
-        check_rule_ids(actions, self.core.tracks)
+        check_rule_ids(actions, self.core.tracks, self.core.mem.rule)
         self.actions += actions
         return actions
 
@@ -302,8 +309,7 @@ def run_memguard(config: Config, steps, track: memguard.MemTrack | None = None):
     every, last = [], []
     for now, view in steps:
         t, last = memguard.decide(t, view, now, config)
-        check_rule_ids(last)
-        assert t.rule is None or t.rule in KNOWN_RULE_IDS, f"memory verdict rule {t.rule!r} is in no table"
+        check_rule_ids(last, mem_rule=t.rule)
         every += last
     return t, every, last
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from guardian.core import fleet
-from guardian.core.actions import AcquireSlot, AnswerRequest, LogLine, LowerFraction, ReleaseSlot, RestartUnit
+from guardian.core.actions import AcquireSlot, AnswerRequest, LogLine, SetFraction, ReleaseSlot, RestartUnit
 from guardian.core.observations import FleetSlot, PersistentView, RestartOutcome, RestartRequest
 from guardian.core.vocab import Decision, State
 from harness import (
@@ -101,17 +101,17 @@ def test_the_memory_guard_waits_for_a_slot_unless_critical():
     acts = box.tick(110, fleet=free)  # not squeezed
     assert not of(acts, AcquireSlot)
     acts = box.tick(112, memory=memory(5), fleet=free)
-    assert of(acts, AcquireSlot) == [AcquireSlot("a", "m")] and not of(acts, LowerFraction)
+    assert of(acts, AcquireSlot) == [AcquireSlot("a", "m")] and not of(acts, SetFraction)
     assert box.core.mem.rule == "M15"
     held = fleet_view(SERVING_ELSEWHERE, [FleetSlot(BOX, "a", "m")])
     acts = box.tick(114, memory=memory(5), fleet=held)
-    assert [lf.replica for lf in of(acts, LowerFraction)] == ["a"] and not of(acts, ReleaseSlot)
+    assert [lf.replica for lf in of(acts, SetFraction)] == ["a"] and not of(acts, ReleaseSlot)
     # critical (below 3 GiB) with etcd down: it goes ahead, said at error
     etcd_down = Box(c)
     down = fleet_view(ok=False, error="down")
     etcd_down.tick(100, fleet=down)
     acts = etcd_down.tick(112, memory=memory(2), fleet=down)
-    assert of(acts, LowerFraction)
+    assert of(acts, SetFraction)
     assert any(isinstance(a, LogLine) and a.decision is Decision.FLEET and a.priority.value == "error" for a in acts)
 
 

@@ -88,6 +88,11 @@ def test_the_harness_fails_on_a_rule_id_in_no_table():
         check_rule_ids([_line("L99")])
     with pytest.raises(AssertionError, match="X1"):
         check_rule_ids([], {"a": Track(rule="X1")})
+    with pytest.raises(AssertionError, match="no L rule"):  # a known id of another family
+        check_rule_ids([], {"a": Track(rule="A1")})
+    check_rule_ids([], mem_rule="M4")
+    with pytest.raises(AssertionError, match="no M rule"):
+        check_rule_ids([], mem_rule="L4")
     assert checked(None) is None
     assert checked(Refusal(Gate.MASKED, "G1", "masked")).rule == "G1"
     with pytest.raises(AssertionError, match="G99"):

@@ -26,10 +26,11 @@ def rep(name="a", fraction=0.78, state="healthy", wiring=None, running=None, sta
                          wiring_problem=wiring, state=State(state), start_failure=failure)
 
 
-def view(headroom_gib: float, *replicas, psi=None, blocked=None, peers=()) -> MemoryView:
+def view(headroom_gib: float, *replicas, psi=None, blocked=None, peers=None) -> MemoryView:
+    """PEERS: model -> the peer URLs serving it."""
     s = MemorySample(TOTAL, int(headroom_gib * GiB), int(headroom_gib * GiB), psi, None)
     reps = replicas or (rep("a", 0.78), rep("b", 0.70))
-    return MemoryView(s, TOTAL, tuple(reps), peers_serving=tuple(peers), consumers="db.service 22.1 GiB",
+    return MemoryView(s, TOTAL, tuple(reps), peers_serving=peers or {}, consumers="db.service 22.1 GiB",
                       restart_blocked=blocked)
 
 
@@ -99,7 +100,7 @@ def test_no_serving_peer_defers_unless_critical():
 
 def test_a_peer_on_another_box_counts():
     lonely = (rep("a", 0.78), rep("b", 0.70, state="stopped"))
-    _, every, _ = run_memguard(memory_cfg(), [(100, view(5, *lonely, peers=["http://box2:8000"])), (130, view(5, *lonely, peers=["http://box2:8000"]))])
+    _, every, _ = run_memguard(memory_cfg(), [(100, view(5, *lonely, peers={"m": ("http://box2:8000",)})), (130, view(5, *lonely, peers={"m": ("http://box2:8000",)}))])
     assert lowerings(every) and "http://box2:8000 serving" in logs(every, "warning")[0]
 
 

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from guardian.core.actions import AnswerRequest, LowerFraction, RecordCanaryLatencies, RestartUnit
+from guardian.core.actions import AnswerRequest, SetFraction, RecordCanaryLatencies, RestartUnit
 from guardian.core.observations import CanaryResult, PersistentView, RestartOutcome
 from guardian.core.vocab import Decision, Gate, RestartKind, State
 from harness import TIMEOUT, Box, cfg, memory, obs, request, sample, unit, with_memory
@@ -30,11 +30,11 @@ def test_a_lowering_deferred_by_back_off_is_said_once_over_many_ticks():
         box.tick(float(t), memory=memory(5))
     deferred = box.lines(rule="M15")
     assert len(deferred) == 1 and deferred[0].decision == Decision.MEMORY_NOTE
-    assert box.of(LowerFraction) == []
+    assert box.of(SetFraction) == []
     assert box.core.mem.rule == "M15"
     # back-off over (at exactly 60 s): the lowering goes ahead
     box.tick(1060.0, memory=memory(5))
-    assert [lf.replica for lf in box.of(LowerFraction)] == ["a"]
+    assert [lf.replica for lf in box.of(SetFraction)] == ["a"]
 
 
 @pytest.mark.parametrize("dt, lowered", [(59.0, False), (60.0, True)])
@@ -42,7 +42,7 @@ def test_back_off_boundary_holds_the_memory_guard_too(dt, lowered):
     box = Box(with_memory(cfg(2, backoff_s=60)), PersistentView(restarts={"a": (1000.0,)}))
     serving(box, 1001.0)
     box.tick(1000.0 + dt, memory=memory(5))
-    assert bool(box.of(LowerFraction)) == lowered
+    assert bool(box.of(SetFraction)) == lowered
 
 
 # --- restarts in flight couple the two sides ---------------------------------------------------------
@@ -51,7 +51,7 @@ def test_a_lowering_marks_its_replica_restarting_and_holds_a_hang_restart_of_the
     box = Box(with_memory(cfg(2)))
     serving(box)
     box.tick(110.0, memory=memory(5))
-    assert [lf.replica for lf in box.of(LowerFraction)] == ["a"]
+    assert [lf.replica for lf in box.of(SetFraction)] == ["a"]
     assert box.core.tracks["a"].restart_in_flight
     # b stalls now: its restart waits for a (one at a time per box), said once with gate A3
     flat = sample(gen=5, running=3)
@@ -75,7 +75,7 @@ def test_a_hang_restart_in_the_same_tick_defers_the_lowering():
     box.tick(200.0, a=obs("a", 200.0, s=flat))
     box.tick(260.0, memory=memory(5), a=obs("a", 260.0, s=flat))
     assert [(r.replica, r.kind) for r in box.of(RestartUnit)] == [("a", RestartKind.HANG)]
-    assert box.of(LowerFraction) == []
+    assert box.of(SetFraction) == []
     (deferred,) = box.lines(rule="M15")
     assert "one restart at a time" in deferred.message
 
@@ -143,7 +143,7 @@ def test_an_overridden_fraction_stops_further_lowerings_of_that_replica():
     box = Box(with_memory(cfg(2)))
     serving(box)
     box.tick(110.0, memory=memory(5))
-    (low,) = box.of(LowerFraction)
+    (low,) = box.of(SetFraction)
     assert (low.replica, low.new) == ("a", 0.74)
     # a restarts and serves, but with 0.78 (a later EnvironmentFile= overrides guardian's file)
     done = RestartOutcome("vllm-a.service", "done", issued=True, ok=True)
@@ -153,7 +153,7 @@ def test_an_overridden_fraction_stops_further_lowerings_of_that_replica():
     assert box.lines(rule="M5"), "the mismatch must be said"
     # after the cooldown, squeezed again: a is not lowered again (it is not wired), b is
     box.tick(800.0, memory=memory(5, a=0.74, cmdline=0.78))
-    assert [lf.replica for lf in box.of(LowerFraction)] == ["a", "b"]
+    assert [lf.replica for lf in box.of(SetFraction)] == ["a", "b"]
 
 
 # --- canary latencies kept in the state file: one action a tick, only on a change (issue 20) -----------

@@ -24,10 +24,10 @@ from ..core.actions import (
     Action,
     AnswerRequest,
     LogLine,
-    LowerFraction,
     RecordCanaryLatencies,
     ReleaseSlot,
     RestartUnit,
+    SetFraction,
     StartCanary,
     SyncProxy,
 )
@@ -82,7 +82,7 @@ class Executor:
                 self._spawn(self._canary(action.replica, action.timeout_s))
             case RestartUnit():
                 self._spawn(self._restart(action))
-            case LowerFraction():
+            case SetFraction():
                 self._spawn(self._lower(action))
             case AnswerRequest():
                 self._answer(action.request_id, action.replica, action.ok, action.message)
@@ -180,7 +180,7 @@ class Executor:
         if action.request_id is not None:
             self._answer(action.request_id, r.name, outcome.ok, f"{r.unit}: {outcome.result}")
 
-    async def _lower(self, action: LowerFraction) -> None:
+    async def _lower(self, action: SetFraction) -> None:
         r = self.cfg.replica(action.replica)
         if r is None:
             return
@@ -202,7 +202,7 @@ class Executor:
         )
         self._outcomes[action.replica] = await self._guarded(order, "lowering restart")
 
-    def _write_fraction(self, r: ReplicaConfig, action: LowerFraction, write: Callable[[], None]) -> None:
+    def _write_fraction(self, r: ReplicaConfig, action: SetFraction, write: Callable[[], None]) -> None:
         """Only the env file: systemd is restarting the unit by itself, and its next start reads it."""
         path = env_path(self.cfg, action.replica)
         try:

@@ -54,8 +54,9 @@ class RecordCanaryLatencies:
 
 
 @dataclass(frozen=True)
-class LowerFraction:
-    """Write NEW to the replica's env file, then (if RESTART) restart its unit through the gates."""
+class SetFraction:
+    """Write NEW to the replica's env file (a lowering, or a raise back toward its base), then (if
+    RESTART) restart its unit through the gates."""
 
     replica: str
     unit: str
@@ -116,7 +117,7 @@ Action = (
     | RestartUnit
     | StartCanary
     | RecordCanaryLatencies
-    | LowerFraction
+    | SetFraction
     | AnswerRequest
     | AcquireSlot
     | ReleaseSlot

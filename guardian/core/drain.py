@@ -151,9 +151,10 @@ def serving_elsewhere(obs: TickObservation, cfg: Config) -> dict[str, tuple[str,
     }
 
 
-def peers_serving(obs: TickObservation, cfg: Config, model: str) -> int:
-    """Replicas of MODEL serving elsewhere: memory.peer_urls that answered, and other boxes in the fleet."""
-    peers = len(obs.memory.peers_serving) if obs.memory is not None else 0
+def serving_peer_count(obs: TickObservation, cfg: Config, model: str) -> int:
+    """Replicas of MODEL serving elsewhere: memory.peer_urls that answered with it, and other boxes
+    in the fleet."""
+    peers = len(obs.memory.peers_serving.get(model, ())) if obs.memory is not None else 0
     return peers + len(serving_elsewhere(obs, cfg).get(model, ()))
 
 

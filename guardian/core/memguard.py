@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import math
 import string
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..config import Config, MemoryConfig
-from .actions import AcquireSlot, DrainReplica, LogLine, LowerFraction
+from .actions import AcquireSlot, DrainReplica, LogLine, SetFraction
 from .observations import MemorySample, RestartOutcome, gib
 from .rules import Refusal, Row, Rule, first_match
 from .vocab import SERVING_STATES, Decision, Gate, MemVerdict, Priority, State
@@ -55,7 +56,7 @@ class MemoryView:
     sample: MemorySample
     total_bytes: int
     replicas: tuple[ReplicaMemory, ...]
-    peers_serving: tuple[str, ...] = ()  # peer URLs that answered healthy with the model
+    peers_serving: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # model -> peer URLs serving it
     consumers: str = ""  # "db.service 22.1 GiB, make 9.3 GiB"
     restart_blocked: dict[str, Refusal] | None = None  # replica -> why admission would not restart it now
     restart_results: dict[str, RestartOutcome] | None = None  # replica -> a restart job that ended this tick
@@ -86,7 +87,7 @@ class MemTrack:
     rule: str | None = None
 
 
-MemAction = LogLine | LowerFraction | DrainReplica | AcquireSlot
+MemAction = LogLine | SetFraction | DrainReplica | AcquireSlot
 
 
 # --- the rules ------------------------------------------------------------------------------
@@ -566,7 +567,7 @@ def _peers(chosen: ReplicaMemory, view: MemoryView) -> tuple[str, ...]:
     local = [
         r.name for r in view.replicas if r.name != chosen.name and r.model == chosen.model and r.state in SERVING_STATES
     ]
-    return (*local, *view.peers_serving, *(view.fleet_serving or {}).get(chosen.model, ()))
+    return (*local, *view.peers_serving.get(chosen.model, ()), *(view.fleet_serving or {}).get(chosen.model, ()))
 
 
 def _conclude(
@@ -606,14 +607,14 @@ def _cause(verdict: MemVerdict, replica: ReplicaMemory | None, facts: Facts) -> 
     return (verdict, *about, *(facts.refusal.key if facts.refusal is not None else ()))
 
 
-def _lowering(verdict: MemVerdict, replica: ReplicaMemory | None, facts: Facts) -> LowerFraction | None:
+def _lowering(verdict: MemVerdict, replica: ReplicaMemory | None, facts: Facts) -> SetFraction | None:
     """The env file to write and the restart: a lowering (M17), or the next fraction after a failed start (M7)."""
     if replica is None:
         return None
     if verdict is MemVerdict.LOWER:
-        return LowerFraction(replica.name, replica.unit, facts.current, facts.new, restart=True, evidence=facts.why)
+        return SetFraction(replica.name, replica.unit, facts.current, facts.new, restart=True, evidence=facts.why)
     if verdict is MemVerdict.RETRY:
-        return LowerFraction(
+        return SetFraction(
             replica.name,
             replica.unit,
             facts.written,

@@ -9,6 +9,7 @@ wall-clock stamp, only compared with itself (to tell one serving process from an
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -236,7 +237,8 @@ class MemoryObservation:
     sample: MemorySample
     total_bytes: int  # what --gpu-memory-utilization is a fraction of
     replicas: dict[str, ReplicaMemoryObservation]
-    peers_serving: tuple[str, ...] = ()  # peer URLs that answered healthy with a model of ours
+    # model -> the peer URLs (memory.peer_urls) that answered healthy and list that model
+    peers_serving: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     consumers: str = ""  # "db.service 22.1 GiB, make (pid 9) 9.3 GiB": asked only when below the line
 
 

@@ -47,10 +47,10 @@ from .actions import (
     AnswerRequest,
     DrainReplica,
     LogLine,
-    LowerFraction,
     RecordCanaryLatencies,
     ReleaseSlot,
     RestartUnit,
+    SetFraction,
     StartCanary,
     SyncProxy,
 )
@@ -253,7 +253,7 @@ class Tick:
                 "P.drain_command, then ask again",
             )
             return
-        peers = drain.peers_serving(self.obs, self.cfg, replica.model)
+        peers = drain.serving_peer_count(self.obs, self.cfg, replica.model)
         if drain.others_serving(replica.name, self.cfg, self.tracks, self.drains, peers) == 0:
             none_left = f"no other replica of {replica.model} serves any more, so draining it would leave none"
             self._abandon(replica, down, "D4", none_left)
@@ -511,7 +511,7 @@ class Tick:
         """D1: mark REPLICA down at the proxy instead of restarting it now; True if so. D2 says why not."""
         if not self._admitted(replica):
             return False  # the restart path logs and answers the refusal
-        peers = drain.peers_serving(self.obs, self.cfg, replica.model)
+        peers = drain.serving_peer_count(self.obs, self.cfg, replica.model)
         if drain.others_serving(replica.name, self.cfg, self.tracks, self.drains, peers) == 0:
             self._say(
                 LogLine(
@@ -572,7 +572,7 @@ class Tick:
                     why = "the memory guard's lowering"
                     self.drains[action.replica] = Drain(Phase.DRAINING, self.now, why, for_memory=True)
                 continue
-            if isinstance(action, LowerFraction) and action.restart and action.replica in self.tracks:
+            if isinstance(action, SetFraction) and action.restart and action.replica in self.tracks:
                 asked.add(action.replica)
                 # The watchdog keeps out of it, and no other restart starts, until the job is done.
                 track = self.tracks[action.replica]
@@ -582,7 +582,7 @@ class Tick:
             self.actions.append(action)
         return asked
 
-    def _lowering_at_the_proxy(self, lowering: LowerFraction) -> LowerFraction:
+    def _lowering_at_the_proxy(self, lowering: SetFraction) -> SetFraction:
         """A lowering's restart: after its drain (D7) with a bounded stop; a critical one, not drained,
         is marked down as it restarts (D9)."""
         if not self.cfg.proxy.enabled:

@@ -211,7 +211,7 @@ _ENABLED = frozenset(
 
 class RestartKind(StrEnum):
     """Why a RestartUnit action is made: the watchdog's answer to a hang, or an operator's request.
-    (The memory guard's restarts are LowerFraction actions: the env file is written first.)"""
+    (The memory guard's restarts are SetFraction actions: the env file is written first.)"""
 
     HANG = "hang"
     OPERATOR = "operator"

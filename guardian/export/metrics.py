@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from ..config import Config, ReplicaConfig
 from ..core import admission
-from ..core.actions import Action, LogLine, LowerFraction, RestartUnit
+from ..core.actions import Action, LogLine, RestartUnit, SetFraction
 from ..core.bypass import Bypass
 from ..core.hazards import Hazard
 from ..core.liveness import Track
@@ -157,7 +157,7 @@ class Metrics:
             start = detection_start(t) if t is not None and action.kind is RestartKind.HANG else None
             if start is not None:
                 self.detection.observe(max(0.0, at.mono - start))
-        elif isinstance(action, LowerFraction):
+        elif isinstance(action, SetFraction):
             self.lowerings.labels(action.replica).inc()
             if action.restart:
                 self.restarts.labels(action.replica, "memory").inc()

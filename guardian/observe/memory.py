@@ -142,11 +142,11 @@ class MemoryObserver:
 
         per_replica = await asyncio.gather(*(one(r) for r in cfg.replicas))
         consumers: str = ""
-        peers: tuple[str, ...] = ()
+        peers: dict[str, tuple[str, ...]] = {}
         if sample.available_bytes < m.min_headroom_bytes:
             consumers, peers = await asyncio.gather(self._largest_consumers(), self._serving_peers(cfg))
         return MemoryObservation(
-            sample, total, {r.name: x for r, x in zip(cfg.replicas, per_replica, strict=False)}, tuple(peers), consumers
+            sample, total, {r.name: x for r, x in zip(cfg.replicas, per_replica, strict=False)}, peers, consumers
         )
 
     async def _largest_consumers(self) -> str:
@@ -157,15 +157,17 @@ class MemoryObserver:
         procs = await asyncio.to_thread(_largest_processes, 2)
         return ", ".join([f"{n} {gib(b)}" for n, b in units] + [f"{n} (pid {pid}) {gib(b)}" for n, pid, b in procs])
 
-    async def _serving_peers(self, cfg: Config) -> tuple[str, ...]:
+    async def _serving_peers(self, cfg: Config) -> dict[str, tuple[str, ...]]:
+        """Per model of this box, the memory.peer_urls that answered /health and list it: a peer
+        that serves another model carries none of this one's load."""
         models = {r.model for r in cfg.replicas}
         timeout_s = cfg.memory.peer_timeout_s
 
-        async def serving(url: str) -> str | None:
+        async def serving(url: str) -> tuple[str, frozenset[str]]:
             health, (_p, served) = await asyncio.gather(
                 probes.health_at(self.client, url, timeout_s), probes.models_at(self.client, url, timeout_s)
             )
-            return url if health.ok and served and models & set(served) else None
+            return url, frozenset(served or ()) & models if health.ok else frozenset()
 
         found = await asyncio.gather(*(serving(u) for u in cfg.memory.peer_urls))
-        return tuple(u for u in found if u)
+        return {model: tuple(url for url, served in found if model in served) for model in sorted(models)}
