@@ -44,7 +44,7 @@ from .observe.meminfo import sample_memory
 from .observe.probes import make_client
 from .observe.replicas import WorldObserver
 from .observe.systemd import Systemd, SystemdError, SystemdEvent
-from .status import LoopStats, Seen, status_dict, status_line
+from .status import LoopStats, Snapshot, status_dict, status_line
 
 
 class StartupError(Exception):
@@ -192,10 +192,10 @@ class Daemon:
         return status_line(self.cfg, self.state, self.persistent.view(at), self.memory, at.mono)
 
     def write_status(self, at: Now) -> None:
-        seen = Seen(
+        snapshot = Snapshot(
             self.state, self.persistent.view(at), self.last_observation, self.memory, self.observer.memory.wiring
         )
-        data = status_dict(self.cfg, str(self.config_path), seen, self.stats, self.sd.connected, at)
+        data = status_dict(self.cfg, str(self.config_path), snapshot, self.stats, self.sd.connected, at)
         try:
             atomic_write_json(self.cfg.runtime_dir / STATUS_FILE, data)
         except OSError as e:

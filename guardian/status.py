@@ -49,9 +49,9 @@ def status_line(
 
 def _fraction(name: str, t: Track | None, obs: TickObservation | None) -> float | None:
     """guardian's env file for it, else what the replica reports."""
-    seen = obs.memory.replicas.get(name) if obs is not None and obs.memory is not None else None
-    if seen is not None and seen.configured_fraction is not None:
-        return seen.configured_fraction
+    found = obs.memory.replicas.get(name) if obs is not None and obs.memory is not None else None
+    if found is not None and found.configured_fraction is not None:
+        return found.configured_fraction
     return t.last_sample.gpu_memory_utilization if t is not None and t.last_sample is not None else None
 
 
@@ -74,7 +74,7 @@ def _connections(o: ReplicaObservation | None) -> dict[str, Any] | None:
 
 
 @dataclass(frozen=True)
-class Seen:
+class Snapshot:
     """What the last tick saw and decided, as the status file shows it."""
 
     state: TickState
@@ -85,7 +85,7 @@ class Seen:
 
 
 def status_dict(
-    cfg: Config, config_path: str, seen: Seen, stats: LoopStats, bus_connected: bool, now: Now
+    cfg: Config, config_path: str, snapshot: Snapshot, stats: LoopStats, bus_connected: bool, now: Now
 ) -> dict[str, Any]:
     """Times in it are wall-clock (epoch s), converted from the monotonic times the core keeps."""
     ticks = sorted(stats.durations_s)
@@ -103,19 +103,19 @@ def status_dict(
             "max_watchdog_ping_gap_s": stats.max_watchdog_ping_gap_s,
         },
         "config": config_path,
-        "status": status_line(cfg, seen.state, seen.persistent, seen.memory, now.mono),
-        "bypassing": [b.hazard(cfg, now.mono).message for b in seen.state.bypassing],
-        "replicas": {r.name: _replica_status(cfg, r, seen, now) for r in cfg.replicas},
-        "memory": _memory_status(cfg, seen, now),
+        "status": status_line(cfg, snapshot.state, snapshot.persistent, snapshot.memory, now.mono),
+        "bypassing": [b.hazard(cfg, now.mono).message for b in snapshot.state.bypassing],
+        "replicas": {r.name: _replica_status(cfg, r, snapshot, now) for r in cfg.replicas},
+        "memory": _memory_status(cfg, snapshot, now),
     }
 
 
-def _replica_status(cfg: Config, r: ReplicaConfig, seen: Seen, now: Now) -> dict[str, Any]:
+def _replica_status(cfg: Config, r: ReplicaConfig, snapshot: Snapshot, now: Now) -> dict[str, Any]:
     wall = now.wall_of
-    track = seen.state.tracks.get(r.name, Track())
-    used = budget(r.name, seen.persistent, now.mono, cfg)
-    pause = seen.persistent.pauses.get(r.name)
-    observed = seen.observation.replicas.get(r.name) if seen.observation is not None else None
+    track = snapshot.state.tracks.get(r.name, Track())
+    window = budget(r.name, snapshot.persistent, now.mono, cfg)
+    pause = snapshot.persistent.pauses.get(r.name)
+    observed = snapshot.observation.replicas.get(r.name) if snapshot.observation is not None else None
     return {
         "unit": r.unit,
         "url": r.url,
@@ -125,22 +125,22 @@ def _replica_status(cfg: Config, r: ReplicaConfig, seen: Seen, now: Now) -> dict
         "since": wall(track.state_since),
         "evidence": track.evidence,
         "unit_started_at": wall(track.start_ts),
-        "restarts_in_window": used.used,
-        "restart_budget": used.limit,
-        "gave_up": used.spent,
+        "restarts_in_window": window.used,
+        "restart_budget": window.limit,
+        "gave_up": window.spent,
         "paused_until": wall(pause.until) if pause else None,
         "paused": pause is not None,
         "last_progress_at": wall(track.last_progress_at),
-        "gpu_memory_utilization": _fraction(r.name, seen.state.tracks.get(r.name), seen.observation),
-        "memory_wiring": (seen.wiring.get(r.name, "not checked yet") or "wired")
+        "gpu_memory_utilization": _fraction(r.name, snapshot.state.tracks.get(r.name), snapshot.observation),
+        "memory_wiring": (snapshot.wiring.get(r.name, "not checked yet") or "wired")
         if cfg.memory.enabled
         else "not checked (memory guard off)",
         "connections": _connections(observed),
     }
 
 
-def _memory_status(cfg: Config, seen: Seen, now: Now) -> dict[str, Any] | None:
-    memory, guard = seen.memory, seen.state.mem
+def _memory_status(cfg: Config, snapshot: Snapshot, now: Now) -> dict[str, Any] | None:
+    memory, guard = snapshot.memory, snapshot.state.mem
     if memory is None:
         return None
     pending = guard.pending

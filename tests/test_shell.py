@@ -170,7 +170,7 @@ def test_status_shows_each_replicas_connections_flowing_and_waiting_clients():
     from guardian.core.observations import ConnView, Peer, PeerKind, Probe, ReplicaObservation, TickObservation
     from guardian.core.tick import TickState
     from guardian.observe.clock import Now
-    from guardian.status import LoopStats, Seen, status_dict
+    from guardian.status import LoopStats, Snapshot, status_dict
 
     cfg = Config(replicas=[ReplicaConfig(name="a", unit="vllm-a.service", url="http://127.0.0.1:8001", model="m")])
     view = ConnView(connections=9, flowing=5, bytes_out=20480, waiting=2, waits_s=(4.2, 1.0), since_s=2.0, cpu_s=0.35,
@@ -182,17 +182,17 @@ def test_status_shows_each_replicas_connections_flowing_and_waiting_clients():
     from guardian.core.observations import PersistentView
 
     data = status_dict(cfg, "/etc/guardian/guardian.toml",
-                       Seen(TickState(), PersistentView(), TickObservation({"a": o}, PersistentView()), None, {}),
+                       Snapshot(TickState(), PersistentView(), TickObservation({"a": o}, PersistentView()), None, {}),
                        LoopStats(), True, now)
     c = data["replicas"]["a"]["connections"]
     assert (c["established"], c["flowing"], c["bytes_out"], c["waiting"]) == (9, 5, 20480, 2)
     line = _connections_line(c)
     assert line.startswith("connections 9: 5 flowing (20480 bytes in 2.0 s), 2 waiting (longest 4 s)")
     assert "unit CPU 350 ms" in line and "proxy nginx.service x7, other batch.service x2" in line
-    none = status_dict(cfg, "x", Seen(TickState(), PersistentView(), None, None, {}), LoopStats(), True, now)
+    none = status_dict(cfg, "x", Snapshot(TickState(), PersistentView(), None, None, {}), LoopStats(), True, now)
     assert none["replicas"]["a"]["connections"] is None and none["bypassing"] == []
     from guardian.core.bypass import Bypass
 
     bypassing = TickState(bypassing=(Bypass("a", "batch.service", 2, 5.0),))
-    data = status_dict(cfg, "x", Seen(bypassing, PersistentView(), None, None, {}), LoopStats(), True, now)
+    data = status_dict(cfg, "x", Snapshot(bypassing, PersistentView(), None, None, {}), LoopStats(), True, now)
     assert len(data["bypassing"]) == 1 and "batch.service talks to it directly" in data["bypassing"][0]
