@@ -227,8 +227,8 @@ class Daemon:
 
     async def shutdown(self) -> None:
         self.notifier.stopping()
-        timeout_s = self.cfg.shutdown_timeout_s
-        left = sum([await part.stop(timeout_s) for part in self.parts])
+        deadline_mono = time.monotonic() + (timeout_s := self.cfg.shutdown_timeout_s)  # one bound for all parts
+        left = sum([await part.stop(max(0.0, deadline_mono - time.monotonic())) for part in self.parts])
         if left:
             self.journal.send(Priority.WARNING, f"stopping with {left} task(s) cut short after {timeout_s:g} s")
         self.observer.carry.forget(set())  # probes carried over from the last tick: nobody will read them

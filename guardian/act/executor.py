@@ -68,11 +68,15 @@ class Executor:
         return self.tools.cfg
 
     def perform(self, actions: Iterable[Action], tracks: Mapping[str, Track], at: Now) -> None:
-        """Perform ACTIONS, decided AT from the replicas' TRACKS, each counted as it is performed."""
+        """Perform ACTIONS, decided AT from the replicas' TRACKS, then count them: counting comes
+        after every action is under way, so that nothing in the metrics can hold one back."""
+        actions = list(actions)
         for action in actions:
             self._dispatch(action)
-            if self.counter is not None:
-                self.counter.count(action, tracks, at)
+        if self.counter is None:
+            return
+        for action in actions:
+            self.counter.count(action, tracks, at)
 
     def _dispatch(self, action: Action) -> None:
         match action:

@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import json
 import socket
+import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import replace
 from typing import Any
@@ -382,14 +383,18 @@ class Fleet:
             self.membership = FleetSync(cfg, self.journal, self.clock)
 
     async def stop(self, timeout_s: float) -> int:
-        """This box leaves the fleet view at once (its lease revoked), and the fleets left on reload
-        finish leaving. None of it counts as cut short: each wait is bounded by the fleet's own
-        deadlines."""
+        """This box leaves the fleet view (its lease revoked), and the fleets left on reload finish
+        leaving, within TIMEOUT_S in all; what is still under way then counts as cut short."""
+        deadline_mono = time.monotonic() + timeout_s
         if self.membership is not None:
-            await self.membership.close()
-        if self.leaving:
-            await asyncio.wait(self.leaving, timeout=timeout_s)
-        return 0
+            try:
+                await asyncio.wait_for(self.membership.close(), timeout_s)
+            except TimeoutError:
+                return 1 + len(self.leaving)
+        if not self.leaving:
+            return 0
+        _done, pending = await asyncio.wait(self.leaving, timeout=max(0.0, deadline_mono - time.monotonic()))
+        return len(pending)
 
 
 def read_deadline_s(cfg: Config) -> float:
