@@ -245,13 +245,15 @@ class Results:
 def replica_observation(
     r: ReplicaConfig,
     at_mono: float,
-    views: tuple[UnitView, PortOwner | None],
+    unit_view: UnitView,
+    owner: PortOwner | None,
     results: Results,
     probed: tuple[ProbeResults, float | None],
 ) -> ReplicaObservation:
-    """R's observation from its unit's and port's VIEWS, the executor's RESULTS and its probes
-    (PROBED: their results, and how long they have been pending when none answered)."""
-    (unit, unit_error), owner = views
+    """R's observation from its UNIT_VIEW, its port's OWNER, the executor's RESULTS and its probes
+    (PROBED, as ProbeCarry.take gives them: their results, and how long they have been pending
+    when none answered)."""
+    unit, unit_error = unit_view
     (health, (mprobe, sample), (models_probe, models)), pending_s = probed
     return ReplicaObservation(
         name=r.name,
@@ -371,7 +373,7 @@ class WorldObserver:
         results = take_results()
         return {
             r.name: replica_observation(
-                r, at_mono, (units[r.unit], owners.get(r.port)), results, self.carry.take(r.name, judged_at)
+                r, at_mono, units[r.unit], owners.get(r.port), results, self.carry.take(r.name, judged_at)
             )
             for r in cfg.replicas
         }
