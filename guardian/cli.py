@@ -371,10 +371,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"hazard: {text}")
     for name, r in data.get("replicas", {}).items():
         extra = " GAVE UP (restart budget spent)" if r.get("gave_up") else ""
-        frac = r.get("gpu_memory_utilization")
-        frac_text = f"fraction {frac:g}" if frac is not None else "fraction ?"
+        frac_text = _fraction_text(r.get("gpu_memory_utilization"), r.get("gpu_memory_utilization_base"))
         print(
-            f"  {name:<12} {r['state']:<13} {r['unit']:<28} {frac_text:<14} "
+            f"  {name:<12} {r['state']:<13} {r['unit']:<28} {frac_text:<25} "
             f"restarts {r['restarts_in_window']}/{r['restart_budget']}{extra}  {r['evidence']}"
         )
         conns = r.get("connections")
@@ -397,8 +396,32 @@ def _print_memory(mem: dict[str, Any]) -> None:
     line += f", below it for {time.time() - below:.0f} s" if below else ", not squeezed"
     if mem.get("pending"):
         pending = mem["pending"]
-        line += f"; lowering {pending['replica']} {pending['old']:g} -> {pending['new']:g} in progress"
+        what = "raise" if pending.get("raise") else "lowering"
+        waits = ", its restart waiting for admission" if pending.get("restart_waits") else ""
+        line += f"; {what} of {pending['replica']} {pending['old']:g} -> {pending['new']:g} in progress{waits}"
     print(line)
+    restore = mem.get("restore")
+    if isinstance(restore, dict):
+        print(_restore_line(restore))
+
+
+def _restore_line(restore: dict[str, Any]) -> str:
+    """Raising fractions back, as `guardian status` prints it."""
+    if not restore.get("enabled"):
+        return "memory restore: off (a lowered fraction stays lowered)"
+    line = f"memory restore: on, after {restore['after_s']:g} s of clear headroom, cooldown {restore['cooldown_s']:g} s"
+    since = restore.get("clear_since")
+    if since is not None and restore.get("clear_for"):
+        line += f"; headroom clear for a raise of {restore['clear_for']} for {time.time() - since:.0f} s"
+    for name, ceiling in (restore.get("ceilings") or {}).items():
+        line += f"; {name} not raised to {ceiling:g} or above (a raise to it failed to start)"
+    return line
+
+
+def _fraction_text(current: float | None, base: float | None) -> str:
+    """A replica's fraction, and its base when guardian has lowered it."""
+    text = f"fraction {current:g}" if current is not None else "fraction ?"
+    return text + (f" (base {base:g})" if base is not None else "")
 
 
 def _connections_line(c: dict[str, Any]) -> str:

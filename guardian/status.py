@@ -132,6 +132,8 @@ def _replica_status(cfg: Config, r: ReplicaConfig, snapshot: Snapshot, now: Now)
         "paused": pause is not None,
         "last_progress_at": wall(track.last_progress_at),
         "gpu_memory_utilization": _fraction(r.name, snapshot.state.tracks.get(r.name), snapshot.observation),
+        # the fraction before guardian first lowered it: raised back toward it, never above; None: never lowered
+        "gpu_memory_utilization_base": snapshot.persistent.fraction_bases.get(r.name),
         "memory_wiring": (snapshot.wiring.get(r.name, "not checked yet") or "wired")
         if cfg.memory.enabled
         else "not checked (memory guard off)",
@@ -162,5 +164,22 @@ def _memory_status(cfg: Config, snapshot: Snapshot, now: Now) -> dict[str, Any] 
             "old": pending.old,
             "new": pending.new,
             "issued_at": now.wall_of(pending.issued_at),
+            "raise": pending.raising,
+            "restart_waits": pending.restart_owed,
         },
+        "restore": _restore_status(cfg, snapshot, now),
+    }
+
+
+def _restore_status(cfg: Config, snapshot: Snapshot, now: Now) -> dict[str, Any]:
+    """Raising fractions back (memory guard M20-M26): the settings and where the hysteresis stands."""
+    guard = snapshot.state.mem
+    return {
+        "enabled": cfg.memory.restore,
+        "after_s": cfg.memory.restore_after_s,
+        "cooldown_s": cfg.memory.restore_cooldown_s,
+        "clear_for": guard.clear_for,  # the replica a raise is counted for
+        "clear_since": now.wall_of(guard.clear_since),
+        "last_raise_at": now.wall_of(guard.last_raise_at),
+        "ceilings": dict(guard.ceilings),  # replica -> a fraction a raise to which failed to start
     }

@@ -47,7 +47,10 @@ def test_minimal_config_gets_documented_defaults(tmp_path):
     (GOOD_REPLICA + "colour = 1\n", "replicas.0.colour", "unknown key"),
     ("[memory]\nmin_headroom_bytes = 1\ncritical_headroom_bytes = 2\n", "memory", "critical_headroom_bytes must be <="),
     ("interval_s = \n", "", "invalid TOML"),
-    ("[memory]\nrestore = true\n", "memory", "not built yet"),
+    ("[memory]\nsustain_s = 600\n", "memory", "restore_after_s (600 s) must be > sustain_s (600 s)"),
+    ("[memory]\nrestore_after_s = 30\n", "memory", "restore_after_s (30 s) must be > sustain_s (30 s)"),
+    ("[memory]\nrestore_after_s = 0\n", "memory.restore_after_s", "greater than 0"),
+    ("[memory]\nrestore_cooldown_s = -1\n", "memory.restore_cooldown_s", "greater than or equal to 0"),
     ("[memory]\npeer_urls = [\"box2:8000\"]\n", "memory", "peer_urls"),
     ("[memory]\npriority = [\"z\"]\n" + GOOD_REPLICA, "", "memory.priority names no configured replica: z"),
     ("[memory]\nfloor = 1.2\n", "memory.floor", "less than 1"),
@@ -171,3 +174,26 @@ def test_host_names_and_ip_literals_are_accepted_in_every_url(tmp_path, host):
     cfg = load_config(write(tmp_path, text))
     assert cfg.replicas[0].url == f"http://{host}:8001"
     assert cfg.memory.peer_urls == [f"http://{host}:8000"] and cfg.fleet.endpoints == [f"https://{host}:2379"]
+
+
+# --- raising fractions back (issue 25) -----------------------------------------------------------------
+
+def test_restore_is_on_by_default_with_its_hysteresis_and_cooldown(tmp_path):
+    m = load_config(write(tmp_path, GOOD_REPLICA)).memory
+    assert (m.restore, m.restore_after_s, m.restore_cooldown_s) == (True, 600.0, 600.0)
+    assert m.restore_after_s > m.sustain_s
+
+
+@pytest.mark.parametrize("text, valid", [
+    ("[memory]\nsustain_s = 599.9\n", True),  # restore_after_s 600 > 599.9
+    ("[memory]\nsustain_s = 600\n", False),  # not > : a squeeze and a clear headroom would last as long
+    ("[memory]\nsustain_s = 900\nrestore = false\n", True),  # restore off: the hysteresis is not used
+    ("[memory]\nsustain_s = 900\nrestore_after_s = 901\n", True),
+])
+def test_restore_after_s_must_exceed_sustain_s(tmp_path, text, valid):
+    path = write(tmp_path, text + GOOD_REPLICA)
+    if valid:
+        load_config(path)
+    else:
+        with pytest.raises(ConfigError, match="restore_after_s .* must be > sustain_s"):
+            load_config(path)

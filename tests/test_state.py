@@ -150,9 +150,10 @@ def test_what_the_proxy_was_told_survives_a_restart_and_a_file_from_before_the_p
 
 def test_history_of_replicas_no_longer_configured_is_dropped():
     d = {"restarts": {"a": [1.0], "gone": [2.0]}, "pauses": {"gone": {"until": None}}, "resumed_at": {"gone": 3.0},
-         "canary_latencies": {"a": [0.5], "gone": [0.25]}}
+         "canary_latencies": {"a": [0.5], "gone": [0.25]}, "fraction_bases": {"a": 0.78, "gone": 0.9}}
     forget_unconfigured(d, {"a"})
-    assert d == {"restarts": {"a": [1.0]}, "pauses": {}, "resumed_at": {}, "canary_latencies": {"a": [0.5]}}
+    assert d == {"restarts": {"a": [1.0]}, "pauses": {}, "resumed_at": {}, "canary_latencies": {"a": [0.5]},
+                 "fraction_bases": {"a": 0.78}}
 
 
 def test_the_lock_file_is_never_followed_through_a_symlink(tmp_path):
@@ -305,3 +306,82 @@ def test_the_canary_latencies_of_replicas_no_longer_configured_are_dropped_from_
     store.update(lambda d: record_canary_latencies(d, (("a", (0.5,)), ("gone", (0.25,)))))
     store.update(lambda d: forget_unconfigured(d, {"a"}))
     assert view(store.read(), NOW).canary_latencies == {"a": (0.5,)}
+
+
+# --- base fractions (issue 25): where the memory guard first lowered a replica from -------------------
+
+def perform_now(ex, actions) -> None:
+    """Perform ACTIONS in an event loop and wait for the tasks they started."""
+    import asyncio
+
+    async def run():
+        ex.perform(actions, {}, NOW)
+        await asyncio.gather(*ex.tasks)
+
+    asyncio.run(run())
+
+
+def test_a_lowering_records_its_base_before_anything_else_and_a_raise_records_nothing(tmp_path):
+    from guardian.core.actions import SetFraction
+
+    store = store_at(tmp_path)
+    ex = executor_on(store)  # no replica configured: the env file and the restart are skipped, the base is not
+    perform_now(ex, [SetFraction("a", "vllm-a.service", 0.78, 0.74, restart=True, evidence="squeezed")])
+    assert view(store_at(tmp_path).read(), NOW).fraction_bases == {"a": 0.78}
+    # a later lowering from below the base keeps the base; a raise writes nothing
+    perform_now(ex, [SetFraction("a", "vllm-a.service", 0.74, 0.70, restart=True, evidence="squeezed"),
+                     SetFraction("a", "vllm-a.service", 0.70, 0.74, restart=True, evidence="clear")])
+    assert view(store_at(tmp_path).read(), NOW).fraction_bases == {"a": 0.78}
+    # the operator raised it above its base by hand since: the next lowering's start is the base
+    perform_now(ex, [SetFraction("a", "vllm-a.service", 0.82, 0.78, restart=True, evidence="squeezed")])
+    assert view(store_at(tmp_path).read(), NOW).fraction_bases == {"a": 0.82}
+
+
+def test_a_base_that_cannot_be_recorded_is_said_and_the_lowering_goes_on(tmp_path, monkeypatch):
+    from guardian.act.executor import Executor
+    from guardian.act.restart import Tools
+    from guardian.config import Config
+    from guardian.core.actions import SetFraction
+    from harness import Recorder
+
+    store = store_at(tmp_path)
+    journal = Recorder()
+    ex = Executor(Tools(None, store, journal, Config(), lambda: NOW), None)
+    spawned = []
+    monkeypatch.setattr(ex, "_spawn", lambda coro: (spawned.append(coro), coro.close()))
+
+    def full(change):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(store, "update", full)
+    ex.perform([SetFraction("a", "vllm-a.service", 0.78, 0.74, restart=True, evidence="squeezed")], {}, NOW)
+    (said,) = [line for line, _ in journal.lines]
+    assert said.priority == "error" and said.replica == "a" and "cannot record its base fraction 0.78" in said.message
+    assert "will not raise it back" in said.message
+    assert len(spawned) == 1  # the lowering itself still goes ahead
+
+
+@pytest.mark.parametrize("bases", ['{"a": 0}', '{"a": 0.001}', '{"a": 1.01}', '{"a": true}', '{"a": "0.78"}',
+                                   '{"a": NaN}', '{"a": null}', '{"a": [0.78]}', "[0.78]", '{"a": ' + "9" * 400 + "}"])
+def test_a_base_that_is_not_a_fraction_makes_the_file_corrupt(tmp_path, bases):
+    (tmp_path / "state.json").write_text('{"version": 1, "fraction_bases": ' + bases + "}")
+    store = store_at(tmp_path)
+    with pytest.raises(CorruptState):
+        store.read()
+    assert store.read()["fraction_bases"] == {}
+
+
+def test_bases_at_their_bounds_read_back_and_a_file_from_before_them_has_none(tmp_path):
+    (tmp_path / "state.json").write_text(json.dumps({"version": 1, "fraction_bases": {"a": 0.01, "b": 1}}))
+    assert view(store_at(tmp_path).read(), NOW).fraction_bases == {"a": 0.01, "b": 1.0}
+    (tmp_path / "state.json").write_text(json.dumps({"version": 1, "restarts": {}}))
+    assert view(store_at(tmp_path).read(), NOW).fraction_bases == {}
+
+
+def test_the_base_of_a_replica_no_longer_configured_is_forgotten(tmp_path):
+    from guardian.act.state import record_fraction_base
+
+    store = store_at(tmp_path)
+    store.update(lambda d: (record_fraction_base(d, "a", 0.78), record_fraction_base(d, "gone", 0.9)))
+    store.update(lambda d: forget_unconfigured(d, {"a"}))
+    assert view(store.read(), NOW).fraction_bases == {"a": 0.78}

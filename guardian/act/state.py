@@ -21,6 +21,12 @@ last), from which the core learns its canary deadline (core/liveness.py): a guar
 reloaded starts from them instead of learning anew. Each is a number in (0, MAX_LATENCY_S]; any
 other value makes the file corrupt, and of a longer list the newest CANARY_LATENCIES_KEPT are read.
 
+"fraction_bases" keeps, per replica, its base fraction: the one it had before guardian's memory
+guard first lowered it (the highest it lowered it from, if the operator raised it in between).
+The memory guard raises a lowered fraction back toward it and never above it; a replica with no
+base was never lowered by guardian and is never raised. Each is a number in [MIN_FRACTION, 1];
+any other value makes the file corrupt.
+
 Files read back (here and by the exporters) are read with read_back (observe/readback.py): never
 through a symlink, only a regular file, only up to a size, so that a FIFO or a link to /dev/zero
 planted in a directory another user can write blocks or swallows nothing.
@@ -40,7 +46,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
-from ..config import MAX_WINDOW_S, Config
+from ..config import MAX_WINDOW_S, MIN_FRACTION, Config
 from ..core.liveness import CANARY_LATENCIES_KEPT
 from ..core.observations import Pause, PersistentView, RestartRequest
 from ..observe.clock import Now, boot_id
@@ -116,6 +122,7 @@ def _empty() -> StateDoc:
         "answers": {},
         "proxy_down": [],
         "canary_latencies": {},
+        "fraction_bases": {},
     }
 
 
@@ -138,6 +145,13 @@ def _latency(value: Any) -> float:
     # Compared before float(), as _number: an int too large for a float, NaN and inf all fail.
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= MAX_LATENCY_S:
         raise ValueError(f"{value!r:.40} is not a canary latency (a number of seconds in (0, {MAX_LATENCY_S:g}])")
+    return float(value)
+
+
+def _fraction(value: Any) -> float:
+    # Compared before float(), as _number.
+    if isinstance(value, bool) or not isinstance(value, int | float) or not MIN_FRACTION <= value <= 1:
+        raise ValueError(f"{value!r:.40} is not a fraction (a number in [{MIN_FRACTION:g}, 1])")
     return float(value)
 
 
@@ -199,6 +213,8 @@ def _validate(data: Any, latest: Now) -> StateDoc:
         if not isinstance(latencies, list):
             raise ValueError(f"canary_latencies of {name!r} is not a list")
         out["canary_latencies"][name] = [_latency(x) for x in latencies][-CANARY_LATENCIES_KEPT:]
+    for name, base in _table(data.get("fraction_bases", {})).items():
+        out["fraction_bases"][name] = _fraction(base)
     down = data.get("proxy_down", [])
     if not isinstance(down, list):
         raise ValueError("proxy_down is not a list")
@@ -232,8 +248,8 @@ def _adopt_boot(data: StateDoc, this_boot: str) -> None:
 
 
 def forget_unconfigured(data: StateDoc, replicas: set[str]) -> None:
-    """Drop the history, pauses and canary latencies of replicas that are no longer in the config."""
-    for section in ("restarts", "pauses", "resumed_at", "canary_latencies"):
+    """Drop the history, pauses, canary latencies and base fractions of replicas that are no longer in the config."""
+    for section in ("restarts", "pauses", "resumed_at", "canary_latencies", "fraction_bases"):
         data[section] = {k: v for k, v in data[section].items() if k in replicas}
 
 
@@ -331,6 +347,7 @@ def view(data: StateDoc, at: Now, this_boot: str | None = None) -> PersistentVie
         ),
         proxy_down=tuple(data["proxy_down"]),
         canary_latencies={k: tuple(v) for k, v in data["canary_latencies"].items()},
+        fraction_bases=dict(data["fraction_bases"]),
     )
 
 
@@ -345,6 +362,13 @@ def record_canary_latencies(data: StateDoc, latencies: tuple[tuple[str, tuple[fl
     for name, values in latencies:
         kept = [min(max(x, 1e-6), MAX_LATENCY_S) for x in values if math.isfinite(x)]
         data["canary_latencies"][name] = kept[-CANARY_LATENCIES_KEPT:]
+
+
+def record_fraction_base(data: StateDoc, replica: str, lowered_from: float) -> None:
+    """A lowering of REPLICA from LOWERED_FROM: its base is the highest fraction guardian lowered it
+    from (the first lowering's, unless the operator raised it above that since)."""
+    lowered_from = min(max(lowered_from, MIN_FRACTION), 1.0)  # so that the file reads back
+    data["fraction_bases"][replica] = max(data["fraction_bases"].get(replica, 0.0), lowered_from)
 
 
 def record_answer(data: StateDoc, request_id: str, replica: str, ok: bool, message: str, at: Now) -> None:

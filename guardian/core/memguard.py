@@ -3,11 +3,13 @@
 ``headroom`` is the kernel's MemAvailable. ``total`` is what vLLM's --gpu-memory-utilization
 is a fraction of: ``memory.device_total_bytes``, or MemTotal when unset (GB10: one memory).
 
-Rules: RULES below (ids M1-M17), rendered into the README. ``M`` = the memory config, times in
-seconds, sizes in bytes. M1 and M2 say when the box is squeezed. A pending lowering is followed
-by M3-M8 (_follow_lowering). M9 is applied where the view is built (core/memview.py). Otherwise,
-when squeezed, the rows of SQUEEZE_ROWS (M10-M17) are checked in order and the first that holds
-is the verdict (_squeeze_chain).
+Rules: RULES below (ids M1-M26), rendered into the README. ``M`` = the memory config, times in
+seconds, sizes in bytes. M1 and M2 say when the box is squeezed. A pending change of fraction (a
+lowering, or a raise) is followed by M3-M8, and a failed start's restart that admission held back
+by M18 and M19 (_follow_change). M9 is applied where the view is built (core/memview.py).
+Otherwise, when squeezed, the rows of SQUEEZE_ROWS (M10-M17) are checked in order and the first
+that holds is the verdict (_squeeze_chain); when not squeezed and memory.restore is on, a replica
+below its base (M20) is raised back one step by the rows of RESTORE_ROWS (M21-M26, _restore_chain).
 
 Each verdict's journal line is its row of MESSAGES, filled in from the replica it is about and
 its Facts; it is said once per squeeze and cause, or every time when the row says so.
@@ -16,6 +18,12 @@ A lowering is confirmed from what the restarted replica reports (vllm:cache_conf
 --gpu-memory-utilization on its command line): a replica that serves with another fraction than
 the one guardian wrote is overridden by something (a later EnvironmentFile=, an ExecStart= drop-in),
 and guardian says so instead of lowering again.
+
+A replica's base is the fraction it had before guardian first lowered it (kept in the state file
+by the shell at each lowering: act/state.py). Only a replica with a base is raised, never above
+it, one step at a time, and only after headroom has stayed clear of the squeeze line by the raise
+and the reserve for M.restore_after_s (> M.sustain_s): after the raise the box is still not
+squeezed, so a raise cannot cause the lowering that would undo it.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ from ..config import Config, MemoryConfig
 from .actions import AcquireSlot, DrainReplica, LogLine, SetFraction
 from .observations import MemorySample, RestartOutcome, gib
 from .rules import Refusal, Row, Rule, first_match
-from .vocab import SERVING_STATES, Decision, Gate, MemVerdict, Priority, State
+from .vocab import LOADING_STATES, SERVING_STATES, Decision, Gate, MemVerdict, Priority, State
 
 
 @dataclass(frozen=True)
@@ -47,6 +55,8 @@ class ReplicaMemory:
     start_failure: str | None = None  # vLLM's startup error, from the unit's journal since the lowering
     startup_grace_s: float = 1200.0
     drained: bool = False  # marked down at the proxy and drained (core/drain.py D5, D6)
+    base: float | None = None  # its fraction before guardian first lowered it (state file); None: never lowered
+    restarts_left: int | None = None  # restarts its budget still allows in the window (A1); None: not counted
 
 
 @dataclass(frozen=True)
@@ -66,12 +76,20 @@ class MemoryView:
 
 @dataclass(frozen=True)
 class Pending:
-    """A lowering issued and not confirmed yet (M3-M8)."""
+    """A change of fraction issued and not confirmed yet (M3-M8): a lowering, or a raise (new > old).
+    RESTART_OWED: a failed start's next fraction is written, and its unit's restart waits for
+    admission (M18, M19); ISSUED_AT is then when the file was written, until the restart is issued."""
 
     replica: str
     old: float
     new: float
     issued_at: float
+    restart_owed: bool = False
+    failure: str = ""  # why the start before it failed (M18, M19)
+
+    @property
+    def raising(self) -> bool:
+        return self.new > self.old + 1e-9
 
 
 @dataclass(frozen=True)
@@ -82,6 +100,11 @@ class MemTrack:
     psi_since: float | None = None  # PSI at or above M.psi_some_threshold_pct since (M1)
     last_change_at: float | None = None  # the last lowering, or the last one given up (M10's cooldown)
     pending: Pending | None = None
+    last_raise_at: float | None = None  # the last raise (M22's cooldown, with last_change_at)
+    clear_since: float | None = None  # headroom at or above the raise line on every tick since (M21)
+    clear_for: str | None = None  # ... for this replica's raise (another's line starts the count again)
+    # replica -> a fraction a raise to which failed to start: it is raised to below it only (M20)
+    ceilings: Mapping[str, float] = field(default_factory=dict)
     last_notice: tuple[str, ...] | None = None  # the cause last said: a line is said once per cause
     verdict: MemVerdict = MemVerdict.NOT_SQUEEZED
     rule: str | None = None
@@ -103,27 +126,33 @@ DEFINITIONS = (
     Rule("M2", "critical", "squeezed AND headroom < M.critical_headroom_bytes on this tick"),
 )
 
-# M3-M8: a lowering in flight (_follow_lowering).
+# M3-M8: a change of fraction in flight, a lowering or a raise (_follow_change).
 LOWERING_RULES = (
-    Rule("M3", MemVerdict.PENDING, "a lowering is pending: issued, and the replica not serving since with a new start"),
+    Rule(
+        "M3",
+        MemVerdict.PENDING,
+        "a lowering (or a raise) is pending: issued, and the replica not serving since with a new start",
+    ),
     Rule(
         "M4",
         MemVerdict.DONE,
-        "the pending replica serves (healthy or busy), was started after the lowering, and reports "
+        "the pending replica serves (healthy or busy), was started after the change, and reports "
         "the new fraction (or reports none)",
     ),
     Rule(
         "M5",
         MemVerdict.MISMATCH,
-        "the pending replica serves, was started after the lowering, and reports another "
-        "fraction than the one written: something overrides guardian's env file; no further lowering of it",
+        "the pending replica serves, was started after the change, and reports another "
+        "fraction than the one written: something overrides guardian's env file; no further change of it",
     ),
-    Rule("M6", MemVerdict.ABANDONED, "the lowering's restart was refused by a gate or failed"),
+    Rule("M6", MemVerdict.ABANDONED, "the change's restart was refused by a gate or failed"),
     Rule(
         "M7",
         MemVerdict.RETRY,
         "the new start failed (vLLM's refusal in this start's journal, unit failed, or not serving "
-        "R.startup_grace_s after the lowering) AND a lower fraction >= M.floor fits: it is written at once",
+        "R.startup_grace_s after the change) AND a lower fraction >= M.floor fits (after a failed raise: the "
+        "highest that fits <= the fraction it was raised from): it is written at once, and the unit restarted "
+        "unless it is starting by itself (Restart=) or admission refuses (M18)",
     ),
     Rule("M8", MemVerdict.GAVE_UP, "the new start failed AND no lower fraction >= M.floor fits: left to the operator"),
 )
@@ -243,10 +272,137 @@ SQUEEZE_ROWS: tuple[Row[Squeeze, ReplicaMemory | None], ...] = (
     ),
 )
 
-RULES: tuple[Rule, ...] = (*DEFINITIONS, *LOWERING_RULES, OVERRIDDEN, *(row.rule for row in SQUEEZE_ROWS))
-_ID = {rule.outcome: rule.id for rule in RULES} | {MemVerdict.DRY_RUN: "M17"}
+# M18, M19: M7's restart through admission (_follow_change).
+RETRY_RULES = (
+    Rule(
+        "M18",
+        MemVerdict.RETRY_WAITS,
+        "M7 holds, its unit is not starting by itself, AND restart admission refuses now (A1-A3: budget, "
+        "back-off, one at a time): the lower fraction is written at once (a file write is not a restart), the "
+        "restart waits, said once per refusal",
+    ),
+    Rule(
+        "M19",
+        MemVerdict.RETRY_RESTART,
+        "a restart that waited (M18), its unit not started since the fraction was written, AND admission "
+        "(A1-A3) lets it through now: the unit is restarted with that fraction",
+    ),
+)
+
+# M20: which replica a raise is for, and how far (_raisable).
+RAISABLE = Rule(
+    "M20",
+    "raisable",
+    "M.restore = true AND not squeezed (M1) AND no change pending AND a replica serves (healthy or busy), is wired "
+    "and has a fraction < its base (the fraction it had before guardian first lowered it, kept in the state file); "
+    "the chosen: the one furthest below its base (a tie: the first configured); its raise: new = the highest 0.01 "
+    "grid fraction <= min(base, current + M.step, a fraction its raise to which failed to start - 0.01), when > "
+    "current; the raise line = M.min_headroom_bytes + total x (new - current) + M.reserve_bytes",
+)
+
+
+@dataclass(frozen=True)
+class Raise:
+    """What the restore rows (M21-M26) read: the replica chosen to be raised (M20), and its gates."""
+
+    memory: MemoryConfig
+    chosen: ReplicaMemory
+    new: float
+    line_bytes: int  # the raise line (M20)
+    clear_for_s: float  # headroom at or above the line on every tick, no replica starting, for this long (M21)
+    since_change_s: float  # since the last change of fraction: a lowering, a raise, or one given up; inf when none
+    peers: tuple[str, ...]  # who else serves its model: this box, M.peer_urls, the fleet
+    refusal: Refusal | None  # why admission, its budget's last restart or the fleet would not restart it now
+    drain_first: bool  # a proxy is configured
+    dry_run: bool
+
+
+def _raised(r: Raise) -> ReplicaMemory:
+    return r.chosen
+
+
+# M21-M26: when M20 holds, the first row that holds is the verdict; the evidence is the chosen
+# replica. M26 with dry_run = true is the RESTORE_DRY_RUN verdict.
+RESTORE_ROWS: tuple[Row[Raise, ReplicaMemory], ...] = (
+    Row(
+        Rule(
+            "M21",
+            MemVerdict.RESTORE_WAIT,
+            "NOT (headroom >= the raise line (M20) on every tick for >= M.restore_after_s, with no replica of this "
+            "box starting (state starting: it has not taken its memory yet) and, when M.psi_some_threshold_pct is "
+            "set, PSI some avg10 < it on each of them): the hysteresis; a tick that is not clear starts the count "
+            "again",
+        ),
+        lambda r: r.clear_for_s < r.memory.restore_after_s,
+        _raised,
+    ),
+    Row(
+        Rule(
+            "M22",
+            MemVerdict.RESTORE_COOLDOWN,
+            "now - the last change of fraction (a lowering, a raise, or one given up) < M.restore_cooldown_s",
+        ),
+        lambda r: r.since_change_s < r.memory.restore_cooldown_s,
+        _raised,
+    ),
+    Row(
+        Rule(
+            "M23",
+            MemVerdict.RESTORE_NO_PEER,
+            "no other replica of the same model is healthy or busy (on this box, at M.peer_urls, or on another box "
+            "in the fleet view when [fleet] is set): a raise is never critical",
+        ),
+        lambda r: not r.peers,
+        _raised,
+    ),
+    Row(
+        Rule(
+            "M24",
+            MemVerdict.RESTORE_DEFERRED,
+            "restart admission refuses it now (A1-A3: budget, back-off, one at a time), OR the raise would spend "
+            "the last restart of its budget (restarts in the window >= W.restart_budget - 1: that one is kept for "
+            "a hang), OR it waits for a fleet slot (F3-F6)",
+        ),
+        lambda r: r.refusal is not None,
+        _raised,
+    ),
+    Row(
+        Rule(
+            "M25",
+            MemVerdict.RESTORE_DRAINING,
+            "a proxy is configured ([proxy]) AND the chosen replica is not drained yet (core/drain.py D5, D6): it "
+            "is marked down and drained first; the raise waits (with dry_run: not drained)",
+        ),
+        lambda r: r.drain_first and not r.dry_run and not r.chosen.drained,
+        _raised,
+    ),
+    Row(
+        Rule(
+            "M26",
+            MemVerdict.RAISE,
+            "otherwise: write the env file, restart that replica's unit alone through the unit gates (with "
+            "dry_run = true: logged, not done)",
+        ),
+        lambda r: True,
+        _raised,
+    ),
+)
+
+RULES: tuple[Rule, ...] = (
+    *DEFINITIONS,
+    *LOWERING_RULES,
+    OVERRIDDEN,
+    *(row.rule for row in SQUEEZE_ROWS),
+    *RETRY_RULES,
+    RAISABLE,
+    *(row.rule for row in RESTORE_ROWS),
+)
+_ID = {rule.outcome: rule.id for rule in RULES} | {MemVerdict.DRY_RUN: "M17", MemVerdict.RESTORE_DRY_RUN: "M26"}
 # The verdicts past M15: a lowering that waits for nothing more (M16 drains first, then lowers).
 _GOES_AHEAD = frozenset({MemVerdict.DRAINING, MemVerdict.DRY_RUN, MemVerdict.LOWER})
+# What M18 waits for: admission's own rows (A1-A3). A failed start's unit is down already, so a
+# fleet slot (F3-F6, for a planned restart of a serving replica) does not hold it back.
+_ADMISSION_GATES = frozenset({Gate.BUDGET, Gate.BACKOFF, Gate.ONE_AT_A_TIME})
 
 
 # --- what each verdict says -------------------------------------------------------------------
@@ -256,16 +412,23 @@ _GOES_AHEAD = frozenset({MemVerdict.DRAINING, MemVerdict.DRY_RUN, MemVerdict.LOW
 class Facts:
     """The numbers a verdict's line needs besides its replica; each line reads the ones it names."""
 
-    why: str = ""  # the squeeze: headroom, for how long, PSI, critical, the largest consumers
+    why: str = ""  # the squeeze: headroom, for how long, PSI, critical, the largest consumers; or the clear headroom
     headroom_bytes: int = 0
     total_bytes: int = 0
-    written: float = 0.0  # the fraction of the lowering followed (M4-M8)
-    current: float = 0.0  # the chosen replica's fraction now (M13, M16, M17)
+    written: float = 0.0  # the fraction of the change followed (M4-M8, M18, M19)
+    change: str = "lowering"  # the change followed: "lowering" or "raise" (M4-M6)
+    current: float = 0.0  # the chosen replica's fraction now (M13, M16, M17, M21-M26)
     highest: float = 0.0  # the highest fraction a lowering may write: current - M.step (M13)
-    new: float = 0.0  # the fraction to write (M7, M14-M17)
-    since_lowering_s: float = 0.0  # since the lowering followed (M4), or the last one (M10)
-    failure: str = ""  # why the lowering failed: its restart's result (M6), or the new start (M7, M8)
-    refusal: Refusal | None = None  # why the lowering waits (M15)
+    new: float = 0.0  # the fraction to write (M7, M14-M19, M21-M26)
+    since_lowering_s: float = 0.0  # since the change followed (M4), or the last lowering (M10)
+    failure: str = ""  # why the change failed: its restart's result (M6), or the new start (M7, M8, M18, M19)
+    not_again: str = ""  # after a failed raise: that it is not tried again (M7, M8, M18)
+    refusal: Refusal | None = None  # why the lowering (M15), the restart (M18) or the raise (M24) waits
+    base: float = 0.0  # the chosen replica's base (M21-M26)
+    line_bytes: int = 0  # the raise line (M20)
+    raise_bytes: int = 0  # total x (new - current) (M21)
+    clear_for_s: float = 0.0  # how long headroom has been clear of the raise line (M22-M26)
+    since_change_s: float = 0.0  # since the last change of fraction (M22)
     no_slot: Refusal | None = None  # the fleet's refusal that a critical lowering goes ahead without
     serving: str = ""  # who carries the model meanwhile (M16, M17)
     undrained: str = ""  # "; not drained (critical)" under a proxy (M17)
@@ -286,30 +449,43 @@ MESSAGES: dict[MemVerdict, Message] = {
     MemVerdict.DONE: Message(
         Priority.INFO,
         "replica {replica.name}: serving again with gpu_memory_utilization {written:g} {since_lowering_s:.0f} s "
-        "after the lowering; headroom {headroom_bytes:GiB}",
+        "after the {change}; headroom {headroom_bytes:GiB}",
         every_time=True,
     ),
     MemVerdict.MISMATCH: Message(
         Priority.ERROR,
         "replica {replica.name}: serving again, but with gpu_memory_utilization {replica.running_fraction:g}, "
         "not the {written:g} guardian wrote: something overrides guardian's env file (a later EnvironmentFile= "
-        "that sets GPU_MEMORY_UTILIZATION, or an ExecStart= drop-in); not lowering it again until that is fixed "
-        "(guardian check; systemctl cat {replica.unit})",
+        "that sets GPU_MEMORY_UTILIZATION, or an ExecStart= drop-in); not changing its fraction again until that "
+        "is fixed (guardian check; systemctl cat {replica.unit})",
         every_time=True,
     ),
     MemVerdict.ABANDONED: Message(
-        Priority.ERROR, "replica {replica.name}: lowering to {written:g} abandoned: {failure}", every_time=True
+        Priority.ERROR, "replica {replica.name}: {change} to {written:g} abandoned: {failure}", every_time=True
     ),
     MemVerdict.RETRY: Message(
         Priority.ERROR,
-        "replica {replica.name}: start with gpu_memory_utilization {written:g} failed ({failure}); trying {new:g}",
+        "replica {replica.name}: start with gpu_memory_utilization {written:g} failed ({failure}); trying "
+        "{new:g}{not_again}",
         every_time=True,
     ),
     MemVerdict.GAVE_UP: Message(
         Priority.ERROR,
         "replica {replica.name}: start with gpu_memory_utilization {written:g} failed ({failure}); no lower "
         "fraction >= floor {memory.floor:g} fits in headroom {headroom_bytes:GiB}; leaving it to the operator "
-        "(journalctl -u {replica.unit})",
+        "(journalctl -u {replica.unit}){not_again}",
+        every_time=True,
+    ),
+    MemVerdict.RETRY_WAITS: Message(
+        Priority.ERROR,
+        "replica {replica.name}: start with gpu_memory_utilization {written:g} failed ({failure}); {new:g} is "
+        "written to its env file, but restarting {replica.unit} waits: {refusal.text}{not_again}",
+    ),
+    MemVerdict.RETRY_RESTART: Message(
+        Priority.WARNING,
+        "replica {replica.name}: restarting {replica.unit} with gpu_memory_utilization {new:g}, written after its "
+        "start with {written:g} failed ({failure}): admission lets it through now",
+        Decision.MEMORY,
         every_time=True,
     ),
     MemVerdict.COOLDOWN: Message(
@@ -360,6 +536,49 @@ MESSAGES: dict[MemVerdict, Message] = {
         every_time=True,
     ),
 }
+# The raise's lines (M21-M26): "headroom 20.0 GiB >= 14.1 GiB for 600 s" is their {why}.
+MESSAGES |= {
+    MemVerdict.RESTORE_WAIT: Message(
+        Priority.INFO,
+        "replica {replica.name}: gpu_memory_utilization {current:g}, below its base {base:g}; it is raised to "
+        "{new:g} once headroom has stayed >= {line_bytes:GiB} (min_headroom {memory.min_headroom_bytes:GiB} + the "
+        "raise {raise_bytes:GiB} + reserve {memory.reserve_bytes:GiB}) for {memory.restore_after_s:g} s with no "
+        "replica starting; headroom now {headroom_bytes:GiB}",
+    ),
+    MemVerdict.RESTORE_COOLDOWN: Message(
+        Priority.INFO,
+        "replica {replica.name}: {why}; raising it {current:g} -> {new:g} waits for the cooldown: last change of "
+        "fraction {since_change_s:.0f} s ago, next allowed after {memory.restore_cooldown_s:g} s",
+    ),
+    MemVerdict.RESTORE_NO_PEER: Message(
+        Priority.ERROR,
+        "replica {replica.name}: {why}; not raising it {current:g} -> {new:g} (base {base:g}): no other replica of "
+        "{replica.model} is serving to carry its load while it restarts",
+    ),
+    MemVerdict.RESTORE_DEFERRED: Message(
+        Priority.ERROR,
+        "replica {replica.name}: {why}; raising it {current:g} -> {new:g} (base {base:g}) deferred: {refusal.text}",
+    ),
+    MemVerdict.RESTORE_DRY_RUN: Message(
+        Priority.WARNING,
+        "replica {replica.name}: {why}; DRY-RUN: would raise it {current:g} -> {new:g} (base {base:g}) and restart "
+        "{replica.unit} alone; {serving}",
+        Decision.DRY_RUN,
+    ),
+    MemVerdict.RESTORE_DRAINING: Message(
+        Priority.WARNING,
+        "replica {replica.name}: {why}; draining it at the proxy first, then raising it {current:g} -> {new:g} "
+        "(base {base:g}); {serving}",
+        Decision.PROXY,
+    ),
+    MemVerdict.RAISE: Message(
+        Priority.WARNING,
+        "replica {replica.name}: {why}; raising it {current:g} -> {new:g} (base {base:g}); restarting "
+        "{replica.unit} alone; {serving}",
+        Decision.MEMORY,
+        every_time=True,
+    ),
+}
 # Said before a critical lowering's own line when it goes ahead without a fleet slot (M15).
 NO_SLOT_BUT_CRITICAL = Message(
     Priority.ERROR,
@@ -393,13 +612,27 @@ def grid(x: float) -> float:
     return round(x + 1e-9, 2)
 
 
+def grid_below(x: float) -> float:
+    """The highest 0.01 grid fraction <= X (a raise never goes above its base)."""
+    return math.floor(x * 100 + 1e-6) / 100
+
+
 def choose_fraction(
     current: float, held_bytes: int, headroom_bytes: int, total_bytes: int, memory: MemoryConfig
 ) -> float | None:
     """The highest grid fraction <= current - M.step and >= M.floor that fits (M13); None if none does."""
-    fraction = grid(max(memory.floor, current - memory.step))
+    start = grid(max(memory.floor, current - memory.step))
+    return _highest_fit(start, current, held_bytes, headroom_bytes, total_bytes, memory)
+
+
+def _highest_fit(
+    start: float, below: float, held_bytes: int, headroom_bytes: int, total_bytes: int, memory: MemoryConfig
+) -> float | None:
+    """The highest grid fraction <= START, < BELOW and >= M.floor whose total x fraction fits in headroom +
+    what the replica holds - M.reserve_bytes; None if none does."""
+    fraction = start
     available_after = headroom_bytes + held_bytes - memory.reserve_bytes
-    while fraction >= memory.floor - 1e-9 and fraction < current:
+    while fraction >= memory.floor - 1e-9 and fraction < below - 1e-9:
         if total_bytes * fraction <= available_after:
             return fraction
         fraction = grid(fraction - 0.01)
@@ -412,15 +645,18 @@ def _held(replica: ReplicaMemory, total_bytes: int) -> int:
 
 def decide(track: MemTrack, view: MemoryView, now: float, cfg: Config) -> tuple[MemTrack, list[MemAction]]:
     """The memory guard's tick: the verdict, in TRACK, and what it says and does."""
-    track = _count_squeeze(track, view.sample, now, cfg.memory)
+    track = _count_clear(_count_squeeze(track, view.sample, now, cfg.memory), view, now, cfg.memory)
     if track.pending is not None:
-        followed = _follow_lowering(track.pending, view, now, cfg.memory)
+        followed = _follow_change(track.pending, view, now, cfg.memory)
         if followed is None:  # the replica has left the config: nothing left to follow
             return replace(track, pending=None), []
         return _conclude(track, *followed, now, cfg)
-    if not _squeezed(track, now, cfg.memory):
+    if _squeezed(track, now, cfg.memory):
+        return _conclude(track, *_squeeze_chain(track, view, now, cfg), now, cfg)
+    raising = _restore_chain(track, view, now, cfg)
+    if raising is None:
         return replace(track, last_notice=None, verdict=MemVerdict.NOT_SQUEEZED, rule=None), []
-    return _conclude(track, *_squeeze_chain(track, view, now, cfg), now, cfg)
+    return _conclude(track, *raising, now, cfg)
 
 
 def _count_squeeze(track: MemTrack, sample: MemorySample, now: float, memory: MemoryConfig) -> MemTrack:
@@ -444,15 +680,20 @@ def _squeezed(track: MemTrack, now: float, memory: MemoryConfig) -> bool:
     return lasted(track.below_since) and (memory.psi_some_threshold_pct is None or lasted(track.psi_since))
 
 
-def _follow_lowering(
+def _follow_change(
     pending: Pending, view: MemoryView, now: float, memory: MemoryConfig
 ) -> tuple[MemVerdict, ReplicaMemory, Facts] | None:
-    """M3-M8 for the lowering in flight; None when its replica is no longer configured."""
+    """M3-M8, M18, M19 for the change in flight; None when its replica is no longer configured."""
     replica = next((r for r in view.replicas if r.name == pending.replica), None)
     if replica is None:
         return None
     headroom = view.sample.available_bytes
-    facts = Facts(written=pending.new, since_lowering_s=now - pending.issued_at, headroom_bytes=headroom)
+    facts = Facts(
+        written=pending.new,
+        change="raise" if pending.raising else "lowering",
+        since_lowering_s=now - pending.issued_at,
+        headroom_bytes=headroom,
+    )
     outcome = (view.restart_results or {}).get(pending.replica)
     if outcome is not None and not outcome.issued:
         return MemVerdict.ABANDONED, replica, replace(facts, failure=outcome.result)
@@ -461,14 +702,43 @@ def _follow_lowering(
         running = replica.running_fraction
         overridden = running is not None and abs(running - pending.new) > 1e-6
         return (MemVerdict.MISMATCH if overridden else MemVerdict.DONE), replica, facts
+    if pending.restart_owed and not restarted:  # M18 held its restart back, and nobody has started it since
+        facts = replace(facts, written=pending.old, new=pending.new, failure=pending.failure)
+        refusal = _admission_refusal(replica, view)
+        if refusal is not None:
+            return MemVerdict.RETRY_WAITS, replica, replace(facts, refusal=refusal)
+        return MemVerdict.RETRY_RESTART, replica, facts
     failure = _start_failure(replica, facts.since_lowering_s)
     if failure is None:
         return MemVerdict.PENDING, replica, facts
-    facts = replace(facts, failure=failure)
-    lower = choose_fraction(pending.new, _held(replica, view.total_bytes), headroom, view.total_bytes, memory)
+    return _retry(pending, replica, view, replace(facts, failure=failure), memory)
+
+
+def _retry(
+    pending: Pending, replica: ReplicaMemory, view: MemoryView, facts: Facts, memory: MemoryConfig
+) -> tuple[MemVerdict, ReplicaMemory, Facts]:
+    """M7, M8, M18: the new start failed. After a failed raise the retry goes back toward the
+    fraction it was raised from (never above it), and that raise is not tried again."""
+    held, headroom, total = _held(replica, view.total_bytes), view.sample.available_bytes, view.total_bytes
+    if pending.raising:
+        lower = _highest_fit(grid_below(pending.old), pending.new, held, headroom, total, memory)
+        facts = replace(facts, not_again=f"; it is not raised to {pending.new:g} again while guardian runs")
+    else:
+        lower = choose_fraction(pending.new, held, headroom, total, memory)
     if lower is None:
         return MemVerdict.GAVE_UP, replica, facts
-    return MemVerdict.RETRY, replica, replace(facts, new=lower)
+    facts = replace(facts, new=lower)
+    # systemd restarts a unit still starting by itself (Restart=): only the file is written, no restart to admit
+    refusal = _admission_refusal(replica, view) if replica.state is not State.STARTING else None
+    if refusal is not None:
+        return MemVerdict.RETRY_WAITS, replica, replace(facts, refusal=refusal)
+    return MemVerdict.RETRY, replica, facts
+
+
+def _admission_refusal(replica: ReplicaMemory, view: MemoryView) -> Refusal | None:
+    """Why admission (A1-A3) would not restart REPLICA now; a fleet slot is not asked for (M18)."""
+    found = (view.restart_blocked or {}).get(replica.name)
+    return found if found is not None and found.gate in _ADMISSION_GATES else None
 
 
 def _start_failure(replica: ReplicaMemory, since_lowering_s: float) -> str | None:
@@ -570,11 +840,137 @@ def _peers(chosen: ReplicaMemory, view: MemoryView) -> tuple[str, ...]:
     return (*local, *view.peers_serving.get(chosen.model, ()), *(view.fleet_serving or {}).get(chosen.model, ()))
 
 
+# --- raising a fraction back (M20-M26) -------------------------------------------------------
+
+
+def _raise_to(replica: ReplicaMemory, track: MemTrack, memory: MemoryConfig) -> float | None:
+    """M20: the fraction REPLICA would be raised to now; None when it is not raised."""
+    base, current = replica.base, replica.fraction
+    if base is None or current is None or replica.wiring_problem is not None or replica.state not in SERVING_STATES:
+        return None
+    ceiling = track.ceilings.get(replica.name)
+    new = grid_below(min(base, current + memory.step, math.inf if ceiling is None else ceiling - 0.01))
+    return new if new > current + 1e-9 else None
+
+
+def _raisable(track: MemTrack, view: MemoryView, memory: MemoryConfig) -> tuple[ReplicaMemory, float] | None:
+    """M20: the replica furthest below its base (a tie: the first configured) and its new fraction."""
+    if not memory.restore:
+        return None
+    best: tuple[ReplicaMemory, float] | None = None
+    for replica in view.replicas:
+        new = _raise_to(replica, track, memory)
+        if new is not None and (best is None or _below_base(replica) > _below_base(best[0]) + 1e-9):
+            best = (replica, new)
+    return best
+
+
+def _below_base(replica: ReplicaMemory) -> float:
+    return (replica.base or 0.0) - (replica.fraction or 0.0)
+
+
+def _raise_bytes(replica: ReplicaMemory, new: float, total_bytes: int) -> int:
+    return round(total_bytes * (new - (replica.fraction or 0.0)))
+
+
+def _raise_line(replica: ReplicaMemory, new: float, total_bytes: int, memory: MemoryConfig) -> int:
+    """M20's raise line: after the raise, headroom still clears the squeeze line by the reserve."""
+    return memory.min_headroom_bytes + _raise_bytes(replica, new, total_bytes) + memory.reserve_bytes
+
+
+def _count_clear(track: MemTrack, view: MemoryView, now: float, memory: MemoryConfig) -> MemTrack:
+    """M21's clock: since when headroom has been at or above the raise line of the same replica's
+    raise on every tick, with no change pending, no replica starting (one that has not taken its
+    memory yet makes headroom look larger than it is) and PSI under its threshold when one is set."""
+    found = _raisable(track, view, memory) if track.pending is None else None
+    starting = any(replica.state in LOADING_STATES for replica in view.replicas)
+    psi, threshold = view.sample.psi_some_avg10, memory.psi_some_threshold_pct
+    pressed = threshold is not None and psi is not None and psi >= threshold
+    if (
+        found is None
+        or starting
+        or pressed
+        or view.sample.available_bytes < _raise_line(*found, view.total_bytes, memory)
+    ):
+        return replace(track, clear_since=None, clear_for=None)
+    name = found[0].name
+    since = track.clear_since if track.clear_for == name and track.clear_since is not None else now
+    return replace(track, clear_since=since, clear_for=name)
+
+
+def _restore_chain(
+    track: MemTrack, view: MemoryView, now: float, cfg: Config
+) -> tuple[MemVerdict, ReplicaMemory, Facts] | None:
+    """M21-M26: the first row of RESTORE_ROWS that holds, when M20 finds a replica to raise."""
+    found = _raisable(track, view, cfg.memory)
+    if found is None:
+        return None
+    chosen, new = found
+    memory = cfg.memory
+    last = max((at for at in (track.last_change_at, track.last_raise_at) if at is not None), default=None)
+    clear = track.clear_since if track.clear_for == chosen.name else None
+    context = Raise(
+        memory=memory,
+        chosen=chosen,
+        new=new,
+        line_bytes=_raise_line(chosen, new, view.total_bytes, memory),
+        clear_for_s=now - clear if clear is not None else 0.0,
+        since_change_s=now - last if last is not None else math.inf,
+        peers=_peers(chosen, view),
+        refusal=_raise_refusal(chosen, view),
+        drain_first=view.drain_first,
+        dry_run=cfg.dry_run,
+    )
+    matched = first_match(RESTORE_ROWS, context)
+    assert matched is not None, "M26 always holds"
+    rule, replica = matched
+    verdict = MemVerdict(rule.outcome)
+    if verdict is MemVerdict.RAISE and cfg.dry_run:
+        verdict = MemVerdict.RESTORE_DRY_RUN
+    return verdict, replica, _raise_facts(context, view, verdict)
+
+
+def _raise_refusal(chosen: ReplicaMemory, view: MemoryView) -> Refusal | None:
+    """M24: admission's or the fleet's refusal, or the budget's last restart, which a raise leaves for a hang."""
+    found = (view.restart_blocked or {}).get(chosen.name)
+    if found is not None or chosen.restarts_left is None or chosen.restarts_left > 1:
+        return found
+    return Refusal(
+        Gate.BUDGET,
+        "M24",
+        "it would spend the last restart its budget allows in the window, which is kept for a hang; it waits "
+        "until an older restart leaves the window",
+        key=(Gate.BUDGET, "last restart"),
+    )
+
+
+def _raise_facts(context: Raise, view: MemoryView, verdict: MemVerdict) -> Facts:
+    chosen, headroom = context.chosen, view.sample.available_bytes
+    return Facts(
+        why=f"headroom {gib(headroom)} >= {gib(context.line_bytes)} for {context.clear_for_s:.0f} s",
+        headroom_bytes=headroom,
+        total_bytes=view.total_bytes,
+        current=chosen.fraction or 0.0,
+        new=context.new,
+        refusal=context.refusal if verdict is MemVerdict.RESTORE_DEFERRED else None,
+        serving=f"{', '.join(context.peers)} serving",
+        base=chosen.base or 0.0,
+        line_bytes=context.line_bytes,
+        raise_bytes=_raise_bytes(chosen, context.new, view.total_bytes),
+        clear_for_s=context.clear_for_s,
+        since_change_s=context.since_change_s,
+    )
+
+
+# --- the verdict's effects --------------------------------------------------------------------
+
+
 def _conclude(
     track: MemTrack, verdict: MemVerdict, replica: ReplicaMemory | None, facts: Facts, now: float, cfg: Config
 ) -> tuple[MemTrack, list[MemAction]]:
     """The verdict's effects: its line (once per cause, unless said every time), what it asks
     for, and the track it leaves."""
+    previous = track.pending
     track = replace(track, verdict=verdict, rule=_ID[verdict])
     actions: list[MemAction] = []
     if facts.refusal is not None and facts.refusal.gate is Gate.FLEET and facts.refusal.rule == "F6":
@@ -588,17 +984,29 @@ def _conclude(
         if cause is None or track.last_notice != cause:
             actions.append(_line(message, verdict, replica, facts, cfg))
             track = replace(track, last_notice=cause)
+    track = _settle(track, verdict, now)
+    if verdict in (MemVerdict.DRAINING, MemVerdict.RESTORE_DRAINING) and replica is not None:
+        actions.append(DrainReplica(replica.name, facts.why))
+    change = _change(verdict, replica, facts, previous)
+    if change is not None:
+        actions.append(change)
+        track = _issued(track, verdict, change, facts, now)
+    return track, actions
+
+
+def _settle(track: MemTrack, verdict: MemVerdict, now: float) -> MemTrack:
+    """The pending change that this verdict ends; a raise whose start failed becomes a ceiling."""
+    pending = track.pending
+    if pending is not None and pending.raising and verdict in _START_FAILED:
+        track = replace(track, ceilings={**track.ceilings, pending.replica: pending.new})
     if verdict in (MemVerdict.DONE, MemVerdict.ABANDONED):
         track = replace(track, pending=None)
     elif verdict in (MemVerdict.MISMATCH, MemVerdict.GAVE_UP):
         track = replace(track, pending=None, last_change_at=now)
-    if verdict is MemVerdict.DRAINING and replica is not None:
-        actions.append(DrainReplica(replica.name, facts.why))
-    lowering = _lowering(verdict, replica, facts)
-    if lowering is not None:
-        actions.append(lowering)
-        track = replace(track, pending=Pending(lowering.replica, lowering.old, lowering.new, now), last_change_at=now)
-    return track, actions
+    return track
+
+
+_START_FAILED = frozenset({MemVerdict.RETRY, MemVerdict.RETRY_WAITS, MemVerdict.GAVE_UP})
 
 
 def _cause(verdict: MemVerdict, replica: ReplicaMemory | None, facts: Facts) -> tuple[str, ...]:
@@ -607,21 +1015,35 @@ def _cause(verdict: MemVerdict, replica: ReplicaMemory | None, facts: Facts) -> 
     return (verdict, *about, *(facts.refusal.key if facts.refusal is not None else ()))
 
 
-def _lowering(verdict: MemVerdict, replica: ReplicaMemory | None, facts: Facts) -> SetFraction | None:
-    """The env file to write and the restart: a lowering (M17), or the next fraction after a failed start (M7)."""
+def _change(
+    verdict: MemVerdict, replica: ReplicaMemory | None, facts: Facts, pending: Pending | None
+) -> SetFraction | None:
+    """The env file to write and the restart: a lowering (M17), a raise (M26), or the next fraction
+    after a failed start (M7), written at once with its restart held back (M18) and issued later (M19)."""
     if replica is None:
         return None
-    if verdict is MemVerdict.LOWER:
-        return SetFraction(replica.name, replica.unit, facts.current, facts.new, restart=True, evidence=facts.why)
+    name, unit = replica.name, replica.unit
+    if verdict in (MemVerdict.LOWER, MemVerdict.RAISE):
+        return SetFraction(name, unit, facts.current, facts.new, restart=True, evidence=facts.why)
+    evidence = f"start with {facts.written:g} failed: {facts.failure}"
     if verdict is MemVerdict.RETRY:
-        return SetFraction(
-            replica.name,
-            replica.unit,
-            facts.written,
-            facts.new,
-            # systemd restarts a unit still starting by itself (Restart=): only the file is written
-            restart=replica.state is not State.STARTING,
-            evidence=f"start with {facts.written:g} failed: {facts.failure}",
-            retry=True,
-        )
+        # systemd restarts a unit still starting by itself (Restart=): only the file is written
+        restart = replica.state is not State.STARTING
+        return SetFraction(name, unit, facts.written, facts.new, restart=restart, evidence=evidence, retry=True)
+    if verdict is MemVerdict.RETRY_WAITS and not (pending is not None and pending.restart_owed):
+        return SetFraction(name, unit, facts.written, facts.new, restart=False, evidence=evidence, retry=True)
+    if verdict is MemVerdict.RETRY_RESTART:
+        return SetFraction(name, unit, facts.written, facts.new, restart=True, evidence=evidence, retry=True)
     return None
+
+
+def _issued(track: MemTrack, verdict: MemVerdict, change: SetFraction, facts: Facts, now: float) -> MemTrack:
+    """The pending change CHANGE leaves, and the clocks of the cooldowns (M10, M22)."""
+    if verdict is MemVerdict.RETRY_RESTART and track.pending is not None:
+        return replace(track, pending=replace(track.pending, issued_at=now, restart_owed=False))
+    owed = verdict is MemVerdict.RETRY_WAITS
+    failure = facts.failure if owed else ""  # what M19 will say when the restart is issued
+    pending = Pending(change.replica, change.old, change.new, now, restart_owed=owed, failure=failure)
+    if verdict is MemVerdict.RAISE:
+        return replace(track, pending=pending, last_raise_at=now)
+    return replace(track, pending=pending, last_change_at=now)

@@ -8,8 +8,11 @@ found, into what core/memguard.py decides on, per replica:
   --gpu-memory-utilization on its command line);
 - whether it is wired (core/wiring.py), and M9: a replica with no lowering pending that serves
   with another fraction than its env file says is overridden by something, so not wired;
-- whether it is drained at the proxy for a lowering (core/drain.py D5, D6);
-- why it could not be restarted now: admission (A1-A3), then a fleet slot (F3-F6).
+- whether it is drained at the proxy for a change of fraction (core/drain.py D5, D6);
+- why it could not be restarted now: admission (A1-A3), then a fleet slot (F3-F6); and how many
+  restarts its budget still allows (a raise never spends the last one, M24);
+- its base: the fraction it had before guardian first lowered it (the state file), which a raise
+  never goes above (M20).
 """
 
 from __future__ import annotations
@@ -51,11 +54,12 @@ def _replica(tick: Tick, replica: ReplicaConfig, found: ReplicaMemoryObservation
         reported = found.cmdline_fraction
     configured = found.configured_fraction if found is not None else None
     pending = tick.previous.mem.pending
-    lowering = pending is not None and pending.replica == replica.name
+    changing = pending is not None and pending.replica == replica.name
     wiring = found.wiring_problem if found is not None else "not observed"
-    if wiring is None and not lowering and track.state in SERVING_STATES:
+    if wiring is None and not changing and track.state in SERVING_STATES:
         wiring = _overridden(configured, reported)
     down = tick.drains.get(replica.name)
+    budget = admission.budget(replica.name, tick.obs.persistent, tick.now, tick.cfg)
     return ReplicaMemory(
         name=replica.name,
         unit=replica.unit,
@@ -66,17 +70,19 @@ def _replica(tick: Tick, replica: ReplicaConfig, found: ReplicaMemoryObservation
         wiring_problem=wiring,
         state=track.state,
         usage_bytes=found.usage_bytes if found else None,
-        start_failure=found.start_failure if found and lowering else None,
+        start_failure=found.start_failure if found and changing else None,
         startup_grace_s=replica.startup_grace_s,
         drained=down is not None
         and down.for_memory
         and down.phase is Phase.DRAINING
         and drain.drained(down, seen, tick.now, tick.cfg) is not None,
+        base=tick.obs.persistent.fraction_bases.get(replica.name),
+        restarts_left=budget.limit - budget.used,
     )
 
 
 def _overridden(configured: float | None, reported: float | None) -> str | None:
-    """M9, for a serving replica with no lowering pending: why it is not wired, or None."""
+    """M9, for a serving replica with no change of fraction pending: why it is not wired, or None."""
     if configured is not None and reported is not None and abs(configured - reported) > 1e-6:
         return (
             f"it serves with gpu_memory_utilization {reported:g} while guardian's env file says "
@@ -86,10 +92,10 @@ def _overridden(configured: float | None, reported: float | None) -> str | None:
 
 
 def _refusals(tick: Tick) -> dict[str, Refusal]:
-    """Per replica, why a lowering's restart of it could not happen now."""
+    """Per replica, why the memory guard's restart of it (a lowering's, a raise's) could not happen now."""
     found: dict[str, Refusal] = {}
     for replica in tick.cfg.replicas:
-        # Its own drain is the first step of this lowering, not another restart in flight.
+        # Its own drain is the first step of this change, not another restart in flight.
         mine = tick.drains.get(replica.name)
         own = mine is not None and mine.for_memory and mine.phase is Phase.DRAINING
         others = any(d.phase is Phase.DRAINING for n, d in tick.drains.items() if n != replica.name)

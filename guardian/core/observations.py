@@ -208,6 +208,9 @@ class PersistentView:
     proxy_down: tuple[str, ...] = ()  # replicas guardian last marked down at the proxy
     # replica -> its last successful canaries' latencies (s), newest last: a Track starts from them
     canary_latencies: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    # replica -> its base fraction: the one it had before the memory guard first lowered it (act/state.py);
+    # a lowered fraction is raised back toward it, never above it; a replica with none is never raised
+    fraction_bases: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -230,6 +233,10 @@ class ReplicaMemoryObservation:
     usage_bytes: int | None  # NVML per-process memory of its process tree, when the driver says
     wiring_problem: str | None  # None: wired for the memory guard
     start_failure: str | None = None  # vLLM's refusal in this start's journal (asked only while a lowering is pending)
+    # The unit's cgroup memory (systemd's MemoryCurrent), asked only while the replica may be loading, for
+    # the start guard; never for a container replica (its unit holds only the engine's CLI). On GB10 CUDA
+    # allocations are not charged to it: there it shows only a start's host-side memory.
+    cgroup_bytes: int | None = None
 
 
 @dataclass(frozen=True)

@@ -25,9 +25,7 @@ def describe(cfg: Config) -> list[str]:
         f"restarts: at most {watchdog.restart_budget} per replica in {watchdog.restart_window_s:g} s, "
         f"back-off {watchdog.backoff_s:g} s "
         f"doubling per restart, job result awaited for {watchdog.restart_job_timeout_s:g} s; one at a time per box",
-        f"memory guard: {'on' if cfg.memory.enabled else 'off'}; squeezed when MemAvailable < "
-        f"{gib(cfg.memory.min_headroom_bytes)} for >= {cfg.memory.sustain_s:g} s; "
-        f"critical below {gib(cfg.memory.critical_headroom_bytes)}",
+        _memory(cfg),
         "metrics: "
         + "; ".join(
             [
@@ -49,6 +47,25 @@ def describe(cfg: Config) -> list[str]:
     if not cfg.replicas:
         lines.append("no replicas configured: guardian watches nothing")
     return lines
+
+
+def _memory(cfg: Config) -> str:
+    memory = cfg.memory
+    line = (
+        f"memory guard: {'on' if memory.enabled else 'off'}; squeezed when MemAvailable < "
+        f"{gib(memory.min_headroom_bytes)} for >= {memory.sustain_s:g} s; "
+        f"critical below {gib(memory.critical_headroom_bytes)}; "
+    )
+    if not memory.restore:
+        return line + "restore off: a lowered fraction stays lowered until raised by hand"
+    return line + (
+        "restore: a replica below its base fraction (the one before guardian first lowered it) is raised to "
+        f"min(base, current + {memory.step:g}) (0.01 grid, rounded down) when MemAvailable >= "
+        f"{gib(memory.min_headroom_bytes)} + total x the raise + {gib(memory.reserve_bytes)} on every tick for >= "
+        f"{memory.restore_after_s:g} s with no replica starting, AND >= {memory.restore_cooldown_s:g} s after the "
+        "last change of fraction, AND another replica of its model serves, AND admission lets the restart through "
+        "leaving one restart of its budget for a hang (drained first under a proxy)"
+    )
 
 
 def _proxy(cfg: Config) -> str:

@@ -105,6 +105,15 @@ class MemVerdict(StrEnum):
     DRY_RUN = "dry-run"
     DRAINING = "draining"
     LOWER = "lower"
+    RETRY_WAITS = "retry-waits"  # a failed start's next fraction is written; its restart waits for admission
+    RETRY_RESTART = "retry-restart"  # ... and is issued once admitted
+    RESTORE_WAIT = "restore-wait"  # a replica below its base: headroom not clear for long enough yet
+    RESTORE_COOLDOWN = "restore-cooldown"
+    RESTORE_NO_PEER = "restore-no-peer"
+    RESTORE_DEFERRED = "restore-deferred"
+    RESTORE_DRAINING = "restore-draining"
+    RESTORE_DRY_RUN = "restore-dry-run"
+    RAISE = "raise"
 
 
 class ActiveState(StrEnum):

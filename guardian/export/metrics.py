@@ -158,7 +158,8 @@ class Metrics:
             if start is not None:
                 self.detection.observe(max(0.0, at.mono - start))
         elif isinstance(action, SetFraction):
-            self.lowerings.labels(action.replica).inc()
+            if action.new < action.old:  # a raise back toward the base is not a lowering
+                self.lowerings.labels(action.replica).inc()
             if action.restart:
                 self.restarts.labels(action.replica, "memory").inc()
                 self._decided_at[action.replica] = at.mono

@@ -351,7 +351,8 @@ class WorldObserver:
             self._look(cfg, at.mono),
         )
         replicas = {n: replace(o, conns=views.get(n)) for n, o in replicas.items()}
-        memory = await self.memory.observe(cfg, replicas, pending, at) if cfg.memory.enabled else None
+        bases = persistent.fraction_bases
+        memory = await self.memory.observe(cfg, replicas, pending, at, bases) if cfg.memory.enabled else None
         return TickObservation(replicas, persistent, memory)
 
     async def replicas(
