@@ -282,19 +282,28 @@ class MemoryConfig(_Strict):
     reserve_bytes: int = Field(default=2**30, ge=0)
     cooldown_s: float = Field(default=600.0, ge=0, le=MAX_WINDOW_S)
     device_total_bytes: int | None = Field(default=None, gt=0)
+    # The start guard (README "The start guard"): on whenever the memory guard is, since a replica's
+    # start is when a GB10 runs out (and wedges); it acts only below critical_headroom_bytes.
+    start_guard: bool = True
+    start_guard_interval_s: float = Field(default=0.5, gt=0, le=MAX_WINDOW_S)  # ticks while a replica loads
     priority: list[str] = Field(default_factory=list)
     peer_urls: list[str] = Field(default_factory=list)
     peer_timeout_s: float = Field(default=2.0, gt=0, le=MAX_WINDOW_S)
-    restore: bool = False
+    # Raising a lowered fraction back toward its base (README "Raising a fraction back"): on by
+    # default, since a guard that only ratchets down leaves memory unused after every squeeze.
+    restore: bool = True
+    restore_after_s: float = Field(default=600.0, gt=0, le=MAX_WINDOW_S)  # headroom clear this long first
+    restore_cooldown_s: float = Field(default=600.0, ge=0, le=MAX_WINDOW_S)  # since the last change of fraction
 
     @model_validator(mode="after")
     def _consistent(self) -> MemoryConfig:
         if self.critical_headroom_bytes > self.min_headroom_bytes:
             raise ValueError("critical_headroom_bytes must be <= min_headroom_bytes")
-        if self.restore:
+        if self.restore and self.restore_after_s <= self.sustain_s:
             raise ValueError(
-                "restore (raising a fraction back when headroom returns) is not built yet; "
-                "raise it by hand: edit /var/lib/guardian/replicas/NAME.env and restart that replica"
+                f"restore_after_s ({self.restore_after_s:g} s) must be > sustain_s ({self.sustain_s:g} s): headroom "
+                "must stay clear longer than a squeeze must last, or the guard would raise and lower in turn "
+                "(or set restore = false)"
             )
         for url in self.peer_urls:
             try:

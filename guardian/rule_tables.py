@@ -7,7 +7,7 @@ checks the README against them.
 
 from __future__ import annotations
 
-from .core import admission, bypass, drain, fleet, gates, liveness, memguard
+from .core import admission, bypass, drain, fleet, gates, liveness, memguard, startguard
 from .core.rules import markdown_table
 
 
@@ -18,6 +18,7 @@ def tables() -> dict[str, str]:
         "admission": markdown_table(admission.RULES, "refusal"),
         "gates": markdown_table(gates.RULES, "refusal"),
         "memory": markdown_table(memguard.RULES, "verdict"),
+        "start": markdown_table(startguard.RULES, "verdict"),
         "drain": markdown_table(drain.RULES, "outcome"),
         "fleet": markdown_table(fleet.RULES, "outcome"),
         "bypass": markdown_table(bypass.RULES, "outcome"),

@@ -245,6 +245,9 @@ class Box:
       applied exactly what the state holds down (TickState.proxy_down). proxy_reports=False: no
       report at all, as when `guardian restart` decides with no daemon running.
     - fleet: the fleet view of every tick that is given none.
+
+    As the executor does, a lowering (SetFraction with new < old) records its replica's base
+    fraction in the persistent view the next tick sees.
     """
 
     def __init__(self, config: Config, persistent: PersistentView | None = None, *,
@@ -287,7 +290,18 @@ class Box:
         self.core, actions = tick.decide(self.core, self.observation, t, self.cfg)
         check_rule_ids(actions, self.core.tracks, self.core.mem.rule)
         self.actions += actions
+        self._record_bases(actions)
         return actions
+
+    def _record_bases(self, actions: list) -> None:
+        """As the executor does: a lowering keeps where it lowered from as its replica's base fraction
+        (the state file), which the next tick's persistent view shows."""
+        bases = dict(self.persistent.fraction_bases)
+        for a in of(actions, SetFraction):
+            if a.new < a.old:
+                bases[a.replica] = max(bases.get(a.replica, 0.0), a.old)
+        if bases != self.persistent.fraction_bases:
+            self.persistent = replace(self.persistent, fraction_bases=bases)
 
     def lines(self, decision: Decision | None = None, rule: str | None = None) -> list[LogLine]:
         """Every journal line so far, of DECISION and RULE if given."""

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from guardian.core import admission, bypass, drain, fleet, gates, liveness, memguard
+from guardian.core import admission, bypass, drain, fleet, gates, liveness, memguard, startguard
 from guardian.rule_tables import render_into, tables
 
 PKG = Path(__file__).resolve().parent.parent / "guardian"
@@ -175,10 +175,10 @@ def test_the_cycle_checker_sees_a_cycle(tmp_path):
 
 
 def test_every_rule_id_is_unique_and_well_formed():
-    modules = (liveness, admission, gates, memguard, drain, fleet, bypass)
+    modules = (liveness, admission, gates, memguard, startguard, drain, fleet, bypass)
     ids = [r.id for module in modules for r in module.RULES]
     assert len(ids) == len(set(ids))
-    assert all(re.fullmatch(r"[LAGMDFB]\d+", i) for i in ids)
+    assert all(re.fullmatch(r"[LAGMSDFB]\d+", i) for i in ids)
 
 
 def test_the_readme_rule_tables_are_the_codes_rows():

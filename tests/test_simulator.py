@@ -328,3 +328,32 @@ def test_a_stream_whose_client_goes_away_is_aborted_as_vllm_does(sim):
     for c in conns:
         c.close()
     wait_for(lambda: s.sample().running == 0, 10, "the streams of the clients that went away aborted")
+
+
+def test_sim_load_memory_takes_its_fraction_of_the_device_in_steps_before_the_port_is_bound(sim):
+    """--sim-load-memory: gpu_memory_utilization x --sim-total-memory-bytes, really resident, taken
+    over --load-time-s while connections are refused (the start guard's case), then held."""
+    mib = 2**20
+    want = 100 * mib  # 0.5 x 200 MiB
+    s = sim("--sim-load-memory", "--sim-total-memory-bytes", str(200 * mib), "--gpu-memory-utilization", "0.5",
+            "--load-time-s", "3")
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(iter(s.proc.stdout.readline, "")), daemon=True).start()
+    wait_for(lambda: any("loading: taking 0.10 GiB" in line for line in lines), 10, "the load to begin")
+    began, proc = time.monotonic(), psutil.Process(s.proc.pid)
+    base = proc.memory_info().rss
+    grown: list[int] = []  # RSS above the first look, while the port still refuses connections
+    while time.monotonic() - began < 10:
+        rss = proc.memory_info().rss
+        try:
+            s.get("/health", timeout=1)
+            break
+        except httpx.ConnectError:
+            grown.append(rss - base)
+        time.sleep(0.05)
+    served_after_s = time.monotonic() - began
+    assert 2.5 <= served_after_s < 10, served_after_s  # it took its load time (less the first look's lag)
+    assert any(0.2 * want <= g <= 0.8 * want for g in grown), grown  # in steps, not at once
+    assert grown[-1] - grown[0] >= 0.5 * want  # it grew while connections were refused
+    assert proc.memory_info().rss - base >= 0.9 * want  # and holds it all once serving
+    assert s.get("/health").status_code == 200 and any("holding 0.10 GiB" in line for line in lines)

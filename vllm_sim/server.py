@@ -5,6 +5,10 @@ What it imitates (observed on a real vLLM 0.32 server, see shared/BRIEF.md):
 * startup: connection refused until the "model" has loaded (``--load-time-s``), then 200 at once;
   vLLM's startup memory check fails the start when ``--gpu-memory-utilization`` x total memory is
   more than the free memory (exit status 1, vLLM's own message).
+* memory, as on GB10 where the fraction is of the memory CPU and GPU share (``--sim-total-memory-bytes``
+  as the device's size): ``--sim-allocate`` holds ``--gpu-memory-utilization`` x total once loaded;
+  ``--sim-load-memory`` takes it in steps over ``--load-time-s``, before the port is bound, every page
+  touched, as a real start's memory grows while it loads (the start guard's case).
 * an engine thread runs iterations: it admits waiting requests (up to ``--max-num-seqs``), counts
   a request's prompt tokens when its prefill completes, then emits one token per running request
   per iteration; the vllm: gauges are updated by the engine, so they freeze when it does.
@@ -541,6 +545,25 @@ def allocate(n: int) -> bytearray:
     return buf
 
 
+LOAD_STEP_S = 0.1  # --sim-load-memory takes its memory in a step this often
+
+
+def load_memory(n: int, load_time_s: float, step_s: float = LOAD_STEP_S) -> list[bytearray]:
+    """N bytes taken in equal steps over LOAD_TIME_S, every page written as it is taken: how a
+    real start's memory grows while it loads its weights and profiles its KV cache (on GB10 all
+    of it from the one memory that CPU and GPU share). Paced by the clock, not by the allocations."""
+    steps = max(1, round(load_time_s / step_s))
+    chunk = n // steps
+    held: list[bytearray] = []
+    began = time.monotonic()
+    for i in range(steps):
+        held.append(allocate(chunk if i < steps - 1 else n - chunk * (steps - 1)))
+        delay_s = began + (i + 1) * load_time_s / steps - time.monotonic()
+        if delay_s > 0:
+            time.sleep(delay_s)
+    return held
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="vllm-sim", description="vLLM replica simulator for guardian's tests")
     p.add_argument("serve", nargs="?", help="ignored, as in `vllm serve MODEL`")
@@ -566,6 +589,9 @@ def parse_args(argv=None):
                    help="if this file exists, its number is the free memory the startup check sees")
     p.add_argument("--sim-allocate", action="store_true",
                    help="really hold gpu_memory_utilization x total bytes, as vLLM's reservation does on GB10")
+    p.add_argument("--sim-load-memory", action="store_true",
+                   help="take gpu_memory_utilization x total bytes in steps over --load-time-s, before the port is "
+                        "bound, and hold them (a start whose memory grows while it loads)")
     return p.parse_args(argv)
 
 
@@ -599,10 +625,16 @@ def main(argv=None) -> int:
         if problem:
             print(f"ERROR [sim] EngineCore failed to start.\n{problem}", file=sys.stderr, flush=True)
             return 1
-    time.sleep(args.load_time_s)  # loading weights: the port is not bound yet (connection refused)
-    if args.sim_allocate:
-        held = allocate(int(args.gpu_memory_utilization * (args.sim_total_memory_bytes or _meminfo_bytes("MemTotal"))))
-        log(f"holding {len(held) / 2**30:.2f} GiB (gpu_memory_utilization x total)")
+    want = int(args.gpu_memory_utilization * (args.sim_total_memory_bytes or _meminfo_bytes("MemTotal")))
+    if args.sim_load_memory:  # loading: the port is not bound yet (connection refused), the memory grows
+        log(f"loading: taking {want / 2**30:.2f} GiB (gpu_memory_utilization x total) over {args.load_time_s:g} s")
+        held = load_memory(want, args.load_time_s)
+        log(f"holding {sum(map(len, held)) / 2**30:.2f} GiB (gpu_memory_utilization x total)")
+    else:
+        time.sleep(args.load_time_s)  # loading weights: the port is not bound yet (connection refused)
+    if args.sim_allocate and not args.sim_load_memory:
+        held = [allocate(want)]
+        log(f"holding {want / 2**30:.2f} GiB (gpu_memory_utilization x total)")
     sim = Sim(args)
     server = ThreadingHTTPServer((args.host, args.port), make_handler(sim))
     server.daemon_threads = True

@@ -1,12 +1,17 @@
 """The dispatcher: every action the core decides goes through Executor.perform, to exactly one
 handler (the match is exhaustive: mypy --strict proves every Action type is handled).
 
-Restarts, canaries and fraction lowerings run as tasks, so that a long systemd job or a hanging
-canary never holds up the loop; their results come back to the observer on a later tick
+Restarts, canaries and changes of a replica's fraction run as tasks, so that a long systemd job or
+a hanging canary never holds up the loop; their results come back to the observer on a later tick
 (take_results). The proxy's work (SyncProxy: ProxySync applies only a change) and the fleet's
 slots (a SlotKeeper) are handed to those parts, and every action is counted for the metrics (a
 Counter). Each part is given at construction; one not given (a test's executor) is a no-op at
 its one place in the match. Nothing here decides.
+
+A lowering (SetFraction with new < old) first records where it lowered from as the replica's base
+fraction in the state file (act/state.py), before the env file is written: the memory guard raises
+a fraction back toward its base and never above it, and a lowered fraction with no base recorded
+is never raised (a failed record is said, and the lowering goes on).
 """
 
 from __future__ import annotations
@@ -41,7 +46,14 @@ from ..observe.replicas import Results
 from .part import Counter, SlotKeeper
 from .proxy import ProxySync
 from .restart import RestartOrder, Tools, checked_restart
-from .state import CorruptState, StateStore, atomic_write, record_answer, record_canary_latencies
+from .state import (
+    CorruptState,
+    StateStore,
+    atomic_write,
+    record_answer,
+    record_canary_latencies,
+    record_fraction_base,
+)
 
 
 class Executor:
@@ -87,7 +99,8 @@ class Executor:
             case RestartUnit():
                 self._spawn(self._restart(action))
             case SetFraction():
-                self._spawn(self._lower(action))
+                self._record_base(action)
+                self._spawn(self._set_fraction(action))
             case AnswerRequest():
                 self._answer(action.request_id, action.replica, action.ok, action.message)
             case RecordCanaryLatencies():
@@ -184,7 +197,28 @@ class Executor:
         if action.request_id is not None:
             self._answer(action.request_id, r.name, outcome.ok, f"{r.unit}: {outcome.result}")
 
-    async def _lower(self, action: SetFraction) -> None:
+    def _record_base(self, action: SetFraction) -> None:
+        """A lowering's base, in the state file before the env file is written."""
+        if action.new >= action.old:
+            return
+        store, journal = self.tools.store, self.tools.journal
+        try:
+            store.update(lambda d: record_fraction_base(d, action.replica, action.old))
+        except CorruptState as e:
+            journal.send(Priority.ERROR, str(e))
+        except OSError as e:
+            journal.line(
+                LogLine(
+                    Priority.ERROR,
+                    f"replica {action.replica}: cannot record its base fraction {action.old:g} in {store.dir}: {e}; "
+                    "the memory guard will not raise it back by itself",
+                    Decision.MEMORY_NOTE,
+                    action.replica,
+                    action.unit,
+                )
+            )
+
+    async def _set_fraction(self, action: SetFraction) -> None:
         r = self.cfg.replica(action.replica)
         if r is None:
             return
@@ -201,10 +235,13 @@ class Executor:
             r,
             f"memory: {action.old:g} -> {action.new:g}",
             allow_failed=action.retry,
+            kill_first=action.kill_first,
             stop_timeout_s=action.stop_timeout_s,
             before_restart=write,
+            killed_what="starting",  # only the start guard kills first here (a start it stops)
         )
-        self._outcomes[action.replica] = await self._guarded(order, "lowering restart")
+        what = "raise restart" if action.new > action.old else "lowering restart"
+        self._outcomes[action.replica] = await self._guarded(order, what)
 
     def _write_fraction(self, r: ReplicaConfig, action: SetFraction, write: Callable[[], None]) -> None:
         """Only the env file: systemd is restarting the unit by itself, and its next start reads it."""

@@ -2,7 +2,7 @@
 a fresh look right before acting, the restart recorded in the state file, the job issued and
 waited for, and its stop helped along in the way the order says (Stop). Nothing here decides: the
 re-check is the core's own pure function (gates.unit_refusal), and the way of the stop is the
-core's (RestartUnit.kill_first, stop_timeout_s)."""
+core's (kill_first and stop_timeout_s of RestartUnit and SetFraction)."""
 
 from __future__ import annotations
 
@@ -54,9 +54,10 @@ class RestartOrder:
     replica: ReplicaConfig
     why: str
     allow_failed: bool = False  # a failed unit may be restarted (the memory guard's retry of a start)
-    kill_first: bool = False  # a hung replica: SIGKILL its processes once the job is queued
+    kill_first: bool = False  # a hung replica, or a start stopped: SIGKILL its processes once the job is queued
     stop_timeout_s: float | None = None  # a drained replica: SIGKILL its processes if the stop takes longer
     before_restart: Callable[[], None] | None = None  # the memory guard's env file write, once the gates pass
+    killed_what: str = "hung"  # what a failed kill_first names the unit: a "hung" one, or a "starting" one
 
 
 async def checked_restart(tools: Tools, order: RestartOrder) -> RestartOutcome:
@@ -173,7 +174,8 @@ def _said(tools: Tools, r: ReplicaConfig, result: str, done: str, failed: str) -
 class Stop:
     """How one restart's stop is helped along, in the way its order says (during):
 
-    - kill_hung (kill_first): a hung replica's processes are SIGKILLed once the job is queued;
+    - kill_hung (kill_first): a hung replica's processes, or those of a start the start guard stops
+      (core/startguard.py), are SIGKILLed once the job is queued;
     - bounded (stop_timeout_s): a drained replica's stop is waited for up to its bound, then its
       processes are SIGKILLed; how long the stop took is said either way;
     - either kill takes a replica's container with it, through the root helper: the unit's
@@ -192,13 +194,13 @@ class Stop:
     def during(self, order: RestartOrder) -> Callable[[], Awaitable[None]] | None:
         """What runs once the restart job is queued."""
         if order.kill_first:
-            return self.kill_hung
+            return functools.partial(self.kill_hung, order.killed_what)
         if order.stop_timeout_s is not None:
             return functools.partial(self.bounded, order.stop_timeout_s)
         return None
 
-    async def kill_hung(self) -> None:
-        if await self._kill("hung"):
+    async def kill_hung(self, what: str = "hung") -> None:
+        if await self._kill(what):
             self.note = "; its processes were killed (SIGKILL) as the job began"
         else:
             self.note = "; killing its processes failed, so the stop waited for the unit's own stop"

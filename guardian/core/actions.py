@@ -66,6 +66,9 @@ class SetFraction:
     evidence: str
     retry: bool = False  # after a failed start with the previous fraction: a failed unit may be restarted
     stop_timeout_s: float | None = None  # drained first: SIGKILL its processes if the stop takes longer
+    # SIGKILL the unit's processes once the restart job is queued, as RestartUnit's: the start guard stops a
+    # start that is taking the box's last memory at once (core/startguard.py)
+    kill_first: bool = False
 
 
 @dataclass(frozen=True)

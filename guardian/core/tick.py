@@ -21,13 +21,16 @@ its steps in order:
    file) wait for a fleet slot when [fleet] is set (core/fleet.py, F2-F6), pass the same
    admission, then drain first when a proxy is configured (D1, D2); each is answered, refused
    or done, exactly once;
-5. guard_memory: the memory guard (its view built by core/memview.py, its verdict by
+5. guard_starts: the start guard (core/startguard.py, S1-S10) watches each replica's start, and
+   stops one that takes the box below the critical headroom, restarting it one step lower; that
+   change becomes the memory guard's pending one, which step 6 follows (M3-M8);
+6. guard_memory: the memory guard (its view built by core/memview.py, its verdict by
    core/memguard.py, M1-M17) sees the tracks and what admission would say; a lowering it starts
    marks that replica's restart in flight, as any other restart does; its drains are kept here
    (D7, D9);
-6. release_fleet_slots: a fleet slot whose planned restart is over is given back (F7);
-7. watch_bypass: clients that talk to a replica past the proxy are said (core/bypass.py, B1-B3);
-8. sync_proxy: with a proxy configured, the last action is SyncProxy(the replicas marked down).
+7. release_fleet_slots: a fleet slot whose planned restart is over is given back (F7);
+8. watch_bypass: clients that talk to a replica past the proxy are said (core/bypass.py, B1-B3);
+9. sync_proxy: with a proxy configured, the last action is SyncProxy(the replicas marked down).
 
 The coupling lives here and nowhere else: a restart under way (in flight, or issued in step 2, 3
 or 4) blocks the others (one at a time per box), and a drain in progress blocks the planned ones
@@ -37,10 +40,11 @@ back-off.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 from ..config import Config, ReplicaConfig
-from . import admission, bypass, drain, fleet, liveness, memguard, memview
+from . import admission, bypass, drain, fleet, liveness, memguard, memview, startguard
 from .actions import (
     AcquireSlot,
     Action,
@@ -56,9 +60,9 @@ from .actions import (
 )
 from .drain import Drain, Phase
 from .liveness import Track
-from .observations import RestartRequest, TickObservation
+from .observations import MemoryObservation, RestartRequest, TickObservation
 from .rules import Refusal
-from .vocab import LOADING_STATES, RESTART_STATES, Decision, Priority, RestartKind, State
+from .vocab import LOADING_STATES, RESTART_STATES, ActiveState, Decision, Priority, RestartKind, State
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,7 @@ class TickState:
     slots_released: frozenset[str] = frozenset()  # fleet slots given back that the view may still show
     bypass_seen: dict[tuple[str, str], float] = field(default_factory=dict)  # (replica, peer) -> connected since
     bypassing: tuple[bypass.Bypass, ...] = ()  # clients bypassing the proxy now (core/bypass.py B2)
+    starts: dict[str, startguard.Start] = field(default_factory=dict)  # starts the start guard watches (S1)
 
     @property
     def proxy_down(self) -> frozenset[str]:
@@ -96,6 +101,7 @@ def decide(state: TickState, obs: TickObservation, now: float, cfg: Config) -> t
     tick.follow_drains()
     tick.restart_unplanned()
     tick.take_requests()
+    tick.guard_starts()
     tick.guard_memory()
     tick.release_fleet_slots()
     tick.watch_bypass()
@@ -126,6 +132,7 @@ class Tick:
         self.slots_released = previous.slots_released
         self.bypass_seen = previous.bypass_seen
         self.bypassing = previous.bypassing
+        self.starts = previous.starts
         # A restart is under way on this box: in flight since an earlier tick, or issued on this
         # one. No other starts (A3).
         self.restart_under_way = False
@@ -146,6 +153,7 @@ class Tick:
             self.slots_released,
             self.bypass_seen,
             self.bypassing,
+            self.starts,
         )
 
     def _say(self, line: LogLine) -> None:
@@ -269,8 +277,8 @@ class Tick:
         self._say(
             LogLine(
                 Priority.ERROR,
-                f"replica {replica.name}: the memory guard's lowering waits: marking it down at the proxy failed: "
-                f"{error}; the proxy is asked again every 30 s (D3)",
+                f"replica {replica.name}: the memory guard's change of fraction waits: marking it down at the proxy "
+                f"failed: {error}; the proxy is asked again every 30 s (D3)",
                 Decision.REFUSED,
                 replica.name,
                 replica.unit,
@@ -300,7 +308,7 @@ class Tick:
     def _abandon(self, replica: ReplicaConfig, down: Drain, rule: str, why: str, already_said: bool = False) -> None:
         """Give a drain up: marked up again, its operator's request refused; said unless ALREADY_SAID."""
         del self.drains[replica.name]
-        what = "the memory guard's lowering" if down.for_memory else "planned restart"
+        what = "the memory guard's change of fraction" if down.for_memory else "planned restart"
         if not already_said:
             self._say(
                 LogLine(
@@ -545,10 +553,63 @@ class Tick:
         )
         return True
 
-    # --- 5. the memory guard ------------------------------------------------------------------
+    # --- 5. the start guard -------------------------------------------------------------------
+
+    def guard_starts(self) -> None:
+        """Step 5 (S1-S10): each replica's start is watched; one that takes the box below the critical
+        headroom is stopped and restarted a step lower. That restart is the memory guard's pending
+        change from now on (memguard.Pending), so that step 6 follows it as it follows a lowering (M3-M8)."""
+        observed = self.obs.memory
+        if observed is None or not self.cfg.memory.start_guard:  # off: nothing is watched
+            self.starts = {}
+            return
+        view = self._start_view(observed)
+        self.starts, actions = startguard.decide(self.previous.starts, view, self.now, self.cfg)
+        for action in actions:
+            if isinstance(action, SetFraction):
+                pending = memguard.Pending(action.replica, action.old, action.new, self.now)
+                self.mem = replace(self.mem, pending=pending, last_change_at=self.now)
+                self.restart_under_way = True
+        self._take_memory_actions(actions)  # its restart in flight, marked down at the proxy (D9)
+
+    def _start_view(self, observed: MemoryObservation) -> startguard.StartView:
+        """The start guard's view: the memory guard's view of each replica, the tick's verdicts and
+        units, and admission A1-A2 (A3 is not asked: the stop replaces a start, it adds none)."""
+        replicas = []
+        for mine in memview.memory_view(self, observed).replicas:
+            track, seen = self.tracks[mine.name], self.obs.replicas[mine.name]
+            found = observed.replicas.get(mine.name)
+            unit = seen.unit
+            loading = (
+                track.state in LOADING_STATES
+                and not track.restart_in_flight
+                and unit is not None
+                and unit.active_state in (ActiveState.ACTIVATING, ActiveState.ACTIVE)
+            )
+            alone = {mine.name: track}  # its own restarts only: A1 and A2
+            refusal = admission.admit(mine.name, alone, self.obs.persistent, self.now, self.cfg) if loading else None
+            starting = startguard.Starting(
+                mine.name,
+                mine.unit,
+                loading,
+                (unit.invocation_id, unit.inactive_exit_mono) if unit is not None else ("", None),
+                mine.fraction,
+                mine.wiring_problem,
+                nvml_bytes=mine.usage_bytes,
+                cgroup_bytes=found.cgroup_bytes if found is not None else None,
+                refusal=refusal,
+            )
+            replicas.append(starting)
+        sample = observed.sample
+        return startguard.StartView(
+            sample.available_bytes, observed.total_bytes, tuple(replicas), observed.consumers, self.mem.pending
+        )
+
+    # --- 6. the memory guard ------------------------------------------------------------------
 
     def guard_memory(self) -> None:
-        """Step 5 (M1-M17): the memory guard's verdict on its view of the box, and its drains (D7, D9)."""
+        """Step 6 (M1-M17): the memory guard's verdict on its view of the box, and its drains (D7, D9);
+        a start the start guard stopped (step 5) is its pending change already."""
         observed = self.obs.memory
         if observed is None:  # the memory guard is off (a reload): its drains are not waited for
             self.drains = {
@@ -558,18 +619,19 @@ class Tick:
             }
             return
         view = memview.memory_view(self, observed)
-        self.mem, actions = memguard.decide(self.previous.mem, view, self.now, self.cfg)
+        self.mem, actions = memguard.decide(self.mem, view, self.now, self.cfg)
         asked = self._take_memory_actions(actions)
         self._mark_up_unasked(asked)
 
-    def _take_memory_actions(self, actions: list[memguard.MemAction]) -> set[str]:
-        """The memory guard's actions, its drains kept here; returns the replicas it works on."""
+    def _take_memory_actions(self, actions: Iterable[memguard.MemAction]) -> set[str]:
+        """The memory guard's actions (and the start guard's), its drains kept here; returns the
+        replicas it works on."""
         asked: set[str] = set()
         for action in actions:
             if isinstance(action, DrainReplica):  # consumed here, never by the executor
                 asked.add(action.replica)
                 if action.replica not in self.drains:
-                    why = "the memory guard's lowering"
+                    why = "the memory guard's change of fraction"
                     self.drains[action.replica] = Drain(Phase.DRAINING, self.now, why, for_memory=True)
                 continue
             if isinstance(action, SetFraction) and action.restart and action.replica in self.tracks:
@@ -594,7 +656,8 @@ class Tick:
         if down is not None and down.for_memory and down.phase is Phase.DRAINING:
             why = drain.drained(down, self.obs.replicas[name], self.now, self.cfg) or "drained"
             self.drains[name] = replace(down, phase=Phase.AWAY, since=self.now)
-            text = f"replica {name}: {why}; the memory guard lowers it now (D7)"
+            verb = "raises" if lowering.new > lowering.old else "lowers"
+            text = f"replica {name}: {why}; the memory guard {verb} it now (D7)"
             self._say(LogLine(Priority.INFO, text, Decision.PROXY, name, unit, rule="D7"))
             return replace(lowering, stop_timeout_s=self.cfg.proxy.stop_timeout_s)
         if down is None:
@@ -613,7 +676,8 @@ class Tick:
             self._say(
                 LogLine(
                     Priority.INFO,
-                    f"replica {replica.name}: the memory guard no longer lowers it; marked up again at the proxy (D7)",
+                    f"replica {replica.name}: the memory guard no longer changes its fraction; marked up again at the "
+                    "proxy (D7)",
                     Decision.PROXY,
                     replica.name,
                     replica.unit,
@@ -621,7 +685,7 @@ class Tick:
                 )
             )
 
-    # --- 6. fleet slots -----------------------------------------------------------------------
+    # --- 7. fleet slots -----------------------------------------------------------------------
 
     def release_fleet_slots(self) -> None:
         """F7: give back each slot of this box whose planned restart is over or given up. The
@@ -665,7 +729,7 @@ class Tick:
         """Operators' requests not acted on yet (waiting for a fleet slot)."""
         return [request for request in self.obs.persistent.requests if request.id not in self.requests_taken]
 
-    # --- 7. clients that bypass the proxy -----------------------------------------------------
+    # --- 8. clients that bypass the proxy -----------------------------------------------------
 
     def watch_bypass(self) -> None:
         """B1-B3: each client that starts bypassing the proxy is said once at warning, and once more
@@ -706,7 +770,7 @@ class Tick:
             )
         )
 
-    # --- 8. the proxy -------------------------------------------------------------------------
+    # --- 9. the proxy -------------------------------------------------------------------------
 
     def sync_proxy(self) -> None:
         """The whole set marked down, every tick: the shell applies only a change, and retries a failed one."""
@@ -719,8 +783,12 @@ def next_tick_at(state: TickState, last_started: float, now: float, cfg: Config)
     judgment lands on a replica's deadline (liveness.next_deadline). A tick judges once its probes
     are in, up to cfg.probe_wait_s after it starts, so it starts that much before the deadline; if
     that moment has passed (this tick judged just short of it), it starts at the deadline itself.
-    At most two extra ticks per deadline; never one in the past."""
-    at = last_started + cfg.interval_s
+    At most two extra ticks per deadline; never one in the past.
+
+    While a replica is starting and the start guard is on, ticks come every
+    memory.start_guard_interval_s instead (never slower than interval_s): headroom may fall by at
+    most critical_headroom_bytes between two looks before the box is out of memory."""
+    at = last_started + _interval_s(state, cfg)
     for track in state.tracks.values():
         deadline = liveness.next_deadline(track, cfg.watchdog)
         if deadline is None or deadline <= now:
@@ -736,13 +804,28 @@ PROBE_WAIT_FLOOR_S = 0.05  # a healthy replica answers within it
 def probe_wait_s(state: TickState, now: float, cfg: Config) -> float:
     """How long this tick waits for its probes: cfg.probe_wait_s, but not past a replica's
     deadline (liveness.next_deadline), so that the verdict is given at it rather than a whole
-    wait later; at least PROBE_WAIT_FLOOR_S, for the replicas that do answer."""
-    wait = cfg.probe_wait_s
+    wait later; at least PROBE_WAIT_FLOOR_S, for the replicas that do answer. While a start is
+    watched, at most half the start guard's interval: a probe still out is carried to the next tick."""
+    wait = min(cfg.probe_wait_s, _interval_s(state, cfg) / 2)
     for track in state.tracks.values():
         deadline = liveness.next_deadline(track, cfg.watchdog)
         if deadline is not None and deadline >= now:  # one already past must not shorten every tick
             wait = min(wait, max(deadline - now, PROBE_WAIT_FLOOR_S))
     return wait
+
+
+def watching_starts(state: TickState, cfg: Config) -> bool:
+    """A replica is starting and the start guard is on: each tick is the start guard's look."""
+    memory = cfg.memory
+    return memory.enabled and memory.start_guard and any(t.state in LOADING_STATES for t in state.tracks.values())
+
+
+def _interval_s(state: TickState, cfg: Config) -> float:
+    """How often ticks start now: interval_s, or memory.start_guard_interval_s while a start is
+    watched (whichever is shorter: the start guard never slows the watchdog down)."""
+    if watching_starts(state, cfg):
+        return min(cfg.interval_s, cfg.memory.start_guard_interval_s)
+    return cfg.interval_s
 
 
 def _kept(name: str, obs: TickObservation) -> tuple[float, ...]:

@@ -4,6 +4,8 @@ into one frozen MemoryObservation per tick. Reads only; the core decides."""
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import httpx
@@ -12,6 +14,7 @@ import psutil
 from ..config import Config, ReplicaConfig
 from ..core.memguard import Pending
 from ..core.observations import MemoryObservation, ReplicaMemoryObservation, ReplicaObservation, gib
+from ..core.startguard import may_be_loading
 from ..core.wiring import EnvFile, cmdline_fraction, env_value, parse_fraction, wiring_problem
 from . import probes, unitlog
 from .clock import Now
@@ -22,6 +25,9 @@ from .systemd import Systemd, SystemdError
 
 # An environment file is a few lines; one larger than this is not one (and is not read).
 ENV_FILE_MAX_BYTES = 64 * 2**10
+# The largest consumers are looked for again at most this often: every process and every active
+# unit's MemoryCurrent is too much for each tick of a start (the start guard's ticks come every 0.5 s).
+CONSUMERS_MAX_AGE_S = 2.0
 
 
 def env_path(cfg: Config, replica: str) -> Path:
@@ -83,6 +89,14 @@ def cmdline_of(pid: int) -> tuple[str, ...]:
         return ()
 
 
+def _below_base(cfg: Config, found: list[ReplicaMemoryObservation], bases: Mapping[str, float]) -> bool:
+    """Some replica's env file holds a fraction below its base: the memory guard may raise it."""
+    return any(
+        x.configured_fraction is not None and r.name in bases and x.configured_fraction < bases[r.name] - 1e-9
+        for r, x in zip(cfg.replicas, found, strict=False)
+    )
+
+
 def _largest_processes(n: int) -> list[tuple[str, int, int]]:
     procs = []
     for p in psutil.process_iter(["name", "memory_info"]):
@@ -98,6 +112,7 @@ class MemoryObserver:
         self.client = client
         self.nvml: Nvml | None = None
         self.wiring: dict[str, str | None] = {}
+        self._consumers: tuple[float, str] | None = None  # (when, what) last found
 
     def start(self) -> str:
         """Open NVML (once); the note says what it can tell on this box."""
@@ -110,8 +125,15 @@ class MemoryObserver:
         self.wiring = {r.name: w for r, w in zip(cfg.replicas, found, strict=False)}
 
     async def observe(
-        self, cfg: Config, replicas: dict[str, ReplicaObservation], pending: Pending | None, now: Now
+        self,
+        cfg: Config,
+        replicas: dict[str, ReplicaObservation],
+        pending: Pending | None,
+        now: Now,
+        bases: Mapping[str, float] | None = None,
     ) -> MemoryObservation:
+        """BASES: each replica's base fraction (the state file): a replica below it may be raised, and
+        a raise asks whether another replica of its model serves, as a lowering does (M23, M14)."""
         m = cfg.memory
         nvml = self.nvml
         sample = await asyncio.to_thread(sample_memory)
@@ -138,6 +160,7 @@ class MemoryObserver:
                 usage_bytes=usage,
                 wiring_problem=self.wiring.get(r.name, "wiring not checked yet"),
                 start_failure=failure,
+                cgroup_bytes=await self._cgroup_while_loading(cfg, r, o, now.mono),
             )
 
         per_replica = await asyncio.gather(*(one(r) for r in cfg.replicas))
@@ -145,11 +168,35 @@ class MemoryObserver:
         peers: dict[str, tuple[str, ...]] = {}
         if sample.available_bytes < m.min_headroom_bytes:
             consumers, peers = await asyncio.gather(self._largest_consumers(), self._serving_peers(cfg))
+        elif m.restore and _below_base(cfg, per_replica, bases or {}):
+            peers = await self._serving_peers(cfg)
         return MemoryObservation(
             sample, total, {r.name: x for r, x in zip(cfg.replicas, per_replica, strict=False)}, peers, consumers
         )
 
+    async def _cgroup_while_loading(
+        self, cfg: Config, r: ReplicaConfig, o: ReplicaObservation | None, mono: float
+    ) -> int | None:
+        """R's MemoryCurrent while it may be loading (the start guard's second measure of its growth):
+        two D-Bus calls, only then. Never a container replica's: its unit holds only the engine's CLI."""
+        if not cfg.memory.start_guard or r.container is not None or o is None:
+            return None
+        if not may_be_loading(o, r.startup_grace_s, mono):
+            return None
+        try:
+            return await self.sd.memory_current(r.unit)
+        except SystemdError:
+            return None  # the start guard falls back to the headroom's fall
+
     async def _largest_consumers(self) -> str:
+        mono = time.monotonic()
+        if self._consumers is not None and mono - self._consumers[0] < CONSUMERS_MAX_AGE_S:
+            return self._consumers[1]
+        found = await self._find_largest_consumers()
+        self._consumers = (mono, found)
+        return found
+
+    async def _find_largest_consumers(self) -> str:
         try:
             units = await self.sd.largest_units(3)
         except SystemdError:

@@ -355,6 +355,19 @@ class Systemd:
                 sizes.append((str(name), value))
         return sorted(sizes, key=lambda x: -x[1])[:n]
 
+    async def memory_current(self, name: str) -> int | None:
+        """NAME's MemoryCurrent (its cgroup's memory.current), or None when systemd does not know it
+        (no memory accounting, the unit not loaded). Two calls: cheap enough for every tick of a start."""
+        try:
+            (path,) = await self._call(MANAGER, "GetUnit", "s", [name])
+        except SystemdError as e:
+            if "NoSuchUnit" in str(e):
+                return None  # not loaded: nothing is running in it
+            raise
+        (v,) = await self._call(PROPS, "Get", "ss", [SERVICE_IFACE, "MemoryCurrent"], path=path)
+        value = int(_v(v))
+        return value if value < 2**64 - 1 else None  # UINT64_MAX: not known
+
     async def restart(
         self,
         name: str,

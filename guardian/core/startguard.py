@@ -1,0 +1,382 @@
+"""The start guard: a replica's start that is taking the box's last memory is stopped at once and
+restarted one step lower. Pure.
+
+Why: on a GB10 the CPU and the GPU share the 128 GB, vLLM's start takes its whole
+--gpu-memory-utilization x total, and a host that runs out does not OOM-kill, it wedges (NVIDIA
+open-gpu-kernel-modules #1358). A start is when that happens: guardian's own restarts, systemd's
+Restart=, an operator's. The memory guard's squeeze rules (core/memguard.py) need a squeeze to
+last M.sustain_s, and admission keeps them from restarting another replica while one loads (A3),
+so they cannot help here.
+
+Rules: RULES below (ids S1-S10), rendered into the README. ``M`` = the memory config. S1 says which
+starts are watched and what is recorded at a start's first look (its Start); then, on every tick,
+the rows of ROWS are checked in order for each watched start and the first that holds is the
+verdict. The stop (S10) is a SetFraction like a lowering's, with ``kill_first``: the restart job
+is queued and the unit's processes SIGKILLed, so the memory is back at once. The tick records it
+as the memory guard's pending change (memguard.Pending), and M3-M8 follow it as they follow a
+lowering: done, mismatch, abandoned, a failed start retried a step lower (core/tick.py).
+
+Each verdict's line is said once per start and cause; S2 and S3 say nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ..config import Config, MemoryConfig
+from .actions import LogLine, SetFraction
+from .memguard import Pending, choose_fraction, grid
+from .observations import ReplicaObservation, gib
+from .rules import Refusal, Row, Rule, first_match
+from .vocab import ActiveState, Decision, Priority
+
+# Where a replica's growth was measured (S4), best first.
+NVML = "NVML per-process memory"
+CGROUP = "its unit's cgroup, MemoryCurrent"
+FALL = "taken as the headroom's fall: neither NVML nor its cgroup could tell"
+
+
+def may_be_loading(seen: ReplicaObservation, startup_grace_s: float, now: float) -> bool:
+    """What the observer asks a unit's MemoryCurrent for, from one tick's look alone (it has no
+    verdict yet): a superset of S1's starts. Its unit is activating, or active for less than
+    STARTUP_GRACE_S, and /health does not answer 200."""
+    unit = seen.unit
+    if unit is None or seen.health.ok:
+        return False
+    if unit.active_state is ActiveState.ACTIVATING:
+        return True
+    started = unit.inactive_exit_mono
+    return unit.active_state is ActiveState.ACTIVE and started is not None and now - started < startup_grace_s
+
+
+@dataclass(frozen=True)
+class Starting:
+    """One configured replica as the start guard sees it on this tick (built by core/tick.py)."""
+
+    name: str
+    unit: str
+    loading: bool  # S1: liveness starting, its unit activating or active, no restart job of guardian's in flight
+    start: tuple[str, float | None]  # which start: the unit's InvocationID and InactiveExitTimestampMonotonic
+    fraction: float | None  # its fraction: guardian's env file, else what it reports or its command line
+    wiring_problem: str | None  # None: wired for the memory guard (core/wiring.py, M9)
+    nvml_bytes: int | None = None  # NVML per-process memory of its process tree, when the driver reports it
+    cgroup_bytes: int | None = None  # its unit's MemoryCurrent (never a container replica's)
+    refusal: Refusal | None = None  # admission A1-A2 for a restart of it now
+
+
+@dataclass(frozen=True)
+class StartView:
+    """What the start guard decides on."""
+
+    headroom_bytes: int  # MemAvailable now
+    total_bytes: int  # what the fraction is of
+    replicas: tuple[Starting, ...]
+    consumers: str = ""  # the largest consumers, "db.service 22.1 GiB, make (pid 9) 9.3 GiB"
+    pending: Pending | None = None  # the memory guard's change in flight (M3)
+
+
+@dataclass(frozen=True)
+class Start:
+    """One watched start, as recorded at its first look (S1), and what was said of it."""
+
+    start: tuple[str, float | None]  # Starting.start
+    seen_at: float  # its first look
+    headroom_bytes: int  # headroom then
+    nvml_bytes: int  # its NVML memory then (0 when none is listed: a new process holds none)
+    cgroup_bytes: int | None  # its MemoryCurrent then
+    stopped: bool = False  # S10 stopped it (or, with dry_run, said it would)
+    said: tuple[str, ...] | None = None  # the last cause said: a line is said once per start and cause
+    rule: str | None = None  # the last verdict's id
+
+
+@dataclass(frozen=True)
+class Growth:
+    """How much a starting replica grew since its first look, and what it holds now."""
+
+    grown_bytes: int
+    held_bytes: int  # what stopping it gives back: choose_fraction's "what it holds"
+    source: str  # NVML, CGROUP or FALL
+
+
+@dataclass(frozen=True)
+class _Look:
+    """What the rows read about one watched start on this tick."""
+
+    replica: Starting
+    start: Start
+    memory: MemoryConfig
+    headroom_bytes: int
+    fall_bytes: int  # the headroom's fall since the start's first look (negative: it rose)
+    growth: Growth
+    new: float | None  # one step lower: choose_fraction(its fraction, what it holds, headroom); None if none fits
+    pending_other: str | None  # another replica whose change the memory guard follows (M3)
+
+    @property
+    def grows(self) -> bool:
+        """S4's test, negated: it is the one growing."""
+        if self.growth.source == FALL:
+            return self.fall_bytes > 0
+        return self.growth.grown_bytes > 0 and 2 * self.growth.grown_bytes >= self.fall_bytes
+
+
+# --- the rules ------------------------------------------------------------------------------
+
+WATCHED = Rule(
+    "S1",
+    "watched",
+    "M.enabled AND M.start_guard AND a configured replica's liveness is starting AND its unit is activating or "
+    "active (a start, not a stop) AND no restart job of guardian's is in flight for it; at the first tick that sees "
+    "this start (its unit's InvocationID and InactiveExitTimestampMonotonic), the headroom and the replica's own "
+    "memory (NVML, else its cgroup's MemoryCurrent) are recorded, and S2-S10 are checked from the next tick on; "
+    "while any replica is starting, ticks come every min(M.start_guard_interval_s, interval_s)",
+)
+
+ROWS: tuple[Row[_Look, None], ...] = (
+    Row(
+        Rule("S2", "stopped", "the start guard stopped this start already: nothing more"),
+        lambda k: k.start.stopped,
+        lambda k: None,
+    ),
+    Row(
+        Rule("S3", "clear", "headroom >= M.critical_headroom_bytes on this tick: nothing"),
+        lambda k: k.headroom_bytes >= k.memory.critical_headroom_bytes,
+        lambda k: None,
+    ),
+    Row(
+        Rule(
+            "S4",
+            "not-growing",
+            "it is not the one growing: measured by NVML (where the driver lists memory for its processes now), "
+            "else by its cgroup (MemoryCurrent now and at the first look), its growth since the first look is <= 0 "
+            "OR < half the headroom's fall since then; with neither measure, the headroom's fall since then is <= 0; "
+            "its start is not stopped (the squeeze rules apply)",
+        ),
+        lambda k: not k.grows,
+        lambda k: None,
+    ),
+    Row(
+        Rule(
+            "S5",
+            "unwired",
+            "it is not wired for the memory guard, or its fraction is unknown: restarted, it would take the same "
+            "memory again; not stopped (critical)",
+        ),
+        lambda k: k.replica.wiring_problem is not None or k.replica.fraction is None,
+        lambda k: None,
+    ),
+    Row(
+        Rule("S6", "floor", "its fraction <= M.floor: it cannot go lower; not stopped (critical)"),
+        lambda k: (k.replica.fraction or 0.0) <= k.memory.floor + 1e-9,
+        lambda k: None,
+    ),
+    Row(
+        Rule(
+            "S7",
+            "no-fit",
+            "no fraction on the 0.01 grid, <= its fraction - M.step and >= M.floor, has total x fraction <= "
+            "headroom + what it holds (NVML, else its cgroup, else the headroom's fall) - M.reserve_bytes; not "
+            "stopped (critical)",
+        ),
+        lambda k: k.new is None,
+        lambda k: None,
+    ),
+    Row(
+        Rule(
+            "S8",
+            "pending",
+            "the memory guard follows a change of another replica (M3): one change at a time; not stopped now",
+        ),
+        lambda k: k.pending_other is not None,
+        lambda k: None,
+    ),
+    Row(
+        Rule(
+            "S9",
+            "refused",
+            "admission refuses a restart of it now: A1 (budget) or A2 (back-off); A3 is not asked: the stop "
+            "replaces a start under way, it adds none",
+        ),
+        lambda k: k.replica.refusal is not None,
+        lambda k: None,
+    ),
+    Row(
+        Rule(
+            "S10",
+            "stop",
+            "otherwise: write the next fraction down (S7's) to its env file and restart its unit alone, its "
+            "processes SIGKILLed once the job is queued; the memory guard follows it as a lowering (M3-M8) "
+            "(with dry_run = true: logged, not done)",
+        ),
+        lambda k: True,
+        lambda k: None,
+    ),
+)
+
+RULES: tuple[Rule, ...] = (WATCHED, *(row.rule for row in ROWS))
+_QUIET = frozenset({"S2", "S3"})  # nothing to say: stopped already, or clear of the critical line
+STOP = "S10"
+
+
+# --- what each verdict says -----------------------------------------------------------------
+
+_HEAD = (
+    "replica {name}: headroom {headroom} < critical {critical} during its start (it was {at_start} at this start's "
+    "first look, {since_s:.1f} s ago); {name} grew {grown} since ({source}) of the headroom's fall of {fall}; "
+    "largest others: {others}; "
+)
+
+MESSAGES: dict[str, tuple[Priority, str]] = {
+    "S4": (
+        Priority.ERROR,
+        "it is not what takes the memory, so its start is not stopped (S4; the squeeze rules apply)",
+    ),
+    "S5": (
+        Priority.CRITICAL,
+        "{unit} is not wired for the memory guard ({problem}): restarted, it would take the same memory again, so "
+        "its start is not stopped; the box may run out of memory (S5)",
+    ),
+    "S6": (
+        Priority.CRITICAL,
+        "its gpu_memory_utilization {fraction} is at the floor {floor:g}: it cannot go lower, so its start is not "
+        "stopped; free memory by hand (S6)",
+    ),
+    "S7": (
+        Priority.CRITICAL,
+        "no fraction between {highest:g} and the floor {floor:g} fits (total {total} x fraction must be <= headroom "
+        "+ the {held} it holds - reserve {reserve}), so its start is not stopped; free memory by hand (S7)",
+    ),
+    "S8": (
+        Priority.ERROR,
+        "the memory guard follows a change of replica {other} (M3), one change at a time, so its start is not "
+        "stopped now (S8)",
+    ),
+    "S9": (Priority.ERROR, "stopping its start is refused now: {refusal} ({refusal_rule}; S9)"),
+    STOP: (
+        Priority.WARNING,
+        "stopping its start now: {unit}'s processes killed and the unit restarted alone with "
+        "gpu_memory_utilization {fraction} -> {new:g} (S10)",
+    ),
+}
+DRY_RUN = (
+    Priority.WARNING,
+    "DRY-RUN: would stop its start: kill {unit}'s processes and restart it alone with gpu_memory_utilization "
+    "{fraction} -> {new:g} (S10)",
+)
+
+
+def _fields(look: _Look, view: StartView, now: float) -> dict[str, Any]:
+    replica, start, memory, growth = look.replica, look.start, look.memory, look.growth
+    fraction = replica.fraction
+    others = [c for c in view.consumers.split(", ") if c and not c.startswith(f"{replica.unit} ")]
+    return {
+        "name": replica.name,
+        "unit": replica.unit,
+        "headroom": gib(look.headroom_bytes),
+        "critical": gib(memory.critical_headroom_bytes),
+        "at_start": gib(start.headroom_bytes),
+        "since_s": now - start.seen_at,
+        "grown": gib(growth.grown_bytes),
+        "source": growth.source,
+        "fall": gib(look.fall_bytes),
+        "others": ", ".join(others) or "none found",
+        "problem": replica.wiring_problem or "its fraction is unknown",
+        "fraction": f"{fraction:g}" if fraction is not None else "unknown",
+        "floor": memory.floor,
+        "highest": grid((fraction or 0.0) - memory.step),
+        "total": gib(view.total_bytes),
+        "held": gib(growth.held_bytes),
+        "reserve": gib(memory.reserve_bytes),
+        "other": look.pending_other,
+        "refusal": replica.refusal.text if replica.refusal is not None else "",
+        "refusal_rule": replica.refusal.rule if replica.refusal is not None else "",
+        "new": look.new or 0.0,
+    }
+
+
+def _line(rule: str, look: _Look, view: StartView, now: float, cfg: Config) -> LogLine:
+    priority, tail = DRY_RUN if rule == STOP and cfg.dry_run else MESSAGES[rule]
+    refusal = look.replica.refusal if rule == "S9" else None
+    if refusal is not None:
+        priority = max(priority, refusal.priority, key=lambda p: -p.syslog)  # A1's giving up is critical
+    decision = Decision.MEMORY_NOTE
+    if rule == STOP:
+        decision = Decision.DRY_RUN if cfg.dry_run else Decision.MEMORY
+    text = (_HEAD + tail).format(**_fields(look, view, now))
+    replica = look.replica
+    return LogLine(
+        priority, text, decision, replica.name, replica.unit, gate=refusal.gate if refusal else None, rule=rule
+    )
+
+
+# --- the decision ---------------------------------------------------------------------------
+
+
+def decide(
+    starts: Mapping[str, Start], view: StartView, now: float, cfg: Config
+) -> tuple[dict[str, Start], list[LogLine | SetFraction]]:
+    """The start guard's tick: each watched start's record, and what is said and done. A start
+    no longer watched is forgotten."""
+    kept: dict[str, Start] = {}
+    actions: list[LogLine | SetFraction] = []
+    for replica in view.replicas:
+        if not replica.loading:
+            continue
+        start = starts.get(replica.name)
+        if start is None or start.start != replica.start:  # S1: this start's first look records, no more
+            kept[replica.name] = Start(
+                replica.start, now, view.headroom_bytes, replica.nvml_bytes or 0, replica.cgroup_bytes
+            )
+            continue
+        start, said = _judge(start, replica, view, now, cfg)
+        kept[replica.name] = start
+        actions += said
+        stop = next((a for a in said if isinstance(a, SetFraction)), None)
+        if stop is not None:  # the memory guard follows it: the next replica sees it pending (S8)
+            view = replace(view, pending=Pending(stop.replica, stop.old, stop.new, now))
+    return kept, actions
+
+
+def growth(replica: Starting, start: Start, fall_bytes: int) -> Growth:
+    """How much REPLICA grew since START's first look: NVML where the driver lists memory for its
+    processes, else its cgroup, else the headroom's fall (all of it taken as the replica's)."""
+    if replica.nvml_bytes is not None:
+        return Growth(replica.nvml_bytes - start.nvml_bytes, replica.nvml_bytes, NVML)
+    if replica.cgroup_bytes is not None and start.cgroup_bytes is not None:
+        return Growth(replica.cgroup_bytes - start.cgroup_bytes, replica.cgroup_bytes, CGROUP)
+    return Growth(fall_bytes, max(fall_bytes, 0), FALL)
+
+
+def _judge(
+    start: Start, replica: Starting, view: StartView, now: float, cfg: Config
+) -> tuple[Start, list[LogLine | SetFraction]]:
+    """S2-S10 for one watched start."""
+    memory = cfg.memory
+    fall = start.headroom_bytes - view.headroom_bytes
+    grew = growth(replica, start, fall)
+    new = None
+    if replica.fraction is not None:
+        new = choose_fraction(replica.fraction, grew.held_bytes, view.headroom_bytes, view.total_bytes, memory)
+    pending = view.pending
+    other = pending.replica if pending is not None and pending.replica != replica.name else None
+    look = _Look(replica, start, memory, view.headroom_bytes, fall, grew, new, other)
+    found = first_match(ROWS, look)
+    assert found is not None, "S10 always holds"
+    rule = found[0].id
+    start = replace(start, rule=rule)
+    if rule in _QUIET:
+        return start, []
+    actions: list[LogLine | SetFraction] = []
+    cause = (rule, *(replica.refusal.key if rule == "S9" and replica.refusal else ()), *((other,) if other else ()))
+    if start.said != cause:
+        actions.append(_line(rule, look, view, now, cfg))
+        start = replace(start, said=cause)
+    if rule == STOP:
+        start = replace(start, stopped=True)
+        if not cfg.dry_run and new is not None and replica.fraction is not None:
+            evidence = f"start guard: headroom {gib(view.headroom_bytes)} < {gib(memory.critical_headroom_bytes)}"
+            actions.append(
+                SetFraction(replica.name, replica.unit, replica.fraction, new, True, evidence, kill_first=True)
+            )
+    return start, actions

@@ -1,0 +1,377 @@
+"""The start guard (core/startguard.py, S1-S10): a start that takes the box below the critical
+headroom is stopped and restarted a step lower. Its rows alone (startguard.decide on a fake clock),
+then through the real tick (harness.Box): the look interval, admission, the memory guard's
+following of the change, and never a unit that is not a configured replica."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from guardian.config import MemoryConfig
+from guardian.core import startguard, tick
+from guardian.core.actions import LogLine, RestartUnit, SetFraction
+from guardian.core.memguard import Pending
+from guardian.core.observations import (
+    MemoryObservation, MemorySample, PersistentView, Probe, ReplicaMemoryObservation, RestartOutcome,
+)
+from guardian.core.rules import Refusal
+from guardian.core.startguard import CGROUP, FALL, NVML, StartView, Starting
+from guardian.core.vocab import Decision, Gate, Priority, State
+from harness import TOTAL, Box, GiB, cfg, check_rule_ids, lines, obs, unit, with_memory
+
+CRITICAL = 3 * GiB  # with_memory's critical line
+REFUSED = Probe(False, None, 0.0, "connection refused")  # a replica that is loading binds no port yet
+
+
+def config(**memory):
+    """Replicas a and b, the memory guard on as harness.with_memory has it (critical 3 GiB, step 0.04,
+    floor 0.5, 1 GiB reserve); the start guard on by default."""
+    return with_memory(cfg(2), **memory)
+
+
+def starting(name="b", *, loading=True, start=("i1", 100.0), fraction=0.9, wiring=None, nvml=None, cgroup=None,
+             refusal=None) -> Starting:
+    return Starting(name, f"vllm-{name}.service", loading, start, fraction, wiring, nvml_bytes=nvml,
+                    cgroup_bytes=cgroup, refusal=refusal)
+
+
+def view(headroom_gib: float, *replicas: Starting, pending: Pending | None = None) -> StartView:
+    return StartView(int(headroom_gib * GiB), TOTAL, replicas or (starting(),),
+                     "build.service 20.0 GiB, vllm-b.service 90.0 GiB, make (pid 9) 3.0 GiB", pending)
+
+
+def run(config, steps, starts=None):
+    """startguard.decide over STEPS, [(now, StartView)]: (the last starts, every step's actions). Rule ids checked."""
+    starts = starts or {}
+    every = []
+    for now, v in steps:
+        starts, actions = startguard.decide(starts, v, now, config)
+        check_rule_ids(actions)
+        every += actions
+    return starts, every
+
+
+def stops(actions) -> list[SetFraction]:
+    return [a for a in actions if isinstance(a, SetFraction)]
+
+
+def said(actions) -> list[str]:
+    return [a.rule for a in actions if isinstance(a, LogLine)]
+
+
+# A start that grows by G GiB while headroom falls from 100 GiB to H GiB, measured by its cgroup.
+def grows(headroom_gib: float, grown_gib: float, **kw) -> list:
+    first = starting(cgroup=int(0.5 * GiB), **kw)
+    then = replace(first, cgroup_bytes=int((0.5 + grown_gib) * GiB))
+    return [(100.0, view(100, first)), (110.0, view(headroom_gib, then))]
+
+
+# --- the rows, one at a time ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("headroom_gib, rule", [(3.0, None), (2.99, "S10")])  # S3: strictly below the line
+def test_critical_is_strictly_below_the_line(headroom_gib, rule):
+    starts, every = run(config(), grows(headroom_gib, 97))
+    assert said(every) == ([rule] if rule else [])
+    assert starts["b"].rule == (rule or "S3")
+    assert bool(stops(every)) == bool(rule)
+
+
+@pytest.mark.parametrize("grown_gib, rule", [
+    (49.0, "S10"),  # the fall is 98 GiB: growth of exactly half of it is the replica's doing
+    (48.99, "S4"),  # less than half: something else takes the memory
+    (0.0, "S4"),
+    (-1.0, "S4"),
+])
+def test_the_replica_is_the_one_growing_when_it_grew_at_least_half_the_fall(grown_gib, rule):
+    # a floor of 0.1: what half the fall frees fits a lower fraction, so S4 alone decides
+    _, every = run(config(floor=0.1, reserve_bytes=0), grows(2, grown_gib))
+    assert said(every) == [rule]
+    assert bool(stops(every)) == (rule == "S10")
+
+
+def test_nvml_is_asked_before_the_cgroup_and_the_cgroup_before_the_fall():
+    both = starting(nvml=0, cgroup=0)
+    # NVML lists its processes: it grew 90 GiB there; its cgroup (host side only on a GB10) barely moved
+    _, every = run(config(), [(100.0, view(100, both)), (110.0, view(2, replace(both, nvml_bytes=90 * GiB,
+                                                                                  cgroup_bytes=GiB // 10)))])
+    assert said(every) == ["S10"] and f"({NVML})" in lines(every)[0].message
+    # NVML lists nothing for it: the cgroup decides, and it barely moved
+    quiet = replace(both, nvml_bytes=None, cgroup_bytes=GiB // 10)
+    _, every = run(config(), [(100.0, view(100, both)), (110.0, view(2, quiet))])
+    assert said(every) == ["S4"] and f"({CGROUP})" in lines(every)[0].message
+    # neither (a container replica, no NVML): the headroom's fall is taken as its growth
+    bare = starting()
+    _, every = run(config(), [(100.0, view(100, bare)), (110.0, view(2, bare))])
+    assert said(every) == ["S10"] and f"({FALL})" in lines(every)[0].message
+
+
+@pytest.mark.parametrize("first_gib, then_gib, rule", [
+    (100, 2.0, "S10"),  # with no measure of its own, the whole fall is taken as its growth
+    (2.5, 2.5, "S4"),  # already below the line at the first look, and no fall since: nothing says it grows
+    (2.5, 2.6, "S4"),
+])
+def test_with_the_fall_alone_the_headroom_must_have_fallen(first_gib, then_gib, rule):
+    bare = starting()
+    _, every = run(config(), [(100.0, view(first_gib, bare)), (110.0, view(then_gib, bare))])
+    assert said(every) == [rule]
+
+
+def test_the_first_look_only_records():
+    """Below the line already at a start's first look: nothing is known of its growth yet."""
+    starts, every = run(config(), [(100.0, view(1, starting(cgroup=50 * GiB)))])
+    assert every == [] and starts["b"].rule is None
+    assert (starts["b"].headroom_bytes, starts["b"].cgroup_bytes, starts["b"].seen_at) == (GiB, 50 * GiB, 100.0)
+
+
+@pytest.mark.parametrize("kw, rule", [
+    (dict(wiring="vllm-b.service does not read guardian's env file last"), "S5"),
+    (dict(fraction=None), "S5"),
+    (dict(fraction=0.5), "S6"),  # at the floor
+    (dict(fraction=0.49), "S6"),  # below it (set by hand)
+])
+def test_unwired_unknown_or_at_the_floor_kills_nothing_and_says_so_at_critical(kw, rule):
+    _, every = run(config(), grows(2, 97, **kw))
+    (line,) = lines(every)
+    assert (line.rule, line.priority, line.decision) == (rule, Priority.CRITICAL, Decision.MEMORY_NOTE)
+    assert stops(every) == []
+    assert "is not stopped" in line.message
+
+
+def test_no_fraction_that_fits_kills_nothing_and_says_so_at_critical():
+    # 0.6 of 128 GiB; the next that could be written, 0.56 down to the floor 0.5 (64 GiB), must fit in
+    # headroom 2 + what it holds 50 - reserve 1 = 51 GiB: none does
+    _, every = run(config(), grows(2, 49.5, fraction=0.6))
+    (line,) = lines(every)
+    assert (line.rule, line.priority) == ("S7", Priority.CRITICAL) and stops(every) == []
+    assert "no fraction between 0.56 and the floor 0.5 fits" in line.message
+
+
+def test_the_fraction_written_is_one_step_lower_or_further_down_until_it_fits():
+    # It holds 97.5 GiB, headroom 2 GiB, reserve 1: 0.86 (110 GiB) does not fit in 98.5, 0.76 (97.3) does
+    _, every = run(config(), grows(2, 97))
+    (stop,) = stops(every)
+    assert (stop.old, stop.new) == (0.9, 0.76)
+    # Plenty held: exactly one step (M.step 0.04) lower
+    _, every = run(config(reserve_bytes=0), grows(2, 97, fraction=0.78))
+    assert [(s.old, s.new) for s in stops(every)] == [(0.78, 0.74)]
+
+
+def test_the_stop_kills_at_once_and_its_line_names_everything():
+    _, every = run(config(), grows(2.5, 97))
+    (stop,) = stops(every)
+    assert (stop.replica, stop.unit, stop.restart, stop.kill_first, stop.retry) == (
+        "b", "vllm-b.service", True, True, False)
+    (line,) = lines(every)
+    assert (line.priority, line.decision, line.rule, line.replica, line.unit) == (
+        Priority.WARNING, Decision.MEMORY, "S10", "b", "vllm-b.service")
+    m = line.message
+    assert "headroom 2.5 GiB < critical 3.0 GiB" in m and "it was 100.0 GiB at this start's first look, 10.0 s ago" in m
+    assert f"b grew 97.0 GiB since ({CGROUP}) of the headroom's fall of 97.5 GiB" in m
+    assert "largest others: build.service 20.0 GiB, make (pid 9) 3.0 GiB;" in m  # not the replica's own unit
+    assert "gpu_memory_utilization 0.9 -> 0.77" in m and "vllm-b.service's processes killed" in m
+
+
+def test_a_change_of_another_replica_pending_waits_and_of_its_own_does_not():
+    other = Pending("a", 0.78, 0.74, 90.0)
+    steps = grows(2, 97)
+    _, every = run(config(), [(t, replace(v, pending=other)) for t, v in steps])
+    assert said(every) == ["S8"] and stops(every) == []
+    assert "a change of replica a" in lines(every)[0].message and lines(every)[0].priority == Priority.ERROR
+    own = Pending("b", 0.94, 0.9, 90.0)  # the memory guard lowered b, and this is that start
+    _, every = run(config(), [(t, replace(v, pending=own)) for t, v in steps])
+    assert said(every) == ["S10"]
+
+
+@pytest.mark.parametrize("refusal, priority", [
+    (Refusal(Gate.BACKOFF, "A2", "back-off: last restart 10 s ago, next allowed 60 s after it", key=("backoff",)),
+     Priority.ERROR),
+    (Refusal(Gate.BUDGET, "A1", "restart budget spent", priority=Priority.CRITICAL, key=("budget",)),
+     Priority.CRITICAL),
+])
+def test_admission_refuses_and_the_refusal_is_said_once_per_start(refusal, priority):
+    first = starting(cgroup=0, refusal=refusal)
+    steps = [(100.0, view(100, first))] + [(100.0 + i, view(2, replace(first, cgroup_bytes=97 * GiB)))
+                                           for i in range(1, 6)]
+    starts, every = run(config(), steps)
+    (line,) = lines(every)
+    assert (line.rule, line.gate, line.priority) == ("S9", refusal.gate, priority)
+    assert refusal.reason in line.message and f"({refusal.rule}; S9)" in line.message
+    assert stops(every) == [] and starts["b"].rule == "S9"
+    # admitted now (the back-off is over): stopped
+    starts, every = run(config(), [(110.0, view(2, replace(first, cgroup_bytes=97 * GiB, refusal=None)))], starts)
+    assert said(every) == ["S10"] and len(stops(every)) == 1
+
+
+def test_dry_run_says_what_it_would_do_once_and_does_nothing():
+    dry = config().model_copy(update={"dry_run": True})
+    steps = grows(2, 97) + [(111.0, grows(2, 97)[1][1]), (112.0, grows(1, 98)[1][1])]
+    _, every = run(dry, steps)
+    (line,) = lines(every)
+    assert (line.rule, line.decision, line.priority) == ("S10", Decision.DRY_RUN, Priority.WARNING)
+    assert line.message.count("DRY-RUN: would stop its start") == 1 and stops(every) == []
+
+
+def test_a_start_is_stopped_once_and_a_new_start_is_watched_anew():
+    steps = grows(2, 97)
+    starts, every = run(config(), steps + [(111.0, steps[1][1]), (112.0, steps[1][1])])
+    assert said(every) == ["S10"] and len(stops(every)) == 1 and starts["b"].rule == "S2"
+    # the next start (another InvocationID): its first look records the headroom and its cgroup anew
+    again = starting(start=("i2", 120.0), cgroup=int(0.2 * GiB), fraction=0.76)
+    starts, every = run(config(), [(121.0, view(99, again))], starts)
+    assert every == [] and starts["b"].headroom_bytes == 99 * GiB and not starts["b"].stopped
+    starts, every = run(config(), [(130.0, view(2.9, replace(again, cgroup_bytes=int(96.3 * GiB))))], starts)
+    assert [(s.old, s.new) for s in stops(every)] == [(0.76, 0.72)]
+
+
+def test_a_start_no_longer_loading_is_forgotten_and_one_not_loading_never_watched():
+    starts, _ = run(config(), grows(50, 50))
+    assert set(starts) == {"b"}
+    starts, every = run(config(), [(120.0, view(2, starting(loading=False, cgroup=99 * GiB)))], starts)
+    assert starts == {} and every == []
+
+
+def test_each_start_is_judged_and_a_second_stop_on_one_tick_waits_for_the_first():
+    """Two replicas loading at once (systemd and an operator started both): the first stopped is the
+    memory guard's pending change, so the other waits for it (S8)."""
+    a0, b0 = starting("a", cgroup=0, fraction=0.45 + 0.1), starting("b", cgroup=0, fraction=0.55)
+    a1, b1 = replace(a0, cgroup_bytes=50 * GiB), replace(b0, cgroup_bytes=50 * GiB)
+    _, every = run(config(reserve_bytes=0, floor=0.1), [(100.0, view(102, a0, b0)), (110.0, view(2, a1, b1))])
+    assert said(every) == ["S10", "S8"] and [s.replica for s in stops(every)] == ["a"]
+
+
+def test_may_be_loading_is_a_superset_of_the_watched_starts():
+    now = 1000.0
+    loading = obs("b", now, health=REFUSED, u=unit("vllm-b.service", inactive_exit_mono=990.0))
+    assert startguard.may_be_loading(loading, 1200, now)
+    assert not startguard.may_be_loading(loading, 5, now)  # past its startup grace
+    assert startguard.may_be_loading(replace(loading, unit=unit("vllm-b.service", active_state="activating")), 5, now)
+    assert not startguard.may_be_loading(obs("b", now, u=unit("vllm-b.service", inactive_exit_mono=990.0)), 1200, now)
+    assert not startguard.may_be_loading(replace(loading, unit=unit("vllm-b.service", active_state="failed")), 1200, now)
+    assert not startguard.may_be_loading(replace(loading, unit=None), 1200, now)
+
+
+# --- through the real tick ----------------------------------------------------------------------------
+
+def mem(headroom_gib: float, b_cgroup_gib: float | None = None, b=0.9, **extra: ReplicaMemoryObservation):
+    """The memory observation: HEADROOM_GIB available of TOTAL; a at 0.5, b at B (its env file), b's
+    unit's MemoryCurrent B_CGROUP_GIB (None: not asked); EXTRA: observations of other names."""
+    s = MemorySample(TOTAL, int(headroom_gib * GiB), int(headroom_gib * GiB), None, None)
+    cgroup = int(b_cgroup_gib * GiB) if b_cgroup_gib is not None else None
+    return MemoryObservation(s, TOTAL, {
+        "a": ReplicaMemoryObservation(0.5, None, None, None),
+        "b": ReplicaMemoryObservation(b, None, None, None, cgroup_bytes=cgroup),
+        **extra,
+    }, consumers="build.service 20.0 GiB")
+
+
+def b_loading(t: float, since: float = 200.0, invocation: str = "i1", outcome=None, **kw):
+    """b's unit active since SINCE (a new start), nothing answering on its port yet; KW: the unit's."""
+    return obs("b", t, health=REFUSED, outcome=outcome,
+               u=unit("vllm-b.service", inactive_exit_mono=since, invocation_id=invocation, **kw))
+
+
+def loading_box(config, persistent=None, headroom_gib=100.0) -> Box:
+    """a and b serving at 100 s; b restarted (by systemd, an operator) at 200 s and loading at 201 s."""
+    box = Box(config, persistent)
+    box.tick(100.0, memory=mem(30))
+    box.tick(201.0, memory=mem(headroom_gib, 0.5), b=b_loading(201.0))
+    assert box.state("b") == State.STARTING and box.rule("b") == "L5"
+    return box
+
+
+def test_through_the_tick_the_stop_becomes_the_memory_guards_pending_change_and_is_followed():
+    box = loading_box(config())
+    assert box.core.starts["b"].headroom_bytes == 100 * GiB and box.of(SetFraction) == []
+    box.tick(210.0, memory=mem(2.5, 97.5), b=b_loading(210.0))
+    (stop,) = box.of(SetFraction)
+    assert (stop.replica, stop.old, stop.new, stop.kill_first, stop.restart) == ("b", 0.9, 0.77, True, True)
+    assert box.core.mem.pending == Pending("b", 0.9, 0.77, 210.0) and box.core.mem.last_change_at == 210.0
+    assert box.tracks["b"].restart_in_flight and box.core.mem.rule == "M3"
+    assert box.of(RestartUnit) == []  # the stop is the only restart
+    # the restart job: b is down, then starts again with 0.77 (the env file says so) and serves
+    box.tick(211.0, memory=mem(90, b=0.77), b=b_loading(211.0, active_state="deactivating"))
+    assert box.core.starts == {} and box.core.mem.rule == "M3"  # a stop is not watched as a start
+    done = RestartOutcome("vllm-b.service", "done", issued=True, ok=True)
+    box.tick(212.0, memory=mem(99, 0.3, b=0.77), b=b_loading(212.0, since=211.5, invocation="i2", outcome=done))
+    assert box.core.starts["b"].start == ("i2", 211.5) and not box.core.starts["b"].stopped
+    box.tick(260.0, memory=mem(6, b=0.77), b=obs("b", 260.0, u=unit("vllm-b.service", inactive_exit_mono=211.5)))
+    assert box.core.mem.rule == "M4" and box.lines(rule="M4")
+    assert len(box.of(SetFraction)) == 1 and box.core.starts == {}
+
+
+def test_through_the_tick_a_failed_start_after_the_stop_is_the_memory_guards_retry():
+    box = loading_box(config())
+    box.tick(210.0, memory=mem(2.5, 97.5), b=b_loading(210.0))
+    done = RestartOutcome("vllm-b.service", "done", issued=True, ok=True)
+    box.tick(212.0, memory=mem(99, b=0.77), b=b_loading(212.0, since=211.5, invocation="i2", outcome=done))
+    failed = obs("b", 230.0, health=REFUSED, u=unit("vllm-b.service", active_state="failed", inactive_exit_mono=211.5))
+    box.tick(230.0, memory=mem(99, b=0.77), b=failed)
+    assert box.lines(rule="M7"), "M7 follows the start guard's change as it follows a lowering"
+
+
+@pytest.mark.parametrize("age_s, stopped", [(59.0, False), (60.0, True)])
+def test_through_the_tick_the_back_off_holds_the_stop(age_s, stopped):
+    """b's last restart (guardian's) at 200 s; back-off 60 s: A2 refuses a stop before it is over (S9)."""
+    box = loading_box(config().model_copy(update={"watchdog": cfg(2, backoff_s=60).watchdog}),
+                      PersistentView(restarts={"b": (200.0,)}))
+    box.tick(200.0 + age_s, memory=mem(2.5, 97.5), b=b_loading(200.0 + age_s))
+    assert bool(box.of(SetFraction)) == stopped
+    if not stopped:
+        (line,) = box.lines(rule="S9")
+        assert line.gate == Gate.BACKOFF and "A2" in line.message
+
+
+def test_through_the_tick_a_spent_budget_holds_the_stop_at_critical():
+    spent = PersistentView(restarts={"b": (150.0, 160.0, 170.0)})  # 3 in the window: the budget
+    box = loading_box(config().model_copy(update={"watchdog": cfg(2, backoff_s=0).watchdog}), spent)
+    box.tick(210.0, memory=mem(2.5, 97.5), b=b_loading(210.0))
+    (line,) = box.lines(rule="S9")
+    assert line.priority == Priority.CRITICAL and line.gate == Gate.BUDGET and box.of(SetFraction) == []
+
+
+def test_never_a_unit_that_is_not_a_configured_replica():
+    """Memory figures for a name the config does not have (a replica removed by a reload, a stray)
+    are never judged, however it grows; the configured replicas serve, so nothing is watched."""
+    box = Box(config())
+    box.tick(100.0, memory=mem(30))
+    stray = ReplicaMemoryObservation(0.9, 0.9, 100 * GiB, None, cgroup_bytes=0)
+    box.tick(101.0, memory=mem(100, x=stray))
+    box.tick(110.0, memory=mem(2, x=replace(stray, cgroup_bytes=98 * GiB)))
+    assert box.core.starts == {} and not any(line.rule and line.rule.startswith("S") for line in box.lines())
+    assert not [s for s in box.of(SetFraction) if s.kill_first or s.replica == "x"]  # the squeeze rules may act
+    assert all(line.replica in (None, "a", "b") for line in box.lines())
+
+
+def test_through_the_tick_the_start_guard_off_watches_nothing():
+    box = loading_box(config(start_guard=False))
+    box.tick(210.0, memory=mem(2.5, 97.5), b=b_loading(210.0))
+    assert box.core.starts == {} and not any(line.rule and line.rule.startswith("S") for line in box.lines())
+
+
+# --- the look interval ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("memory, b_starting, interval_s", [
+    (dict(), True, 0.5),  # a start watched: every start_guard_interval_s
+    (dict(), False, 2.0),  # nothing starting: interval_s
+    (dict(start_guard=False), True, 2.0),
+    (None, True, 2.0),  # the memory guard off: no start guard either
+    (dict(start_guard_interval_s=0.2), True, 0.2),
+    (dict(start_guard_interval_s=5.0), True, 2.0),  # never slower than interval_s
+])
+def test_ticks_come_every_start_guard_interval_while_a_replica_is_starting(memory, b_starting, interval_s):
+    c = cfg(2) if memory is None else config(**memory)
+    box = Box(c)
+    box.tick(100.0, memory=mem(30) if memory is not None else None)
+    b = b_loading(101.0) if b_starting else obs("b", 101.0)
+    box.tick(101.0, memory=mem(30, 0.5) if memory is not None else None, b=b)
+    assert (box.state("b") == State.STARTING) == b_starting
+    assert tick.next_tick_at(box.core, 101.0, 101.1, c) == pytest.approx(101.0 + interval_s)
+    assert tick.probe_wait_s(box.core, 101.1, c) <= interval_s / 2
+
+
+def test_the_fast_interval_is_a_memory_setting_with_a_bound():
+    assert MemoryConfig().start_guard and MemoryConfig().start_guard_interval_s == 0.5
+    with pytest.raises(ValueError):
+        MemoryConfig(start_guard_interval_s=0)
