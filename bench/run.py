@@ -33,8 +33,8 @@ from world import PROXY, Replica, World  # noqa: E402
 from guardian.observe.meminfo import sample_memory  # noqa: E402  (the one MemAvailable reader)
 
 GiB = 2**30
-PARTS = ("detection", "false", "prefill", "stall", "cost", "many", "conns", "memory", "scrape", "clients", "fleet",
-         "containers")
+PARTS = ("detection", "false", "prefill", "stall", "cost", "many", "conns", "memory", "memloop", "scrape", "clients",
+         "fleet", "containers")
 # between-steps-fresh: between-steps with guardian started 20 s before the fault with nothing learned
 FAULTS = ("frozen", "dead-200", "stalled", "between-steps", "between-steps-fresh", "idle-dead")
 BASELINE = "baseline-prober"
@@ -652,6 +652,109 @@ class Bench:
         return to_action, to_headroom
 
 
+    # --- the memory loop: fractions restored, a start guarded (issue 25) ----------------------
+    MEMLOOP = dict(enabled=True, sustain_s=5, cooldown_s=0, step=0.04, floor=0.70, reserve_bytes=0,
+                   device_total_bytes=GiB, priority=["a"], restore=True, restore_after_s=20, restore_cooldown_s=10)
+
+    def _memloop_setup(self, memory: dict, sim_args: str, fractions: tuple[float, float]) -> int:
+        """Both replicas restarted with SIM_ARGS at FRACTIONS, guardian with MEMORY's settings
+        (thresholds relative to MemAvailable once both serve, given as min/critical GiB below it)."""
+        w = self.world
+        self.box.systemctl("stop", "guardian.service")
+        for r, fraction in zip(w.replicas, fractions, strict=True):
+            r.sim_args, r.fraction = sim_args, fraction
+            w.install_replica(r)
+        self.box.run("rm -f /var/lib/guardian/replicas/*.env /var/lib/guardian/state.json", check=False)
+        self.box.write("/usr/local/bin/hog", HOG, mode=0o755)
+        self.box.daemon_reload()
+        self.box.systemctl("restart", *[r.unit for r in w.replicas])
+        for r in w.replicas:
+            w.wait_serving(r, 60)
+        avail = _mem_available()
+        below, critical = memory.pop("below_gib"), memory.pop("critical_gib")
+        w.memory = memory | {"min_headroom_bytes": avail - int(below * GiB),
+                             "critical_headroom_bytes": avail - int(critical * GiB)}
+        w.watchdog = {"backoff_s": 0, "restart_budget": 20}  # every change is a restart: let several follow
+        w.write_config()
+        self.box.systemctl("restart", "guardian.service")
+        w.wait_states({r.name: "healthy" for r in w.replicas}, timeout_s=60)
+        return avail
+
+    def _line_at(self, contains: str, since: float, timeout_s: float) -> float:
+        entry = wait_for(lambda: next((e for e in self.box.journal("SYSLOG_IDENTIFIER=guardian", since=since)
+                                       if contains in e["MESSAGE"]), None), timeout_s, f"a line with {contains!r}")
+        return int(entry["__REALTIME_TIMESTAMP"]) / 1e6
+
+    def memloop(self, trials: int) -> dict:
+        """Restore: a lowered twice (0.78 -> 0.70) by a hog; from the hog's exit, when each raise
+        is issued and when a serves at it. Then one start, guarded and not: the lowest MemAvailable
+        while b (8 GiB device, 20 s load) restarts at 0.95 with a hog holding 2 GiB."""
+        w, a = self.world, self.a
+        issued = [Series(window_s=120), Series(window_s=120)]
+        served = [Series(window_s=120), Series(window_s=120)]
+        for i in range(trials):
+            started = time.time()
+            self._memloop_setup(dict(self.MEMLOOP, below_gib=1.0, critical_gib=6.0),
+                                f"--sim-allocate --sim-total-memory-bytes {GiB}", (0.78, 0.70))
+            w.install_plain("bench-hog.service", exec_start=f"/usr/local/bin/hog {3 * GiB}")
+            self.box.daemon_reload()
+            self.box.systemctl("start", "bench-hog.service")
+            self._line_at("serving again with gpu_memory_utilization 0.7 ", started, 120)
+            self.box.systemctl("stop", "bench-hog.service")
+            t0 = time.time()
+            for step, (old, new) in enumerate((("0.7", "0.74"), ("0.74", "0.78"))):
+                issued[step].values.append(self._line_at(f"raising it {old} -> {new}", t0, 120) - t0)
+                served[step].values.append(self._line_at(f"serving again with gpu_memory_utilization {new} ", t0, 120) - t0)
+            self.say(f"  restore trial {i + 1}: raised at {issued[0].values[-1]:.1f} s and {issued[1].values[-1]:.1f} s")
+        guarded = {name: self._guarded_start(on) for name, on in (("without", False), ("with", True))}
+        self.box.run("rm -f /var/lib/guardian/replicas/*.env /etc/systemd/system/vllm-b.service.d/fraction.conf",
+                     check=False)
+        w.memory, w.watchdog = {}, {}
+        self._memloop_setup_done()
+        return {"issued": issued, "served": served, "guarded": guarded}
+
+    def _guarded_start(self, guard: bool) -> dict:
+        w, b = self.world, self.b
+        device = 8 * GiB
+        b.load_time_s, b.startup_grace_s = 20.0, 90
+        memory = dict(enabled=True, sustain_s=300, cooldown_s=600, step=0.4, floor=0.5, reserve_bytes=0,
+                      device_total_bytes=device, start_guard=guard, start_guard_interval_s=0.5, restore=False,
+                      below_gib=3.0, critical_gib=4.0)
+        self.box.run("rm -f /etc/systemd/system/vllm-b.service.d/fraction.conf", check=False)
+        avail = self._memloop_setup(memory, f"--sim-load-memory --sim-total-memory-bytes {device}", (0.4, 0.4))
+        critical = avail - 4 * GiB
+        w.install_plain("bench-hog.service", exec_start=f"/usr/local/bin/hog {2 * GiB}")
+        self.box.daemon_reload()
+        self.box.systemctl("start", "bench-hog.service")
+        wait_for(lambda: _mem_available() < avail - int(1.8 * GiB), 20, "the hog's memory")
+        self.box.write("/etc/systemd/system/vllm-b.service.d/fraction.conf",
+                       "[Service]\nEnvironment=GPU_MEMORY_UTILIZATION=0.95\n")
+        self.box.daemon_reload()
+        t0 = time.time()
+        self.box.systemctl("restart", b.unit)
+        lowest = _mem_available()
+        while time.time() - t0 < 60 and not (time.time() - t0 > 2 and self.box.http(b.url + "/health", timeout_s=1)[0] == 200):
+            lowest = min(lowest, _mem_available())
+            time.sleep(0.05)
+        self.box.systemctl("stop", "bench-hog.service")
+        stopped = any("stopping its start now" in m for m in self.box.messages("SYSLOG_IDENTIFIER=guardian", since=t0))
+        b.load_time_s, b.startup_grace_s = 0.3, 20
+        self.say(f"  start {'with' if guard else 'without'} the guard: lowest {(lowest - critical) / GiB:+.2f} GiB "
+                 f"from the critical line; stopped: {stopped}")
+        return {"lowest_vs_critical_gib": (lowest - critical) / GiB, "stopped": stopped, "served_after_s": time.time() - t0}
+
+    def _memloop_setup_done(self) -> None:
+        w = self.world
+        for r in w.replicas:
+            r.sim_args, r.fraction = "", 0.9
+            w.install_replica(r)
+        self.box.run("rm -f /var/lib/guardian/replicas/*.env", check=False)
+        self.box.daemon_reload()
+        self.box.systemctl("restart", *[r.unit for r in w.replicas])
+        w.write_config()
+        self.box.systemctl("restart", "guardian.service")
+
+
 HOG = """#!/usr/bin/python3
 import sys, time
 n = int(sys.argv[1]); b = bytearray(n); b[::4096] = b"\\x01" * len(range(0, n, 4096)); time.sleep(1e9)
@@ -716,6 +819,8 @@ def main() -> int:
                                 ("conns", "the kernel's view: cost of one look", lambda: b.conns_cost()),
                                 ("many", "32 replicas", lambda: b.many_replicas(32, many_s)),
                                 ("memory", "memory guard", lambda: b.memory(trials)),
+                                ("memloop", "memory guard: restore and the start guard",
+                                 lambda: b.memloop(max(1, min(trials, 5)))),
                                 ("scrape", "metrics endpoint", lambda: b.scrape(cost_s / 5)),
                                 ("clients", "what clients see through nginx", lambda: b.clients(1 if args.quick else 3)),
                                 ("fleet", "a fleet of 8 boxes on etcd", lambda: b.fleet(20 if args.quick else 120)),
@@ -847,6 +952,7 @@ def write_report(path: Path, r: dict, quick: bool, took_s: float, date: str | No
         f"- squeeze starts -> lowering restart issued: {mem_action.cell()} (sustain_s 30 s at defaults)",
         f"- squeeze starts -> headroom back above the line: {mem_headroom.cell()}",
         "",
+        *_memloop_lines(r.get("memloop")),
         *_scrape_lines(r.get("scrape")),
         *_clients_lines(r.get("clients")),
         *_fleet_lines(r.get("fleet")),
@@ -861,6 +967,36 @@ def write_report(path: Path, r: dict, quick: bool, took_s: float, date: str | No
     ]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines))
+
+
+def _memloop_lines(m: dict | None) -> list[str]:
+    if not m:
+        return []
+    issued, served, guarded = m["issued"], m["served"], m["guarded"]
+    lines = [
+        "## Memory guard: fractions restored, a start guarded",
+        "",
+        "Restore: a (device 1 GiB) lowered 0.78 -> 0.74 -> 0.70 by a 3 GiB hog; then the hog exits. Settings "
+        "for the run (not the defaults, which wait 600 s): sustain_s 5, restore_after_s 20, restore_cooldown_s 10, "
+        "step 0.04; from the hog's exit:",
+        "",
+    ]
+    for step, (old, new) in enumerate((("0.70", "0.74"), ("0.74", "0.78"))):
+        lines += [f"- raise {step + 1} ({old} -> {new}) issued: {issued[step].cell()}; serving at {new}: "
+                  f"{served[step].cell()}"]
+    lines += [
+        "",
+        "A guarded start, in one run: b (device 8 GiB, a 20 s load that takes its memory as it goes) restarted at "
+        "0.95 by an operator while a hog holds 2 GiB; critical_headroom_bytes 4 GiB under what was available; "
+        "MemAvailable sampled every 0.05 s until b serves:",
+        "",
+    ]
+    for name in ("without", "with"):
+        g = guarded[name]
+        lines += [f"- {name} the start guard: lowest MemAvailable {g['lowest_vs_critical_gib']:+.2f} GiB from the "
+                  f"critical line; start stopped: {'yes' if g['stopped'] else 'no'}; b serving after "
+                  f"{g['served_after_s']:.0f} s"]
+    return [*lines, ""]
 
 
 def _containers_lines(c: dict | None) -> list[str]:

@@ -375,3 +375,17 @@ def test_the_fast_interval_is_a_memory_setting_with_a_bound():
     assert MemoryConfig().start_guard and MemoryConfig().start_guard_interval_s == 0.5
     with pytest.raises(ValueError):
         MemoryConfig(start_guard_interval_s=0)
+
+
+def test_the_start_lines_state_the_start_guard_and_its_margin():
+    from guardian.config import Config, MemoryConfig
+    from guardian.core import thresholds
+
+    def line(**memory):
+        return next(x for x in thresholds.describe(Config(memory=MemoryConfig(**memory))) if x.startswith("start guard"))
+
+    on = line(enabled=True)
+    assert "a look every 0.5 s" in on and "MemAvailable < 3.0 GiB" in on and "6.0 GiB/s" in on
+    assert "1.5 GiB/s" in line(enabled=True, start_guard_interval_s=2.0)
+    assert line(enabled=True, start_guard=False).startswith("start guard: off")
+    assert line(enabled=False).startswith("start guard: off")

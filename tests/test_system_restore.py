@@ -50,7 +50,9 @@ def fraction_status(w: World, name: str) -> tuple[float | None, float | None]:
 
 
 def env_fraction(w: World, name: str) -> str:
-    return w.box.run(["cat", f"/var/lib/guardian/replicas/{name}.env"]).stdout.strip()
+    """The GPU_MEMORY_UTILIZATION line of guardian's env file for replica NAME."""
+    text = w.box.run(["cat", f"/var/lib/guardian/replicas/{name}.env"]).stdout
+    return next(line for line in text.splitlines() if line.startswith("GPU_MEMORY_UTILIZATION="))
 
 
 def nothing_changes_for(w: World, seconds: float) -> None:

@@ -26,6 +26,7 @@ def describe(cfg: Config) -> list[str]:
         f"back-off {watchdog.backoff_s:g} s "
         f"doubling per restart, job result awaited for {watchdog.restart_job_timeout_s:g} s; one at a time per box",
         _memory(cfg),
+        _start_guard(cfg),
         "metrics: "
         + "; ".join(
             [
@@ -65,6 +66,21 @@ def _memory(cfg: Config) -> str:
         f"{memory.restore_after_s:g} s with no replica starting, AND >= {memory.restore_cooldown_s:g} s after the "
         "last change of fraction, AND another replica of its model serves, AND admission lets the restart through "
         "leaving one restart of its budget for a hang (drained first under a proxy)"
+    )
+
+
+def _start_guard(cfg: Config) -> str:
+    memory = cfg.memory
+    if not (memory.enabled and memory.start_guard):
+        return "start guard: off (a replica's start is not watched for memory)"
+    return (
+        f"start guard: while a replica loads, a look every {memory.start_guard_interval_s:g} s; its start is killed "
+        f"and restarted at the highest fraction that fits, <= its own - {memory.step:g} and >= {memory.floor:g}, "
+        f"when MemAvailable < "
+        f"{gib(memory.critical_headroom_bytes)} AND it is the one growing (its growth since the start began, by "
+        "NVML, else its cgroup, > 0 and >= half of MemAvailable's fall; with neither, MemAvailable fell), within "
+        "the restart budget and back-off; it keeps up with a fall of up to "
+        f"{gib(int(memory.critical_headroom_bytes / memory.start_guard_interval_s))}/s"
     )
 
 
