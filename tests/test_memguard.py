@@ -652,3 +652,151 @@ def test_with_a_psi_threshold_memory_pressure_holds_the_raise_too(psi, raised):
 
     _, every, _ = run_memguard(restore_cfg(psi_some_threshold_pct=10), [(1000.0, v(0)), (1600.0, v(600))])
     assert bool(raises(every)) == raised
+
+
+# --- M18, M19 in review: a spent budget, a replica that serves again or is paused, the base recorded --
+
+from harness import lines  # noqa: E402 - this section's own
+
+BUDGET_SPENT = Refusal(Gate.BUDGET, "A1", "restart budget spent (3 restarts in 1800 s)", key=(Gate.BUDGET,))
+
+
+def test_a_restart_owed_refused_for_the_budget_is_given_up_and_the_guard_goes_on():
+    """A spent budget can last restart_window_s: M18 must not hold the change (and every other
+    replica's lowering) that long. It gives up once, at critical; the fraction stays written."""
+    track = MemTrack(pending=Pending("a", 0.74, 0.70, 1000.0, restart_owed=True, failure="unit failed"),
+                     last_change_at=1000.0)
+    v = view(1, rep("a", 0.70, state="stopped"), rep("b", 0.90), blocked={"a": BUDGET_SPENT})
+    t, every, _ = run_memguard(memory_cfg(), [(1000.0 + 10 * i, v) for i in range(1, 80)], track=track)
+    (said,) = [line for line in lines(every) if line.rule == "M18"]
+    assert said.priority == "critical" and said.replica == "a" and said.unit == "vllm-a.service"
+    assert "0.7 is written to its env file, but restarting vllm-a.service is refused: restart budget spent" in said.message
+    assert "giving up on the lowering: the unit's next start reads 0.7" in said.message
+    assert not [a for a in lowerings(every) if a.replica == "a"]  # written already; no restart of a
+    assert [(a.replica, a.old) for a in lowerings(every)] == [("b", 0.90)]  # after M10's cooldown, b gives
+    assert t.pending.replica == "b"
+
+
+@pytest.mark.parametrize("gate, rule, given_up", [
+    (Gate.BUDGET, "A1", True), (Gate.BACKOFF, "A2", False), (Gate.ONE_AT_A_TIME, "A3", False)])
+def test_a_failed_starts_retry_refused_for_the_budget_writes_the_fraction_and_gives_up(gate, rule, given_up):
+    track = MemTrack(pending=Pending("a", 0.78, 0.74, 1000.0), last_change_at=1000.0)
+    refusal = Refusal(gate, rule, f"{gate} refuses", key=(gate,))
+    v = view(30, rep("a", 0.74, state="stopped", failure="Free memory on device"), rep("b"), blocked={"a": refusal})
+    t, every, _ = run_memguard(memory_cfg(), [(1010.0, v)], track=track)
+    (low,) = lowerings(every)
+    assert (low.old, low.new, low.restart, low.retry) == (0.74, 0.70, False, True)  # the file is written either way
+    (said,) = lines(every)
+    assert said.rule == "M18" and said.priority == ("critical" if given_up else "error")
+    if given_up:
+        assert t.pending is None and t.unread == {"a": 1010.0} and t.last_change_at == 1010.0
+    else:
+        assert t.pending == Pending("a", 0.74, 0.70, 1010.0, restart_owed=True, failure="Free memory on device")
+
+
+def slow_start_past_grace() -> Box:
+    """a lowered 0.78 -> 0.74 at 110 loads slowly (started 111, grace 300 s); b's unit restarted at 395
+    is loading when a's grace runs out at 415: M7's restart of a waits for b (one at a time, M18)."""
+    config = with_memory(cfg(2), cooldown_s=60)
+    box = Box(config.model_copy(update={"replicas": [
+        r.model_copy(update={"startup_grace_s": 300}) for r in config.replicas]}))
+    box.tick(100.0)
+    box.tick(110.0, memory=memory(5))
+    box.persistent = replace(box.persistent, restarts={"a": (110.0,)})
+    done = RestartOutcome("vllm-a.service", "done", issued=True, ok=True)
+    box.tick(112.0, memory=memory(9, a=0.74), a=a_loading(112.0, outcome=done))
+    for t in range(120, 410, 10):
+        box.tick(float(t), memory=memory(9, a=0.74), a=a_loading(t), **({"b": b_obs(t, serving=False)} if t >= 395 else {}))
+    box.tick(415.0, memory=memory(9, a=0.74), a=a_loading(415.0), b=b_obs(415.0, serving=False))
+    assert box.core.mem.pending == Pending("a", 0.74, 0.70, 415.0, restart_owed=True,
+                                           failure="not serving 305 s after the restart (grace 300 s)")
+    return box
+
+
+def a_loading(t, **kw):
+    return obs("a", t, health=TIMEOUT, u=unit(inactive_exit_mono=111.0), **kw)
+
+
+def b_obs(t, serving=True):
+    return obs("b", t, u=unit("vllm-b.service", inactive_exit_mono=395.0), **({} if serving else {"health": TIMEOUT}))
+
+
+def test_a_restart_owed_to_a_replica_that_serves_again_is_dropped_and_not_called_an_override():
+    box = slow_start_past_grace()
+    # a's slow start finishes: it serves with 0.74 (its command line), 0.70 in its env file; b still loads
+    serving = memory(9, a=0.70, cmdline=0.74)
+    box.tick(420.0, memory=serving, a=obs("a", 420.0, u=unit(inactive_exit_mono=111.0)), b=b_obs(420.0, serving=False))
+    (dropped,) = box.lines(rule="M19")
+    assert dropped.priority == "info" and dropped.replica == "a"
+    assert "it serves again with gpu_memory_utilization 0.74, from its start before the fraction was written" in dropped.message
+    assert "is dropped and the lowering concluded: 0.7 stays in its env file and is read at its next start" in dropped.message
+    assert box.core.mem.pending is None and box.core.mem.unread == {"a": 415.0}
+    # b serves again (admission would let a restart through now), then a squeeze: a is not restarted
+    # for the owed retry, and its 0.74 against the file's 0.70 is not an override (M9, M11)
+    for t in range(430, 520, 10):
+        box.tick(float(t), memory=serving if t < 500 else memory(5, a=0.70, b=0.5, cmdline=0.74),
+                 a=obs("a", t, u=unit(inactive_exit_mono=111.0)), b=b_obs(t))
+    assert not [a for a in box.of(SetFraction) if a.replica == "a" and a.restart and a.new == 0.70]
+    assert "M11" not in [line.rule for line in box.lines()] and not box.lines(rule="M9")
+    assert [(a.replica, a.old, a.new) for a in box.of(SetFraction) if a.old == 0.70] == [("a", 0.70, 0.66)]
+    # its next start reads the file: from then on the difference would be an override again
+    box.tick(600.0, memory=memory(9, a=0.66), a=obs("a", 600.0, u=unit(inactive_exit_mono=590.0)), b=b_obs(600.0))
+    assert box.core.mem.unread == {}
+
+
+def test_a_restart_owed_to_a_paused_replica_is_dropped():
+    from guardian.core.observations import Pause
+
+    box = slow_start_past_grace()
+    box.persistent = replace(box.persistent, pauses={"a": Pause(None, "operator")})
+    failed = unit(inactive_exit_mono=111.0, active_state="failed")
+    for t in (420.0, 430.0, 440.0):
+        box.tick(t, memory=memory(9, a=0.70), a=obs("a", t, health=TIMEOUT, u=failed), b=b_obs(t, serving=t >= 440))
+    assert box.state("a") is State.PAUSED
+    (dropped,) = box.lines(rule="M19")
+    assert dropped.priority == "info" and "it is paused by the operator (guardian pause)" in dropped.message
+    assert not [a for a in box.of(SetFraction) if a.replica == "a" and a.restart and a.new == 0.70]
+    assert box.core.mem.pending is None
+
+
+@pytest.mark.parametrize("gates_pass", [True, False])
+def test_a_lowering_records_its_base_only_when_its_env_file_is_written(tmp_path, monkeypatch, gates_pass):
+    import asyncio
+
+    import guardian.act.executor as executor_module
+    from guardian.act.executor import Executor
+    from guardian.act.restart import Tools
+    from guardian.act.state import StateStore
+    from guardian.observe.clock import Now
+    from harness import Recorder
+
+    now = Now(mono=5000.0, wall=1_700_000_000.0)
+    store = StateStore(tmp_path, clock=lambda: now)
+    config = with_memory(cfg(1)).model_copy(update={"state_dir": tmp_path})
+    bases_at_write = []
+    real_write = executor_module.atomic_write
+
+    def write(path, data, *args):
+        bases_at_write.append(dict(store.read()["fraction_bases"]))
+        real_write(path, data, *args)
+
+    async def restart(tools, order):  # the re-check right before acting: the gates pass, or one refuses
+        if not gates_pass:
+            return RestartOutcome(order.replica.unit, "refused: vllm-a.service is disabled")
+        order.before_restart()
+        return RestartOutcome(order.replica.unit, "done", issued=True, ok=True)
+
+    monkeypatch.setattr(executor_module, "atomic_write", write)
+    monkeypatch.setattr(executor_module, "checked_restart", restart)
+    ex = Executor(Tools(None, store, Recorder(), config, lambda: now), None)
+
+    async def perform(action):
+        ex.perform([action], {}, now)
+        await asyncio.gather(*ex.tasks)
+
+    asyncio.run(perform(SetFraction("a", "vllm-a.service", 0.78, 0.74, restart=True, evidence="squeezed")))
+    assert store.read()["fraction_bases"] == ({"a": 0.78} if gates_pass else {})
+    assert bases_at_write == ([{"a": 0.78}] if gates_pass else [])  # recorded before the file is written
+    # a retry's file alone (systemd restarts the unit by itself) is always written, so its base recorded
+    asyncio.run(perform(SetFraction("a", "vllm-a.service", 0.74, 0.70, restart=False, evidence="retry", retry=True)))
+    assert store.read()["fraction_bases"] == {"a": 0.78 if gates_pass else 0.74}

@@ -321,11 +321,31 @@ def perform_now(ex, actions) -> None:
     asyncio.run(run())
 
 
-def test_a_lowering_records_its_base_before_anything_else_and_a_raise_records_nothing(tmp_path):
+def lowering_executor(tmp_path, store, monkeypatch, journal=None):
+    """An executor for replica a whose env files go under TMP_PATH and whose restarts pass the gates
+    on the re-check (the env file is written: act/restart.py's before_restart), issuing no job."""
+    import guardian.act.executor as executor_module
+    from guardian.act.executor import Executor
+    from guardian.act.journal import Journal
+    from guardian.act.restart import Tools
+    from guardian.core.observations import RestartOutcome
+    from harness import cfg
+
+    async def restart(tools, order):
+        order.before_restart()
+        return RestartOutcome(order.replica.unit, "done", issued=True, ok=True)
+
+    monkeypatch.setattr(executor_module, "checked_restart", restart)
+    config = cfg(1).model_copy(update={"state_dir": tmp_path})
+    journal = journal if journal is not None else Journal(socket_path="/nonexistent")
+    return Executor(Tools(None, store, journal, config, lambda: NOW), None)
+
+
+def test_a_lowering_records_its_base_and_a_raise_records_nothing(tmp_path, monkeypatch):
     from guardian.core.actions import SetFraction
 
     store = store_at(tmp_path)
-    ex = executor_on(store)  # no replica configured: the env file and the restart are skipped, the base is not
+    ex = lowering_executor(tmp_path, store, monkeypatch)
     perform_now(ex, [SetFraction("a", "vllm-a.service", 0.78, 0.74, restart=True, evidence="squeezed")])
     assert view(store_at(tmp_path).read(), NOW).fraction_bases == {"a": 0.78}
     # a later lowering from below the base keeps the base; a raise writes nothing
@@ -338,27 +358,23 @@ def test_a_lowering_records_its_base_before_anything_else_and_a_raise_records_no
 
 
 def test_a_base_that_cannot_be_recorded_is_said_and_the_lowering_goes_on(tmp_path, monkeypatch):
-    from guardian.act.executor import Executor
-    from guardian.act.restart import Tools
-    from guardian.config import Config
     from guardian.core.actions import SetFraction
     from harness import Recorder
 
     store = store_at(tmp_path)
     journal = Recorder()
-    ex = Executor(Tools(None, store, journal, Config(), lambda: NOW), None)
-    spawned = []
-    monkeypatch.setattr(ex, "_spawn", lambda coro: (spawned.append(coro), coro.close()))
+    ex = lowering_executor(tmp_path, store, monkeypatch, journal)
 
     def full(change):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(store, "update", full)
-    ex.perform([SetFraction("a", "vllm-a.service", 0.78, 0.74, restart=True, evidence="squeezed")], {}, NOW)
+    perform_now(ex, [SetFraction("a", "vllm-a.service", 0.78, 0.74, restart=True, evidence="squeezed")])
     (said,) = [line for line, _ in journal.lines]
     assert said.priority == "error" and said.replica == "a" and "cannot record its base fraction 0.78" in said.message
     assert "will not raise it back" in said.message
-    assert len(spawned) == 1  # the lowering itself still goes ahead
+    # the lowering itself still goes ahead
+    assert (tmp_path / "replicas" / "a.env").read_text().endswith("GPU_MEMORY_UTILIZATION=0.74\n")
 
 
 @pytest.mark.parametrize("bases", ['{"a": 0}', '{"a": 0.001}', '{"a": 1.01}', '{"a": true}', '{"a": "0.78"}',

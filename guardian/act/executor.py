@@ -8,10 +8,12 @@ slots (a SlotKeeper) are handed to those parts, and every action is counted for 
 Counter). Each part is given at construction; one not given (a test's executor) is a no-op at
 its one place in the match. Nothing here decides.
 
-A lowering (SetFraction with new < old) first records where it lowered from as the replica's base
-fraction in the state file (act/state.py), before the env file is written: the memory guard raises
-a fraction back toward its base and never above it, and a lowered fraction with no base recorded
-is never raised (a failed record is said, and the lowering goes on).
+A lowering (SetFraction with new < old) records where it lowered from as the replica's base
+fraction in the state file (act/state.py) right before the env file is written (after the gates
+of its restart pass: a lowering refused records none; before the write, so that a crash between
+leaves the base recorded): the memory guard raises a fraction back toward its base and never
+above it, and a lowered fraction with no base recorded is never raised (a failed record is said,
+and the lowering goes on).
 """
 
 from __future__ import annotations
@@ -99,7 +101,6 @@ class Executor:
             case RestartUnit():
                 self._spawn(self._restart(action))
             case SetFraction():
-                self._record_base(action)
                 self._spawn(self._set_fraction(action))
             case AnswerRequest():
                 self._answer(action.request_id, action.replica, action.ok, action.message)
@@ -198,7 +199,7 @@ class Executor:
             self._answer(action.request_id, r.name, outcome.ok, f"{r.unit}: {outcome.result}")
 
     def _record_base(self, action: SetFraction) -> None:
-        """A lowering's base, in the state file before the env file is written."""
+        """A lowering's base, in the state file right before the env file is written."""
         if action.new >= action.old:
             return
         store, journal = self.tools.store, self.tools.journal
@@ -225,6 +226,7 @@ class Executor:
         path = env_path(self.cfg, action.replica)
 
         def write() -> None:
+            self._record_base(action)  # only a fraction written has a base; recorded first (see the top)
             text = f"# written by guardian's memory guard\nGPU_MEMORY_UTILIZATION={action.new:g}\n"
             atomic_write(path, text.encode())
 

@@ -105,6 +105,9 @@ class MemTrack:
     clear_for: str | None = None  # ... for this replica's raise (another's line starts the count again)
     # replica -> a fraction a raise to which failed to start: it is raised to below it only (M20)
     ceilings: Mapping[str, float] = field(default_factory=dict)
+    # replica -> when guardian wrote a fraction that its running start predates (M18 gave up or M19
+    # dropped the restart): M9 does not count the difference as an override until its next start
+    unread: Mapping[str, float] = field(default_factory=dict)
     last_notice: tuple[str, ...] | None = None  # the cause last said: a line is said once per cause
     verdict: MemVerdict = MemVerdict.NOT_SQUEEZED
     rule: str | None = None
@@ -163,7 +166,8 @@ OVERRIDDEN = Rule(
     "not wired",
     "a replica with no lowering pending serves (healthy or busy) and reports another fraction than guardian's "
     "env file for it says: something overrides that file (a later EnvironmentFile=, an ExecStart= drop-in); it "
-    "counts as not wired",
+    "counts as not wired. Not while the fraction written is unread: written after its running start began, its "
+    "restart given up (M18) or dropped (M19); its next start reads it",
 )
 
 
@@ -277,15 +281,19 @@ RETRY_RULES = (
     Rule(
         "M18",
         MemVerdict.RETRY_WAITS,
-        "M7 holds, its unit is not starting by itself, AND restart admission refuses now (A1-A3: budget, "
-        "back-off, one at a time): the lower fraction is written at once (a file write is not a restart), the "
-        "restart waits, said once per refusal",
+        "M7 holds, its unit is not starting by itself, AND restart admission refuses now: the lower fraction is "
+        "written at once (a file write is not a restart); for back-off or one at a time (A2, A3, which end by "
+        "themselves) the restart waits, said once per refusal; for the budget (A1: spent, when M7 holds or while "
+        "the restart waits) the lowering is given up (critical): the fraction stays written for the unit's next "
+        "start, nothing is pending",
     ),
     Rule(
         "M19",
         MemVerdict.RETRY_RESTART,
-        "a restart that waited (M18), its unit not started since the fraction was written, AND admission "
-        "(A1-A3) lets it through now: the unit is restarted with that fraction",
+        "a restart that waited (M18), its unit not started since the fraction was written, the replica not "
+        "serving (healthy or busy) and not paused, AND admission (A1-A3) lets it through now: the unit is restarted "
+        "with that fraction. One that serves (its start finished after all) or is paused: the restart is dropped "
+        "and the change concluded (info); the fraction stays written for its next start",
     ),
 )
 
@@ -397,11 +405,19 @@ RULES: tuple[Rule, ...] = (
     RAISABLE,
     *(row.rule for row in RESTORE_ROWS),
 )
-_ID = {rule.outcome: rule.id for rule in RULES} | {MemVerdict.DRY_RUN: "M17", MemVerdict.RESTORE_DRY_RUN: "M26"}
+_ID = {rule.outcome: rule.id for rule in RULES} | {
+    MemVerdict.DRY_RUN: "M17",
+    MemVerdict.RESTORE_DRY_RUN: "M26",
+    MemVerdict.RETRY_GIVEN_UP: "M18",
+    MemVerdict.RETRY_DROPPED: "M19",
+}
 # The verdicts past M15: a lowering that waits for nothing more (M16 drains first, then lowers).
 _GOES_AHEAD = frozenset({MemVerdict.DRAINING, MemVerdict.DRY_RUN, MemVerdict.LOWER})
-# What M18 waits for: admission's own rows (A1-A3). A failed start's unit is down already, so a
-# fleet slot (F3-F6, for a planned restart of a serving replica) does not hold it back.
+# What M18 heeds: admission's own rows (A1-A3). A failed start's unit is down already, so a
+# fleet slot (F3-F6, for a planned restart of a serving replica) does not hold it back. It waits
+# out back-off and one at a time (A2, A3), which end by themselves; a spent budget (A1) can last
+# W.restart_window_s, and a change pending that long would hold the memory guard (and the start
+# guard's stops) for every replica: the lowering is given up instead.
 _ADMISSION_GATES = frozenset({Gate.BUDGET, Gate.BACKOFF, Gate.ONE_AT_A_TIME})
 
 
@@ -424,6 +440,7 @@ class Facts:
     failure: str = ""  # why the change failed: its restart's result (M6), or the new start (M7, M8, M18, M19)
     not_again: str = ""  # after a failed raise: that it is not tried again (M7, M8, M18)
     refusal: Refusal | None = None  # why the lowering (M15), the restart (M18) or the raise (M24) waits
+    dropped: str = ""  # why the restart that waited is dropped: the replica serves, or is paused (M19)
     base: float = 0.0  # the chosen replica's base (M21-M26)
     line_bytes: int = 0  # the raise line (M20)
     raise_bytes: int = 0  # total x (new - current) (M21)
@@ -480,6 +497,21 @@ MESSAGES: dict[MemVerdict, Message] = {
         Priority.ERROR,
         "replica {replica.name}: start with gpu_memory_utilization {written:g} failed ({failure}); {new:g} is "
         "written to its env file, but restarting {replica.unit} waits: {refusal.text}{not_again}",
+    ),
+    MemVerdict.RETRY_GIVEN_UP: Message(
+        Priority.CRITICAL,
+        "replica {replica.name}: start with gpu_memory_utilization {written:g} failed ({failure}); {new:g} is "
+        "written to its env file, but restarting {replica.unit} is refused: {refusal.text}; giving up on the "
+        "lowering: the unit's next start reads {new:g} (journalctl -u {replica.unit}; systemctl restart "
+        "{replica.unit}){not_again}",
+        every_time=True,
+    ),
+    MemVerdict.RETRY_DROPPED: Message(
+        Priority.INFO,
+        "replica {replica.name}: {dropped}; the restart owed to it with gpu_memory_utilization {new:g} (written "
+        "after its start with {written:g} was judged failed: {failure}) is dropped and the lowering concluded: "
+        "{new:g} stays in its env file and is read at its next start",
+        every_time=True,
     ),
     MemVerdict.RETRY_RESTART: Message(
         Priority.WARNING,
@@ -645,7 +677,8 @@ def _held(replica: ReplicaMemory, total_bytes: int) -> int:
 
 def decide(track: MemTrack, view: MemoryView, now: float, cfg: Config) -> tuple[MemTrack, list[MemAction]]:
     """The memory guard's tick: the verdict, in TRACK, and what it says and does."""
-    track = _count_clear(_count_squeeze(track, view.sample, now, cfg.memory), view, now, cfg.memory)
+    track = _count_squeeze(_read_since(track, view), view.sample, now, cfg.memory)
+    track = _count_clear(track, view, now, cfg.memory)
     if track.pending is not None:
         followed = _follow_change(track.pending, view, now, cfg.memory)
         if followed is None:  # the replica has left the config: nothing left to follow
@@ -657,6 +690,18 @@ def decide(track: MemTrack, view: MemoryView, now: float, cfg: Config) -> tuple[
     if raising is None:
         return replace(track, last_notice=None, verdict=MemVerdict.NOT_SQUEEZED, rule=None), []
     return _conclude(track, *raising, now, cfg)
+
+
+def _read_since(track: MemTrack, view: MemoryView) -> MemTrack:
+    """Forget a fraction written as unread (M9) once its replica has started since, or left the config."""
+    configured = {r.name: r for r in view.replicas}
+    unread = {n: at for n, at in track.unread.items() if n in configured and not_read(configured[n].started_at, at)}
+    return track if unread == track.unread else replace(track, unread=unread)
+
+
+def not_read(started_at: float | None, written_at: float) -> bool:
+    """A start at STARTED_AT (None: not known) has not read a fraction written at WRITTEN_AT (M9)."""
+    return started_at is None or started_at < written_at
 
 
 def _count_squeeze(track: MemTrack, sample: MemorySample, now: float, memory: MemoryConfig) -> MemTrack:
@@ -703,11 +748,7 @@ def _follow_change(
         overridden = running is not None and abs(running - pending.new) > 1e-6
         return (MemVerdict.MISMATCH if overridden else MemVerdict.DONE), replica, facts
     if pending.restart_owed and not restarted:  # M18 held its restart back, and nobody has started it since
-        facts = replace(facts, written=pending.old, new=pending.new, failure=pending.failure)
-        refusal = _admission_refusal(replica, view)
-        if refusal is not None:
-            return MemVerdict.RETRY_WAITS, replica, replace(facts, refusal=refusal)
-        return MemVerdict.RETRY_RESTART, replica, facts
+        return _owed(pending, replica, view, facts)
     failure = _start_failure(replica, facts.since_lowering_s)
     if failure is None:
         return MemVerdict.PENDING, replica, facts
@@ -731,8 +772,38 @@ def _retry(
     # systemd restarts a unit still starting by itself (Restart=): only the file is written, no restart to admit
     refusal = _admission_refusal(replica, view) if replica.state is not State.STARTING else None
     if refusal is not None:
-        return MemVerdict.RETRY_WAITS, replica, replace(facts, refusal=refusal)
+        return _waits_or_gives_up(refusal), replica, replace(facts, refusal=refusal)
     return MemVerdict.RETRY, replica, facts
+
+
+def _owed(
+    pending: Pending, replica: ReplicaMemory, view: MemoryView, facts: Facts
+) -> tuple[MemVerdict, ReplicaMemory, Facts]:
+    """M18, M19: the restart M18 held back, its unit not started since the fraction was written."""
+    facts = replace(facts, written=pending.old, new=pending.new, failure=pending.failure)
+    dropped = _why_dropped(replica)
+    if dropped is not None:
+        return MemVerdict.RETRY_DROPPED, replica, replace(facts, dropped=dropped)
+    refusal = _admission_refusal(replica, view)
+    if refusal is not None:
+        return _waits_or_gives_up(refusal), replica, replace(facts, refusal=refusal)
+    return MemVerdict.RETRY_RESTART, replica, facts
+
+
+def _why_dropped(replica: ReplicaMemory) -> str | None:
+    """M19: why a restart that waited is not issued at all; None when it still is."""
+    if replica.state is State.PAUSED:  # the operator's: guardian restarts nothing of it
+        return "it is paused by the operator (guardian pause)"
+    if replica.state in SERVING_STATES:  # the start judged failed finished after all: nothing to restart
+        running = replica.running_fraction
+        with_what = f"gpu_memory_utilization {running:g}" if running is not None else "the fraction it started with"
+        return f"it serves again with {with_what}, from its start before the fraction was written"
+    return None
+
+
+def _waits_or_gives_up(refusal: Refusal) -> MemVerdict:
+    """M18: back-off and one at a time end by themselves; a spent budget may last the window."""
+    return MemVerdict.RETRY_GIVEN_UP if refusal.gate is Gate.BUDGET else MemVerdict.RETRY_WAITS
 
 
 def _admission_refusal(replica: ReplicaMemory, view: MemoryView) -> Refusal | None:
@@ -1003,10 +1074,14 @@ def _settle(track: MemTrack, verdict: MemVerdict, now: float) -> MemTrack:
         track = replace(track, pending=None)
     elif verdict in (MemVerdict.MISMATCH, MemVerdict.GAVE_UP):
         track = replace(track, pending=None, last_change_at=now)
+    elif pending is not None and verdict in (MemVerdict.RETRY_GIVEN_UP, MemVerdict.RETRY_DROPPED):
+        # the fraction stays written, unread by the running start (M9 waits for its next start)
+        written_at = pending.issued_at if pending.restart_owed else now
+        track = replace(track, pending=None, unread={**track.unread, pending.replica: written_at})
     return track
 
 
-_START_FAILED = frozenset({MemVerdict.RETRY, MemVerdict.RETRY_WAITS, MemVerdict.GAVE_UP})
+_START_FAILED = frozenset({MemVerdict.RETRY, MemVerdict.RETRY_WAITS, MemVerdict.RETRY_GIVEN_UP, MemVerdict.GAVE_UP})
 
 
 def _cause(verdict: MemVerdict, replica: ReplicaMemory | None, facts: Facts) -> tuple[str, ...]:
@@ -1030,7 +1105,8 @@ def _change(
         # systemd restarts a unit still starting by itself (Restart=): only the file is written
         restart = replica.state is not State.STARTING
         return SetFraction(name, unit, facts.written, facts.new, restart=restart, evidence=evidence, retry=True)
-    if verdict is MemVerdict.RETRY_WAITS and not (pending is not None and pending.restart_owed):
+    held_back = verdict in (MemVerdict.RETRY_WAITS, MemVerdict.RETRY_GIVEN_UP)
+    if held_back and not (pending is not None and pending.restart_owed):
         return SetFraction(name, unit, facts.written, facts.new, restart=False, evidence=evidence, retry=True)
     if verdict is MemVerdict.RETRY_RESTART:
         return SetFraction(name, unit, facts.written, facts.new, restart=True, evidence=evidence, retry=True)
@@ -1041,6 +1117,8 @@ def _issued(track: MemTrack, verdict: MemVerdict, change: SetFraction, facts: Fa
     """The pending change CHANGE leaves, and the clocks of the cooldowns (M10, M22)."""
     if verdict is MemVerdict.RETRY_RESTART and track.pending is not None:
         return replace(track, pending=replace(track.pending, issued_at=now, restart_owed=False))
+    if verdict is MemVerdict.RETRY_GIVEN_UP:  # the file only, nothing left pending (M18)
+        return replace(track, last_change_at=now)
     owed = verdict is MemVerdict.RETRY_WAITS
     failure = facts.failure if owed else ""  # what M19 will say when the restart is issued
     pending = Pending(change.replica, change.old, change.new, now, restart_owed=owed, failure=failure)

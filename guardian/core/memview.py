@@ -7,7 +7,9 @@ found, into what core/memguard.py decides on, per replica:
 - its fraction: guardian's env file for it, else what it reports (vllm:cache_config_info, else
   --gpu-memory-utilization on its command line);
 - whether it is wired (core/wiring.py), and M9: a replica with no lowering pending that serves
-  with another fraction than its env file says is overridden by something, so not wired;
+  with another fraction than its env file says is overridden by something, so not wired (not
+  while the fraction written is one its running start predates: M18 gave up or M19 dropped the
+  restart that would have read it);
 - whether it is drained at the proxy for a change of fraction (core/drain.py D5, D6);
 - why it could not be restarted now: admission (A1-A3), then a fleet slot (F3-F6); and how many
   restarts its budget still allows (a raise never spends the last one, M24);
@@ -22,7 +24,7 @@ from typing import TYPE_CHECKING
 from ..config import ReplicaConfig
 from . import admission, drain, fleet
 from .drain import Phase
-from .memguard import MemoryView, ReplicaMemory
+from .memguard import MemoryView, ReplicaMemory, not_read
 from .observations import MemoryObservation, ReplicaMemoryObservation
 from .rules import Refusal
 from .vocab import SERVING_STATES
@@ -55,8 +57,11 @@ def _replica(tick: Tick, replica: ReplicaConfig, found: ReplicaMemoryObservation
     configured = found.configured_fraction if found is not None else None
     pending = tick.previous.mem.pending
     changing = pending is not None and pending.replica == replica.name
+    started_at = seen.unit.inactive_exit_mono if seen.unit else None
+    written_at = tick.previous.mem.unread.get(replica.name)
+    unread = written_at is not None and not_read(started_at, written_at)
     wiring = found.wiring_problem if found is not None else "not observed"
-    if wiring is None and not changing and track.state in SERVING_STATES:
+    if wiring is None and not changing and not unread and track.state in SERVING_STATES:
         wiring = _overridden(configured, reported)
     down = tick.drains.get(replica.name)
     budget = admission.budget(replica.name, tick.obs.persistent, tick.now, tick.cfg)
@@ -66,7 +71,7 @@ def _replica(tick: Tick, replica: ReplicaConfig, found: ReplicaMemoryObservation
         model=replica.model,
         fraction=configured if configured is not None else reported,
         running_fraction=reported,
-        started_at=seen.unit.inactive_exit_mono if seen.unit else None,
+        started_at=started_at,
         wiring_problem=wiring,
         state=track.state,
         usage_bytes=found.usage_bytes if found else None,

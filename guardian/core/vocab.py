@@ -107,6 +107,8 @@ class MemVerdict(StrEnum):
     LOWER = "lower"
     RETRY_WAITS = "retry-waits"  # a failed start's next fraction is written; its restart waits for admission
     RETRY_RESTART = "retry-restart"  # ... and is issued once admitted
+    RETRY_GIVEN_UP = "retry-given-up"  # ... or given up: its restart budget is spent (M18)
+    RETRY_DROPPED = "retry-dropped"  # ... or dropped: the replica serves again, or is paused (M19)
     RESTORE_WAIT = "restore-wait"  # a replica below its base: headroom not clear for long enough yet
     RESTORE_COOLDOWN = "restore-cooldown"
     RESTORE_NO_PEER = "restore-no-peer"
