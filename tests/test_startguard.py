@@ -311,16 +311,15 @@ def test_through_the_tick_a_failed_start_after_the_stop_is_the_memory_guards_ret
     assert box.lines(rule="M7"), "M7 follows the start guard's change as it follows a lowering"
 
 
-@pytest.mark.parametrize("age_s, stopped", [(59.0, False), (60.0, True)])
-def test_through_the_tick_the_back_off_holds_the_stop(age_s, stopped):
-    """b's last restart (guardian's) at 200 s; back-off 60 s: A2 refuses a stop before it is over (S9)."""
+@pytest.mark.parametrize("age_s", [1.0, 59.0, 60.0])
+def test_through_the_tick_the_back_off_does_not_hold_the_stop(age_s):
+    """b's last restart (guardian's) at 200 s; back-off 60 s: the start of that restart loads inside its
+    back-off, and the stop replaces it, adding no start: A2 is not asked (S9 asks A1 only)."""
     box = loading_box(config().model_copy(update={"watchdog": cfg(2, backoff_s=60).watchdog}),
                       PersistentView(restarts={"b": (200.0,)}))
     box.tick(200.0 + age_s, memory=mem(2.5, 97.5), b=b_loading(200.0 + age_s))
-    assert bool(box.of(SetFraction)) == stopped
-    if not stopped:
-        (line,) = box.lines(rule="S9")
-        assert line.gate == Gate.BACKOFF and "A2" in line.message
+    assert [(s.old, s.new, s.kill_first) for s in box.of(SetFraction)] == [(0.9, 0.77, True)]
+    assert box.lines(rule="S9") == []
 
 
 def test_through_the_tick_a_spent_budget_holds_the_stop_at_critical():
@@ -389,3 +388,177 @@ def test_the_start_lines_state_the_start_guard_and_its_margin():
     assert "1.5 GiB/s" in line(enabled=True, start_guard_interval_s=2.0)
     assert line(enabled=True, start_guard=False).startswith("start guard: off")
     assert line(enabled=False).startswith("start guard: off")
+
+
+# --- a raise's start, an overridden fraction, a refused stop, the fast ticks, the observer ---------------
+
+RESTORE = dict(sustain_s=30, restore_after_s=600, restore_cooldown_s=600)
+DONE = RestartOutcome("vllm-b.service", "done", issued=True, ok=True)
+
+
+def raised_box() -> Box:
+    """b lowered to 0.74 (base 0.78) serves with room to spare; at 1600 s the memory guard raises it to
+    0.78 (M26), and at 1601 s that raise's start is loading."""
+    box = Box(config(**RESTORE), PersistentView(fraction_bases={"b": 0.78}))
+    for t in (1000.0, 1600.0):
+        box.tick(t, memory=mem(30, b=0.74), b=obs("b", t, u=unit("vllm-b.service", inactive_exit_mono=0.0)))
+    assert [(s.old, s.new) for s in box.of(SetFraction)] == [(0.74, 0.78)] and box.core.mem.pending.raising
+    box.tick(1601.0, memory=mem(124, 0.5, b=0.78), b=b_loading(1601.0, since=1600.5, invocation="i2", outcome=DONE))
+    return box
+
+
+def test_through_the_tick_a_raises_start_stopped_is_its_ceiling_and_goes_back_where_it_was_raised_from():
+    box = raised_box()
+    box.tick(1620.0, memory=mem(2.5, 99, b=0.78), b=b_loading(1620.0, since=1600.5, invocation="i2"))
+    (stop,) = [s for s in box.of(SetFraction) if s.kill_first]
+    assert (stop.old, stop.new) == (0.78, 0.74)
+    # as a raise whose start failed (M7 after a raise): not raised to 0.78 again while guardian runs (M20)
+    assert box.core.mem.ceilings == {"b": 0.78}
+    assert box.core.mem.pending == Pending("b", 0.78, 0.74, 1620.0)
+
+
+def test_a_raises_start_is_stopped_back_to_the_fraction_it_was_raised_from():
+    raised = Pending("b", 0.74, 0.76, 90.0)  # a raise of less than a step (under a ceiling)
+    first = starting(fraction=0.76, cgroup=0)
+    steps = [(100.0, view(100, first, pending=raised)),
+             (110.0, view(2, replace(first, cgroup_bytes=97 * GiB), pending=raised))]
+    _, every = run(config(reserve_bytes=0), steps)
+    assert [(s.old, s.new) for s in stops(every)] == [(0.76, 0.74)]  # not 0.72, one step below 0.76
+
+
+def test_through_the_tick_a_fraction_overridden_on_the_command_line_is_not_wired_and_not_stopped():
+    """An ExecStart= drop-in says 0.9 while guardian's env file says 0.74: a stop would restart it with
+    the same memory, again and again (S5, said once a start). (sustain_s 300: the squeeze rules wait.)"""
+    box = loading_box(config(sustain_s=300))
+    overridden = replace(mem(2, 97.5, b=0.74).replicas["b"], cmdline_fraction=0.9)
+    for t in (210.0, 210.5, 211.0):
+        observed = mem(2, 97.5, b=0.74)
+        box.tick(t, memory=replace(observed, replicas={**observed.replicas, "b": overridden}), b=b_loading(t))
+    assert box.of(SetFraction) == []
+    (line,) = box.lines(rule="S5")
+    assert line.priority == Priority.CRITICAL
+    assert "--gpu-memory-utilization 0.9 while guardian's env file says 0.74" in line.message
+
+
+@pytest.mark.parametrize("cmdline, started_at, pending, overridden", [
+    (0.74, 200.0, None, False),  # what the file says
+    (None, 200.0, None, False),  # no flag on its command line (a wrapper script): nothing to compare
+    (0.9, 200.0, None, True),
+    (0.9, 200.0, Pending("a", 0.9, 0.74, 150.0), True),  # another replica's change
+    (0.9, 100.0, Pending("b", 0.9, 0.74, 150.0), False),  # started before the file was written (M7, Restart=)
+    (0.9, 200.0, Pending("b", 0.9, 0.74, 150.0), False),  # runs with the fraction the change replaced
+    (0.86, 200.0, Pending("b", 0.9, 0.74, 150.0), True),  # neither: something else sets it
+])
+def test_the_command_line_overrides_the_env_file_only_outside_a_change_being_made(
+        cmdline, started_at, pending, overridden):
+    found = startguard.overridden("b", 0.74, cmdline, started_at, pending)
+    assert (found is not None) == overridden
+
+
+REFUSED_JOB = RestartOutcome("vllm-b.service", "refused: vllm-b.service already has a systemd job pending")
+
+
+def test_through_the_tick_a_stop_whose_restart_is_refused_is_not_repeated_for_that_start():
+    """The stop's restart is refused (a job of systemd's pending): the memory guard abandons it (M6); the
+    start goes on, and is not measured again from the headroom it has taken and stopped again (no kill loop)."""
+    box = loading_box(config(), headroom_gib=118.0)
+    activating = dict(active_state="activating", job_pending=True)
+    box.tick(210.0, memory=mem(1.0, 117), b=b_loading(210.0, **activating))
+    assert len(box.of(SetFraction)) == 1 and box.tracks["b"].restart_in_flight
+    box.tick(210.5, memory=mem(0.9, 117.1), b=b_loading(210.5, **activating))  # its restart in flight
+    assert box.core.starts["b"].stopped and box.core.starts["b"].headroom_bytes == 118 * GiB
+    t = 211.0
+    box.tick(t, memory=mem(0.9, 117.1), b=b_loading(t, outcome=REFUSED_JOB, **activating))
+    for i in range(1, 30):
+        box.tick(t + i / 2, memory=mem(0.9 - i / 20, 117.1 + i / 20), b=b_loading(t + i / 2, **activating))
+    assert len(box.of(SetFraction)) == 1 and len(box.lines(rule="S10")) == 1 and box.lines(rule="M6")
+    (line,) = box.lines(rule="S2")
+    assert line.priority == Priority.ERROR and "already has a systemd job pending" in line.message
+    assert box.core.starts["b"].rule == "S2"
+
+
+def test_a_stopped_start_is_kept_while_it_is_not_watched_until_it_is_over():
+    steps = grows(2, 97)
+    starts, _ = run(config(), steps)
+    assert starts["b"].stopped
+    last = steps[1][1].replicas[0]
+    aside = replace(last, loading=False)  # its stop's restart in flight
+    starts, every = run(config(), [(111.0, view(1, aside))], starts)
+    assert every == [] and starts["b"].stopped and starts["b"].headroom_bytes == 100 * GiB
+    # refused: kept, and said once when it is watched again
+    starts, _ = run(config(), [(112.0, view(1, replace(aside, refused="refused: a job is pending")))], starts)
+    starts, every = run(config(), [(112.5 + i, view(1, last)) for i in range(3)], starts)
+    assert said(every) == ["S2"] and stops(every) == [] and "a job is pending" in lines(every)[0].message
+    # over: it serves or its unit stopped, or its unit started anew
+    for over in (replace(aside, ended=True), replace(aside, start=("i2", 120.0))):
+        assert run(config(), [(120.0, view(1, over))], starts)[0] == {}
+
+
+def test_fast_ticks_only_while_a_start_is_watched_and_not_stopped():
+    c = config()
+    box = Box(c)
+    box.tick(100.0, memory=mem(30))
+    box.tick(101.0, memory=mem(30, 0.5), b=b_loading(101.0, active_state="deactivating"))  # a stop, not a start
+    assert box.state("b") == State.STARTING and box.core.starts == {}
+    assert tick.next_tick_at(box.core, 101.0, 101.1, c) == pytest.approx(103.0)
+    box = loading_box(c)
+    assert tick.next_tick_at(box.core, 201.0, 201.1, c) == pytest.approx(201.5)
+    box.tick(210.0, memory=mem(2.5, 97.5), b=b_loading(210.0))  # stopped: its restart in flight
+    assert box.tracks["b"].restart_in_flight and box.core.starts["b"].stopped
+    assert tick.next_tick_at(box.core, 210.0, 210.1, c) == pytest.approx(212.0)
+
+
+def test_the_largest_others_leave_out_the_replicas_own_processes():
+    consumers = ("python3 (pid 4242 in vllm-b.service) 90.0 GiB, VLLM::EngineCore (pid 77) 40.0 GiB, "
+                 "build.service 20.0 GiB, make (pid 9 in build.service) 3.0 GiB")
+    first = replace(starting(cgroup=0), pid=77)
+    v0, v1 = view(100, first), view(2, replace(first, cgroup_bytes=97 * GiB))
+    _, every = run(config(), [(100.0, replace(v0, consumers=consumers)), (110.0, replace(v1, consumers=consumers))])
+    assert "largest others: build.service 20.0 GiB, make (pid 9 in build.service) 3.0 GiB;" in lines(every)[0].message
+
+
+def test_the_observer_names_each_large_process_with_its_unit(tmp_path):
+    from guardian.observe.memory import consumers_text, unit_of_pid
+
+    (tmp_path / "4242").mkdir()
+    (tmp_path / "4242" / "cgroup").write_text("0::/system.slice/vllm-b.service\n")
+    (tmp_path / "9").mkdir()
+    (tmp_path / "9" / "cgroup").write_text("0::/\n")
+    assert [unit_of_pid(p, str(tmp_path)) for p in (4242, 9, 5)] == ["vllm-b.service", None, None]
+    text = consumers_text([("build.service", 20 * GiB)], [("python3", 4242, 90 * GiB, "vllm-b.service"),
+                                                           ("make", 9, 3 * GiB, None)])
+    assert text == "build.service 20.0 GiB, python3 (pid 4242 in vllm-b.service) 90.0 GiB, make (pid 9) 3.0 GiB"
+
+
+def test_the_observer_asks_the_peers_at_most_once_per_cache_period(monkeypatch):
+    """Below the line they are wanted on every tick, and a dead peer costs up to peer_timeout_s."""
+    import asyncio
+
+    import guardian.observe.memory as observer_module
+    from guardian.observe.clock import Now
+    from guardian.observe.memory import PEERS_MAX_AGE_S, MemoryObserver
+    from guardian.observe.systemd import Systemd
+
+    c = config(peer_urls=["http://box2:8000"])
+    monkeypatch.setattr(observer_module, "sample_memory", lambda: MemorySample(TOTAL, 2 * GiB, 2 * GiB, None, None))
+    monkeypatch.setattr(observer_module, "read_env_fraction", lambda path: None)
+    calls = []
+
+    async def peers(self, cfg):
+        calls.append(len(calls))
+        return {"m": ("http://box2:8000",)} if len(calls) == 1 else {"m": ()}
+
+    async def consumers(self):
+        return "build.service 20.0 GiB"
+
+    monkeypatch.setattr(MemoryObserver, "_serving_peers", peers)
+    monkeypatch.setattr(MemoryObserver, "_largest_consumers", consumers)
+    observer = MemoryObserver(Systemd(), None)
+
+    def at(mono, config=c):
+        return asyncio.run(observer.observe(config, {}, None, Now(mono, 1e9 + mono))).peers_serving
+
+    assert [at(100.0 + i / 2) for i in range(int(PEERS_MAX_AGE_S * 2))] == [{"m": ("http://box2:8000",)}] * 20
+    assert len(calls) == 1
+    assert at(100.0 + PEERS_MAX_AGE_S) == {"m": ()} and len(calls) == 2
+    assert at(100.0 + PEERS_MAX_AGE_S + 1, config(peer_urls=["http://box3:8000"])) == {"m": ()} and len(calls) == 3

@@ -16,7 +16,13 @@ is queued and the unit's processes SIGKILLed, so the memory is back at once. The
 as the memory guard's pending change (memguard.Pending), and M3-M8 follow it as they follow a
 lowering: done, mismatch, abandoned, a failed start retried a step lower (core/tick.py).
 
-Each verdict's line is said once per start and cause; S2 and S3 say nothing.
+A start's record is kept while its unit is in that start (the same InvocationID and start
+timestamp); a stopped start's even while it is not watched (its stop's restart in flight, a restart
+refused), so that it is never measured again from the headroom it left: it ends when its unit
+starts anew, it serves, or its unit stops. A stop whose restart was refused (the memory guard's
+M6) is not tried again for that start (S2).
+
+Each verdict's line is said once per start and cause; S3 says nothing, and S2 only a refused stop.
 """
 
 from __future__ import annotations
@@ -63,7 +69,10 @@ class Starting:
     wiring_problem: str | None  # None: wired for the memory guard (core/wiring.py, M9)
     nvml_bytes: int | None = None  # NVML per-process memory of its process tree, when the driver reports it
     cgroup_bytes: int | None = None  # its unit's MemoryCurrent (never a container replica's)
-    refusal: Refusal | None = None  # admission A1-A2 for a restart of it now
+    refusal: Refusal | None = None  # admission's budget (A1) for a restart of it now
+    ended: bool = False  # its start is over: it serves, or its unit is not activating or active
+    refused: str | None = None  # its restart job was refused on this tick (the memory guard's M6)
+    pid: int | None = None  # its unit's main process, when known
 
 
 @dataclass(frozen=True)
@@ -87,6 +96,7 @@ class Start:
     nvml_bytes: int  # its NVML memory then (0 when none is listed: a new process holds none)
     cgroup_bytes: int | None  # its MemoryCurrent then
     stopped: bool = False  # S10 stopped it (or, with dry_run, said it would)
+    refused: str | None = None  # why its stop's restart was refused (S2): it is not stopped again
     said: tuple[str, ...] | None = None  # the last cause said: a line is said once per start and cause
     rule: str | None = None  # the last verdict's id
 
@@ -112,6 +122,7 @@ class _Look:
     growth: Growth
     new: float | None  # one step lower: choose_fraction(its fraction, what it holds, headroom); None if none fits
     pending_other: str | None  # another replica whose change the memory guard follows (M3)
+    highest: float = 0.0  # the highest fraction S7 tries
 
     @property
     def grows(self) -> bool:
@@ -130,12 +141,18 @@ WATCHED = Rule(
     "active (a start, not a stop) AND no restart job of guardian's is in flight for it; at the first tick that sees "
     "this start (its unit's InvocationID and InactiveExitTimestampMonotonic), the headroom and the replica's own "
     "memory (NVML, else its cgroup's MemoryCurrent) are recorded, and S2-S10 are checked from the next tick on; "
-    "while any replica is starting, ticks come every min(M.start_guard_interval_s, interval_s)",
+    "a stopped start's record is kept until its unit starts anew, it serves or its unit stops; while a start is "
+    "watched and not stopped, ticks come every min(M.start_guard_interval_s, interval_s)",
 )
 
 ROWS: tuple[Row[_Look, None], ...] = (
     Row(
-        Rule("S2", "stopped", "the start guard stopped this start already: nothing more"),
+        Rule(
+            "S2",
+            "stopped",
+            "the start guard stopped this start already: nothing more; when that stop's restart was refused (M6), "
+            "said once (error): it is not stopped again",
+        ),
         lambda k: k.start.stopped,
         lambda k: None,
     ),
@@ -160,8 +177,10 @@ ROWS: tuple[Row[_Look, None], ...] = (
         Rule(
             "S5",
             "unwired",
-            "it is not wired for the memory guard, or its fraction is unknown: restarted, it would take the same "
-            "memory again; not stopped (critical)",
+            "it is not wired for the memory guard, or its command line shows another fraction than guardian's env "
+            "file (something overrides it, an ExecStart= drop-in; not for a start begun before its change of "
+            "fraction pending was written, nor one that runs with the fraction that change replaced), or its "
+            "fraction is unknown: restarted, it would take the same memory again; not stopped (critical)",
         ),
         lambda k: k.replica.wiring_problem is not None or k.replica.fraction is None,
         lambda k: None,
@@ -175,9 +194,9 @@ ROWS: tuple[Row[_Look, None], ...] = (
         Rule(
             "S7",
             "no-fit",
-            "no fraction on the 0.01 grid, <= its fraction - M.step and >= M.floor, has total x fraction <= "
-            "headroom + what it holds (NVML, else its cgroup, else the headroom's fall) - M.reserve_bytes; not "
-            "stopped (critical)",
+            "no fraction on the 0.01 grid, <= its fraction - M.step (the start of a raise pending: <= the fraction "
+            "it was raised from) and >= M.floor, has total x fraction <= headroom + what it holds (NVML, else its "
+            "cgroup, else the headroom's fall) - M.reserve_bytes; not stopped (critical)",
         ),
         lambda k: k.new is None,
         lambda k: None,
@@ -195,8 +214,9 @@ ROWS: tuple[Row[_Look, None], ...] = (
         Rule(
             "S9",
             "refused",
-            "admission refuses a restart of it now: A1 (budget) or A2 (back-off); A3 is not asked: the stop "
-            "replaces a start under way, it adds none",
+            "admission's budget refuses a restart of it now (A1: it bounds a loop of stops, as M.floor bounds their "
+            "steps); A2 (back-off) and A3 are not asked: the stop replaces a start under way and adds none, and "
+            "the start of guardian's own restart is in its back-off for the whole load",
         ),
         lambda k: k.replica.refusal is not None,
         lambda k: None,
@@ -215,7 +235,7 @@ ROWS: tuple[Row[_Look, None], ...] = (
 )
 
 RULES: tuple[Rule, ...] = (WATCHED, *(row.rule for row in ROWS))
-_QUIET = frozenset({"S2", "S3"})  # nothing to say: stopped already, or clear of the critical line
+_QUIET = frozenset({"S2", "S3"})  # nothing to say: stopped already (unless refused), or clear of the critical line
 STOP = "S10"
 
 
@@ -228,6 +248,11 @@ _HEAD = (
 )
 
 MESSAGES: dict[str, tuple[Priority, str]] = {
+    "S2": (
+        Priority.ERROR,
+        "its start was stopped, and the restart of {unit} refused: {refused} (M6); it is not stopped again, this "
+        "start goes on; free memory by hand (S2)",
+    ),
     "S4": (
         Priority.ERROR,
         "it is not what takes the memory, so its start is not stopped (S4; the squeeze rules apply)",
@@ -269,7 +294,7 @@ DRY_RUN = (
 def _fields(look: _Look, view: StartView, now: float) -> dict[str, Any]:
     replica, start, memory, growth = look.replica, look.start, look.memory, look.growth
     fraction = replica.fraction
-    others = [c for c in view.consumers.split(", ") if c and not c.startswith(f"{replica.unit} ")]
+    others = [c for c in view.consumers.split(", ") if c and not _own(c, replica)]
     return {
         "name": replica.name,
         "unit": replica.unit,
@@ -284,7 +309,7 @@ def _fields(look: _Look, view: StartView, now: float) -> dict[str, Any]:
         "problem": replica.wiring_problem or "its fraction is unknown",
         "fraction": f"{fraction:g}" if fraction is not None else "unknown",
         "floor": memory.floor,
-        "highest": grid((fraction or 0.0) - memory.step),
+        "highest": look.highest,
         "total": gib(view.total_bytes),
         "held": gib(growth.held_bytes),
         "reserve": gib(memory.reserve_bytes),
@@ -292,7 +317,17 @@ def _fields(look: _Look, view: StartView, now: float) -> dict[str, Any]:
         "refusal": replica.refusal.text if replica.refusal is not None else "",
         "refusal_rule": replica.refusal.rule if replica.refusal is not None else "",
         "new": look.new or 0.0,
+        "refused": start.refused or "",
     }
+
+
+def _own(consumer: str, replica: Starting) -> bool:
+    """CONSUMER (observe/memory.py: "unit 1.0 GiB", "name (pid 9 in unit) 1.0 GiB") is REPLICA's own:
+    its unit, or a process of it (in its unit, or its main process)."""
+    unit, pid = replica.unit, replica.pid
+    if consumer.startswith(f"{unit} ") or f" in {unit}) " in consumer:
+        return True
+    return pid is not None and (f"(pid {pid}) " in consumer or f"(pid {pid} in " in consumer)
 
 
 def _line(rule: str, look: _Look, view: StartView, now: float, cfg: Config) -> LogLine:
@@ -317,14 +352,16 @@ def decide(
     starts: Mapping[str, Start], view: StartView, now: float, cfg: Config
 ) -> tuple[dict[str, Start], list[LogLine | SetFraction]]:
     """The start guard's tick: each watched start's record, and what is said and done. A start
-    no longer watched is forgotten."""
+    no longer watched is forgotten, a stopped one only once it is over (_carried)."""
     kept: dict[str, Start] = {}
     actions: list[LogLine | SetFraction] = []
     for replica in view.replicas:
+        start = _carried(starts.get(replica.name), replica)
         if not replica.loading:
+            if start is not None and start.stopped:  # its stop's restart in flight, or refused: S2 until it is over
+                kept[replica.name] = start
             continue
-        start = starts.get(replica.name)
-        if start is None or start.start != replica.start:  # S1: this start's first look records, no more
+        if start is None:  # S1: this start's first look records, no more
             kept[replica.name] = Start(
                 replica.start, now, view.headroom_bytes, replica.nvml_bytes or 0, replica.cgroup_bytes
             )
@@ -338,6 +375,36 @@ def decide(
     return kept, actions
 
 
+def _carried(start: Start | None, replica: Starting) -> Start | None:
+    """START as this tick carries it: None once REPLICA's unit started anew or its start is over (it
+    serves, its unit stopped); a refusal of its stop's restart is kept (S2)."""
+    if start is None or start.start != replica.start or replica.ended:
+        return None
+    if start.stopped and start.refused is None and replica.refused is not None:
+        return replace(start, refused=replica.refused)
+    return start
+
+
+def overridden(
+    name: str, configured: float | None, cmdline: float | None, started_at: float | None, pending: Pending | None
+) -> str | None:
+    """S5 for a loading replica NAME: its command line shows another fraction than guardian's env file,
+    so something overrides that file (an ExecStart= drop-in) and a stop would restart it with the same
+    memory; None otherwise. A start begun before its change of fraction pending was written (the file
+    is newer than the start: systemd restarting it by itself, M7), or one that runs with the fraction
+    that change replaced, is not overridden."""
+    if configured is None or cmdline is None or abs(configured - cmdline) <= 1e-6:
+        return None
+    if pending is not None and pending.replica == name:
+        before = started_at is None or started_at < pending.issued_at
+        if before or abs(cmdline - pending.old) <= 1e-6:
+            return None
+    return (
+        f"its command line says --gpu-memory-utilization {cmdline:g} while guardian's env file says {configured:g}: "
+        "something overrides that file (an ExecStart= drop-in, a later EnvironmentFile=)"
+    )
+
+
 def growth(replica: Starting, start: Start, fall_bytes: int) -> Growth:
     """How much REPLICA grew since START's first look: NVML where the driver lists memory for its
     processes, else its cgroup, else the headroom's fall (all of it taken as the replica's)."""
@@ -348,6 +415,16 @@ def growth(replica: Starting, start: Start, fall_bytes: int) -> Growth:
     return Growth(fall_bytes, max(fall_bytes, 0), FALL)
 
 
+def _top(replica: Starting, pending: Pending | None, memory: MemoryConfig) -> float:
+    """What S7 goes one step below: its fraction; for the start of a raise pending, the fraction it
+    was raised from plus a step, so that it goes back there, as M7 after a failed raise."""
+    fraction = replica.fraction or 0.0
+    if pending is not None and pending.replica == replica.name and pending.raising:
+        if abs(pending.new - fraction) < 1e-9:
+            return pending.old + memory.step
+    return fraction
+
+
 def _judge(
     start: Start, replica: Starting, view: StartView, now: float, cfg: Config
 ) -> tuple[Start, list[LogLine | SetFraction]]:
@@ -355,17 +432,18 @@ def _judge(
     memory = cfg.memory
     fall = start.headroom_bytes - view.headroom_bytes
     grew = growth(replica, start, fall)
+    pending = view.pending
+    top = _top(replica, pending, memory)
     new = None
     if replica.fraction is not None:
-        new = choose_fraction(replica.fraction, grew.held_bytes, view.headroom_bytes, view.total_bytes, memory)
-    pending = view.pending
+        new = choose_fraction(top, grew.held_bytes, view.headroom_bytes, view.total_bytes, memory)
     other = pending.replica if pending is not None and pending.replica != replica.name else None
-    look = _Look(replica, start, memory, view.headroom_bytes, fall, grew, new, other)
+    look = _Look(replica, start, memory, view.headroom_bytes, fall, grew, new, other, grid(top - memory.step))
     found = first_match(ROWS, look)
     assert found is not None, "S10 always holds"
     rule = found[0].id
     start = replace(start, rule=rule)
-    if rule in _QUIET:
+    if rule in _QUIET and not (rule == "S2" and start.refused is not None):
         return start, []
     actions: list[LogLine | SetFraction] = []
     cause = (rule, *(replica.refusal.key if rule == "S9" and replica.refusal else ()), *((other,) if other else ()))

@@ -60,9 +60,19 @@ from .actions import (
 )
 from .drain import Drain, Phase
 from .liveness import Track
-from .observations import MemoryObservation, RestartRequest, TickObservation
+from .observations import MemoryObservation, ReplicaMemoryObservation, RestartRequest, TickObservation
 from .rules import Refusal
-from .vocab import LOADING_STATES, RESTART_STATES, ActiveState, Decision, Priority, RestartKind, State
+from .vocab import (
+    LOADING_STATES,
+    RESTART_STATES,
+    SERVING_STATES,
+    ActiveState,
+    Decision,
+    Gate,
+    Priority,
+    RestartKind,
+    State,
+)
 
 
 @dataclass(frozen=True)
@@ -567,43 +577,56 @@ class Tick:
         self.starts, actions = startguard.decide(self.previous.starts, view, self.now, self.cfg)
         for action in actions:
             if isinstance(action, SetFraction):
-                pending = memguard.Pending(action.replica, action.old, action.new, self.now)
-                self.mem = replace(self.mem, pending=pending, last_change_at=self.now)
+                self.mem = _stopped(self.mem, action, self.now)
                 self.restart_under_way = True
         self._take_memory_actions(actions)  # its restart in flight, marked down at the proxy (D9)
 
     def _start_view(self, observed: MemoryObservation) -> startguard.StartView:
         """The start guard's view: the memory guard's view of each replica, the tick's verdicts and
-        units, and admission A1-A2 (A3 is not asked: the stop replaces a start, it adds none)."""
-        replicas = []
-        for mine in memview.memory_view(self, observed).replicas:
-            track, seen = self.tracks[mine.name], self.obs.replicas[mine.name]
-            found = observed.replicas.get(mine.name)
-            unit = seen.unit
-            loading = (
-                track.state in LOADING_STATES
-                and not track.restart_in_flight
-                and unit is not None
-                and unit.active_state in (ActiveState.ACTIVATING, ActiveState.ACTIVE)
-            )
-            alone = {mine.name: track}  # its own restarts only: A1 and A2
-            refusal = admission.admit(mine.name, alone, self.obs.persistent, self.now, self.cfg) if loading else None
-            starting = startguard.Starting(
-                mine.name,
-                mine.unit,
-                loading,
-                (unit.invocation_id, unit.inactive_exit_mono) if unit is not None else ("", None),
-                mine.fraction,
-                mine.wiring_problem,
-                nvml_bytes=mine.usage_bytes,
-                cgroup_bytes=found.cgroup_bytes if found is not None else None,
-                refusal=refusal,
-            )
-            replicas.append(starting)
+        units, and admission's budget (A1; S9)."""
+        replicas = tuple(
+            self._starting(mine, observed.replicas.get(mine.name))
+            for mine in memview.memory_view(self, observed).replicas
+        )
         sample = observed.sample
         return startguard.StartView(
-            sample.available_bytes, observed.total_bytes, tuple(replicas), observed.consumers, self.mem.pending
+            sample.available_bytes, observed.total_bytes, replicas, observed.consumers, self.mem.pending
         )
+
+    def _starting(self, mine: memguard.ReplicaMemory, found: ReplicaMemoryObservation | None) -> startguard.Starting:
+        """One replica as the start guard sees it: loading is S1's set."""
+        track, seen = self.tracks[mine.name], self.obs.replicas[mine.name]
+        unit = seen.unit
+        active = unit is not None and unit.active_state in (ActiveState.ACTIVATING, ActiveState.ACTIVE)
+        loading = track.state in LOADING_STATES and not track.restart_in_flight and active
+        wiring = mine.wiring_problem
+        if wiring is None and loading and found is not None:  # S5: an ExecStart= drop-in shows while it loads
+            pending = self.previous.mem.pending
+            wiring = startguard.overridden(
+                mine.name, found.configured_fraction, found.cmdline_fraction, mine.started_at, pending
+            )
+        outcome = seen.restart_outcome
+        return startguard.Starting(
+            mine.name,
+            mine.unit,
+            loading,
+            (unit.invocation_id, unit.inactive_exit_mono) if unit is not None else ("", None),
+            mine.fraction,
+            wiring,
+            nvml_bytes=mine.usage_bytes,
+            cgroup_bytes=found.cgroup_bytes if found is not None else None,
+            refusal=self._budget_refusal(mine.name) if loading else None,
+            ended=track.state in SERVING_STATES or not active,
+            refused=outcome.result if outcome is not None and not outcome.issued else None,
+            pid=(unit.main_pid or None) if unit is not None else None,
+        )
+
+    def _budget_refusal(self, name: str) -> Refusal | None:
+        """S9: admission's budget (A1) for a stop of NAME's start. A2 (back-off) is not asked: guardian's
+        own restart's start is in its back-off for the whole load; nor A3: the stop adds no start."""
+        alone = {name: self.tracks[name]}  # its own restarts only
+        refusal = admission.admit(name, alone, self.obs.persistent, self.now, self.cfg)
+        return refusal if refusal is not None and refusal.gate is Gate.BUDGET else None
 
     # --- 6. the memory guard ------------------------------------------------------------------
 
@@ -785,7 +808,7 @@ def next_tick_at(state: TickState, last_started: float, now: float, cfg: Config)
     that moment has passed (this tick judged just short of it), it starts at the deadline itself.
     At most two extra ticks per deadline; never one in the past.
 
-    While a replica is starting and the start guard is on, ticks come every
+    While the start guard watches a start (watching_starts), ticks come every
     memory.start_guard_interval_s instead (never slower than interval_s): headroom may fall by at
     most critical_headroom_bytes between two looks before the box is out of memory."""
     at = last_started + _interval_s(state, cfg)
@@ -815,9 +838,11 @@ def probe_wait_s(state: TickState, now: float, cfg: Config) -> float:
 
 
 def watching_starts(state: TickState, cfg: Config) -> bool:
-    """A replica is starting and the start guard is on: each tick is the start guard's look."""
+    """The start guard is on and watches a start it has not stopped (S1's set: its unit activating or
+    active within its grace, no restart job in flight): each tick is its look. Not a unit deactivating,
+    a restart in flight or a crash loop between its starts, though liveness calls them starting."""
     memory = cfg.memory
-    return memory.enabled and memory.start_guard and any(t.state in LOADING_STATES for t in state.tracks.values())
+    return memory.enabled and memory.start_guard and any(not s.stopped for s in state.starts.values())
 
 
 def _interval_s(state: TickState, cfg: Config) -> float:
@@ -826,6 +851,23 @@ def _interval_s(state: TickState, cfg: Config) -> float:
     if watching_starts(state, cfg):
         return min(cfg.interval_s, cfg.memory.start_guard_interval_s)
     return cfg.interval_s
+
+
+def _stopped(mem: memguard.MemTrack, stop: SetFraction, now: float) -> memguard.MemTrack:
+    """The memory guard's track once the start guard stopped a start (S10): STOP is its pending change,
+    followed as a lowering (M3-M8). The start of a pending raise that is stopped failed as the start
+    of a raise fails (memguard._settle): its fraction becomes the replica's ceiling, and the memory
+    guard does not raise it there again while guardian runs (M20)."""
+    pending, ceilings = mem.pending, mem.ceilings
+    if (
+        pending is not None
+        and pending.raising
+        and pending.replica == stop.replica
+        and abs(pending.new - stop.old) < 1e-9
+    ):
+        ceilings = {**ceilings, stop.replica: pending.new}
+    change = memguard.Pending(stop.replica, stop.old, stop.new, now)
+    return replace(mem, pending=change, last_change_at=now, ceilings=ceilings)
 
 
 def _kept(name: str, obs: TickObservation) -> tuple[float, ...]:

@@ -21,6 +21,7 @@ from .clock import Now
 from .meminfo import sample_memory
 from .nvml import Nvml
 from .readback import Refused, read_back
+from .sockets import unit_of_cgroup
 from .systemd import Systemd, SystemdError
 
 # An environment file is a few lines; one larger than this is not one (and is not read).
@@ -28,6 +29,11 @@ ENV_FILE_MAX_BYTES = 64 * 2**10
 # The largest consumers are looked for again at most this often: every process and every active
 # unit's MemoryCurrent is too much for each tick of a start (the start guard's ticks come every 0.5 s).
 CONSUMERS_MAX_AGE_S = 2.0
+# The peers' answers (memory.peer_urls) are asked again at most this often: below the squeeze line
+# they are wanted on every tick, and a dead peer costs a tick up to memory.peer_timeout_s (2 s) while
+# the start guard's ticks come every 0.5 s. 10 s: a tick waits on them at most once in 10 s, and the
+# rules that read them (M14, M23) act on a squeeze of sustain_s (30 s) or a clear spell of minutes.
+PEERS_MAX_AGE_S = 10.0
 
 
 def env_path(cfg: Config, replica: str) -> Path:
@@ -106,6 +112,24 @@ def _largest_processes(n: int) -> list[tuple[str, int, int]]:
     return sorted(procs, key=lambda x: -x[2])[:n]
 
 
+def unit_of_pid(pid: int, proc: str = "/proc") -> str | None:
+    """The unit PID runs in (its cgroup v2 path), or None: gone, unreadable, or in no unit."""
+    try:
+        with open(f"{proc}/{pid}/cgroup") as f:
+            path = next((line[3:].strip() for line in f if line.startswith("0::")), None)
+    except OSError:
+        return None
+    return unit_of_cgroup(path) if path else None
+
+
+def consumers_text(units: list[tuple[str, int]], procs: list[tuple[str, int, int, str | None]]) -> str:
+    """The largest consumers as the journal lines say them: each unit, then each process with its pid
+    and, where known, its unit ("python3 (pid 9 in vllm-b.service) 50.0 GiB"): the start guard leaves
+    out a replica's own (core/startguard.py, S10's "largest others")."""
+    named = [f"{n} (pid {pid}{f' in {u}' if u else ''}) {gib(b)}" for n, pid, b, u in procs]
+    return ", ".join([f"{n} {gib(b)}" for n, b in units] + named)
+
+
 class MemoryObserver:
     def __init__(self, sd: Systemd, client: httpx.AsyncClient) -> None:
         self.sd = sd
@@ -113,6 +137,7 @@ class MemoryObserver:
         self.nvml: Nvml | None = None
         self.wiring: dict[str, str | None] = {}
         self._consumers: tuple[float, str] | None = None  # (when, what) last found
+        self._peers_found: tuple[float, object, dict[str, tuple[str, ...]]] | None = None  # (when, asked, found)
 
     def start(self) -> str:
         """Open NVML (once); the note says what it can tell on this box."""
@@ -167,9 +192,9 @@ class MemoryObserver:
         consumers: str = ""
         peers: dict[str, tuple[str, ...]] = {}
         if sample.available_bytes < m.min_headroom_bytes:
-            consumers, peers = await asyncio.gather(self._largest_consumers(), self._serving_peers(cfg))
+            consumers, peers = await asyncio.gather(self._largest_consumers(), self._peers(cfg, now.mono))
         elif m.restore and _below_base(cfg, per_replica, bases or {}):
-            peers = await self._serving_peers(cfg)
+            peers = await self._peers(cfg, now.mono)
         return MemoryObservation(
             sample, total, {r.name: x for r, x in zip(cfg.replicas, per_replica, strict=False)}, peers, consumers
         )
@@ -201,8 +226,19 @@ class MemoryObserver:
             units = await self.sd.largest_units(3)
         except SystemdError:
             units = []
-        procs = await asyncio.to_thread(_largest_processes, 2)
-        return ", ".join([f"{n} {gib(b)}" for n, b in units] + [f"{n} (pid {pid}) {gib(b)}" for n, pid, b in procs])
+        procs = await asyncio.to_thread(lambda: [(n, pid, b, unit_of_pid(pid)) for n, pid, b in _largest_processes(2)])
+        return consumers_text(units, procs)
+
+    async def _peers(self, cfg: Config, mono: float) -> dict[str, tuple[str, ...]]:
+        """_serving_peers, asked again only once its answers are PEERS_MAX_AGE_S old (or the peers or
+        models configured changed: a reload)."""
+        key = (tuple(cfg.memory.peer_urls), tuple(sorted({r.model for r in cfg.replicas})))
+        cached = self._peers_found
+        if cached is not None and cached[1] == key and 0 <= mono - cached[0] < PEERS_MAX_AGE_S:
+            return cached[2]
+        found = await self._serving_peers(cfg)
+        self._peers_found = (mono, key, found)
+        return found
 
     async def _serving_peers(self, cfg: Config) -> dict[str, tuple[str, ...]]:
         """Per model of this box, the memory.peer_urls that answered /health and list it: a peer
