@@ -331,15 +331,16 @@ def test_through_the_tick_a_spent_budget_holds_the_stop_at_critical():
 
 
 def test_never_a_unit_that_is_not_a_configured_replica():
-    """Memory figures for a name the config does not have (a replica removed by a reload, a stray)
-    are never judged, however it grows; the configured replicas serve, so nothing is watched."""
-    box = Box(config())
-    box.tick(100.0, memory=mem(30))
-    stray = ReplicaMemoryObservation(0.9, 0.9, 100 * GiB, None, cgroup_bytes=0)
-    box.tick(101.0, memory=mem(100, x=stray))
-    box.tick(110.0, memory=mem(2, x=replace(stray, cgroup_bytes=98 * GiB)))
-    assert box.core.starts == {} and not any(line.rule and line.rule.startswith("S") for line in box.lines())
-    assert not [s for s in box.of(SetFraction) if s.kill_first or s.replica == "x"]  # the squeeze rules may act
+    """While b loads and the box sinks below critical, a stray the config does not have (a replica
+    removed by a reload, another service) is the one growing: nothing is stopped, b is not blamed
+    (its cgroup did not grow: S4), and the stray is never judged or named as a replica."""
+    box = loading_box(config())
+    stray = ReplicaMemoryObservation(0.9, 0.9, None, None, cgroup_bytes=0)
+    box.tick(205.0, memory=mem(100, 0.5, x=stray), b=b_loading(205.0))
+    box.tick(210.0, memory=mem(2, 0.5, x=replace(stray, cgroup_bytes=98 * GiB)), b=b_loading(210.0))
+    assert set(box.core.starts) == {"b"}
+    assert [line.rule for line in box.lines() if line.rule and line.rule.startswith("S")] == ["S4"]
+    assert [s for s in box.of(SetFraction) if s.kill_first or s.replica == "x"] == []  # the squeeze rules may act
     assert all(line.replica in (None, "a", "b") for line in box.lines())
 
 
