@@ -641,14 +641,7 @@ class Bench:
             self.say(f"  memory trial {i + 1}: lowering after {to_action.values[-1]:.1f} s")
             self.box.systemctl("stop", "bench-hog.service", check=False)
         w.memory = {}
-        for r in w.replicas:
-            r.sim_args = ""
-            w.install_replica(r)
-        self.box.run("rm -f /var/lib/guardian/replicas/*.env", check=False)
-        self.box.daemon_reload()
-        self.box.systemctl("restart", *[r.unit for r in w.replicas])
-        w.write_config()
-        self.box.systemctl("restart", "guardian.service")
+        self._memory_reset()
         return to_action, to_headroom
 
 
@@ -710,7 +703,7 @@ class Bench:
         self.box.run("rm -f /var/lib/guardian/replicas/*.env /etc/systemd/system/vllm-b.service.d/fraction.conf",
                      check=False)
         w.memory, w.watchdog = {}, {}
-        self._memloop_setup_done()
+        self._memory_reset()
         return {"issued": issued, "served": served, "guarded": guarded}
 
     def _guarded_start(self, guard: bool) -> dict:
@@ -743,7 +736,9 @@ class Bench:
                  f"from the critical line; stopped: {stopped}")
         return {"lowest_vs_critical_gib": (lowest - critical) / GiB, "stopped": stopped, "served_after_s": time.time() - t0}
 
-    def _memloop_setup_done(self) -> None:
+    def _memory_reset(self) -> None:
+        """The replicas back as the other parts expect them (no memory held, fraction 0.9, no env
+        file), and guardian with the world's config."""
         w = self.world
         for r in w.replicas:
             r.sim_args, r.fraction = "", 0.9
