@@ -107,15 +107,27 @@ def test_nvml_is_asked_before_the_cgroup_and_the_cgroup_before_the_fall():
     assert said(every) == ["S10"] and f"({FALL})" in lines(every)[0].message
 
 
-@pytest.mark.parametrize("first_gib, then_gib, rule", [
-    (100, 2.0, "S10"),  # with no measure of its own, the whole fall is taken as its growth
-    (2.5, 2.5, "S4"),  # already below the line at the first look, and no fall since: nothing says it grows
-    (2.5, 2.6, "S4"),
+@pytest.mark.parametrize("first_gib, then_gib, rules", [
+    (100, 2.0, ["S10"]),  # with no measure of its own, the whole fall is taken as its growth
+    (3.0, 2.9, ["S7"]),  # at the line (not below it) at the first look, then under it: judged (no fit here)
+    (2.5, 2.5, []),  # already below the line at the first look: this start did not take it there (S3)
+    (2.5, 1.0, []),  # ... however far it falls: the squeeze rules act on a box already critical
 ])
-def test_with_the_fall_alone_the_headroom_must_have_fallen(first_gib, then_gib, rule):
+def test_with_the_fall_alone_the_start_must_take_the_box_under_the_line(first_gib, then_gib, rules):
     bare = starting()
     _, every = run(config(), [(100.0, view(first_gib, bare)), (110.0, view(then_gib, bare))])
-    assert said(every) == [rule]
+    assert said(every) == rules
+
+
+def test_a_critical_lowerings_own_start_is_not_stopped():
+    """Through the tick: the box is already under the critical line when a's lowering restarts it
+    (the fit check chose its fraction); its start takes some more: no stop, no walk down to the
+    floor (found in the memory system test)."""
+    box = loading_box(config(), headroom_gib=2.5)
+    box.tick(205.0, memory=mem(2.2, 0.5), b=b_loading(205.0))
+    box.tick(206.0, memory=mem(2.0, 0.8), b=b_loading(206.0))
+    assert not [s for s in box.of(SetFraction) if s.kill_first]
+    assert not [line for line in box.lines() if line.rule and line.rule.startswith("S")]
 
 
 def test_the_first_look_only_records():

@@ -100,14 +100,17 @@ def test_a_hog_around_the_thresholds_moves_nothing(world):
     no lowering. Once both are gone, a is raised, so the band alone was holding it."""
     a, b = world.replicas
     a.fraction, b.fraction = 0.78, 0.74
-    world.memory |= dict(floor=0.74, reserve_bytes=GiB // 2)  # the band: the raise line is 0.54 GiB above the squeeze line
-    avail0 = start_with_thresholds(world)
+    # The band: the squeeze line 2 GiB under what is available at the start, the raise line 1.04 GiB
+    # above it (the raise 0.04 GiB + reserve 1 GiB); each margin below is 0.5 GiB or more, wider than
+    # the box's own MemAvailable drifts during a test.
+    world.memory |= dict(floor=0.74, reserve_bytes=GiB)
+    avail0 = start_with_thresholds(world, below_now_gib=2.0)
     hog(world, "build.service", 3)
     line_with(world, "0.78 -> 0.74", "GUARDIAN_REPLICA=a", "GUARDIAN_DECISION=memory")
     line_with(world, "serving again with gpu_memory_utilization 0.74", "GUARDIAN_REPLICA=a", timeout_s=60)
     world.box.systemctl("stop", "build.service")
-    hog(world, "steady.service", 0.75)  # headroom ~ avail0 - 0.71 GiB: above min (avail0 - 1), below the raise line
-    wait_for(lambda: avail0 - 1 * GiB < mem_available() < avail0 - 0.46 * GiB, 20, "headroom in the band")
+    hog(world, "steady.service", 1.5)  # headroom ~ avail0 - 1.46 GiB: above min (avail0 - 2), below the raise line
+    wait_for(lambda: avail0 - 2 * GiB < mem_available() < avail0 - 0.96 * GiB, 20, "headroom in the band")
     nothing_changes_for(world, 3 * RESTORE_AFTER_S)
     for _ in range(4):  # on for less than sustain_s, off for less than restore_after_s
         world.box.systemctl("start", "build.service")

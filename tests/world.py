@@ -316,5 +316,9 @@ def hog(w: World, name: str, gib: float) -> None:
 
 
 def line_with(w: World, contains: str, *match: str, timeout_s: float = 40) -> dict:
-    return wait_for(lambda: next((e for e in w.guardian_lines(*match) if contains in e["MESSAGE"]), None),
-                    timeout_s, f"a guardian line containing {contains!r}")
+    try:
+        return wait_for(lambda: next((e for e in w.guardian_lines(*match) if contains in e["MESSAGE"]), None),
+                        timeout_s, f"a guardian line containing {contains!r}")
+    except AssertionError:  # what guardian said instead is the first thing a reader of the failure needs
+        print("\n".join(f"{e.get('GUARDIAN_RULE', '-')} {e['MESSAGE']}" for e in w.guardian_lines()[-40:]))
+        raise

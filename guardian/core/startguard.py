@@ -157,8 +157,17 @@ ROWS: tuple[Row[_Look, None], ...] = (
         lambda k: None,
     ),
     Row(
-        Rule("S3", "clear", "headroom >= M.critical_headroom_bytes on this tick: nothing"),
-        lambda k: k.headroom_bytes >= k.memory.critical_headroom_bytes,
+        Rule(
+            "S3",
+            "clear",
+            "headroom >= M.critical_headroom_bytes on this tick, OR it was already below it at this start's first "
+            "look: this start did not take the box under the line (a critical lowering's own start, whose fraction "
+            "the fit check chose, M13; the squeeze rules, M2, are what act on a box already critical): nothing",
+        ),
+        lambda k: (
+            k.headroom_bytes >= k.memory.critical_headroom_bytes
+            or k.start.headroom_bytes < k.memory.critical_headroom_bytes
+        ),
         lambda k: None,
     ),
     Row(

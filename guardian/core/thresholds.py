@@ -76,11 +76,10 @@ def _start_guard(cfg: Config) -> str:
     return (
         f"start guard: while a replica loads, a look every {memory.start_guard_interval_s:g} s; its start is killed "
         f"and restarted at the highest fraction that fits, <= its own - {memory.step:g} and >= {memory.floor:g}, "
-        f"when MemAvailable < "
-        f"{gib(memory.critical_headroom_bytes)} AND it is the one growing (its growth since the start began, by "
-        "NVML, else its cgroup, > 0 and >= half of MemAvailable's fall; with neither, MemAvailable fell), within "
-        "the restart budget and back-off; it keeps up with a fall of up to "
-        f"{gib(int(memory.critical_headroom_bytes / memory.start_guard_interval_s))}/s"
+        f"when MemAvailable < {gib(memory.critical_headroom_bytes)} (and was not when the start began) AND it is "
+        "the one growing (its growth since the start began, by NVML, else its cgroup, > 0 and >= half of "
+        "MemAvailable's fall; with neither, MemAvailable fell), within the restart budget; it keeps up with a fall "
+        f"of up to {gib(int(memory.critical_headroom_bytes / memory.start_guard_interval_s))}/s"
     )
 
 
