@@ -168,3 +168,23 @@ def test_a_lowering_that_something_overrides_is_caught_from_what_the_replica_rep
     time.sleep(3)
     assert not any("trying" in m for m in world.guardian_messages("GUARDIAN_REPLICA=a"))
     assert len(lowerings(world)) == 1
+
+
+def test_a_peer_that_serves_another_model_does_not_carry_this_one(world):
+    """Issue 25's first defect, in the box: a serves m1, b serves m2, and the one memory.peer_urls
+    replica serves m2 only. A squeeze (not critical) must not lower a, the only replica of m1: the
+    peer was counted for every model of the box, and a was lowered with nobody carrying m1."""
+    a, b = world.replicas
+    a.model, b.model = "m1", "m2"
+    world.install_plain("peer.service", exec_start="/usr/local/bin/vllm-sim serve --model m2 --port 8003",
+                        description="a replica of m2 on another box")
+    world.box.daemon_reload()
+    world.box.systemctl("start", "peer.service")
+    wait_for(lambda: world.box.http("http://127.0.0.1:8003/health", timeout_s=2)[0] == 200, 20, "the peer to serve")
+    world.memory["peer_urls"] = ["http://127.0.0.1:8003"]
+    start_with_thresholds(world)
+    hog(world, "build.service", 3)
+    line = line_with(world, "no other replica of m1 is serving", "GUARDIAN_REPLICA=a")
+    assert line["GUARDIAN_RULE"] == "M14" and line["PRIORITY"] == "3"
+    time.sleep(3)  # the absence of a lowering, watched for a while after the verdict
+    assert lowerings(world) == []

@@ -25,7 +25,7 @@ its steps in order:
    stops one that takes the box below the critical headroom, restarting it one step lower; that
    change becomes the memory guard's pending one, which step 6 follows (M3-M8);
 6. guard_memory: the memory guard (its view built by core/memview.py, its verdict by
-   core/memguard.py, M1-M17) sees the tracks and what admission would say; a lowering it starts
+   core/memguard.py, M1-M26) sees the tracks and what admission would say; a change it starts
    marks that replica's restart in flight, as any other restart does; its drains are kept here
    (D7, D9);
 7. release_fleet_slots: a fleet slot whose planned restart is over is given back (F7);
@@ -631,7 +631,7 @@ class Tick:
     # --- 6. the memory guard ------------------------------------------------------------------
 
     def guard_memory(self) -> None:
-        """Step 6 (M1-M17): the memory guard's verdict on its view of the box, and its drains (D7, D9);
+        """Step 6 (M1-M26): the memory guard's verdict on its view of the box, and its drains (D7, D9);
         a start the start guard stopped (step 5) is its pending change already."""
         observed = self.obs.memory
         if observed is None:  # the memory guard is off (a reload): its drains are not waited for
