@@ -1065,11 +1065,30 @@ def _conclude(
     return track, actions
 
 
+def _raise_failed(track: MemTrack) -> MemTrack:
+    """The pending change is a raise whose start failed: its fraction becomes the replica's ceiling,
+    and M20 does not raise it there again while guardian runs."""
+    pending = track.pending
+    if pending is None or not pending.raising:
+        return track
+    return replace(track, ceilings={**track.ceilings, pending.replica: pending.new})
+
+
+def start_stopped(track: MemTrack, stop: SetFraction, now: float) -> MemTrack:
+    """The track once the start guard stopped a start (S10): STOP becomes the pending change,
+    followed as a lowering (M3-M8). When the start stopped is the pending raise's own, that raise
+    failed as a failed start fails it (_settle)."""
+    pending = track.pending
+    if pending is not None and pending.replica == stop.replica and abs(pending.new - stop.old) < 1e-9:
+        track = _raise_failed(track)
+    return replace(track, pending=Pending(stop.replica, stop.old, stop.new, now), last_change_at=now)
+
+
 def _settle(track: MemTrack, verdict: MemVerdict, now: float) -> MemTrack:
     """The pending change that this verdict ends; a raise whose start failed becomes a ceiling."""
+    if verdict in _START_FAILED:
+        track = _raise_failed(track)
     pending = track.pending
-    if pending is not None and pending.raising and verdict in _START_FAILED:
-        track = replace(track, ceilings={**track.ceilings, pending.replica: pending.new})
     if verdict in (MemVerdict.DONE, MemVerdict.ABANDONED):
         track = replace(track, pending=None)
     elif verdict in (MemVerdict.MISMATCH, MemVerdict.GAVE_UP):

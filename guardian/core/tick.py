@@ -577,7 +577,7 @@ class Tick:
         self.starts, actions = startguard.decide(self.previous.starts, view, self.now, self.cfg)
         for action in actions:
             if isinstance(action, SetFraction):
-                self.mem = _stopped(self.mem, action, self.now)
+                self.mem = memguard.start_stopped(self.mem, action, self.now)
                 self.restart_under_way = True
         self._take_memory_actions(actions)  # its restart in flight, marked down at the proxy (D9)
 
@@ -851,23 +851,6 @@ def _interval_s(state: TickState, cfg: Config) -> float:
     if watching_starts(state, cfg):
         return min(cfg.interval_s, cfg.memory.start_guard_interval_s)
     return cfg.interval_s
-
-
-def _stopped(mem: memguard.MemTrack, stop: SetFraction, now: float) -> memguard.MemTrack:
-    """The memory guard's track once the start guard stopped a start (S10): STOP is its pending change,
-    followed as a lowering (M3-M8). The start of a pending raise that is stopped failed as the start
-    of a raise fails (memguard._settle): its fraction becomes the replica's ceiling, and the memory
-    guard does not raise it there again while guardian runs (M20)."""
-    pending, ceilings = mem.pending, mem.ceilings
-    if (
-        pending is not None
-        and pending.raising
-        and pending.replica == stop.replica
-        and abs(pending.new - stop.old) < 1e-9
-    ):
-        ceilings = {**ceilings, stop.replica: pending.new}
-    change = memguard.Pending(stop.replica, stop.old, stop.new, now)
-    return replace(mem, pending=change, last_change_at=now, ceilings=ceilings)
 
 
 def _kept(name: str, obs: TickObservation) -> tuple[float, ...]:
