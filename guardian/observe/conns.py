@@ -34,6 +34,7 @@ from .sockets import (
     CgroupMounts,
     cgroup_dirs,
     cgroup_mounts,
+    cgroup_v2_path,
     sock_diag_dump,
     unit_of_cgroup,
 )
@@ -472,16 +473,13 @@ def cpu_delta(before: CpuSample | None, after: CpuSample | None) -> float | None
 def guardian_cgroup_of(text: str) -> str | None:
     """Guardian's unit's cgroup (v2) path from /proc/self/cgroup's TEXT; None outside a unit (a
     shell, the root cgroup), where a cgroup would name others as well."""
-    for line in text.splitlines():
-        if line.startswith("0::"):
-            path = line[3:].strip()
-            unit = unit_of_cgroup(path)
-            if unit is None:
-                return None
-            parts = path.strip("/").split("/")
-            last = max(i for i, part in enumerate(parts) if part == unit)
-            return "/" + "/".join(parts[: last + 1])
-    return None
+    path = cgroup_v2_path(text)
+    unit = unit_of_cgroup(path) if path is not None else None
+    if path is None or unit is None:
+        return None
+    parts = path.strip("/").split("/")
+    last = max(i for i, part in enumerate(parts) if part == unit)
+    return "/" + "/".join(parts[: last + 1])
 
 
 def own_socket_inodes(fd_dir: str = "/proc/self/fd") -> frozenset[int]:

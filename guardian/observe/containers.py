@@ -31,6 +31,7 @@ from ..core.observations import UnitInfo
 from ..core.vocab import HeldBy, PortOwner
 from .memory import cmdline_of
 from .readback import Refused, read_back
+from .sockets import cgroup_of_pid
 from .systemd import JOB_DONE, Systemd, SystemdError
 
 REPORT_DIR = Path("/run/guardian-containers")  # the helper's (root's) RuntimeDirectory
@@ -150,10 +151,9 @@ def _root_cgroup(pid: int) -> str | None:
     try:
         if os.stat(f"/proc/{pid}").st_uid != 0:
             return None
-        with open(f"/proc/{pid}/cgroup") as f:
-            return next((line[3:].rstrip("\n") for line in f if line.startswith("0::")), None)
     except OSError:
         return None
+    return cgroup_of_pid(pid)
 
 
 _ENGINE_CGROUP = re.compile(r"^/(?:system|machine)\.slice/(?:docker|libpod|libpod-conmon)-[0-9a-f]{64}\.scope$")

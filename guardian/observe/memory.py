@@ -21,7 +21,7 @@ from .clock import Now
 from .meminfo import sample_memory
 from .nvml import Nvml
 from .readback import Refused, read_back
-from .sockets import unit_of_cgroup
+from .sockets import cgroup_of_pid, unit_of_cgroup
 from .systemd import Systemd, SystemdError
 
 # An environment file is a few lines; one larger than this is not one (and is not read).
@@ -114,11 +114,7 @@ def _largest_processes(n: int) -> list[tuple[str, int, int]]:
 
 def unit_of_pid(pid: int, proc: str = "/proc") -> str | None:
     """The unit PID runs in (its cgroup v2 path), or None: gone, unreadable, or in no unit."""
-    try:
-        with open(f"{proc}/{pid}/cgroup") as f:
-            path = next((line[3:].strip() for line in f if line.startswith("0::")), None)
-    except OSError:
-        return None
+    path = cgroup_of_pid(pid, proc)
     return unit_of_cgroup(path) if path else None
 
 

@@ -222,6 +222,20 @@ def cgroup_dirs(root: str = CGROUP_ROOT) -> dict[int, str]:
     return out
 
 
+def cgroup_v2_path(text: str) -> str | None:
+    """The cgroup v2 path in a /proc/PID/cgroup TEXT (its "0::" line), or None (cgroup v1 only)."""
+    return next((line[3:].strip() for line in text.splitlines() if line.startswith("0::")), None)
+
+
+def cgroup_of_pid(pid: int, proc: str = "/proc") -> str | None:
+    """PID's cgroup v2 path, or None: gone, unreadable, or no cgroup v2."""
+    try:
+        with open(f"{proc}/{pid}/cgroup") as f:
+            return cgroup_v2_path(f.read())
+    except OSError:
+        return None
+
+
 def unit_of_cgroup(path: str) -> str | None:
     """The unit a cgroup path belongs to: its deepest component named like a unit (not a slice)."""
     for part in reversed(path.strip("/").split("/")):
