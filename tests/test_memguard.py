@@ -98,6 +98,13 @@ def test_no_serving_peer_defers_unless_critical():
     assert lowerings(every) and "CRITICAL" in logs(every, "warning")[0]
 
 
+@pytest.mark.parametrize("headroom_gib, critical", [(5, False), (2.9, True)])
+def test_a_lowering_records_whether_it_was_decided_under_the_critical_line(headroom_gib, critical):
+    """The start guard reads it (S3): a critical lowering's own start is not stopped again."""
+    t, every, _ = run_memguard(memory_cfg(), [(100, view(headroom_gib)), (130, view(headroom_gib))])
+    assert lowerings(every) and t.pending is not None and t.pending.critical is critical
+
+
 def test_a_peer_on_another_box_counts():
     lonely = (rep("a", 0.78), rep("b", 0.70, state="stopped"))
     _, every, _ = run_memguard(memory_cfg(), [(100, view(5, *lonely, peers={"m": ("http://box2:8000",)})), (130, view(5, *lonely, peers={"m": ("http://box2:8000",)}))])

@@ -130,6 +130,18 @@ def test_a_critical_lowerings_own_start_is_not_stopped():
     assert not [line for line in box.lines() if line.rule and line.rule.startswith("S")]
 
 
+@pytest.mark.parametrize("critical, rules", [(True, []), (False, ["S7"])])  # S7: judged (no fit for 0.4 GiB held)
+def test_a_critical_lowerings_start_is_left_alone_though_the_kill_lifted_headroom_over_the_line(critical, rules):
+    """The memory guard lowered b under the critical line; killing b's old process lifted headroom
+    just over it by the start's first look, and the squeeze went on (a hog, not b: no measure of b's
+    own here). That start is the critical answer already (S3), not one that took the box under the
+    line; a lowering decided above the line gets no such pass (found by the memory system test in CI)."""
+    own = Pending("b", 0.94, 0.9, 90.0, critical=critical)
+    bare = starting()
+    _, every = run(config(), [(100.0, view(3.2, bare, pending=own)), (110.0, view(2.8, bare, pending=own))])
+    assert said(every) == rules
+
+
 def test_the_first_look_only_records():
     """Below the line already at a start's first look: nothing is known of its growth yet."""
     starts, every = run(config(), [(100.0, view(1, starting(cgroup=50 * GiB)))])

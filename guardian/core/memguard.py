@@ -86,6 +86,7 @@ class Pending:
     issued_at: float
     restart_owed: bool = False
     failure: str = ""  # why the start before it failed (M18, M19)
+    critical: bool = False  # a lowering decided under the critical line (M2): its start is S3's, not S10's
 
     @property
     def raising(self) -> bool:
@@ -449,6 +450,7 @@ class Facts:
     no_slot: Refusal | None = None  # the fleet's refusal that a critical lowering goes ahead without
     serving: str = ""  # who carries the model meanwhile (M16, M17)
     undrained: str = ""  # "; not drained (critical)" under a proxy (M17)
+    critical: bool = False  # the squeeze is critical (M2)
 
 
 @dataclass(frozen=True)
@@ -847,6 +849,7 @@ def _squeeze_chain(
         no_slot=squeeze.refusal if squeeze.without_slot and verdict in _GOES_AHEAD else None,
         serving=f"{', '.join(squeeze.peers)} serving" if squeeze.peers else "NO other replica serving (critical)",
         undrained="; not drained (critical)" if squeeze.drain_first and squeeze.critical else "",
+        critical=squeeze.critical,
     )
     return verdict, replica, facts
 
@@ -1140,7 +1143,8 @@ def _issued(track: MemTrack, verdict: MemVerdict, change: SetFraction, facts: Fa
         return replace(track, last_change_at=now)
     owed = verdict is MemVerdict.RETRY_WAITS
     failure = facts.failure if owed else ""  # what M19 will say when the restart is issued
-    pending = Pending(change.replica, change.old, change.new, now, restart_owed=owed, failure=failure)
+    critical = facts.critical and verdict is MemVerdict.LOWER
+    pending = Pending(change.replica, change.old, change.new, now, owed, failure, critical)
     if verdict is MemVerdict.RAISE:
         return replace(track, pending=pending, last_raise_at=now)
     return replace(track, pending=pending, last_change_at=now)

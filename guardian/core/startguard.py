@@ -95,6 +95,7 @@ class Start:
     headroom_bytes: int  # headroom then
     nvml_bytes: int  # its NVML memory then (0 when none is listed: a new process holds none)
     cgroup_bytes: int | None  # its MemoryCurrent then
+    began_critical: bool = False  # S3: headroom was under the critical line then, or it is a critical lowering's start
     stopped: bool = False  # S10 stopped it (or, with dry_run, said it would)
     refused: str | None = None  # why its stop's restart was refused (S2): it is not stopped again
     said: tuple[str, ...] | None = None  # the last cause said: a line is said once per start and cause
@@ -161,13 +162,11 @@ ROWS: tuple[Row[_Look, None], ...] = (
             "S3",
             "clear",
             "headroom >= M.critical_headroom_bytes on this tick, OR it was already below it at this start's first "
-            "look: this start did not take the box under the line (a critical lowering's own start, whose fraction "
-            "the fit check chose, M13; the squeeze rules, M2, are what act on a box already critical): nothing",
+            "look, OR this start is that of a lowering the memory guard decided below it (M2, M17): this start did "
+            "not take the box under the line (a critical lowering's own start, whose fraction the fit check chose, "
+            "M13; the squeeze rules, M2, are what act on a box already critical): nothing",
         ),
-        lambda k: (
-            k.headroom_bytes >= k.memory.critical_headroom_bytes
-            or k.start.headroom_bytes < k.memory.critical_headroom_bytes
-        ),
+        lambda k: k.headroom_bytes >= k.memory.critical_headroom_bytes or k.start.began_critical,
         lambda k: None,
     ),
     Row(
@@ -371,9 +370,7 @@ def decide(
                 kept[replica.name] = start
             continue
         if start is None:  # S1: this start's first look records, no more
-            kept[replica.name] = Start(
-                replica.start, now, view.headroom_bytes, replica.nvml_bytes or 0, replica.cgroup_bytes
-            )
+            kept[replica.name] = _first_look(replica, view, now, cfg.memory)
             continue
         start, said = _judge(start, replica, view, now, cfg)
         kept[replica.name] = start
@@ -382,6 +379,15 @@ def decide(
         if stop is not None:  # the memory guard follows it: the next replica sees it pending (S8)
             view = replace(view, pending=Pending(stop.replica, stop.old, stop.new, now))
     return kept, actions
+
+
+def _first_look(replica: Starting, view: StartView, now: float, memory: MemoryConfig) -> Start:
+    """S1's record. A critical lowering's start counts as begun under the line even when the kill of
+    its old process lifted headroom above it by the first look: the box was under it when it began."""
+    pending = view.pending
+    lowered_critical = pending is not None and pending.replica == replica.name and pending.critical
+    critical = view.headroom_bytes < memory.critical_headroom_bytes or lowered_critical
+    return Start(replica.start, now, view.headroom_bytes, replica.nvml_bytes or 0, replica.cgroup_bytes, critical)
 
 
 def _carried(start: Start | None, replica: Starting) -> Start | None:
