@@ -108,7 +108,7 @@ class Daemon:
     # --- startup and reload ----------------------------------------------------------------
     async def startup(self) -> None:
         self.journal.send(Priority.INFO, f"guardian {__version__} starting with {self.config_path}")
-        self.journal.send_each(Priority.INFO, [f"limits in effect: {line}" for line in thresholds.describe(self.cfg)])
+        self.journal.send_each(Priority.INFO, [f"limits in effect: {line}" for line in thresholds.limits(self.cfg)])
         self.journal.send_each(Priority.ERROR, self.persistent.reset(self.cfg))
         at = self.clock()
         self.state = replace(self.state, drains=self.proxy.adopt(self.persistent.view(at).proxy_down, at.mono))
@@ -145,7 +145,7 @@ class Daemon:
         for part in self.parts:
             part.reload(new)
         self.journal.send(Priority.INFO, f"configuration reloaded from {self.config_path}")
-        self.journal.send_each(Priority.INFO, [f"limits in effect: {line}" for line in thresholds.describe(new)])
+        self.journal.send_each(Priority.INFO, [f"limits in effect: {line}" for line in thresholds.limits(new)])
         self.journal.send_each(Priority.INFO, self.observer.start(new))
         self.journal.send_each(Priority.ERROR, self.persistent.reset(new))
         self.notifier.reloaded(self.status_line())

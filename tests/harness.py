@@ -188,9 +188,9 @@ def member(box: str, name: str, state="healthy", model="m") -> FleetMember:
     return FleetMember(box, name, model, state)
 
 
-def request(rid: str = "r1", replica: str = "a", at: float = 0.0) -> RestartRequest:
-    """An operator's `guardian restart REPLICA`, asked at AT."""
-    return RestartRequest(rid, replica, at)
+def request(rid: str = "r1", replica: str = "a", at: float = 0.0, wait_until: float | None = None) -> RestartRequest:
+    """An operator's `guardian restart REPLICA`, asked at AT; WAIT_UNTIL: with `--wait` until then."""
+    return RestartRequest(rid, replica, at, wait_until)
 
 
 # --- 3. reading actions -----------------------------------------------------------------------------

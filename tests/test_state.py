@@ -190,6 +190,16 @@ def test_a_pause_ends_at_most_the_longest_pause_from_now(tmp_path):
     assert until == NOW.mono + MAX_WINDOW_S
 
 
+def test_a_pause_keeps_when_it_began_and_a_future_start_is_clamped_to_now(tmp_path):
+    began = {"wall": NOW.wall - 3600, "mono": NOW.mono - 3600}
+    ahead = {"wall": NOW.wall + 3600, "mono": NOW.mono + 3600}
+    (tmp_path / "state.json").write_text(json.dumps({"version": 1, "boot_id": boot_id(), "pauses": {
+        "a": {"until": None, "reason": "x", "since": began}, "b": {"until": None, "reason": "x", "since": ahead},
+        "c": {"until": None, "reason": "x"}}}))
+    pauses = view(store_at(tmp_path).read(), NOW).pauses
+    assert (pauses["a"].since, pauses["b"].since, pauses["c"].since) == (NOW.mono - 3600, NOW.mono, None)
+
+
 def _read_in_a_thread(store: StateStore, fifo=None) -> object:
     """store.read() in a thread; fails (and unblocks it) if it does not return within 5 s."""
     import threading

@@ -213,16 +213,23 @@ def test_manual_restart_waits_while_another_replica_loads_with_or_without_the_da
     assert world.box.identity(a.unit) == old
     line = world.guardian_lines("GUARDIAN_REPLICA=a", "GUARDIAN_DECISION=refused")[-1]
     assert line["GUARDIAN_GATE"] == "one-at-a-time" and line["GUARDIAN_RULE"] == "A3"
-    world.wait_serving(b)
+    # --wait (A4): the request waits while b loads, says what for once, and goes through once b serves
+    r = world.box.run(["guardian", "restart", "a", "--wait", "60"], check=False, timeout=90)
+    assert r.returncode == 0 and "waiting: b is starting" in r.stdout and "vllm-a.service: done" in r.stdout, r
+    assert r.stdout.count("waiting:") == 1, r.stdout
+    (said,) = world.guardian_lines("GUARDIAN_REPLICA=a", "GUARDIAN_RULE=A4")
+    assert said["PRIORITY"] == "6" and "an operator's restart waits: b is starting" in said["MESSAGE"]
+    assert world.box.identity(a.unit) != old
+    old = world.box.identity(a.unit)
 
     world.box.systemctl("stop", "guardian.service")
     world.box.systemctl("restart", b.unit)
     r = world.box.run(["guardian", "restart", "a"], check=False)
     assert r.returncode == 1 and "one-at-a-time" in r.stderr and "asked the running" not in r.stdout, r
     assert world.box.identity(a.unit) == old
-    world.wait_serving(b)
-    r = world.box.run(["guardian", "restart", "a"], check=False)  # b serves now: admitted
-    assert r.returncode == 0 and "vllm-a.service: done" in r.stdout, r
+    # without the daemon the command waits itself, looking again every interval_s: admitted once b serves
+    r = world.box.run(["guardian", "restart", "a", "--wait", "60"], check=False, timeout=90)
+    assert r.returncode == 0 and "waiting: b is starting" in r.stdout and "vllm-a.service: done" in r.stdout, r
     assert world.box.identity(a.unit) != old
 
 

@@ -85,10 +85,11 @@ def test_with_etcd_down_a_hung_replica_is_restarted_planned_restarts_wait_then_r
     pid = fleet.box.prop(fleet.replica_unit(0), "MainPID")
     fleet.box.run(["kill", "-STOP", pid])
     wait_for(lambda: fleet.box.prop(fleet.replica_unit(0), "MainPID") not in (pid, "0"), 30, "the hung replica restarted")
-    # a planned restart waits, said at error, and is withdrawn by the command after its wait
+    # a planned restart waits, said at error, and the daemon refuses it when its wait ends (exit 4)
     asked = fleet.box.run(["guardian", "--config", "/etc/guardian/box1.toml", "restart", "a", "--wait", "5s"],
                           check=False, timeout=60)
-    assert asked.returncode == 1
+    assert asked.returncode == 4, asked
+    assert "waiting: " in asked.stdout and "etcd cannot be reached" in asked.stdout, asked
     f3 = [e for e in fleet.lines(1, "GUARDIAN_RULE=F3")]
     assert f3 and f3[0]["PRIORITY"] == "3" and "etcd cannot be reached" in f3[0]["MESSAGE"]
     said = [e for e in fleet.lines(0) if "etcd cannot be reached" in e["MESSAGE"]]

@@ -33,6 +33,7 @@ from ..core.actions import (
     LogLine,
     RecordCanaryLatencies,
     ReleaseSlot,
+    RequestWaits,
     RestartUnit,
     SetFraction,
     StartCanary,
@@ -55,6 +56,7 @@ from .state import (
     record_answer,
     record_canary_latencies,
     record_fraction_base,
+    record_waiting,
 )
 
 
@@ -103,7 +105,9 @@ class Executor:
             case SetFraction():
                 self._spawn(self._set_fraction(action))
             case AnswerRequest():
-                self._answer(action.request_id, action.replica, action.ok, action.message)
+                self._answer(action)
+            case RequestWaits():
+                self._record_waiting(action)
             case RecordCanaryLatencies():
                 self._record_canary_latencies(action)
             case AcquireSlot():
@@ -141,14 +145,25 @@ class Executor:
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
-    def _answer(self, request_id: str, replica: str, ok: bool, message: str) -> None:
+    def _answer(self, answer: AnswerRequest) -> None:
         store, journal, clock = self.tools.store, self.tools.journal, self.tools.clock
         try:
-            store.update(lambda d: record_answer(d, request_id, replica, ok, message, clock()))
+            store.update(lambda d: record_answer(d, answer, clock()))
         except CorruptState as e:
             journal.send(Priority.ERROR, str(e))
         except OSError as e:
             journal.send(Priority.ERROR, f"cannot record the answer to a restart request in {store.dir}: {e}")
+
+    def _record_waiting(self, action: RequestWaits) -> None:
+        """What an open request waits for, for the waiting `guardian restart` to print. Not kept: said
+        (the journal line of the wait was said too), and the request waits all the same."""
+        store, journal = self.tools.store, self.tools.journal
+        try:
+            store.update(lambda d: record_waiting(d, action.request_id, action.text))
+        except CorruptState as e:
+            journal.send(Priority.ERROR, str(e))
+        except OSError as e:
+            journal.send(Priority.ERROR, f"cannot record what a restart request waits for in {store.dir}: {e}")
 
     def _record_canary_latencies(self, action: RecordCanaryLatencies) -> None:
         """Kept in the state file, so that a guardian restarted or reloaded need not learn the
@@ -196,7 +211,7 @@ class Executor:
         outcome = await self._guarded(order, "restart")
         self._outcomes[action.replica] = outcome
         if action.request_id is not None:
-            self._answer(action.request_id, r.name, outcome.ok, f"{r.unit}: {outcome.result}")
+            self._answer(AnswerRequest(action.request_id, r.name, outcome.ok, f"{r.unit}: {outcome.result}"))
 
     def _record_base(self, action: SetFraction) -> None:
         """A lowering's base, in the state file right before the env file is written."""

@@ -7,7 +7,10 @@ Read-modify-write of the persistent state holds an flock, because ``guardian pau
 
 ``guardian restart NAME`` records a request under "requests" while the daemon runs; the daemon
 acts on it on its next tick (core/tick.py) and moves it to "answers" with the outcome, which the
-command waits for and prints.
+command waits for and prints. ``--wait D`` records "wait_until" (a stamp, now + D) with it: while a
+refusal that passes by itself keeps it open (A4), the daemon writes what it waits for under the
+request's "waiting", which the command prints; an answer refused when the wait ended has
+"waited_out": true.
 
 Every persisted time is a stamp ``{"wall": epoch s, "mono": CLOCK_MONOTONIC s}``, and the file
 carries the ``boot_id`` its monotonic times belong to. Read in the same boot, the monotonic time
@@ -47,6 +50,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from ..config import MAX_WINDOW_S, MIN_FRACTION, Config
+from ..core.actions import AnswerRequest
 from ..core.liveness import CANARY_LATENCIES_KEPT
 from ..core.observations import Pause, PersistentView, RestartRequest
 from ..observe.clock import Now, boot_id
@@ -180,6 +184,24 @@ def _table(value: Any) -> dict[str, Any]:
     return value
 
 
+def _request(q: dict[str, Any], latest: Now) -> dict[str, Any]:
+    """One restart request: its replica, when it was asked, until when it may wait (its end lies
+    ahead, at most the longest window away; None: answered at once) and what it waits for now."""
+    until = q.get("wait_until")
+    waiting = q.get("waiting")
+    return {
+        "replica": _text(q["replica"]),
+        "at": _time(q["at"], latest),
+        "wait_until": None if until is None else _time(until, _ahead(latest)),
+        "waiting": None if waiting is None else _text(waiting),
+    }
+
+
+def _ahead(latest: Now) -> Now:
+    """The latest an end (a pause's, a wait's) may lie: the longest window after LATEST."""
+    return Now(latest.mono + MAX_WINDOW_S, latest.wall + MAX_WINDOW_S)
+
+
 def _validate(data: Any, latest: Now) -> StateDoc:
     """Typed validation: anything of the wrong type, or not a time, makes the file corrupt; a time
     after LATEST (now) is clamped to it."""
@@ -193,21 +215,25 @@ def _validate(data: Any, latest: Now) -> StateDoc:
     for name, p in _table(data.get("pauses", {})).items():
         until = _table(p).get("until")
         if until is not None:  # a pause's end lies in the future, at most the longest pause away
-            until = _time(until, Now(latest.mono + MAX_WINDOW_S, latest.wall + MAX_WINDOW_S))
+            until = _time(until, _ahead(latest))
         out["pauses"][name] = {"until": until, "reason": _text(p.get("reason", "operator"))}
+        since = _table(p).get("since")
+        if since is not None:  # when it began: a past time (0.1.0 did not record it)
+            out["pauses"][name]["since"] = _time(since, latest)
     for name, t in _table(data.get("resumed_at", {})).items():
         out["resumed_at"][name] = _time(t, latest)
     for rid, q in _table(data.get("requests", {})).items():
-        out["requests"][rid] = {"replica": _text(_table(q)["replica"]), "at": _time(q["at"], latest)}
+        out["requests"][rid] = _request(_table(q), latest)
     for rid, a in _table(data.get("answers", {})).items():
         a = _table(a)
-        if not isinstance(a["ok"], bool):
-            raise ValueError("an answer's ok is not true or false")
+        if not isinstance(a["ok"], bool) or not isinstance(a.get("waited_out", False), bool):
+            raise ValueError("an answer's ok or waited_out is not true or false")
         out["answers"][rid] = {
             "replica": _text(a["replica"]),
             "ok": a["ok"],
             "message": _text(a["message"]),
             "at": _time(a["at"], latest),
+            "waited_out": a.get("waited_out", False),
         }
     for name, latencies in _table(data.get("canary_latencies", {})).items():
         if not isinstance(latencies, list):
@@ -233,10 +259,15 @@ def _stamps(data: StateDoc) -> Iterator[Stamp]:
     for p in data["pauses"].values():
         if p["until"] is not None:
             yield p["until"]
+        if p.get("since") is not None:
+            yield p["since"]
     yield from data["resumed_at"].values()
     for section in ("requests", "answers"):
         for entry in data[section].values():
             yield entry["at"]
+    for entry in data["requests"].values():
+        if entry.get("wait_until") is not None:
+            yield entry["wait_until"]
 
 
 def _adopt_boot(data: StateDoc, this_boot: str) -> None:
@@ -337,11 +368,17 @@ def view(data: StateDoc, at: Now, this_boot: str | None = None) -> PersistentVie
 
     return PersistentView(
         restarts={k: tuple(sorted(mono(st) for st in v)) for k, v in data["restarts"].items()},
-        pauses={k: Pause(until(p["until"]), p.get("reason", "operator")) for k, p in data["pauses"].items()},
+        pauses={
+            k: Pause(until(p["until"]), p.get("reason", "operator"), mono(p["since"]) if "since" in p else None)
+            for k, p in data["pauses"].items()
+        },
         resumed_at={k: mono(st) for k, st in data["resumed_at"].items()},
         requests=tuple(
             sorted(
-                (RestartRequest(rid, q["replica"], mono(q["at"])) for rid, q in data["requests"].items()),
+                (
+                    RestartRequest(rid, q["replica"], mono(q["at"]), until(q.get("wait_until")))
+                    for rid, q in data["requests"].items()
+                ),
                 key=lambda q: (q.at, q.id),
             )
         ),
@@ -371,13 +408,27 @@ def record_fraction_base(data: StateDoc, replica: str, lowered_from: float) -> N
     data["fraction_bases"][replica] = max(data["fraction_bases"].get(replica, 0.0), lowered_from)
 
 
-def record_answer(data: StateDoc, request_id: str, replica: str, ok: bool, message: str, at: Now) -> None:
+def record_answer(data: StateDoc, answer: AnswerRequest, at: Now) -> None:
     """Move a request to the answers (and forget answers nobody fetched for ANSWERS_KEPT_S)."""
-    data["requests"].pop(request_id, None)
+    data["requests"].pop(answer.request_id, None)
     data["answers"] = {
         k: a for k, a in data["answers"].items() if (a["at"].get("wall") or 0.0) > at.wall - ANSWERS_KEPT_S
     }
-    data["answers"][request_id] = {"replica": replica, "ok": ok, "message": message, "at": stamp(at)}
+    data["answers"][answer.request_id] = {
+        "replica": answer.replica,
+        "ok": answer.ok,
+        "message": answer.message,
+        "at": stamp(at),
+        "waited_out": answer.waited_out,
+    }
+
+
+def record_waiting(data: StateDoc, request_id: str, text: str) -> None:
+    """What an open request waits for now (A4), for the command that waits for its answer; a request
+    withdrawn meanwhile is not brought back."""
+    request = data["requests"].get(request_id)
+    if request is not None:
+        request["waiting"] = text
 
 
 class StateCache:

@@ -89,6 +89,19 @@ class AnswerRequest:
     replica: str
     ok: bool
     message: str
+    # refused when its `--wait` ended, by a refusal that passes by itself (A4): `guardian restart`
+    # exits with its own code, so that a script can tell "try again later" from "fix something"
+    waited_out: bool = False
+
+
+@dataclass(frozen=True)
+class RequestWaits:
+    """An operator's request waits (A4): TEXT, what it waits for, is shown to the waiting `guardian
+    restart` (recorded with the request in the state file). Not an answer: the request stays open."""
+
+    request_id: str
+    replica: str
+    text: str
 
 
 @dataclass(frozen=True)
@@ -122,6 +135,7 @@ Action = (
     | RecordCanaryLatencies
     | SetFraction
     | AnswerRequest
+    | RequestWaits
     | AcquireSlot
     | ReleaseSlot
     | SyncProxy

@@ -1,11 +1,16 @@
 """Restart admission: may this replica's unit be restarted now? The one owner of that rule. Pure.
 
 Every restart, whoever asks for it (the watchdog, the memory guard, an operator's
-`guardian restart`), passes admission first: the rows of ROWS below (A1-A3: each its README row,
+`guardian restart`), passes admission first: the rows of ROWS below (A1-A3: each its table row,
 the predicate that says when it refuses and what it says then, over one _Asked; RULES, their
-rules, is rendered into the README), then the unit gates (core/gates.py, G1-G9). The first that
+rules, is rendered into docs/rules.md), then the unit gates (core/gates.py, G1-G9). The first that
 fails is the refusal. With ``dry_run = true`` an admitted
 restart is logged as what would be done, and not issued.
+
+An operator's `guardian restart NAME --wait D` waits through the refusals that pass by themselves
+(A4; PASSING_RULES below is the one list of them, each with why it passes): core/tick.py keeps
+such a request open and asks again every tick until it is admitted or D is over. Every other
+refusal is answered at once, with or without a wait.
 """
 
 from __future__ import annotations
@@ -82,8 +87,9 @@ def _budget_spent(asked: _Asked) -> Why:
 
 def _one_at_a_time(asked: _Asked) -> Why:
     who = ", ".join(asked.others_loading) or "another replica"
+    verb = "are" if len(asked.others_loading) > 1 else "is"
     return Why(
-        f"{who} is starting or being restarted; one restart at a time per box "
+        f"{who} {verb} starting or being restarted; one restart at a time per box "
         "(replicas starting together race for memory)",
         episode=(who,),
     )
@@ -120,7 +126,34 @@ ROWS: tuple[Row[_Asked, Why], ...] = (
         _one_at_a_time,
     ),
 )
-RULES = tuple(row.rule for row in ROWS)
+
+# A4: the refusals an operator's `guardian restart --wait D` waits through, by rule id. Each ends
+# without anyone acting; every refusal not here lasts until someone does (A1: the budget, until its
+# window moves on or `guardian resume`; G2-G5: the unit masked, not loaded, disabled or stopped on
+# purpose; G7-G9: the port held by another, hidden, or a Conflicts= unit up) and is answered at once.
+PASSING_RULES: frozenset[str] = frozenset(
+    {
+        "A2",  # back-off: it ends at the time it names
+        "A3",  # one at a time: the other replica's load, restart or drain ends (its own grace bounds it)
+        "G1",  # systemd could not be asked: the system bus answers again (guardian reconnects)
+        "G6",  # a systemd job is pending for the unit: the job finishes
+    }
+)
+WAIT_RULE = Rule(
+    "A4",
+    "waits",
+    "an operator's `guardian restart NAME --wait D` is refused by a rule that passes by itself (A2 back-off, "
+    "A3 one at a time or a drain in progress, G1 the system bus, G6 a job pending) or waits for a fleet slot "
+    "(F3-F6) AND now < when it was asked + D: it stays open, said once per cause (info), and is asked again "
+    "every tick; once now >= that, it is refused as it stands, after waiting D. Any other refusal (A1, "
+    "G2-G5, G7-G9) is answered at once",
+)
+RULES = (*(row.rule for row in ROWS), WAIT_RULE)
+
+
+def passes_by_itself(refusal: Refusal) -> bool:
+    """A4: REFUSAL ends without anyone acting, so an operator's request with a wait waits through it."""
+    return refusal.rule in PASSING_RULES
 
 
 def admit(

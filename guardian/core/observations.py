@@ -189,12 +189,16 @@ class RestartRequest:
     id: str
     replica: str
     at: float
+    # `--wait D`: until when a refusal that passes by itself keeps it waiting rather than answered
+    # (core/admission.py A4; now's clock); None: answered at once, whatever the refusal
+    wait_until: float | None = None
 
 
 @dataclass(frozen=True)
 class Pause:
     until: float | None  # None: until resumed
     reason: str = "operator"
+    since: float | None = None  # when it began (None: a pause written before 0.2.0 recorded it)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""The limits in effect, as lines for the journal at start and for `guardian check`."""
+"""The limits in effect, as lines for the journal at start and for `guardian check`: describe()
+gives one line per part of guardian (the loop, the watchdog, restarts ...), limits() one per limit."""
 
 from __future__ import annotations
 
@@ -48,6 +49,27 @@ def describe(cfg: Config) -> list[str]:
     if not cfg.replicas:
         lines.append("no replicas configured: guardian watches nothing")
     return lines
+
+
+def limits(cfg: Config) -> list[str]:
+    """The limits in effect one per line, "part: limit" (describe's lines cut at each top-level "; "):
+    what `guardian check` prints and the daemon says at start, one journal line each."""
+    out = []
+    for line in describe(cfg):
+        head, sep, rest = line.partition(": ")
+        out += [f"{head}{sep}{part}" for part in _top_level_parts(rest)] if sep else [line]
+    return out
+
+
+def _top_level_parts(text: str) -> list[str]:
+    """TEXT cut at each "; " outside parentheses."""
+    parts, depth, start = [], 0, 0
+    for i, c in enumerate(text):
+        depth += {"(": 1, ")": -1}.get(c, 0)
+        if depth == 0 and text.startswith("; ", i):
+            parts.append(text[start:i])
+            start = i + 2
+    return [*parts, text[start:]]
 
 
 def _memory(cfg: Config) -> str:

@@ -20,7 +20,8 @@ its steps in order:
 4. take_requests: operators' restart requests (`guardian restart NAME`, recorded in the state
    file) wait for a fleet slot when [fleet] is set (core/fleet.py, F2-F6), pass the same
    admission, then drain first when a proxy is configured (D1, D2); each is answered, refused
-   or done, exactly once;
+   or done, exactly once; one asked with `--wait` waits through a refusal that passes by itself
+   (A4: back-off, one at a time, a job pending), said once per cause, until its wait ends;
 5. guard_starts: the start guard (core/startguard.py, S1-S10) watches each replica's start, and
    stops one that takes the box below the critical headroom, restarting it one step lower; that
    change becomes the memory guard's pending one, which step 6 follows (M3-M8);
@@ -53,6 +54,7 @@ from .actions import (
     LogLine,
     RecordCanaryLatencies,
     ReleaseSlot,
+    RequestWaits,
     RestartUnit,
     SetFraction,
     StartCanary,
@@ -83,7 +85,8 @@ class TickState:
     mem: memguard.MemTrack = field(default_factory=memguard.MemTrack)
     requests_taken: frozenset[str] = frozenset()  # operators' requests acted on, answer not yet recorded
     drains: dict[str, Drain] = field(default_factory=dict)  # replicas marked down at the proxy (core/drain.py)
-    fleet_said: dict[str, tuple[str, ...]] = field(default_factory=dict)  # request id -> why it waits, as last said
+    # request id -> why it waits (a fleet slot, or a refusal that passes by itself: A4), as last said
+    fleet_said: dict[str, tuple[str, ...]] = field(default_factory=dict)
     slots_released: frozenset[str] = frozenset()  # fleet slots given back that the view may still show
     bypass_seen: dict[tuple[str, str], float] = field(default_factory=dict)  # (replica, peer) -> connected since
     bypassing: tuple[bypass.Bypass, ...] = ()  # clients bypassing the proxy now (core/bypass.py B2)
@@ -477,14 +480,18 @@ class Tick:
         self.requests_taken = frozenset(taken)
 
     def _take(self, request: RestartRequest) -> bool:
-        """Act on REQUEST; False while it waits for a fleet slot (it is asked again on the next tick)."""
+        """Act on REQUEST; False while it waits (for a fleet slot, or with `--wait` through a refusal
+        that passes by itself, A4): it is asked again on the next tick."""
         replica = self.cfg.replica(request.replica)
         if replica is None:
             answer = f"no replica named {request.replica!r} in the config"
             self.actions.append(AnswerRequest(request.id, request.replica, False, answer))
             return True
         head = f"replica {replica.name}: an operator asked for a restart (it is {self.tracks[replica.name].state})"
-        if self._waits_for_fleet(replica, request.id, head):
+        slot = self._fleet_wait(replica)
+        if slot is not None:
+            return self._wait_for_fleet(replica, request, head, slot)
+        if self._waits_through(replica, request):
             return False
         # Without the proxy's report (no daemon runs: `guardian restart` decides alone) nobody would
         # finish a drain, so it is restarted at once.
@@ -494,36 +501,79 @@ class Tick:
         ask = RestartAsk(RestartKind.OPERATOR, head, "requested by an operator", request.id)
         refusal = self._restart(replica, ask, self.planned_restarts_blocked)
         if refusal is not None:
-            answer = f"refused ({refusal.gate}): {refusal.text}"
-            self.actions.append(AnswerRequest(request.id, replica.name, False, answer))
+            self.actions.append(self._refused(request, refusal, admission.passes_by_itself(refusal)))
         elif self.cfg.dry_run:
             self.actions.append(AnswerRequest(request.id, replica.name, True, f"DRY-RUN: would restart {replica.unit}"))
         else:
             self.restart_under_way = True
         return True
 
+    def _refused(self, request: RestartRequest, refusal: Refusal, passing: bool) -> AnswerRequest:
+        """The answer to a refused request; one that waited until its end for a refusal that passes by
+        itself (PASSING) says so, and is told apart (waited_out: its own exit status)."""
+        answer = f"refused ({refusal.gate}): {refusal.text}"
+        over = passing and _wait_over(request, self.now)
+        if over:
+            answer += f"; after waiting {self.now - request.at:.0f} s (A4)"
+        return AnswerRequest(request.id, request.replica, False, answer, waited_out=over)
+
+    def _waits_through(self, replica: ReplicaConfig, request: RestartRequest) -> bool:
+        """A4: True while REQUEST, asked with a wait that has not ended, is refused by a rule that passes
+        by itself; each cause is said once per request, and shown to the waiting command (RequestWaits)."""
+        if request.wait_until is None or _wait_over(request, self.now):
+            return False
+        busy = self.planned_restarts_blocked
+        refusal = admission.refusal(replica.name, self.tracks, self.obs, self.now, self.cfg, busy)
+        if refusal is None or not admission.passes_by_itself(refusal):
+            return False
+        self._say_wait(replica, request, refusal, Decision.REQUEST)
+        return True
+
+    def _say_wait(self, replica: ReplicaConfig, request: RestartRequest, cause: Refusal, decision: Decision) -> None:
+        """What REQUEST waits for (CAUSE), once per request and cause: a journal line, and the text the
+        waiting command prints."""
+        key = (cause.rule, *cause.key)
+        if self.fleet_said.get(request.id) == key:
+            return
+        self.fleet_said[request.id] = key
+        waits = f"{cause.text} ({cause.rule})"
+        left = "" if request.wait_until is None else f"; up to {request.wait_until - self.now:.0f} s more (A4)"
+        text = f"replica {replica.name}: an operator's restart waits: {waits}{left}"
+        # A fleet slot's wait is said at its own priority (etcd unreachable is an error), as before.
+        priority = cause.priority if decision is Decision.FLEET else Priority.INFO
+        state = self.tracks[replica.name].state
+        rule = "A4" if decision is Decision.REQUEST else cause.rule
+        self._say(LogLine(priority, text, decision, replica.name, replica.unit, state, cause.gate, rule))
+        self.actions.append(RequestWaits(request.id, replica.name, waits))
+
     def _admitted(self, replica: ReplicaConfig) -> bool:
         """Admission (A1-A3, G1-G9) would let a planned restart of REPLICA through now."""
         busy = self.planned_restarts_blocked
         return admission.refusal(replica.name, self.tracks, self.obs, self.now, self.cfg, busy) is None
 
-    def _waits_for_fleet(self, replica: ReplicaConfig, request_id: str, head: str) -> bool:
-        """F2-F6 for an operator's request that admission would let through: True while it waits for
-        a fleet slot (asked for with F6); each reason is said once per request."""
-        if not self.cfg.fleet.enabled or self.cfg.dry_run:
-            return False
-        if not self._admitted(replica):
-            return False  # refused on this box's own grounds: the restart path says so
-        refusal = fleet.slot_refusal(replica.name, replica.model, self.obs.fleet, self.cfg, self.slots_released)
-        if refusal is None:
-            return False
-        if refusal.rule == "F6":
+    def _fleet_wait(self, replica: ReplicaConfig) -> Refusal | None:
+        """F2-F6 for an operator's request that admission would let through: why it waits for a fleet
+        slot, or None (no fleet, a slot held, or refused on this box's own grounds: the restart path says so)."""
+        if not self.cfg.fleet.enabled or self.cfg.dry_run or not self._admitted(replica):
+            return None
+        return fleet.slot_refusal(replica.name, replica.model, self.obs.fleet, self.cfg, self.slots_released)
+
+    def _wait_for_fleet(self, replica: ReplicaConfig, request: RestartRequest, head: str, slot: Refusal) -> bool:
+        """The request waits for a fleet slot (asked for with F6), each reason said once; with `--wait`,
+        until its end (A4), when it is refused (True: answered)."""
+        if _wait_over(request, self.now):
+            text = (
+                f"{head}; restart of {replica.unit} refused: {slot.text} ({slot.rule}), after waiting for a fleet slot"
+            )
+            self._say(
+                LogLine(slot.priority, text, Decision.REFUSED, replica.name, replica.unit, gate=slot.gate, rule="A4")
+            )
+            self.actions.append(self._refused(request, slot, passing=True))
+            return True
+        if slot.rule == "F6":
             self.actions.append(AcquireSlot(replica.name, replica.model))
-        if self.fleet_said.get(request_id) != refusal.key:
-            self.fleet_said[request_id] = refusal.key
-            text = f"{head}; {refusal.text} ({refusal.rule})"
-            self._say(LogLine(refusal.priority, text, Decision.FLEET, replica.name, replica.unit, rule=refusal.rule))
-        return True
+        self._say_wait(replica, request, slot, Decision.FLEET)
+        return False
 
     def _start_drain(self, replica: ReplicaConfig, request_id: str, head: str) -> bool:
         """D1: mark REPLICA down at the proxy instead of restarting it now; True if so. D2 says why not."""
@@ -851,6 +901,11 @@ def _interval_s(state: TickState, cfg: Config) -> float:
     if watching_starts(state, cfg):
         return min(cfg.interval_s, cfg.memory.start_guard_interval_s)
     return cfg.interval_s
+
+
+def _wait_over(request: RestartRequest, now: float) -> bool:
+    """REQUEST was asked with a wait (`guardian restart --wait D`), and it has ended (A4)."""
+    return request.wait_until is not None and now >= request.wait_until
 
 
 def _kept(name: str, obs: TickObservation) -> tuple[float, ...]:
