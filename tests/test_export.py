@@ -18,13 +18,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from guardian.config import Config, MetricsConfig, ReplicaConfig
 from guardian.core.actions import LogLine, RestartUnit
 from guardian.core.hazards import Hazard
-from guardian.core.observations import CanaryResult, RestartOutcome
-from guardian.core.vocab import Decision, Gate, Priority, State
+from guardian.core.observations import CanaryResult, Pause, PersistentView, ProxyView, RestartOutcome
+from guardian.core.vocab import RESTART_STATES, Decision, Gate, Priority, RestartKind, State
 from guardian.export.files import file_sd
 from guardian.export.http import MAX_CONNECTIONS, MetricsServer
-from guardian.export.metrics import Metrics
+from guardian.export.metrics import DETECTION_BUCKETS_S, REFUSAL_GATES, RESTART_REASONS, Metrics
 from guardian.observe.clock import Now
-from harness import TIMEOUT, Box, cfg, obs, unit
+from harness import TIMEOUT, Box, cfg, fleet_view, obs, unit, with_fleet, with_proxy
 from systemd_box import wait_for
 
 WALL0 = 1_800_000_000.0
@@ -58,7 +58,9 @@ def folded(box: Box, m: Metrics, t: float, **replicas) -> list:
 
 
 def test_a_frozen_replica_counts_one_restart_one_detection_and_its_way_back_to_serving():
-    box, m = Box(cfg(2)), Metrics("9.9.9")
+    box = Box(cfg(2))
+    m = Metrics("9.9.9", box.cfg)
+    series_at_start = {k for k in samples(m) if k[0] == "guardian_restarts_total"}
     for t in (100.0, 102.0):
         folded(box, m, t)
     assert value(m, "guardian_replica_state", replica="a", unit="vllm-a.service", state="healthy") == 1
@@ -71,10 +73,13 @@ def test_a_frozen_replica_counts_one_restart_one_detection_and_its_way_back_to_s
         assert t < 140, "no restart decided"
     decided = t - 2.0
     assert value(m, "guardian_restarts_total", replica="a", reason="unresponsive") == 1
-    assert value(m, "guardian_detection_seconds_count") == 1
+    # counted under a series that existed at 0 from the start: increase() sees this first restart
+    assert {k for k in samples(m) if k[0] == "guardian_restarts_total"} == series_at_start
+    assert value(m, "guardian_detection_seconds_count", replica="a") == 1
+    assert value(m, "guardian_detection_seconds_count", replica="b") == 0
     # the last answer came at 102 s: the detection is counted from there (unresponsive_after_s = 10)
-    assert value(m, "guardian_detection_seconds_sum") == pytest.approx(decided - 102.0) == 10.0
-    assert value(m, "guardian_restart_to_serving_seconds_count") == 0
+    assert value(m, "guardian_detection_seconds_sum", replica="a") == pytest.approx(decided - 102.0) == 10.0
+    assert value(m, "guardian_restart_to_serving_seconds_count", replica="a") == 0
     # the new process (started after the decision) serves 20 s later
     started = decided + 1.0
     u = unit("vllm-a.service", inactive_exit_mono=started)
@@ -83,9 +88,10 @@ def test_a_frozen_replica_counts_one_restart_one_detection_and_its_way_back_to_s
     for t2 in (decided + 21, decided + 23):
         folded(box, m, t2, a=obs("a", t2, u=u))
     assert box.state("a") is State.HEALTHY
-    assert value(m, "guardian_restart_to_serving_seconds_count") == 1
-    assert value(m, "guardian_restart_to_serving_seconds_sum") <= 21.0
-    assert value(m, "guardian_restarts_total", replica="b", reason="unresponsive") is None
+    assert value(m, "guardian_restart_to_serving_seconds_count", replica="a") == 1
+    assert value(m, "guardian_restart_to_serving_seconds_sum", replica="a") <= 21.0
+    assert value(m, "guardian_restart_to_serving_seconds_count", replica="b") == 0
+    assert value(m, "guardian_restarts_total", replica="b", reason="unresponsive") == 0
 
 
 def test_refusals_canaries_hazards_and_one_hot_states():
@@ -108,6 +114,103 @@ def test_refusals_canaries_hazards_and_one_hot_states():
     assert value(m, "guardian_hazards", kind="masked", unit="vllm-a.service") == 1
     m.set_hazards([])
     assert value(m, "guardian_hazards", kind="masked", unit="vllm-a.service") is None
+
+
+def test_every_configured_replica_has_every_counter_and_histogram_at_0_from_the_start():
+    """A labelled series that appears with its first increment is missed by increase() (issue 23):
+    after construction with a 2-replica config, every replica x every label value the code can
+    count (derived from the enums: the verdicts that ask for a restart, every gate) is there at 0."""
+    m = Metrics("9.9.9", cfg(2))
+    reasons = {"operator", "memory"} | {str(s) for s in RESTART_STATES}
+    assert set(RESTART_REASONS) == reasons and set(REFUSAL_GATES) == {str(g) for g in Gate}
+    found = samples(m)
+
+    def labelled(name: str) -> dict[tuple[tuple[str, str], ...], float]:
+        return {labels: v for (n, labels), v in found.items() if n == name}
+
+    assert labelled("guardian_restarts_total") == {
+        (("reason", r), ("replica", x)): 0 for r in reasons for x in "ab"}
+    assert labelled("guardian_restart_refusals_total") == {
+        (("gate", str(g)), ("replica", x)): 0 for g in Gate for x in "ab"}
+    for name in ("guardian_canary_failures_total", "guardian_memory_lowerings_total",
+                 "guardian_detection_seconds_count", "guardian_restart_to_serving_seconds_count"):
+        assert labelled(name) == {(("replica", "a"),): 0, (("replica", "b"),): 0}, name
+    buckets = labelled("guardian_detection_seconds_bucket")
+    assert len(buckets) == 2 * (len(DETECTION_BUCKETS_S) + 1) and set(buckets.values()) == {0}
+
+    # a reload: a replica gone takes its series along; one added starts at 0
+    m.restarts.labels("a", "stalled").inc()
+    m.configure(cfg(1))
+    assert {labels for labels in labelled_now(m, "guardian_restarts_total") if ("replica", "b") in labels} == set()
+    m.configure(cfg(3))
+    assert value(m, "guardian_restarts_total", replica="a", reason="stalled") == 1  # kept across reloads
+    assert value(m, "guardian_restarts_total", replica="c", reason="operator") == 0
+    assert value(m, "guardian_restart_refusals_total", replica="b", gate="budget") == 0
+
+
+def labelled_now(m: Metrics, name: str) -> set[tuple[tuple[str, str], ...]]:
+    return {labels for (n, labels) in samples(m) if n == name}
+
+
+def test_no_created_series_in_guardians_output_and_other_registries_are_left_alone():
+    """`*_created` (six families, a line per label set) are noise: guardian's registry drops them,
+    without prometheus_client's process-wide switch."""
+    from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+    box = Box(cfg(2))
+    m = Metrics("9.9.9", box.cfg)
+    folded(box, m, 100.0)
+    m.count(RestartUnit("a", "vllm-a.service", RestartKind.OPERATOR, "asked"), box.tracks, now(100.0))
+    m.tick_done(0.01, now(100.0))
+    text = m.render().decode()
+    assert "guardian_restarts_total" in text and "guardian_tick_duration_seconds_count" in text
+    assert not [line for line in text.splitlines() if re.match(r"(# (HELP|TYPE) )?\S+_created\b", line)]
+    other = CollectorRegistry()
+    Counter("other_things", "x", registry=other).inc()
+    assert b"other_things_created" in generate_latest(other)
+
+
+def test_dry_run_pauses_proxy_marks_and_etcd_each_have_a_gauge():
+    """Issue 23: what a box runs in, a pause and since when, a replica marked down at the proxy,
+    and whether etcd answered, each readable by an alert."""
+    paused_cfg = with_fleet(with_proxy(cfg(2))).model_copy(update={"dry_run": True})
+    box = Box(paused_cfg, PersistentView(pauses={"a": Pause(None)}))
+    m = Metrics("9.9.9", box.cfg)
+    box.tick(100.0, proxy=ProxyView(frozenset({"b"})), fleet=fleet_view(ok=False, error="refused"))
+    m.gauges(box.cfg, box.core, box.observation, box.persistent, now(100.0))
+    box.tick(102.0, proxy=ProxyView(frozenset({"b"})), fleet=fleet_view(ok=False, error="refused"))
+    m.gauges(box.cfg, box.core, box.observation, box.persistent, now(102.0))
+    assert box.state("a") is State.PAUSED
+    assert value(m, "guardian_dry_run") == 1
+    assert value(m, "guardian_replica_paused", replica="a", unit="vllm-a.service") == 1
+    assert value(m, "guardian_replica_paused", replica="b", unit="vllm-b.service") == 0
+    # the pause began at the first tick that saw it, not at each tick
+    assert value(m, "guardian_replica_paused_since_timestamp_seconds", replica="a", unit="vllm-a.service") == WALL0 + 100
+    assert value(m, "guardian_replica_paused_since_timestamp_seconds", replica="b", unit="vllm-b.service") is None
+    assert value(m, "guardian_proxy_marked_down", replica="b", unit="vllm-b.service") == 1
+    assert value(m, "guardian_proxy_marked_down", replica="a", unit="vllm-a.service") == 0
+    assert value(m, "guardian_etcd_up", fleet="default") == 0
+    box.tick(104.0, proxy=ProxyView(frozenset()), fleet=fleet_view())
+    m.gauges(box.cfg, box.core, box.observation, box.persistent, now(104.0))
+    assert value(m, "guardian_etcd_up", fleet="default") == 1
+    assert value(m, "guardian_proxy_marked_down", replica="b", unit="vllm-b.service") == 0
+
+    # a pause that records when it began (`guardian pause` writes `since`) is dated from then, across guardian restarts
+    recorded = Box(cfg(2), PersistentView(pauses={"a": Pause(None, since=40.0)}))
+    m3 = Metrics("9.9.9", recorded.cfg)
+    recorded.tick(100.0)
+    m3.gauges(recorded.cfg, recorded.core, recorded.observation, recorded.persistent, now(100.0))
+    assert value(m3, "guardian_replica_paused_since_timestamp_seconds", replica="a", unit="vllm-a.service") == WALL0 + 40
+
+    # without [proxy] and [fleet], and not in dry run: no proxy or etcd series at all; the pause ended
+    plain = Box(cfg(2))
+    m2 = Metrics("9.9.9", plain.cfg)
+    folded(plain, m2, 100.0)
+    assert value(m2, "guardian_dry_run") == 0
+    assert value(m2, "guardian_replica_paused", replica="a", unit="vllm-a.service") == 0
+    names = {n for n, _ in samples(m2)}
+    assert not names & {"guardian_proxy_marked_down", "guardian_etcd_up",
+                        "guardian_replica_paused_since_timestamp_seconds"}
 
 
 def readme_metrics() -> dict[str, str]:
@@ -254,9 +357,12 @@ def exported_names() -> set[str]:
     return names
 
 
+def dashboard_panels() -> list[dict]:
+    return json.loads((REPO / "packaging/grafana/guardian-dashboard.json").read_text())["panels"]
+
+
 def test_every_dashboard_expression_names_only_metrics_guardian_exports():
-    dash = json.loads((REPO / "packaging/grafana/guardian-dashboard.json").read_text())
-    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    exprs = [t["expr"] for p in dashboard_panels() for t in p["targets"]]
     assert len(exprs) >= 10
     exported = exported_names()
     used = set()
@@ -265,20 +371,93 @@ def test_every_dashboard_expression_names_only_metrics_guardian_exports():
         assert found, e
         assert found <= exported, (e, found - exported)
         used |= found
-    # states, restarts, detection, canary latency, headroom, PSI, fractions: all on the dashboard
+    # states, restarts, detection, canary latency, headroom, PSI, fractions, the restart budget, gave
+    # up, pauses, the proxy's marks, dry run and etcd: all on the dashboard
     for name in ("guardian_replica_state", "guardian_restarts_total", "guardian_detection_seconds_bucket",
                  "guardian_canary_duration_seconds_bucket", "guardian_memory_available_bytes",
-                 "guardian_memory_pressure_some_ratio", "guardian_replica_gpu_memory_utilization_ratio"):
+                 "guardian_memory_pressure_some_ratio", "guardian_replica_gpu_memory_utilization_ratio",
+                 "guardian_restart_budget_remaining", "guardian_gave_up", "guardian_replica_paused",
+                 "guardian_proxy_marked_down", "guardian_dry_run", "guardian_etcd_up"):
         assert name in used, name
 
 
+def target_unit(expr: str) -> str:
+    """The Grafana unit of what EXPR computes, from the units its metric names carry."""
+    names = set(NAME.findall(expr))
+    if any(n.endswith("_timestamp_seconds") for n in names):
+        return "s" if "time() -" in expr else "dateTimeAsIso"
+    if any(n.endswith(("_seconds", "_seconds_bucket", "_seconds_sum")) for n in names):
+        return "s"
+    if any(n.endswith("_bytes") for n in names):
+        return "bytes"
+    if any(n.endswith("_ratio") for n in names):
+        return "percentunit"
+    return "short"  # counts, states, flags
+
+
+def test_every_dashboard_panel_shows_one_unit_and_the_restart_budget_and_gave_up_have_panels():
+    """Issue 23: two panels drew seconds and counts on one axis (canary latency and failures;
+    fractions and lowerings per hour)."""
+    panels = dashboard_panels()
+    assert len({p["id"] for p in panels}) == len(panels)
+    for p in panels:
+        unit = p["fieldConfig"]["defaults"].get("unit")
+        assert unit, p["title"]
+        for override in p["fieldConfig"].get("overrides", []):
+            assert all(prop["id"] != "unit" or prop["value"] == unit for prop in override["properties"]), p["title"]
+        assert {target_unit(t["expr"]) for t in p["targets"]} == {unit}, p["title"]
+    by_title = {p["title"]: p for p in panels}
+    budget = next(p for t, p in by_title.items() if "budget" in t.lower())
+    gave_up = next(p for t, p in by_title.items() if "gave up" in t.lower())
+    assert "guardian_restart_budget_remaining" in budget["targets"][0]["expr"]
+    assert "guardian_gave_up" in gave_up["targets"][0]["expr"]
+
+
+RULES = REPO / "packaging/prometheus/guardian-rules.yml"
+RUNBOOK = "https://example.invalid/guardian/README.md#"
+
+
+def alerts() -> dict[str, dict[str, str]]:
+    """guardian-rules.yml's alerts: name -> its expr and runbook_url (no YAML parser in the venv)."""
+    out = {}
+    for block in re.split(r"^      - alert: ", RULES.read_text(), flags=re.M)[1:]:
+        name, _, body = block.partition("\n")
+        expr = re.search(r"^        expr: (?:>-\n)?(.*?)(?=^        \w)", body, re.M | re.S)
+        url = re.search(r'^          runbook_url: "(.*)"$', body, re.M)
+        out[name.strip()] = {"expr": expr.group(1) if expr else "", "runbook_url": url.group(1) if url else ""}
+    return out
+
+
 def test_every_alert_expression_names_metrics_that_exist():
-    text = (REPO / "packaging/prometheus/guardian-rules.yml").read_text()
-    exprs = re.findall(r"expr: (?:>-\n)?((?:.+\n)(?:\s{12,}.+\n)*)", text)
-    assert len(exprs) == text.count("- alert:")
-    for e in exprs:
-        for name in NAME.findall(e):
-            assert name in exported_names() or name in ("node_textfile_mtime_seconds", "up"), (e, name)
+    found = alerts()
+    assert len(found) == RULES.read_text().count("- alert:") >= 14
+    for name, a in found.items():
+        assert NAME.findall(a["expr"]), name
+        for metric in NAME.findall(a["expr"]):
+            assert metric in exported_names() or metric in ("node_textfile_mtime_seconds", "up"), (name, metric)
+
+
+def test_every_alert_has_a_runbook_url_into_the_readmes_runbook():
+    for name, a in alerts().items():
+        assert a["runbook_url"] == RUNBOOK + name.lower(), name
+
+
+def test_readme_has_a_runbook_heading_for_every_alert_once_the_runbook_text_is_merged():
+    """Each runbook_url's anchor is GitHub's for a README heading `#### <AlertName>`. Fails until
+    the runbook text (written for the lead to merge into README.md) is in."""
+    headings = set(re.findall(r"^#### (Guardian\w+)\s*$", (REPO / "README.md").read_text(), re.M))
+    assert set(alerts()) <= headings, sorted(set(alerts()) - headings)
+
+
+def test_every_alert_has_a_promtool_case_where_it_fires_and_one_where_it_does_not():
+    """guardian-rules.test.yml (run by promtool in test_system_prometheus.py) proves each alert
+    quiet before its condition or its `for:` and firing after."""
+    text = (REPO / "packaging/prometheus/guardian-rules.test.yml").read_text()
+    cases = re.findall(r"alertname: (\w+)\n\s+exp_alerts:(.*)", text)
+    quiet = {name for name, rest in cases if rest.strip() == "[]"}
+    firing = {name for name, rest in cases if rest.strip() == ""}
+    assert set(alerts()) <= quiet, sorted(set(alerts()) - quiet)
+    assert set(alerts()) <= firing, sorted(set(alerts()) - firing)
 
 
 # --- files others can plant in (issue 21): read back bounded, written without following links ---------

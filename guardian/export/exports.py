@@ -20,7 +20,7 @@ class Exports:
     def __init__(self, cfg: Config, journal: Journal, version: str) -> None:
         self.cfg = cfg
         self.journal = journal
-        self.metrics = Metrics(version)
+        self.metrics = Metrics(version, cfg)  # every configured replica's counters at 0 from the start
         self.server: MetricsServer | None = None
         self.textfile_failed = False  # and said so
 
@@ -51,9 +51,10 @@ class Exports:
                 self.journal.send(Priority.INFO, f"metrics: wrote the replicas' scrape targets to {written}")
 
     def reload(self, cfg: Config) -> None:
-        """The address, the targets or the textfile's directory may have changed: start again."""
+        """The address, the targets, the textfile's directory or the replicas may have changed: start again."""
         self._stop_server()
         self.cfg = cfg
+        self.metrics.configure(cfg)  # replicas added: their counters at 0; replicas removed: theirs gone
         self.start()
 
     async def stop(self, timeout_s: float) -> int:

@@ -5,13 +5,19 @@ Names follow Prometheus' rules: the `guardian_` prefix, base units (seconds, byt
 `_total` only on counters, labels of low cardinality (replica, unit, state, reason, gate, kind).
 vLLM's own series are not re-exported: Prometheus scrapes each replica directly (files.py).
 Counters count since guardian started; Prometheus' rate() and increase() handle the reset.
+
+Every configured replica's counters and histograms exist from the start, at 0, for every label
+value the code can count (configure): a series that appears with its first increment is missed by
+increase(), which needs two samples. No `_created` series are exported (_Registry).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
 
 from ..config import Config, ReplicaConfig
 from ..core import admission
@@ -21,7 +27,7 @@ from ..core.hazards import Hazard
 from ..core.liveness import Track
 from ..core.observations import PersistentView, ReplicaObservation, TickObservation
 from ..core.tick import TickState
-from ..core.vocab import RESTART_STATES, SERVING_STATES, Decision, RestartKind, State
+from ..core.vocab import RESTART_STATES, SERVING_STATES, Decision, Gate, RestartKind, State
 from ..observe.clock import Now
 
 DETECTION_BUCKETS_S = (1, 2, 5, 10, 15, 20, 30, 45, 60, 90, 120, 300)
@@ -29,6 +35,24 @@ TO_SERVING_BUCKETS_S = (1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 1800)
 CANARY_BUCKETS_S = (0.1, 0.25, 0.5, 1, 2, 5, 10, 15, 30)
 TICK_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5)
 MAX_BYPASS_PEERS = 8
+
+# The reasons a restart is counted under (restart_reason), from the enums that decide them: an
+# operator's request, the memory guard's change of fraction, or the verdict that asked for it.
+OPERATOR_REASON, MEMORY_REASON = "operator", "memory"
+RESTART_REASONS: tuple[str, ...] = (
+    OPERATOR_REASON,
+    MEMORY_REASON,
+    *sorted(str(s) for s in RESTART_STATES),
+)
+REFUSAL_GATES: tuple[str, ...] = tuple(str(g) for g in Gate)
+
+
+def restart_reason(kind: RestartKind, state: State | None) -> str:
+    """What a RestartUnit of KIND is counted under; STATE is its replica's verdict. tick.py issues
+    the watchdog's restarts only in RESTART_STATES, so the result is one of RESTART_REASONS."""
+    if kind is RestartKind.OPERATOR:
+        return OPERATOR_REASON
+    return str(state) if state is not None else str(State.UNKNOWN)
 
 
 def detection_start(t: Track) -> float | None:
@@ -44,21 +68,47 @@ def detection_start(t: Track) -> float | None:
     return t.state_since
 
 
+class _Registry(CollectorRegistry):
+    """A registry without prometheus_client's `<name>_created` series: a creation time per label set
+    that no dashboard or alert reads, a sixth of the page. Filtered here rather than with
+    prometheus_client's process-wide switch, which would change every other registry too."""
+
+    def collect(self) -> Iterator[Metric]:
+        for family in super().collect():
+            family.samples = [s for s in family.samples if not s.name.endswith("_created")]
+            yield family
+
+
+@dataclass(frozen=True)
+class _PerReplica:
+    """A family with a series per configured replica and per value of its other label, if any."""
+
+    family: Counter | Histogram
+    values: tuple[str, ...] = ()
+
+    def label_sets(self, replica: str) -> list[tuple[str, ...]]:
+        return [(replica, v) for v in self.values] if self.values else [(replica,)]
+
+
 class Metrics:
     """guardian's registry. The executor tells it of every action it performs (count); the daemon
     sets the gauges after each tick (gauges, tick_done) and after a scan (set_hazards)."""
 
-    def __init__(self, version: str) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
+    def __init__(self, version: str, cfg: Config | None = None) -> None:
+        self.registry: CollectorRegistry = _Registry(auto_describe=True)
         self.build_info = self._gauge("guardian_build_info", "guardian's version (always 1)", "version")
         self.build_info.labels(version).set(1)
         self._replica_families()
         self._restart_families()
         self._box_families()
         self._decided_at: dict[str, float] = {}  # replica -> mono of its last restart decision
+        self._configured: frozenset[str] = frozenset()
+        if cfg is not None:
+            self.configure(cfg)
 
     def _replica_families(self) -> None:
-        """The replicas' verdicts, progress and fractions, and the clients that bypass the proxy."""
+        """The replicas' verdicts, pauses, places at the proxy, progress and fractions, and the
+        clients that bypass the proxy."""
         gauge = self._gauge
         self.state = gauge(
             "guardian_replica_state",
@@ -69,6 +119,21 @@ class Metrics:
         )
         self.info = gauge(
             "guardian_replica_info", "a configured replica (always 1): its unit and model", "replica", "unit", "model"
+        )
+        self.paused = gauge(
+            "guardian_replica_paused", "1 while an operator's pause of the replica is in force", "replica", "unit"
+        )
+        self.paused_since = gauge(
+            "guardian_replica_paused_since_timestamp_seconds",
+            "wall time the replica's pause began (as `guardian pause` recorded it); only while paused",
+            "replica",
+            "unit",
+        )
+        self.proxy_down = gauge(
+            "guardian_proxy_marked_down",
+            "1 while the proxy has the replica marked down by guardian, 0 while up; only with [proxy]",
+            "replica",
+            "unit",
         )
         self.last_progress = gauge(
             "guardian_replica_last_progress_timestamp_seconds",
@@ -109,12 +174,16 @@ class Metrics:
             "guardian_gave_up", "1 while the replica needs a restart and its budget is spent", "replica"
         )
         self.detection = histogram(
-            "guardian_detection_seconds", "from the start of a hang to the restart decision", DETECTION_BUCKETS_S
+            "guardian_detection_seconds",
+            "from the start of a hang to the restart decision",
+            DETECTION_BUCKETS_S,
+            "replica",
         )
         self.to_serving = histogram(
             "guardian_restart_to_serving_seconds",
             "from a restart decision to the replica judged serving again",
             TO_SERVING_BUCKETS_S,
+            "replica",
         )
         self.canary = histogram(
             "guardian_canary_duration_seconds", "canary completions, each to its answer or failure", CANARY_BUCKETS_S
@@ -122,8 +191,12 @@ class Metrics:
         self.canary_failures = counter("guardian_canary_failures", "canaries that failed", "replica")
 
     def _box_families(self) -> None:
-        """The box's memory, the hazards, the loop."""
+        """The box's mode, memory, hazards, etcd and loop."""
         gauge, counter, histogram = self._gauge, self._counter, self._histogram
+        self.dry_run = gauge("guardian_dry_run", "1 while guardian runs in dry run: it restarts and lowers nothing")
+        self.etcd_up = gauge(
+            "guardian_etcd_up", "1 when this tick's etcd read succeeded, 0 when it failed; only with [fleet]", "fleet"
+        )
         self.mem_available = gauge(
             "guardian_memory_available_bytes", "MemAvailable: what everything else can still get"
         )
@@ -142,8 +215,33 @@ class Metrics:
     def _counter(self, name: str, documentation: str, *labels: str) -> Counter:
         return Counter(name, documentation, labels, registry=self.registry)
 
-    def _histogram(self, name: str, documentation: str, buckets_s: tuple[float, ...]) -> Histogram:
-        return Histogram(name, documentation, buckets=buckets_s, registry=self.registry)
+    def _histogram(self, name: str, documentation: str, buckets_s: tuple[float, ...], *labels: str) -> Histogram:
+        return Histogram(name, documentation, labels, buckets=buckets_s, registry=self.registry)
+
+    # --- the configured replicas' series, at 0 from the start ------------------------------------
+    def _per_replica(self) -> tuple[_PerReplica, ...]:
+        """Every family count() adds to per replica, with every value of its other label."""
+        return (
+            _PerReplica(self.restarts, RESTART_REASONS),
+            _PerReplica(self.refusals, REFUSAL_GATES),
+            _PerReplica(self.canary_failures),
+            _PerReplica(self.lowerings),
+            _PerReplica(self.detection),
+            _PerReplica(self.to_serving),
+        )
+
+    def configure(self, cfg: Config) -> None:
+        """At start and on every reload: each configured replica's counters and histograms exist, at
+        0 until counted; those of a replica no longer configured go (they would never move again)."""
+        names = frozenset(r.name for r in cfg.replicas)
+        for per in self._per_replica():
+            for gone in sorted(self._configured - names):
+                for labels in per.label_sets(gone):
+                    per.family.remove(*labels)
+            for name in sorted(names):
+                for labels in per.label_sets(name):
+                    per.family.labels(*labels)  # created at 0, not incremented
+        self._configured = names
 
     # --- what was done, as the executor performs it ------------------------------------------
     def count(self, action: Action, tracks: Mapping[str, Track], at: Now) -> None:
@@ -151,17 +249,16 @@ class Metrics:
         how long its hang went undetected)."""
         if isinstance(action, RestartUnit):
             t = tracks.get(action.replica)
-            reason = "operator" if action.kind is RestartKind.OPERATOR else str(t.state if t else "unknown")
-            self.restarts.labels(action.replica, reason).inc()
+            self.restarts.labels(action.replica, restart_reason(action.kind, t.state if t else None)).inc()
             self._decided_at[action.replica] = at.mono
             start = detection_start(t) if t is not None and action.kind is RestartKind.HANG else None
             if start is not None:
-                self.detection.observe(max(0.0, at.mono - start))
+                self.detection.labels(action.replica).observe(max(0.0, at.mono - start))
         elif isinstance(action, SetFraction):
             if action.new < action.old:  # a raise back toward the base is not a lowering
                 self.lowerings.labels(action.replica).inc()
             if action.restart:
-                self.restarts.labels(action.replica, "memory").inc()
+                self.restarts.labels(action.replica, MEMORY_REASON).inc()
                 self._decided_at[action.replica] = at.mono
         elif isinstance(action, LogLine) and action.decision is Decision.REFUSED and action.replica and action.gate:
             self.refusals.labels(action.replica, str(action.gate)).inc()
@@ -169,19 +266,30 @@ class Metrics:
     # --- the state after a tick ----------------------------------------------------------------
     def gauges(self, cfg: Config, state: TickState, obs: TickObservation, persistent: PersistentView, at: Now) -> None:
         """The replicas' and the box's gauges after the tick that observed OBS and left STATE, AT."""
-        # NaN while the memory guard is off: every comparison with it is false (no floor alert)
-        self.mem_floor.set(cfg.memory.floor if cfg.memory.enabled else float("nan"))
+        self._box(cfg, obs)
         self._set_bypass(state.bypassing)
         tracks = state.tracks
-        self.state.clear()
-        self.info.clear()
+        for g in (self.state, self.info, self.paused, self.paused_since, self.proxy_down):
+            g.clear()
         for g in (self.budget, self.gave_up, self.last_progress, self.fraction):
             g.clear()
+        marked_down = obs.proxy.applied if obs.proxy is not None else None  # None: no [proxy]
         for r in cfg.replicas:
             self.info.labels(r.name, r.unit, r.model).set(1)
+            if marked_down is not None:
+                self.proxy_down.labels(r.name, r.unit).set(1 if r.name in marked_down else 0)
             t = tracks.get(r.name)
             if t is not None:
                 self._replica(cfg, r, t, obs.replicas.get(r.name), persistent, at)
+
+    def _box(self, cfg: Config, obs: TickObservation) -> None:
+        """The box's mode, etcd as this tick found it, and its memory."""
+        self.dry_run.set(1 if cfg.dry_run else 0)
+        self.etcd_up.clear()
+        if obs.fleet is not None:
+            self.etcd_up.labels(cfg.fleet.name).set(1 if obs.fleet.ok else 0)
+        # NaN while the memory guard is off: every comparison with it is false (no floor alert)
+        self.mem_floor.set(cfg.memory.floor if cfg.memory.enabled else float("nan"))
         if obs.memory is not None:
             self.mem_available.set(obs.memory.sample.available_bytes)
             if obs.memory.sample.psi_some_avg10 is not None:
@@ -198,6 +306,14 @@ class Metrics:
     ) -> None:
         for s in State:
             self.state.labels(r.name, r.unit, str(s)).set(1 if s is t.state else 0)
+        # L1 judges a replica paused exactly while an operator's pause is in force; it began when
+        # the pause says (recorded by `guardian pause`), else when this process first saw it
+        paused = t.state is State.PAUSED
+        self.paused.labels(r.name, r.unit).set(1 if paused else 0)
+        if paused:
+            pause = persistent.pauses.get(r.name)
+            began = pause.since if pause is not None and pause.since is not None else t.state_since
+            self.paused_since.labels(r.name, r.unit).set(at.wall - (at.mono - began))
         b = admission.budget(r.name, persistent, at.mono, cfg)
         self.budget.labels(r.name).set(max(0, b.limit - b.used))
         self.gave_up.labels(r.name).set(1 if b.spent and t.state in RESTART_STATES else 0)
@@ -211,7 +327,7 @@ class Metrics:
                 self.canary_failures.labels(r.name).inc()
         decided = self._decided_at.get(r.name)
         if decided is not None and t.state in SERVING_STATES and t.start_ts is not None and t.start_ts >= decided:
-            self.to_serving.observe(max(0.0, at.mono - decided))
+            self.to_serving.labels(r.name).observe(max(0.0, at.mono - decided))
             del self._decided_at[r.name]
 
     def set_hazards(self, found: Iterable[Hazard]) -> None:
