@@ -1,5 +1,5 @@
 # The two commands of the README. Both need root (they boot a container with systemd-nspawn).
-.PHONY: demo test unit lint deb
+.PHONY: demo test unit lint deb lock
 
 demo:
 	scripts/setup.sh
@@ -26,3 +26,8 @@ unit: lint
 deb:
 	scripts/setup.sh
 	.venv/bin/python packaging/build_deb.py --target all --out dist
+
+# Re-pin the bundled Python dependencies (packaging/lock/<target>.txt, versions and sha256 hashes)
+# from pyproject.toml's list: after changing a dependency, or to take newer releases. Commit the result.
+lock:
+	python3 packaging/lock.py

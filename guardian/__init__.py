@@ -1,3 +1,3 @@
 """guardian: keeps local vLLM replicas serving (progress-based watchdog, memory guard)."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -114,11 +114,9 @@ exec python3 -m {module} "$@"
 """
 
 
-def build_deb(out_dir: Path, version: str | None = None, target: str = "amd64-bookworm") -> Path:
+def build_deb(out_dir: Path, target: str = "amd64-bookworm") -> Path:
     """guardian's .deb, built from this working tree by the packaging script."""
     cmd = [sys.executable, str(REPO / "packaging" / "build_deb.py"), "--target", target, "--out", str(out_dir)]
-    if version:
-        cmd += ["--version", version]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         raise BoxError(f"building the .deb failed: {r.stdout[-2000:]}{r.stderr[-2000:]}")

@@ -5,14 +5,20 @@ the arm64 package for DGX OS, cross-built, inspected."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
 
 import pytest
 
-from systemd_box import build_deb, wait_for
-from world import Replica
+import guardian
+from systemd_box import REPO, build_deb, wait_for
+from world import NGINX_SITE, PROXY, Replica
 
 pytestmark = pytest.mark.system
 
@@ -88,41 +94,129 @@ def test_units_verify_and_security_exposure(box):
     assert box.prop("guardian.service", "MemoryMax") == str(512 * 2**20)
 
 
-def test_upgrade_keeps_config_and_state_remove_stops_purge_cleans(world, tmp_path):
+# The previous release, 0.1.0: the tree before the release work (there is no git tag). Its package is
+# built once per commit, by its own packaging script, into the build cache.
+PREVIOUS_RELEASE = "9781282"
+BUILD_CACHE = Path(os.environ.get("GUARDIAN_BUILD_CACHE", "/var/cache/guardian-build"))
+LOWERED = "# written by guardian's memory guard\nGPU_MEMORY_UTILIZATION=0.74\n"  # as act/executor.py writes it
+UPSTREAM = "/var/lib/guardian/nginx/llm.conf"
+
+
+def previous_release_deb(tmp_path: Path) -> Path:
+    cached = BUILD_CACHE / f"release-{PREVIOUS_RELEASE}"
+    if not cached.is_dir():
+        src, out = tmp_path / "previous", tmp_path / "previous-out"
+        src.mkdir()
+        archive = subprocess.run(["git", "-C", str(REPO), "archive", PREVIOUS_RELEASE], capture_output=True, check=True)
+        subprocess.run(["tar", "-x", "-C", str(src)], input=archive.stdout, check=True)
+        r = subprocess.run([sys.executable, str(src / "packaging/build_deb.py"), "--target", "amd64-bookworm",
+                            "--out", str(out)], capture_output=True, text=True)
+        assert r.returncode == 0, r.stdout + r.stderr
+        BUILD_CACHE.mkdir(parents=True, exist_ok=True)
+        staged = Path(tempfile.mkdtemp(prefix="release-", dir=BUILD_CACHE))
+        shutil.copytree(out, staged, dirs_exist_ok=True)
+        os.replace(staged, cached)  # whole or not at all
+    return next(cached.glob("guardian_*_amd64.deb"))
+
+
+def _installed_version(box) -> str:
+    return box.run(["dpkg-query", "-W", "-f", "${Version}", "guardian"]).stdout
+
+
+def _nginx_ok(box) -> None:
+    r = box.run(["nginx", "-t"], check=False)
+    assert r.returncode == 0, r.stderr
+    assert " down;" not in box.run(["cat", UPSTREAM]).stdout, "every replica in rotation"
+
+
+def test_upgrade_from_the_previous_release_keeps_state_then_remove_and_purge_leave_nginx_serving(world, tmp_path):
+    """0.1.0 installed and used (a pause, a lowered fraction, nginx in front); upgraded to this tree's
+    package; a replica marked down when apt removes guardian is marked up as guardian stops; purge
+    keeps what nginx and a unit still read, with every server up, and removes the rest."""
     box = world.box
+    box.run(["apt-get", "purge", "-y", "-q", "guardian"], timeout=120)
+    old = previous_release_deb(tmp_path)
+    box.install_deb(old)
+    assert _installed_version(box) == "0.1.0"
+    world.proxy = dict(PROXY)
     world.setup()
+    world.start_nginx()
     edited = world.config_text() + "\n# edited by the operator\n"
     world.write_config(edited)
     box.systemctl("reload", "guardian.service")
     box.run(["guardian", "pause", "b", "--for", "1h"])
+    box.write("/var/lib/guardian/replicas/a.env", LOWERED)
+    box.run(["chown", "guardian:guardian", "/var/lib/guardian/replicas/a.env"])
+    box.write("/var/lib/guardian/replicas/gone.env", LOWERED)  # a replica no unit reads any more
     state_before = json.loads(box.run(["cat", "/var/lib/guardian/state.json"]).stdout)
     pid = box.prop("guardian.service", "MainPID")
-    newer = build_deb(tmp_path, version="0.1.1")
-    box.install_deb(newer)
-    assert "0.1.1" in box.run(["dpkg-query", "-W", "-f", "${Version}", "guardian"]).stdout
+
+    box.install_deb(box.deb)  # the upgrade: 0.1.0 -> this tree's version
+    assert _installed_version(box) == guardian.__version__ != "0.1.0"
     assert box.run(["cat", "/etc/guardian/guardian.toml"]).stdout == edited
+    assert box.run(["cat", "/var/lib/guardian/replicas/a.env"]).stdout == LOWERED
     # The pause is kept (its wall-clock end: in this container the sandboxed daemon sees the kernel's
     # boot id while a shell sees nspawn's own, so the daemon may drop the CLI's monotonic stamp as
     # "another boot's" and fall back to the wall time, as after a real reboot).
-    after = json.loads(box.run(["cat", "/var/lib/guardian/state.json"]).stdout)["pauses"]
-    assert {k: (p["until"]["wall"], p["reason"]) for k, p in after.items()} == \
-        {k: (p["until"]["wall"], p["reason"]) for k, p in state_before["pauses"].items()}
+    after = json.loads(box.run(["cat", "/var/lib/guardian/state.json"]).stdout)
+    assert {k: (p["until"]["wall"], p["reason"]) for k, p in after["pauses"].items()} == \
+        {k: (p["until"]["wall"], p["reason"]) for k, p in state_before["pauses"].items()} != {}
+    assert after["restarts"] == state_before["restarts"]
     wait_for(lambda: box.prop("guardian.service", "ActiveState") == "active", 30, "guardian active after upgrade")
     assert box.prop("guardian.service", "MainPID") != pid  # restarted on upgrade
     world.wait_states({"a": "healthy", "b": "paused"}, timeout_s=30)
+    _bytecode_compiled_and_never_written_by_the_cli(box)
 
-    box.run(["apt-get", "remove", "-y", "-q", "guardian"], timeout=120)
+    # a replica marked down (planned restart into a start that takes long) when guardian is removed
+    a = world.replicas[0]
+    a.load_time_s = 600
+    world.install_replica(a)
+    box.daemon_reload()
+    box.run(["systemd-run", "--unit=ask-restart", "guardian", "restart", "a"])
+    wait_for(lambda: re.search(r" down;  # a ", world.upstream_file()), 60, "nginx to have a down")
+    since = time.time()
+    r = box.run(["apt-get", "remove", "-y", "-q", "guardian"], timeout=120)
     assert box.prop("guardian.service", "ActiveState") == "inactive"
+    marked_up = [e for e in box.journal("SYSLOG_IDENTIFIER=guardian", "GUARDIAN_REPLICA=a", since=since)
+                 if "marked up in nginx upstream file" in e["MESSAGE"]]
+    assert marked_up and marked_up[0]["PRIORITY"] == "4", box.messages("SYSLOG_IDENTIFIER=guardian", since=since)
+    _nginx_ok(box)
     assert box.run(["test", "-f", "/etc/guardian/guardian.toml"], check=False).returncode == 0
-    assert box.run(["test", "-d", "/var/lib/guardian"], check=False).returncode == 0
+    assert box.run(["cat", "/var/lib/guardian/replicas/a.env"]).stdout == LOWERED  # remove keeps it all
+    assert box.run(["test", "-f", "/var/lib/guardian/state.json"], check=False).returncode == 0
+    assert box.run("find /usr/lib/guardian -name '*.pyc' 2>/dev/null | head -n 1", check=False).stdout == ""
 
-    box.run(["apt-get", "purge", "-y", "-q", "guardian"], timeout=120)
-    assert box.run(["test", "-e", "/var/lib/guardian"], check=False).returncode != 0
-    assert box.run(["test", "-e", "/etc/guardian/guardian.toml"], check=False).returncode != 0
-    assert box.run(["test", "-e", RULE], check=False).returncode != 0
+    # purge, as if guardian had been killed with a replica marked down: the file is rewritten all up
+    box.run(["sed", "-i", "-E", r"s/^(server .*8001.*);(  # a )/\1 down;\2/", UPSTREAM])
+    assert " down;" in box.run(["cat", UPSTREAM]).stdout
+    r = box.run(["apt-get", "purge", "-y", "-q", "guardian"], timeout=120)
+    print(r.stdout)
+    assert f"guardian: marked every server up in {UPSTREAM}; nginx reloaded" in r.stdout
+    assert f"guardian: keeping {UPSTREAM}: nginx includes it (from {NGINX_SITE})" in r.stdout
+    assert ("guardian: keeping /var/lib/guardian/replicas/a.env (GPU_MEMORY_UTILIZATION=0.74): vllm-a.service "
+            "reads it; delete it to let vllm-a.service start with its own fraction") in r.stdout
+    assert "guardian: removing /var/lib/guardian/replicas/gone.env (GPU_MEMORY_UTILIZATION=0.74)" in r.stdout
+    _nginx_ok(box)
+    assert sorted(box.run("find /var/lib/guardian /run/guardian ! -type d", check=False).stdout.split()) == \
+        sorted(["/var/lib/guardian/replicas/a.env", UPSTREAM])
+    for gone in ("/etc/guardian/guardian.toml", RULE):
+        assert box.run(["test", "-e", gone], check=False).returncode != 0, gone
     # back to the package the other tests use
+    box.systemctl("stop", "ask-restart.service", check=False)
+    box.systemctl("reset-failed", "ask-restart.service", check=False)
     box.install_deb(box.deb)
     box.systemctl("stop", "guardian.service")
+
+
+def _bytecode_compiled_and_never_written_by_the_cli(box) -> None:
+    """postinst compiled the bundled modules; the CLI run as root (python3 -B) writes none."""
+    count = "find /usr/lib/guardian -name '*.pyc' | wc -l"
+    assert int(box.run(count).stdout) > 100
+    box.run(["rm", "-rf", "/usr/lib/guardian/guardian/__pycache__"])
+    box.run(["guardian", "status"], check=False)
+    box.run(["guardian", "--help"])
+    assert box.run(["test", "-e", "/usr/lib/guardian/guardian/__pycache__"], check=False).returncode != 0
+    box.run(["python3", "-m", "compileall", "-q", "/usr/lib/guardian/guardian"])
 
 
 ELF_MACHINE_AARCH64 = 183

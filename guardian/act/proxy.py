@@ -295,6 +295,7 @@ class ProxySync:
         self.error: str | None = None
         self.retry_at_mono = 0.0
         self.task: asyncio.Task[None] | None = None
+        self.stopping = False  # guardian is stopping: a failure is not retried
 
     @property
     def applied(self) -> frozenset[str]:
@@ -328,12 +329,52 @@ class ProxySync:
         self.cfg, self.store, self.nginx_down = cfg, StateStore(cfg.state_dir), None
 
     async def stop(self, timeout_s: float) -> int:
-        """A change under way is finished, so that the state file says what the proxy has."""
+        """A change under way is finished, so that the state file says what the proxy has; then
+        every replica marked down in nginx's upstream files is marked up, within what is left of
+        TIMEOUT_S: a guardian that is not running could never mark it up again."""
+        deadline_mono = self.clock().mono + timeout_s
         try:
             await asyncio.wait_for(self.wait(), timeout_s)
+            await asyncio.wait_for(self._mark_up_at_stop(), max(0.0, deadline_mono - self.clock().mono))
         except TimeoutError:
             return 1
         return 0
+
+    def _down_in_files(self) -> list[tuple[ReplicaConfig, Path]]:
+        """The configured replicas whose server line in nginx's upstream files says down now."""
+        out = []
+        for upstream, replicas in upstreams(self.cfg).items():
+            path = upstream_path(self.cfg, upstream)
+            try:
+                lines = read_back(path, UPSTREAM_MAX_BYTES).decode(errors="replace").splitlines()
+            except OSError:
+                continue  # absent or not guardian's file: nothing of guardian's to mark up
+            for r in replicas:
+                tail = f"# {r.name} ({r.unit})"
+                if any(ln.startswith("server ") and " down;" in ln and ln.endswith(tail) for ln in lines):
+                    out.append((r, path))
+        return out
+
+    async def _mark_up_at_stop(self) -> None:
+        if self.cfg.proxy.nginx_upstream_dir is None:
+            return
+        down = self._down_in_files()
+        if not down:
+            return
+        self.stopping = True
+        err = await self._nginx(frozenset())
+        if err is None:
+            self._persist(frozenset())
+        for r, path in down:
+            text = (
+                f"replica {r.name}: marked up in nginx upstream file {path} as guardian stops "
+                "(a guardian that is not running could never mark it up again)"
+                if err is None
+                else f"replica {r.name}: still marked down in nginx upstream file {path} as guardian stops: {err}"
+            )
+            self.journal.line(
+                LogLine(Priority.WARNING if err is None else Priority.ERROR, text, Decision.PROXY, r.name, r.unit)
+            )
 
     def view(self) -> ProxyView | None:
         if not self.cfg.proxy.enabled:
@@ -519,7 +560,8 @@ class ProxySync:
         self.journal.line(
             LogLine(
                 Priority.ERROR,
-                f"proxy: could not make nginx mark down exactly [{down}]: {err}; retried in {RETRY_S:g} s",
+                f"proxy: could not make nginx mark down exactly [{down}]: {err}; "
+                + ("guardian is stopping: not retried" if self.stopping else f"retried in {RETRY_S:g} s"),
                 Decision.PROXY,
             )
         )

@@ -22,6 +22,7 @@ import base64
 import binascii
 import json
 import re
+import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -249,6 +250,16 @@ class Tls:
     key_file: str | None = None
 
 
+def tls_context(tls: Tls) -> ssl.SSLContext:
+    """The context that verifies etcd: TLS.ca_file, or else the system's CA store (OpenSSL's default
+    paths, /etc/ssl/certs on Debian and Ubuntu), where the operator adds a private CA; never the
+    certifi bundle that httpx would use by default. With the client's certificate if configured."""
+    ctx = ssl.create_default_context(cafile=tls.ca_file or None)
+    if tls.cert_file and tls.key_file:
+        ctx.load_cert_chain(tls.cert_file, tls.key_file)
+    return ctx
+
+
 class Etcd:
     def __init__(
         self,
@@ -266,12 +277,10 @@ class Etcd:
         self.max_bytes = MAX_ANSWER_BYTES
         self.username, self.password = username, password
         self.token: str | None = None
-        tls = tls or Tls()
-        verify: Any = tls.ca_file if tls.ca_file else True
-        cert = (tls.cert_file, tls.key_file) if tls.cert_file and tls.key_file else None
+        self.ssl_context = tls_context(tls or Tls())
         # trust_env=False: an HTTP(S)_PROXY in the environment must not route etcd's traffic.
         self.client = httpx.AsyncClient(
-            timeout=timeout_s, verify=verify, cert=cert, trust_env=False, follow_redirects=False
+            timeout=timeout_s, verify=self.ssl_context, trust_env=False, follow_redirects=False
         )
 
     async def aclose(self) -> None:
