@@ -1025,7 +1025,7 @@ def _stall_lines(st) -> list[str]:
            " (each stream outlasts its trial: none ended, none failed)")
         + ". Target: 0 for guardian: "
         f"{'met' if st['guardian'] == 0 else '**missed**'}. guardian sees the streams flow in the kernel's view of "
-        "the replica's connections (README, What the kernel shows).",
+        "the replica's connections (docs/rules.md, What the kernel shows).",
         "",
     ]
 

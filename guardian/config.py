@@ -141,7 +141,7 @@ _ENGINE_UNITS = frozenset({"docker.service", "containerd.service", "podman.servi
 class ReplicaConfig(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", min_length=1, max_length=64)
     # The systemd unit that serves the replica. Left out only for a Docker container kept by its
-    # own restart policy: the replica is then known as "docker:CONTAINER" (README, Containers).
+    # own restart policy: the replica is then known as "docker:CONTAINER" (README, Replicas in containers).
     unit: str
     # The replica runs in a container of this name (`docker run --name`, `podman run --name`,
     # Compose's container name): guardian recognises it on the port and kills it when it hangs.
@@ -242,7 +242,7 @@ class WatchdogConfig(_Strict):
     restart_window_s: float = Field(default=1800.0, gt=0, le=MAX_WINDOW_S)
     backoff_s: float = Field(default=60.0, ge=0, le=MAX_WINDOW_S)
     restart_job_timeout_s: float = Field(default=300.0, gt=0, le=MAX_WINDOW_S)
-    # The kernel's view of each replica's connections (README, What the kernel shows): a client
+    # The kernel's view of each replica's connections (docs/rules.md, What the kernel shows): a client
     # whose request has had no byte of answer for this long, with nothing moving, is queued work.
     client_wait_s: float = Field(default=3.0, gt=0, le=MAX_WINDOW_S)
     # Peers that are not clients of their own: units ("x.service") or addresses. [proxy]'s
@@ -282,14 +282,14 @@ class MemoryConfig(_Strict):
     reserve_bytes: int = Field(default=2**30, ge=0)
     cooldown_s: float = Field(default=600.0, ge=0, le=MAX_WINDOW_S)
     device_total_bytes: int | None = Field(default=None, gt=0)
-    # The start guard (README "The start guard"): on whenever the memory guard is, since a replica's
+    # The start guard (docs/rules.md "The start guard"): on whenever the memory guard is, since a replica's
     # start is when a GB10 runs out (and wedges); it acts only below critical_headroom_bytes.
     start_guard: bool = True
     start_guard_interval_s: float = Field(default=0.5, gt=0, le=MAX_WINDOW_S)  # ticks while a replica loads
     priority: list[str] = Field(default_factory=list)
     peer_urls: list[str] = Field(default_factory=list)
     peer_timeout_s: float = Field(default=2.0, gt=0, le=MAX_WINDOW_S)
-    # Raising a lowered fraction back toward its base (README "Raising a fraction back"): on by
+    # Raising a lowered fraction back toward its base (docs/rules.md "Raising a fraction back"): on by
     # default, since a guard that only ratchets down leaves memory unused after every squeeze.
     restore: bool = True
     restore_after_s: float = Field(default=600.0, gt=0, le=MAX_WINDOW_S)  # headroom clear this long first

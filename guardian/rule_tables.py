@@ -1,8 +1,8 @@
-"""The README's rule tables, rendered from the rule modules' rows (core/*.py RULES).
+"""The rule tables of docs/rules.md, rendered from the rule modules' rows (core/*.py RULES).
 
 Outside the core on purpose: it reads every rule module, while each of them reads core/rules.py,
-which therefore stays a leaf. ``scripts/render-rules`` writes the tables into the README; a test
-checks the README against them.
+which therefore stays a leaf. ``scripts/render-rules`` writes the tables into docs/rules.md (the
+README keeps a short account and links there); a test checks docs/rules.md against them.
 """
 
 from __future__ import annotations
@@ -10,9 +10,12 @@ from __future__ import annotations
 from .core import admission, bypass, drain, fleet, gates, liveness, memguard, startguard
 from .core.rules import markdown_table
 
+# Where the tables live, relative to the repository root.
+RULES_DOC = "docs/rules.md"
+
 
 def tables() -> dict[str, str]:
-    """Every rule table, keyed by the README marker it is rendered under."""
+    """Every rule table, keyed by the docs/rules.md marker it is rendered under."""
     return {
         "liveness": markdown_table(liveness.RULES, "state"),
         "admission": markdown_table(admission.RULES, "refusal"),

@@ -1,5 +1,5 @@
-"""The layout is the architecture: imports only point down, the README's rule tables are the
-code's rows, and every rule id exists once."""
+"""The layout is the architecture: imports only point down, the rule tables of docs/rules.md are
+the code's rows, and every rule id exists once."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from guardian.core import admission, bypass, drain, fleet, gates, liveness, memg
 from guardian.rule_tables import render_into, tables
 
 PKG = Path(__file__).resolve().parent.parent / "guardian"
-README = PKG.parent / "README.md"
+RULES_DOC = PKG.parent / "docs" / "rules.md"
 
 # What each layer may import from guardian. The core is pure: the vocabulary, values, rules and
 # the tick's decision, and the typed config it reads.
@@ -181,9 +181,9 @@ def test_every_rule_id_is_unique_and_well_formed():
     assert all(re.fullmatch(r"[LAGMSDFB]\d+", i) for i in ids)
 
 
-def test_the_readme_rule_tables_are_the_codes_rows():
-    text = README.read_text()
-    assert render_into(text) == text, "README rule tables are stale: run scripts/render-rules"
+def test_the_rule_tables_in_docs_are_the_codes_rows():
+    text = RULES_DOC.read_text()
+    assert render_into(text) == text, "docs/rules.md rule tables are stale: run scripts/render-rules"
     for name, table in tables().items():
         assert f"<!-- rules:{name} -->\n{table}\n<!-- /rules:{name} -->" in text
 

@@ -1,7 +1,8 @@
-"""The README's Layout section names the package as it is, and the shape limits hold.
+"""docs/layout.md names the package as it is, and the shape limits hold.
 
-Each ``guardian/PKG/`` named in the section is followed by the modules of that package, up to the
-next package named (or "On top:", which names the top-level modules): exactly the files there."""
+Each ``## `guardian/PKG/` `` heading of docs/layout.md is followed by one bullet per module of that
+package (``- `name.py`: what it is for``), and the ``## `guardian/` `` heading by the top-level
+modules: exactly the files there, each once."""
 
 from __future__ import annotations
 
@@ -11,24 +12,29 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "guardian"
+LAYOUT = REPO / "docs" / "layout.md"
 NOT_NAMED = {"__init__.py", "__main__.py"}
 
 
 def _layout() -> str:
-    text = (REPO / "README.md").read_text()
-    start = text.index("\n## Layout\n")
-    end = text.index("\n`vllm_sim/`", start)
-    return text[start:end]
+    return LAYOUT.read_text()
 
 
-def _parts(section: str) -> dict[str, set[str]]:
-    """Package (``""`` for the top level) -> the ``name.py`` the section names for it."""
-    marks = [(m.start(), m.group(1)) for m in re.finditer(r"`guardian/(\w+)/`", section)]
-    marks.append((section.index("On top:"), ""))
-    marks.sort()
-    parts: dict[str, set[str]] = {}
-    for (start, name), (end, _next) in zip(marks, [*marks[1:], (len(section), "")], strict=True):
-        parts.setdefault(name, set()).update(re.findall(r"`(\w+\.py)`", section[start:end]))
+def _parts(text: str) -> dict[str, list[str]]:
+    """Package (``""`` for the top level) -> the ``name.py`` bullets under its heading, in order."""
+    parts: dict[str, list[str]] = {}
+    current: str | None = None
+    for line in text.splitlines():
+        if line.startswith("## "):
+            m = re.match(r"## `guardian/(?:(\w+)/)?`", line)
+            current = (m.group(1) or "") if m else None
+            if current is not None:
+                assert current not in parts, f"docs/layout.md has two headings for guardian/{current}"
+                parts[current] = []
+        elif current is not None:
+            m = re.match(r"- `(\w+\.py)`: \S", line)
+            if m:
+                parts[current].append(m.group(1))
     return parts
 
 
@@ -42,12 +48,17 @@ def test_layout_names_every_package_and_module_and_no_other():
     assert set(parts) - {""} == packages
     for name, named in parts.items():
         folder = PACKAGE / name if name else PACKAGE
-        assert named == _modules(folder), f"guardian/{name}: README names {sorted(named)}"
+        assert len(named) == len(set(named)), f"guardian/{name}: docs/layout.md names a module twice: {named}"
+        assert set(named) == _modules(folder), f"guardian/{name}: docs/layout.md names {sorted(named)}"
 
 
-def test_the_layout_check_sees_a_missing_module():
-    section = _layout().replace("`memview.py`", "`memview`")
-    assert "memview.py" not in _parts(section)["core"]
+def test_the_layout_check_sees_a_missing_module_and_one_without_a_line():
+    text = _layout()
+    assert "memview.py" in _parts(text)["core"]
+    assert "memview.py" not in _parts(text.replace("- `memview.py`:", "- `memview`:"))["core"]
+    no_line = re.sub(r"^- `memview.py`: .*$", "- `memview.py`:", text, flags=re.M)
+    assert "memview.py" not in _parts(no_line)["core"]
+    assert "cli.py" in _parts(text)[""] and "cli.py" not in _parts(text)["core"]
 
 
 def test_no_function_breaks_the_shape_limits():

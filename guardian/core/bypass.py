@@ -1,7 +1,7 @@
 """Clients that bypass the proxy (the seed's incident: a batch job had one box's own address in its
 configuration; all its load went to one replica while the other had capacity to spare). Pure.
 
-Rules (RULES, rendered into the README's "What the kernel shows"; they are not first-match rows,
+Rules (RULES, rendered into docs/rules.md's "What the kernel shows"; they are not first-match rows,
 so each names the code that enforces it):
 - B1: only while guardian knows the proxy's connections ([proxy] with nginx on this box, or
   watchdog.proxy_peers not empty): without one, every client talks to the replicas directly, and

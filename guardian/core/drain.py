@@ -11,7 +11,7 @@ SyncProxy(that set) when a proxy is configured, and the shell makes the proxy ma
 (act/proxy.py: nginx's upstream file or the command hooks) and reports what it applied
 (ProxyView); a drain waits for that report before it counts.
 
-Rules: RULES below (D1-D11), rendered into the README; DRAINED_ROWS (D5, D6) are checked in
+Rules: RULES below (D1-D11), rendered into docs/rules.md; DRAINED_ROWS (D5, D6) are checked in
 order, the others are the steps of core/tick.py that name them. ``P`` = the [proxy] config.
 "Another replica of the model serves" means: a replica of this box with the same model, healthy
 or busy, and not marked down; or a `memory.peer_urls` peer that answered with the model; or,

@@ -6,10 +6,10 @@ operator's `guardian restart`, a memory-guard lowering) first takes one of the f
 tick (FleetView), asks for slots with an etcd transaction, and gives them back; this module says
 which, from the view alone. Unplanned restarts (a hung replica) never wait for the fleet.
 
-Rules: the rows of ROWS below (F1-F6), first match wins, each its README row, the predicate that
+Rules: the rows of ROWS below (F1-F6), first match wins, each its table row, the predicate that
 says when it holds and what it says then, over one _Planned; and RELEASE (F7), which the tick
-enforces (core/tick.py gives back the slots it names). RULES, all seven, is rendered into the
-README. ``F`` = the [fleet] config.
+enforces (core/tick.py gives back the slots it names). RULES, all seven, is rendered into
+docs/rules.md. ``F`` = the [fleet] config.
 "Serving" in the fleet view: a published replica of the model, healthy or busy, that holds no slot
 (it is about to restart), other than the one asking.
 """

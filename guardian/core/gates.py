@@ -2,9 +2,9 @@
 
 The core checks them with the tick's observation, and the executor again with a fresh one right
 before the restart call (earlyoom's "re-check right before acting"). In order; the first that
-fails is the refusal: the rows of ROWS below (ids G1-G9), each its README row, the predicate that
+fails is the refusal: the rows of ROWS below (ids G1-G9), each its table row, the predicate that
 says when it refuses and what it says then, over one _UnitView; RULES (their rules) is rendered
-into the README.
+into docs/rules.md.
 """
 
 from __future__ import annotations

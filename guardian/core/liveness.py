@@ -3,9 +3,9 @@
 Pure: a Track (what guardian remembers about one replica) plus one ReplicaObservation plus
 ``now`` give the next Track, whose ``state`` is the verdict. No clock, no I/O, no sleeping.
 
-Rules, first match wins: the rows of ROWS below (ids L1-L17), each its README row, the predicate
+Rules, first match wins: the rows of ROWS below (ids L1-L17), each its table row, the predicate
 that says when it holds and the evidence it gives, over one _Facts value; RULES (their rules) is
-rendered into the README. ``W`` = watchdog config, ``R`` = replica config, times in seconds.
+rendered into docs/rules.md. ``W`` = watchdog config, ``R`` = replica config, times in seconds.
 
 Progress means: any of generation_tokens_total, prompt_tokens_total,
 iteration_tokens_total_count/_sum, request_success_total went up, or kv_cache_usage_perc changed

@@ -3,7 +3,7 @@
 ``headroom`` is the kernel's MemAvailable. ``total`` is what vLLM's --gpu-memory-utilization
 is a fraction of: ``memory.device_total_bytes``, or MemTotal when unset (GB10: one memory).
 
-Rules: RULES below (ids M1-M26), rendered into the README. ``M`` = the memory config, times in
+Rules: RULES below (ids M1-M26), rendered into docs/rules.md. ``M`` = the memory config, times in
 seconds, sizes in bytes. M1 and M2 say when the box is squeezed. A pending change of fraction (a
 lowering, or a raise) is followed by M3-M8, and a failed start's restart that admission held back
 by M18 and M19 (_follow_change). M9 is applied where the view is built (core/memview.py).

@@ -1,9 +1,9 @@
 """Rules as data: each rule is a row with a stable id. Verdicts and refusals carry the id,
-tests assert ids, and the README's rule tables are rendered from these rows
-(guardian/rule_tables.py; ``scripts/render-rules`` writes them into the README and a test checks
-the README against them).
+tests assert ids, and the rule tables of docs/rules.md are rendered from these rows
+(guardian/rule_tables.py; ``scripts/render-rules`` writes them into docs/rules.md and a test checks
+docs/rules.md against them).
 
-A rule module holds its rules as ROWS of Row: the Rule (its README row), the predicate that says
+A rule module holds its rules as ROWS of Row: the Rule (its table row), the predicate that says
 when it holds and the evidence it gives then, over one immutable context value; ``first_match``
 walks them in order, so the table is the classifier. Its ``RULES`` are the rows' rules. A leaf:
 it imports nothing of guardian but the vocabulary.
@@ -34,7 +34,7 @@ Evidence = TypeVar("Evidence")
 
 @dataclass(frozen=True)
 class Row(Generic[Context, Evidence]):
-    """One rule as code: its README row, when it holds, and what it says when it does."""
+    """One rule as code: its table row, when it holds, and what it says when it does."""
 
     rule: Rule
     holds: Callable[[Context], bool]

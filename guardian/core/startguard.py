@@ -8,7 +8,7 @@ Restart=, an operator's. The memory guard's squeeze rules (core/memguard.py) nee
 last M.sustain_s, and admission keeps them from restarting another replica while one loads (A3),
 so they cannot help here.
 
-Rules: RULES below (ids S1-S10), rendered into the README. ``M`` = the memory config. S1 says which
+Rules: RULES below (ids S1-S10), rendered into docs/rules.md. ``M`` = the memory config. S1 says which
 starts are watched and what is recorded at a start's first look (its Start); then, on every tick,
 the rows of ROWS are checked in order for each watched start and the first that holds is the
 verdict. The stop (S10) is a SetFraction like a lowering's, with ``kill_first``: the restart job
