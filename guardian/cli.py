@@ -65,8 +65,8 @@ EXIT_CONFIG = Exit.USAGE
 EXIT_STATUS: dict[str, dict[Exit, str]] = {
     "": {
         Exit.OK: "ok",
-        Exit.PROBLEM: "a problem to fix: the config or a hazard (check), a refusal that lasts or a failed "
-        "restart (restart), no such replica",
+        Exit.PROBLEM: "a problem to fix: the config or a hazard (check), a refusal (restart: any without "
+        "--wait; with --wait one that lasts) or a failed restart, no such replica",
         Exit.USAGE: "usage or config error: a bad command line, or the config file is invalid",
         Exit.NOT_SERVING: "not serving right now, nothing to fix: a replica is loading or restarting (check), "
         "guardian is not running or its status is stale (status)",
@@ -92,8 +92,8 @@ EXIT_STATUS: dict[str, dict[Exit, str]] = {
     "resume": {Exit.OK: "resumed", Exit.PROBLEM: "no replica of that name", Exit.USAGE: "the config is invalid"},
     "restart": {
         Exit.OK: "restarted (or, with dry_run, would have been)",
-        Exit.PROBLEM: "refused for a reason that lasts, the restart job failed, no answer from the daemon, "
-        "or no replica of that name",
+        Exit.PROBLEM: "refused (without --wait, for any reason; with --wait, for one that lasts), the restart "
+        "job failed, no answer from the daemon, or no replica of that name",
         Exit.USAGE: "the config is invalid",
         Exit.WAITED_OUT: "--wait D ended, and what refused it (it passes by itself) was still there",
     },
@@ -839,7 +839,7 @@ def _ask_daemon_to_restart(cfg: Config, name: str, pid: int, wait_s: float | Non
 
     def ask(d: StateDoc) -> None:
         request: dict[str, Any] = {"replica": name, "at": stamp(asked)}
-        if wait_s is not None:
+        if wait_s:  # --wait 0 is no wait: answered at once
             request["wait_until"] = stamp(clock.Now(asked.mono + wait_s, asked.wall + wait_s))
         d["requests"][rid] = request
 
@@ -865,21 +865,26 @@ def _await_answer(cfg: Config, rid: str, deadline_mono: float) -> dict[str, Any]
     state file was corrupt (said)."""
     store = StateStore(cfg.state_dir)
     said = None
-    while time.monotonic() < deadline_mono:
-        try:
-            data = store.read()
-        except CorruptState as e:
-            print(f"guardian: {e}", file=sys.stderr)
-            return None
-        answer = data["answers"].get(rid)
-        if answer is not None:
-            _update_state(cfg, lambda d: d["answers"].pop(rid, None))
-            return dict(answer)
-        waiting = (data["requests"].get(rid) or {}).get("waiting")
-        if waiting and waiting != said:
-            print(f"waiting: {waiting}", flush=True)
-            said = waiting
-        time.sleep(0.2)
+    try:
+        while time.monotonic() < deadline_mono:
+            try:
+                data = store.read()
+            except CorruptState as e:
+                print(f"guardian: {e}", file=sys.stderr)
+                return None
+            answer = data["answers"].get(rid)
+            if answer is not None:
+                _update_state(cfg, lambda d: d["answers"].pop(rid, None))
+                return dict(answer)
+            waiting = (data["requests"].get(rid) or {}).get("waiting")
+            if waiting and waiting != said:
+                print(f"waiting: {waiting}", flush=True)
+                said = waiting
+            time.sleep(0.2)
+    except KeyboardInterrupt:  # a request left open would be acted on long after the operator gave up on it
+        _update_state(cfg, lambda d: d["requests"].pop(rid, None))
+        print("guardian: interrupted: request withdrawn (a restart already begun goes on)", file=sys.stderr)
+        raise
     _update_state(cfg, lambda d: d["requests"].pop(rid, None))
     return None
 

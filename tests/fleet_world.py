@@ -178,9 +178,12 @@ canary_timeout_s = 2.0
 
     def teardown(self) -> None:
         b = self.box
-        units = [self.unit(i) for i in range(self.n)] + [self.replica_unit(i) for i in range(self.n)]
-        units += [f"etcd-{m}.service" for m in self.members]
-        b.systemctl("stop", *units, check=False)
+        # One at a time, each in its own call: stopped together, the guardians wait out their last
+        # release and the etcd members their peers (7 s per test, measured); apart, 0.5 s in all.
+        b.systemctl("stop", *[self.unit(i) for i in range(self.n)], check=False)
+        b.systemctl("stop", *[self.replica_unit(i) for i in range(self.n)], check=False)
+        for m in self.members:
+            b.systemctl("stop", f"etcd-{m}.service", check=False)
         b.run("rm -f /etc/systemd/system/guardian-box*.service /etc/systemd/system/sim-box*.service "
               "/etc/systemd/system/etcd-m*.service /etc/guardian/box*.toml /etc/polkit-1/rules.d/60-fleet-test.rules; "
               "rm -rf /var/lib/etcd-fleet /var/lib/guardian-box* /run/guardian-box*", check=False)

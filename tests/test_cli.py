@@ -271,3 +271,36 @@ def test_restart_without_wait_keeps_exit_1_for_a_refusal(tmp_path, capsys):
     finally:
         asking.join(20)
     assert result["rc"] == Exit.PROBLEM == 1 and "refused (masked)" in capsys.readouterr().err
+
+
+def test_ctrl_c_while_waiting_withdraws_the_request(tmp_path, capsys, monkeypatch):
+    """A request left open after the operator gave up would be acted on up to --wait later."""
+    path = config(tmp_path, ("a", "http://127.0.0.1:8001"))
+    fake_daemon_status(tmp_path)
+    store = StateStore(tmp_path / "state")
+    asked = []
+
+    def interrupted(_s: float) -> None:
+        asked.append(dict(store.read()["requests"]))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli.time, "sleep", interrupted)
+    assert main(["--config", path, "restart", "a", "--wait", "1h"]) == Exit.INTERRUPTED
+    assert len(asked) == 1 and len(asked[0]) == 1, asked  # it was asked, then
+    assert store.read()["requests"] == {}
+    assert "request withdrawn" in capsys.readouterr().err
+
+
+def test_wait_0_is_no_wait(tmp_path, capsys, monkeypatch):
+    path = config(tmp_path, ("a", "http://127.0.0.1:8001"))
+    fake_daemon_status(tmp_path)
+    store = StateStore(tmp_path / "state")
+    seen = []
+
+    def once(_s: float) -> None:
+        seen.append(next(iter(store.read()["requests"].values())))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli.time, "sleep", once)
+    main(["--config", path, "restart", "a", "--wait", "0"])
+    assert seen and seen[0].get("wait_until") is None

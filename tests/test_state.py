@@ -411,3 +411,19 @@ def test_the_base_of_a_replica_no_longer_configured_is_forgotten(tmp_path):
     store.update(lambda d: (record_fraction_base(d, "a", 0.78), record_fraction_base(d, "gone", 0.9)))
     store.update(lambda d: forget_unconfigured(d, {"a"}))
     assert view(store.read(), NOW).fraction_bases == {"a": 0.78}
+
+
+def test_a_long_waiting_text_or_answer_is_written_short_enough_to_read_back(tmp_path):
+    """An etcd error per endpoint can make a fleet wait's text long; a field over the reader's limit
+    would make the whole file corrupt (history, pauses and proxy_down lost)."""
+    from guardian.act.state import TEXT_MAX_CHARS, record_answer, record_waiting
+    from guardian.core.actions import AnswerRequest
+
+    store = store_at(tmp_path)
+    store.update(lambda d: d["requests"].update(r1={"replica": "a", "at": {"wall": NOW.wall, "mono": NOW.mono}},
+                                                r2={"replica": "a", "at": {"wall": NOW.wall, "mono": NOW.mono}}))
+    store.update(lambda d: record_waiting(d, "r1", "x" * 10_000))
+    store.update(lambda d: record_answer(d, AnswerRequest("r2", "a", False, "y" * 10_000), NOW))
+    data = store.read()  # not corrupt
+    assert len(data["requests"]["r1"]["waiting"]) == TEXT_MAX_CHARS and data["requests"]["r1"]["waiting"].endswith("...")
+    assert len(data["answers"]["r2"]["message"]) == TEXT_MAX_CHARS

@@ -184,6 +184,8 @@ def test_upgrade_from_the_previous_release_keeps_state_then_remove_and_purge_lea
     assert box.run(["test", "-f", "/etc/guardian/guardian.toml"], check=False).returncode == 0
     assert box.run(["cat", "/var/lib/guardian/replicas/a.env"]).stdout == LOWERED  # remove keeps it all
     assert box.run(["test", "-f", "/var/lib/guardian/state.json"], check=False).returncode == 0
+    # the state still says a was marked down: a guardian started again marks it down until it serves
+    assert json.loads(box.run(["cat", "/var/lib/guardian/state.json"]).stdout)["proxy_down"] == ["a"]
     assert box.run("find /usr/lib/guardian -name '*.pyc' 2>/dev/null | head -n 1", check=False).stdout == ""
 
     # purge, as if guardian had been killed with a replica marked down: the file is rewritten all up

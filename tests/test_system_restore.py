@@ -111,8 +111,8 @@ def test_a_hog_around_the_thresholds_moves_nothing(world):
     world.box.systemctl("stop", "build.service")
     hog(world, "steady.service", 1.5)  # headroom ~ avail0 - 1.46 GiB: above min (avail0 - 2), below the raise line
     wait_for(lambda: avail0 - 2 * GiB < mem_available() < avail0 - 0.96 * GiB, 20, "headroom in the band")
-    nothing_changes_for(world, 3 * RESTORE_AFTER_S)
-    for _ in range(4):  # on for less than sustain_s, off for less than restore_after_s
+    nothing_changes_for(world, 2 * RESTORE_AFTER_S)
+    for _ in range(3):  # on for less than sustain_s, off for less than restore_after_s
         world.box.systemctl("start", "build.service")
         time.sleep(SUSTAIN_S / 2)
         world.box.systemctl("stop", "build.service")

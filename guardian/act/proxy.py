@@ -362,13 +362,14 @@ class ProxySync:
         if not down:
             return
         self.stopping = True
+        # The state file keeps what guardian had marked down: a guardian started again (a restart, an
+        # upgrade) marks those down again until each serves (D10); after `apt remove` none starts.
         err = await self._nginx(frozenset())
-        if err is None:
-            self._persist(frozenset())
         for r, path in down:
             text = (
                 f"replica {r.name}: marked up in nginx upstream file {path} as guardian stops "
-                "(a guardian that is not running could never mark it up again)"
+                "(a guardian that is not running could never mark it up again; a guardian started again "
+                "marks it down until it serves)"
                 if err is None
                 else f"replica {r.name}: still marked down in nginx upstream file {path} as guardian stops: {err}"
             )

@@ -172,7 +172,14 @@ def _time(value: Any, latest: Now) -> Stamp:
     return {"wall": min(_number(value), latest.wall), "mono": None}
 
 
-def _text(value: Any, limit: int = 4096) -> str:
+TEXT_MAX_CHARS = 4096  # a longer text field makes the file corrupt on reading: written shorter
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= TEXT_MAX_CHARS else text[: TEXT_MAX_CHARS - 3] + "..."
+
+
+def _text(value: Any, limit: int = TEXT_MAX_CHARS) -> str:
     if not isinstance(value, str) or len(value) > limit:
         raise ValueError("a text field is not a string or is too long")
     return value
@@ -417,7 +424,7 @@ def record_answer(data: StateDoc, answer: AnswerRequest, at: Now) -> None:
     data["answers"][answer.request_id] = {
         "replica": answer.replica,
         "ok": answer.ok,
-        "message": answer.message,
+        "message": _clip(answer.message),
         "at": stamp(at),
         "waited_out": answer.waited_out,
     }
@@ -428,7 +435,7 @@ def record_waiting(data: StateDoc, request_id: str, text: str) -> None:
     withdrawn meanwhile is not brought back."""
     request = data["requests"].get(request_id)
     if request is not None:
-        request["waiting"] = text
+        request["waiting"] = _clip(text)
 
 
 class StateCache:
