@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from guardian.core.actions import LogLine, SyncProxy
+from guardian.core.actions import LogLine, RequestWaits, SyncProxy
 from guardian.core.drain import Drain, Phase
 from guardian.core.observations import ProxyView, RestartOutcome, RestartRequest
 from guardian.core.vocab import Decision, RestartKind, State
@@ -240,3 +240,21 @@ def test_every_tick_behind_a_proxy_ends_by_telling_it_the_whole_set_marked_down(
     box = draining()
     assert box.tick(101, a=obs("a", 101, s=BUSY))[-1] == SyncProxy(frozenset({"a"}))
     assert not [a for a in Box(cfg(2)).tick(100) if isinstance(a, SyncProxy)]  # no proxy: nothing to tell
+
+
+def test_a_request_with_a_wait_refused_by_a_passing_rule_when_its_drain_ends_is_marked_up_and_waits_a4():
+    """Drained, then admission says back-off (A2: a restart of a was recorded meanwhile): with a wait
+    not over, the request is not refused (D8) but marked up and waits as asked; without one, D8."""
+    box = draining()
+    box.persistent = replace(box.persistent, requests=(RestartRequest("q1", "a", 100.0, 1000.0),))
+    confirmed(box, 102)
+    box.persistent = replace(box.persistent, restarts={"a": (103.0,)})
+    acts = confirmed(box, 104, s=sample(gen=2))
+    assert not restarts(acts) and not answers(acts) and "a" not in box.core.drains
+    said = [line for line in box.lines(Decision.REQUEST) if line.rule == "A4"]
+    assert [line.message.split(": ", 1)[1].split(":")[0] for line in said] == [
+        "drained, but its restart waits", "an operator's restart waits"]
+    assert all("(A2)" in line.message for line in said), said
+    assert [a.request_id for a in acts if isinstance(a, RequestWaits)] == ["q1"]
+    acts = box.tick(106, a=obs("a", 106, s=sample(gen=3)))
+    assert not answers(acts) and not restarts(acts) and "a" not in box.core.drains  # still waiting, not drained

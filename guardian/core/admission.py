@@ -145,8 +145,9 @@ WAIT_RULE = Rule(
     "an operator's `guardian restart NAME --wait D` is refused by a rule that passes by itself (A2 back-off, "
     "A3 one at a time or a drain in progress, G1 the system bus, G6 a job pending) or waits for a fleet slot "
     "(F3-F6) AND now < when it was asked + D: it stays open, said once per cause (info), and is asked again "
-    "every tick; once now >= that, it is refused as it stands, after waiting D. Any other refusal (A1, "
-    "G2-G5, G7-G9) is answered at once",
+    "every tick; once now >= that, it is refused as it stands, after waiting D. Under a proxy, such a refusal "
+    "when its drain is over marks the replica up again and the request waits again (drained anew once it may "
+    "go). Any other refusal (A1, G2-G5, G7-G9) is answered at once",
 )
 RULES = (*(row.rule for row in ROWS), WAIT_RULE)
 

@@ -149,6 +149,7 @@ class Tick:
         # A restart is under way on this box: in flight since an earlier tick, or issued on this
         # one. No other starts (A3).
         self.restart_under_way = False
+        self.requeued: set[str] = set()  # requests whose drain ended into a refusal they wait through (A4)
 
     @property
     def planned_restarts_blocked(self) -> bool:
@@ -301,7 +302,10 @@ class Tick:
         self.drains[replica.name] = replace(down, error_said=True)
 
     def _restart_drained(self, replica: ReplicaConfig, down: Drain, why: str) -> None:
-        """D5, D6: the planned restart, with a bounded stop; refused when it comes to it: D8."""
+        """D5, D6: the planned restart, with a bounded stop; refused when it comes to it: D8, unless
+        its request waits through that refusal (A4): then it is marked up and waits as asked."""
+        if self._requeue(replica, down):
+            return
         ask = RestartAsk(
             RestartKind.OPERATOR,
             f"replica {replica.name}: {why}",
@@ -317,6 +321,26 @@ class Tick:
             Phase.AWAY, self.now, "planned restart after its drain", down.request_id, down.confirmed_at
         )
         self.restart_under_way = True  # a dry run's too, as the restart it stands for would be
+
+    def _requeue(self, replica: ReplicaConfig, down: Drain) -> bool:
+        """A4 after a drain: the request asked with a wait that has not ended, refused now by a rule
+        that passes by itself, is taken again this tick (take_requests), the replica marked up
+        meanwhile: kept down, it would serve nobody for as long as the other restart takes."""
+        request = next((q for q in self.obs.persistent.requests if q.id == down.request_id), None)
+        if request is None or request.wait_until is None or _wait_over(request, self.now):
+            return False
+        busy = self.restart_under_way
+        refusal = admission.refusal(replica.name, self.tracks, self.obs, self.now, self.cfg, busy)
+        if refusal is None or not admission.passes_by_itself(refusal):
+            return False
+        del self.drains[replica.name]
+        self.requeued.add(request.id)
+        text = (
+            f"replica {replica.name}: drained, but its restart waits: {refusal.text} ({refusal.rule}); "
+            "marked up again at the proxy meanwhile, drained again once it may go (A4)"
+        )
+        self._say(LogLine(Priority.INFO, text, Decision.REQUEST, replica.name, replica.unit, rule="A4"))
+        return True
 
     def _abandon(self, replica: ReplicaConfig, down: Drain, rule: str, why: str, already_said: bool = False) -> None:
         """Give a drain up: marked up again, its operator's request refused; said unless ALREADY_SAID."""
@@ -473,7 +497,7 @@ class Tick:
     def take_requests(self) -> None:
         """Each operator's request is acted on once: admitted and issued, or refused; and answered."""
         asked = {request.id for request in self.obs.persistent.requests}
-        taken = set(self.previous.requests_taken & asked)  # answered ones have left the state file
+        taken = set(self.previous.requests_taken & asked) - self.requeued  # answered ones have left the file
         for request in self.obs.persistent.requests:
             if request.id not in taken and self._take(request):
                 taken.add(request.id)
