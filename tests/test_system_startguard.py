@@ -18,14 +18,14 @@ from world import HOG, GiB, World, hog, line_with, mem_available, start_with_thr
 pytestmark = pytest.mark.system
 
 DEVICE = 8 * GiB  # what the fractions are of, for the simulated replicas and for guardian
-LOAD_S = 20.0  # b's load time: 0.95 x 8 GiB = 7.6 GiB taken at 0.38 GiB/s
+LOAD_S = 12.0  # b's load time: 0.95 x 8 GiB = 7.6 GiB taken at 0.63 GiB/s
 HOG_GIB = 2.0
 # Relative to MemAvailable with a and b serving at 0.4 (3.2 GiB each): the squeeze line 3 GiB below
 # it, the critical line 4 GiB below it. With the hog (-2) and b restarted at 0.95 (+3.2 freed, then
 # -7.6 taken), an unguarded load ends 6.4 GiB below it; one step lower (0.55: 4.4 GiB) ends 3.2 below
 # it, clear of the critical line.
 BELOW_GIB, CRITICAL_GIB = 3.0, 4.0
-# What MemAvailable must never fall under: 1.5 GiB below the critical line, about 4 s of b's growth;
+# What MemAvailable must never fall under: 1.5 GiB below the critical line, about 2.4 s of b's growth;
 # the guard looks every 0.5 s.
 BOUND_GIB = CRITICAL_GIB + 1.5
 DROP_IN = "/etc/systemd/system/vllm-b.service.d"
