@@ -86,7 +86,7 @@ class TickState:
     requests_taken: frozenset[str] = frozenset()  # operators' requests acted on, answer not yet recorded
     drains: dict[str, Drain] = field(default_factory=dict)  # replicas marked down at the proxy (core/drain.py)
     # request id -> why it waits (a fleet slot, or a refusal that passes by itself: A4), as last said
-    fleet_said: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    waits_said: dict[str, tuple[str, ...]] = field(default_factory=dict)
     slots_released: frozenset[str] = frozenset()  # fleet slots given back that the view may still show
     bypass_seen: dict[tuple[str, str], float] = field(default_factory=dict)  # (replica, peer) -> connected since
     bypassing: tuple[bypass.Bypass, ...] = ()  # clients bypassing the proxy now (core/bypass.py B2)
@@ -141,7 +141,7 @@ class Tick:
         self.mem = previous.mem
         self.requests_taken = previous.requests_taken
         asked = {request.id for request in obs.persistent.requests}
-        self.fleet_said = {rid: said for rid, said in previous.fleet_said.items() if rid in asked}
+        self.waits_said = {rid: said for rid, said in previous.waits_said.items() if rid in asked}
         self.slots_released = previous.slots_released
         self.bypass_seen = previous.bypass_seen
         self.bypassing = previous.bypassing
@@ -163,7 +163,7 @@ class Tick:
             self.mem,
             self.requests_taken,
             self.drains,
-            self.fleet_said,
+            self.waits_said,
             self.slots_released,
             self.bypass_seen,
             self.bypassing,
@@ -327,11 +327,8 @@ class Tick:
         that passes by itself, is taken again this tick (take_requests), the replica marked up
         meanwhile: kept down, it would serve nobody for as long as the other restart takes."""
         request = next((q for q in self.obs.persistent.requests if q.id == down.request_id), None)
-        if request is None or request.wait_until is None or _wait_over(request, self.now):
-            return False
-        busy = self.restart_under_way
-        refusal = admission.refusal(replica.name, self.tracks, self.obs, self.now, self.cfg, busy)
-        if refusal is None or not admission.passes_by_itself(refusal):
+        refusal = self._passing_refusal(replica, request, self.restart_under_way) if request else None
+        if request is None or refusal is None:
             return False
         del self.drains[replica.name]
         self.requeued.add(request.id)
@@ -544,22 +541,27 @@ class Tick:
     def _waits_through(self, replica: ReplicaConfig, request: RestartRequest) -> bool:
         """A4: True while REQUEST, asked with a wait that has not ended, is refused by a rule that passes
         by itself; each cause is said once per request, and shown to the waiting command (RequestWaits)."""
-        if request.wait_until is None or _wait_over(request, self.now):
-            return False
-        busy = self.planned_restarts_blocked
-        refusal = admission.refusal(replica.name, self.tracks, self.obs, self.now, self.cfg, busy)
-        if refusal is None or not admission.passes_by_itself(refusal):
+        refusal = self._passing_refusal(replica, request, self.planned_restarts_blocked)
+        if refusal is None:
             return False
         self._say_wait(replica, request, refusal, Decision.REQUEST)
         return True
+
+    def _passing_refusal(self, replica: ReplicaConfig, request: RestartRequest, busy: bool) -> Refusal | None:
+        """A4: the refusal REQUEST waits through now (BUSY: another restart under way): one that passes
+        by itself, while the wait it was asked with has not ended; None when it would not wait."""
+        if request.wait_until is None or _wait_over(request, self.now):
+            return None
+        refusal = admission.refusal(replica.name, self.tracks, self.obs, self.now, self.cfg, busy)
+        return refusal if refusal is not None and admission.passes_by_itself(refusal) else None
 
     def _say_wait(self, replica: ReplicaConfig, request: RestartRequest, cause: Refusal, decision: Decision) -> None:
         """What REQUEST waits for (CAUSE), once per request and cause: a journal line, and the text the
         waiting command prints."""
         key = (cause.rule, *cause.key)
-        if self.fleet_said.get(request.id) == key:
+        if self.waits_said.get(request.id) == key:
             return
-        self.fleet_said[request.id] = key
+        self.waits_said[request.id] = key
         waits = f"{cause.text} ({cause.rule})"
         left = "" if request.wait_until is None else f"; up to {request.wait_until - self.now:.0f} s more (A4)"
         text = f"replica {replica.name}: an operator's restart waits: {waits}{left}"
