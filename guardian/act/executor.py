@@ -51,6 +51,7 @@ from .proxy import ProxySync
 from .restart import RestartOrder, Tools, checked_restart
 from .state import (
     CorruptState,
+    StateDoc,
     StateStore,
     atomic_write,
     record_answer,
@@ -145,36 +146,35 @@ class Executor:
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
-    def _answer(self, answer: AnswerRequest) -> None:
-        store, journal, clock = self.tools.store, self.tools.journal, self.tools.clock
+    def _write_state(self, change: Callable[[StateDoc], None], what: str) -> OSError | None:
+        """CHANGE to the state file. A corrupt file is said here; a write that failed is said as
+        "cannot record WHAT" when WHAT is given, else returned for the caller to say."""
+        store, journal = self.tools.store, self.tools.journal
         try:
-            store.update(lambda d: record_answer(d, answer, clock()))
+            store.update(change)
         except CorruptState as e:
             journal.send(Priority.ERROR, str(e))
         except OSError as e:
-            journal.send(Priority.ERROR, f"cannot record the answer to a restart request in {store.dir}: {e}")
+            if not what:
+                return e
+            journal.send(Priority.ERROR, f"cannot record {what} in {store.dir}: {e}")
+        return None
+
+    def _answer(self, answer: AnswerRequest) -> None:
+        clock = self.tools.clock
+        self._write_state(lambda d: record_answer(d, answer, clock()), "the answer to a restart request")
 
     def _record_waiting(self, action: RequestWaits) -> None:
         """What an open request waits for, for the waiting `guardian restart` to print. Not kept: said
         (the journal line of the wait was said too), and the request waits all the same."""
-        store, journal = self.tools.store, self.tools.journal
-        try:
-            store.update(lambda d: record_waiting(d, action.request_id, action.text))
-        except CorruptState as e:
-            journal.send(Priority.ERROR, str(e))
-        except OSError as e:
-            journal.send(Priority.ERROR, f"cannot record what a restart request waits for in {store.dir}: {e}")
+        self._write_state(
+            lambda d: record_waiting(d, action.request_id, action.text), "what a restart request waits for"
+        )
 
     def _record_canary_latencies(self, action: RecordCanaryLatencies) -> None:
         """Kept in the state file, so that a guardian restarted or reloaded need not learn the
         canary deadlines anew. Not kept: said, and the deadlines still hold in memory."""
-        store, journal = self.tools.store, self.tools.journal
-        try:
-            store.update(lambda d: record_canary_latencies(d, action.latencies))
-        except CorruptState as e:
-            journal.send(Priority.ERROR, str(e))
-        except OSError as e:
-            journal.send(Priority.ERROR, f"cannot record canary latencies in {store.dir}: {e}")
+        self._write_state(lambda d: record_canary_latencies(d, action.latencies), "canary latencies")
 
     async def _canary(self, name: str, timeout_s: float) -> None:
         r = self.cfg.replica(name)
@@ -217,17 +217,13 @@ class Executor:
         """A lowering's base, in the state file right before the env file is written."""
         if action.new >= action.old:
             return
-        store, journal = self.tools.store, self.tools.journal
-        try:
-            store.update(lambda d: record_fraction_base(d, action.replica, action.old))
-        except CorruptState as e:
-            journal.send(Priority.ERROR, str(e))
-        except OSError as e:
-            journal.line(
+        e = self._write_state(lambda d: record_fraction_base(d, action.replica, action.old), "")
+        if e is not None:
+            self.tools.journal.line(
                 LogLine(
                     Priority.ERROR,
-                    f"replica {action.replica}: cannot record its base fraction {action.old:g} in {store.dir}: {e}; "
-                    "the memory guard will not raise it back by itself",
+                    f"replica {action.replica}: cannot record its base fraction {action.old:g} in "
+                    f"{self.tools.store.dir}: {e}; the memory guard will not raise it back by itself",
                     Decision.MEMORY_NOTE,
                     action.replica,
                     action.unit,
