@@ -229,10 +229,12 @@ class Daemon:
         self.notifier.stopping()
         deadline_mono = time.monotonic() + (timeout_s := self.cfg.shutdown_timeout_s)  # one bound for all parts
         # the proxy marks replicas up after the executor's tasks end: a slice of the bound is kept for it
-        kept_s = {id(self.executor): min(3.0, timeout_s / 3) if self.cfg.proxy.enabled else 0.0}
-        left = sum(
-            [await p.stop(max(0.0, deadline_mono - time.monotonic() - kept_s.get(id(p), 0.0))) for p in self.parts]
-        )
+        kept_s = min(3.0, timeout_s / 3) if self.cfg.proxy.enabled else 0.0
+        left = 0
+        for part in self.parts:
+            left += await part.stop(
+                max(0.0, deadline_mono - time.monotonic() - (kept_s if part is self.executor else 0))
+            )
         if left:
             self.journal.send(Priority.WARNING, f"stopping with {left} task(s) cut short after {timeout_s:g} s")
         self.observer.carry.forget(set())  # probes carried over from the last tick: nobody will read them
