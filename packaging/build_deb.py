@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import email.utils
+import fcntl
 import gzip
 import hashlib
 import os
@@ -124,8 +125,17 @@ def bundled_deps(t: Target) -> Path:
     out = CACHE / f"deps-{t.name}-lock-{key}"
     if (out / ".complete").exists():
         return out
-    binary, sdist = lock_sections(t)
     CACHE.mkdir(parents=True, exist_ok=True)
+    # Builds side by side (the test bed's workers) install into the cache once: the others wait here.
+    with open(CACHE / f".lock-{t.name}", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (out / ".complete").exists():
+            return out
+        return _install_bundled(t, out)
+
+
+def _install_bundled(t: Target, out: Path) -> Path:
+    binary, sdist = lock_sections(t)
     tmp = Path(tempfile.mkdtemp(prefix="deps-", dir=CACHE))
     pip = [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-compile",
            "--require-hashes", "--no-deps", "--target", str(tmp)]

@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from systemd_box import CACHE, SUITE, BoxError, _key, _need
+from systemd_box import CACHE, SUITE, BoxError, _key, _need, host_lock
 
 ARM64_PACKAGES = ["python3"]
 BINFMT = Path("/proc/sys/fs/binfmt_misc")
@@ -47,6 +47,13 @@ def ensure_binfmt() -> None:
 
 def ensure_arm64_root() -> Path:
     root = CACHE / f"rootfs-{SUITE}-arm64-{_key(ARM64_PACKAGES)}"
+    if (root / ".complete").exists():
+        return root
+    with host_lock("rootfs-arm64"):
+        return _build_arm64_root(root)
+
+
+def _build_arm64_root(root: Path) -> Path:
     if (root / ".complete").exists():
         return root
     debootstrap = _need("debootstrap")

@@ -3,11 +3,40 @@ building the rootfs about a minute the first time, then it is cached)."""
 
 from __future__ import annotations
 
+import os
+import re
+import time
+from pathlib import Path
+
 import pytest
 
 from engines import cleanup, start_engines
 from systemd_box import BoxError, SystemdBox, ensure_deps, ensure_rootfs
 from world import World
+
+_STARTED = pytest.StashKey[float]()
+
+# scripts/run-tests runs the suite with pytest-xdist (--dist loadgroup): each worker boots a box of its
+# own on first use, and a test goes to whichever worker is free, except these files, whose tests go
+# to one worker together (docs/testbed.md):
+SAME_WORKER = {
+    # a module-scoped etcd cluster on fixed loopback ports of the host
+    "test_fleet_etcd.py": "etcd-ports",
+    # dockerd and podman started in the box once, the image imported once
+    "test_system_containers.py": "engines",
+    "test_system_engines.py": "engines",
+    # the package purged, reinstalled and upgraded in the box: one after another, as they were written
+    "test_system_deb.py": "package",
+    "test_system_quickstart.py": "package",
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the xdist_group marks
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        group = SAME_WORKER.get(item.path.name)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(scope="session")
@@ -46,3 +75,45 @@ def engines(box):
         pytest.fail(f"cannot start the container engines in the test box: {e}", pytrace=False)
     yield eng
     cleanup(box)
+
+
+# --- a failed system test names its container and keeps its journal (the box is volatile) ------------
+LOGS = Path(os.environ.get("GUARDIAN_TEST_LOGS", "/tmp/guardian-test-logs"))
+
+
+def _box_of(item: pytest.Item) -> SystemdBox | None:
+    for value in getattr(item, "funcargs", {}).values():
+        if isinstance(value, SystemdBox):
+            return value
+        inner = getattr(value, "box", None)
+        if isinstance(inner, SystemdBox):
+            return inner
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    item.stash[_STARTED] = time.time()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):
+    outcome = yield
+    rep = outcome.get_result()
+    if not rep.failed or call.when == "teardown":
+        return
+    box = _box_of(item)
+    if box is None or box.leader is None:
+        return
+    since = item.stash.get(_STARTED, None)
+    cmd = ["journalctl", "--no-pager", "-o", "short-precise"] + (["--since", f"@{int(since) - 1}"] if since else [])
+    try:
+        text = box.run(cmd, check=False, timeout=30).stdout
+    except Exception as e:  # noqa: BLE001 - the failure itself must still be reported
+        text = f"(the journal could not be read: {e})"
+    LOGS.mkdir(parents=True, exist_ok=True)
+    path = LOGS / (re.sub(r"[^A-Za-z0-9_.-]+", "_", item.nodeid)[-150:] + ".journal")
+    path.write_text(text)
+    tail = "\n".join(text.splitlines()[-30:])
+    rep.sections.append(("container journal", f"box {box.name} (machine {box.name}, nspawn log {box.log_path}); "
+                                              f"its journal during the test: {path}\n...\n{tail}"))

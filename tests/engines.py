@@ -94,6 +94,7 @@ class Engines:
     box: SystemdBox
     image: str = IMAGE
     timings: dict[str, float] = field(default_factory=dict)
+    imported: tuple[str, ...] = ()  # the engines this call imported IMAGE into (it was not there yet)
 
     def docker(self, *args: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
         return self.box.run(["docker", *args], check=check, timeout=timeout)
@@ -146,9 +147,11 @@ def start_engines(box: SystemdBox, timeout_s: float = 60) -> Engines:
     except AssertionError as e:
         raise BoxError(f"{e}: {box.run(['docker', 'info'], check=False).stderr}") from e
     timings["dockerd_s"] = time.monotonic() - t
+    imported: list[str] = []
     for engine in ("docker", "podman"):
         t = time.monotonic()
         if not _has_image(box, engine):
+            imported.append(engine)
             if box.run(["test", "-s", IMAGE_TAR], check=False).returncode != 0:
                 box.run(MAKE_IMAGE_TAR.format(tar=IMAGE_TAR))
             r = box.run([engine, "import", IMAGE_TAR, IMAGE], check=False, timeout=max(timeout_s, 120))
@@ -162,7 +165,7 @@ def start_engines(box: SystemdBox, timeout_s: float = 60) -> Engines:
         raise BoxError(f"podman is not set up as expected (netavark overlay runc): {r.stdout}{r.stderr}")
     timings["podman_info_s"] = time.monotonic() - t
     timings["total_s"] = time.monotonic() - t0
-    return Engines(box, IMAGE, timings)
+    return Engines(box, IMAGE, timings, tuple(imported))
 
 
 # --- unit texts -----------------------------------------------------------------------------------

@@ -9,12 +9,16 @@ nspawn said: a system test never skips quietly.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import fcntl
 import hashlib
 import json
 import os
 import platform
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -43,8 +47,43 @@ PY_DEPS, PURE_SDIST_DEPS = runtime_deps()
 GUEST_PYTHON = "3.11"  # Debian 12's python3
 
 
+PR_SET_PDEATHSIG = 1  # prctl(2)
+
+
 class BoxError(RuntimeError):
     pass
+
+
+@contextlib.contextmanager
+def host_lock(name: str):
+    """One holder at a time on this machine (the pytest-xdist workers, a second suite beside this one):
+    for the caches that are built once and for the host's own mounts."""
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / f".lock-{name}", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _cgroup_roots() -> list[Path]:
+    """Where this host mounts cgroup hierarchies that nspawn places a container in: the unified one
+    and, on a hybrid host, the named systemd one."""
+    if (Path("/sys/fs/cgroup") / "cgroup.controllers").exists():
+        return [Path("/sys/fs/cgroup")]  # cgroup v2 only
+    return [p for p in (Path("/sys/fs/cgroup/unified"), Path("/sys/fs/cgroup/systemd")) if (p / "cgroup.procs").exists()]
+
+
+def _remove_cgroup(path: Path) -> None:
+    """rmdir a cgroup tree bottom-up (a cgroup is removed with rmdir, its files go with it)."""
+    if not path.is_dir():
+        return
+    for child in sorted((p for p in path.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
+        with contextlib.suppress(OSError):
+            child.rmdir()
+    with contextlib.suppress(OSError):
+        path.rmdir()
 
 
 def _key(*parts: Iterable[str]) -> str:
@@ -66,6 +105,13 @@ def ensure_rootfs() -> Path:
     if os.geteuid() != 0:
         raise BoxError("the system tests boot a container with systemd-nspawn and need root")
     root = CACHE / f"rootfs-{SUITE}-{_key(PACKAGES, DISABLED_AT_BOOT)}"
+    if (root / ".complete").exists():
+        return root
+    with host_lock("rootfs"):  # the workers boot side by side: one builds, the others wait for it
+        return _build_rootfs(root)
+
+
+def _build_rootfs(root: Path) -> Path:
     if (root / ".complete").exists():
         return root
     debootstrap = _need("debootstrap")
@@ -90,6 +136,13 @@ def ensure_deps() -> Path:
     """The guest's Python dependencies, installed from the host for the guest's CPython."""
     arch = platform.machine()
     target = CACHE / f"deps-py{GUEST_PYTHON}-{arch}-{_key(PY_DEPS, PURE_SDIST_DEPS)}"
+    if (target / ".complete").exists():
+        return target
+    with host_lock("deps"):
+        return _install_deps(target, arch)
+
+
+def _install_deps(target: Path, arch: str) -> Path:
     if (target / ".complete").exists():
         return target
     tmp = Path(tempfile.mkdtemp(prefix="deps-", dir=CACHE))
@@ -133,13 +186,22 @@ class SystemdBox:
         self.proc: subprocess.Popen | None = None
         self.leader: int | None = None
         self.log_path = Path(tempfile.mkstemp(prefix="nspawn-", suffix=".log")[1])
+        self.cgroups: list[Path] = []
 
     # --- lifecycle ----------------------------------------------------------------------
     def boot(self, timeout_s: float = 90.0) -> None:
         nspawn = _need("systemd-nspawn")
-        Path("/run/systemd/nspawn").mkdir(parents=True, exist_ok=True)
-        if subprocess.run(["mountpoint", "-q", "/run/systemd/nspawn"]).returncode != 0:
-            subprocess.run(["mount", "-t", "tmpfs", "tmpfs", "/run/systemd/nspawn"], check=True)
+        # nspawn (--keep-unit, not registered) makes its supervisor and payload cgroups under its own:
+        # two boxes started from one cgroup would share them. Each box gets a cgroup of its own first.
+        self.cgroups = [root / f"guardian-test-{self.name}" for root in _cgroup_roots()]
+        procs = [str(cg / "cgroup.procs") for cg in self.cgroups]
+
+        def enter_own_cgroup() -> None:
+            for p in procs:
+                with open(p, "w") as f:
+                    f.write("0")
+            # A worker that dies (killed, interrupted) takes its box with it: nspawn halts on SIGTERM.
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
         cmd = [nspawn, "--register=no", "--keep-unit", "-D", str(self.rootfs), "-M", self.name, "--boot",
                "--console=pipe", "--volatile=overlay", "--private-network",
                f"--bind-ro={REPO}:/opt/guardian/src", f"--bind-ro={self.deps}:/opt/guardian/deps",
@@ -150,7 +212,17 @@ class SystemdBox:
         # A unified (cgroup v2) hierarchy inside, whatever the host has: the engines need it (BPF device control).
         env = {**os.environ, "SYSTEMD_NSPAWN_UNIFIED_HIERARCHY": "1"}
         log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        with host_lock("nspawn-run"):  # one box at a time between making its cgroup and entering it
+            Path("/run/systemd/nspawn").mkdir(parents=True, exist_ok=True)
+            if subprocess.run(["mountpoint", "-q", "/run/systemd/nspawn"]).returncode != 0:
+                subprocess.run(["mount", "-t", "tmpfs", "tmpfs", "/run/systemd/nspawn"], check=True)
+            for root in _cgroup_roots():  # what boxes of earlier runs, killed before their halt, left
+                for old in root.glob("guardian-test-*"):
+                    _remove_cgroup(old)  # a cgroup that still holds a process stays (rmdir refuses)
+            for cg in self.cgroups:
+                cg.mkdir(exist_ok=True)
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env=env, preexec_fn=enter_own_cgroup)
         deadline = time.monotonic() + timeout_s
         while self.leader is None:
             if self.proc.poll() is not None:
@@ -189,14 +261,15 @@ class SystemdBox:
 
     def halt(self) -> None:
         shutil.rmtree(self.dist, ignore_errors=True)
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        for cg in self.cgroups:
+            _remove_cgroup(cg)
 
     def log_tail(self, n: int = 3000) -> str:
         try:

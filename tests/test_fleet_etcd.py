@@ -122,13 +122,14 @@ def test_max_planned_restarts_slots_for_different_models_and_never_more(etcd):
 def test_a_guardian_that_dies_holding_a_slot_frees_it_when_its_lease_expires(etcd):
     async def go():
         dead, other = await holder_and_other(etcd, "dead", "other", 2)
-        t0 = time.monotonic()
+        deadline = time.monotonic() + 60  # stops a hung test only: the lease's ttl is what frees the slot
         # "dead" is SIGKILLed: it renews nothing and revokes nothing; "other" keeps its own lease alive
         while True:
             v = await step(other)
             if not any(s.box == "dead" for s in v.slots):
                 break
-            assert time.monotonic() - t0 < 15, "the dead box's slot never expired"
+            if time.monotonic() > deadline:
+                pytest.fail("the dead box's slot never expired")
             await asyncio.sleep(0.3)
         assert not any(m.box == "dead" for m in v.members)
         await other.acquire("a", "m")

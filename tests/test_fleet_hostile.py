@@ -25,12 +25,11 @@ from guardian.core.liveness import Track
 from guardian.core.observations import FleetView, PersistentView, TickObservation
 from guardian.core.vocab import Priority, State
 from guardian.fleet.etcd import KV, MAX_ANSWER_BYTES, Etcd, EtcdError
-from guardian.fleet.sync import FleetSync, fleet_status, parse_view, read_deadline_s
+from guardian.fleet.sync import FleetSync, fleet_status, parse_view
 from guardian.observe.clock import Now
 from harness import Recorder, obs
 
 MiB = 2**20
-SLACK_S = 1.5  # two shared cores: what a deadline may be overrun by before it counts as not kept
 PREFIX = "/guardian/t/"
 
 Handler = Callable[[asyncio.StreamWriter, "Gateway", str], Awaitable[None]]
@@ -403,10 +402,9 @@ def test_an_answer_declared_larger_than_the_cap_is_refused_before_its_body(gw):
 
     async def go() -> None:
         etcd = Etcd([gw.url], 2.0)
-        t0 = time.monotonic()
+        # refused on the length it declared (this message), not after a read timeout ("no answer within")
         with pytest.raises(EtcdError, match=f"answer of {512 * MiB} bytes, more than {MAX_ANSWER_BYTES}"):
             await etcd.range_prefix(PREFIX)
-        assert time.monotonic() - t0 < 2.0  # refused at once, not after a read timeout
         await etcd.aclose()
 
     run(go())
@@ -459,16 +457,15 @@ def test_a_dripping_etcd_cannot_hold_the_step_past_its_deadline_while_a_slot_req
         assert (await step(s)).ok
         gw.routes["/v3/kv/txn"] = drip()
         gw.routes["/v3/kv/range"] = drip()
-        t0 = time.monotonic()
         asking = asyncio.ensure_future(s.acquire("a", "m"))
         while not s.lock.locked():  # the slot request holds the lock, its txn dripping
             await asyncio.sleep(0)
+        # The drip lasts 60 s, run()'s bound 20 s: the step and the request end only by their own deadline.
         v = await step(s)
-        step_s = time.monotonic() - t0
-        assert not v.ok and v.error, v
-        assert step_s < s.deadline_s + SLACK_S, step_s
+        assert not v.ok and f"etcd did not answer within {s.deadline_s:g} s" in (v.error or ""), v  # the step's own
         await asking
-        assert said(s, "asking etcd for a fleet slot failed") and time.monotonic() - t0 < 2 * s.deadline_s + SLACK_S
+        (line,) = said(s, "asking etcd for a fleet slot failed")
+        assert "no answer within 0.5 s" in line, line
         await s.close()
 
     run(go())
@@ -486,9 +483,7 @@ def test_a_slot_given_back_to_a_dripping_etcd_is_bounded_and_said(gw):
         s = sync(gw.url, timeout_s=0.5)
         assert "a" in (await step(s)).mine
         gw.routes["/v3/kv/txn"] = drip()
-        t0 = time.monotonic()
-        await s.release("a")
-        assert time.monotonic() - t0 < s.deadline_s + SLACK_S
+        await s.release("a")  # the drip lasts 60 s, run()'s bound 20 s: only the release's deadline ends it
         (line,) = said(s, "giving its fleet slot back failed")
         assert "no answer within 0.5 s" in line
         await s.close()
@@ -537,10 +532,8 @@ def test_status_fleet_read_from_a_dripping_etcd_is_an_etcd_error_within_its_dead
 
     async def go() -> None:
         cfg = config(gw.url, timeout_s=0.5)
-        t0 = time.monotonic()
-        with pytest.raises(EtcdError, match=r"no answer within 0\.5 s"):
+        with pytest.raises(EtcdError, match=r"no answer within 0\.5 s"):  # its deadline, not the drip's end
             await fleet_status(cfg)
-        assert time.monotonic() - t0 < read_deadline_s(cfg) + SLACK_S
 
     run(go())
 
@@ -678,9 +671,9 @@ def test_status_fleet_on_garbage_is_one_line_and_exit_status_1(gw, tmp_path):
 
 def test_status_fleet_on_a_dripping_etcd_ends_within_its_deadline(gw, tmp_path):
     gw.routes["/v3/kv/range"] = drip()
-    out, elapsed_s = guardian(tmp_path, gw, "status", "--fleet")
+    out, elapsed_s = guardian(tmp_path, gw, "status", "--fleet")  # a run past its 60 s timeout fails the test
+    print(f"status --fleet against a dripping etcd ended after {elapsed_s:.1f} s")
     assert out.returncode == 1 and "no answer within 0.5 s" in out.stderr, out.stderr
-    assert elapsed_s < 15  # the interpreter's start on a busy box, plus a 1 s deadline; it never ended before
 
 
 def test_status_fleet_shows_the_fleet_past_a_hostile_value_and_names_it(gw, tmp_path):

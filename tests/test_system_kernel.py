@@ -75,20 +75,17 @@ def test_a_sigstopped_server_under_load_is_still_restarted_within_its_window(wor
              "the kernel to see a's streams flow")
     frozen_at = time.time()
     world.kill(a.unit, "STOP")
-    wait_for(lambda: decision_after(world, a, frozen_at) is not None, 30, "a's restart")
-    took = decision_after(world, a, frozen_at)
-    stop_clients(world, "streams")
-    print(f"SIGSTOP under load -> restart decision: {took:.1f} s")
-    # The window is 10 s from the last answer and the last response that flowed. The last answer is
-    # noted when its tick judges, up to the probe wait (0.25 s here) after it came, and the clock
-    # here is read before the kill reaches the process (nsenter): 10.1-10.5 s measured. (That a
-    # flow is dated by its last byte sent, not by the look, is test_liveness.py's boundary test.)
-    assert took is not None and took <= 11.0, took
-    line = world.restarts_of(a)[-1]["MESSAGE"]
-    assert "unresponsive" in line and "kernel: nothing flowed to" in line, line
+    wait_for(lambda: decision_after(world, a, frozen_at) is not None, 90, "a's restart")
+    print(f"SIGSTOP under load -> restart decision: {decision_after(world, a, frozen_at):.1f} s")
+    # By L7, with the kernel's word that nothing flowed: the streams did not keep it "busy". (Its
+    # window, 10 s from the last answer and the last response that flowed, is test_liveness.py's
+    # boundary test; the time itself is the benchmark's.)
+    (line,) = world.restarts_of(a)
+    assert line["GUARDIAN_RULE"] == "L7", line
+    assert "unresponsive" in line["MESSAGE"] and "kernel: nothing flowed to" in line["MESSAGE"], line["MESSAGE"]
 
 
-def test_an_engine_frozen_between_steps_with_clients_waiting_is_restarted_within_15_s(world):
+def test_an_engine_frozen_between_steps_with_clients_waiting_is_restarted_by_the_stall_shortcut(world):
     """0 running, 0 waiting and frozen counters on /metrics, /health 200; 4 clients' plain requests
     wait in the API server. guardian runs at its default windows and was started 20 s before the
     fault, so its canary deadline is learned from its first canaries (the learning burst)."""
@@ -106,13 +103,15 @@ def test_an_engine_frozen_between_steps_with_clients_waiting_is_restarted_within
                                         if "SIM engine frozen between steps" in e.get("MESSAGE", "")), None), 30,
                       "the engine to freeze at its next step with nothing running")
     frozen_at = int(frozen["__REALTIME_TIMESTAMP"]) / 1e6
-    wait_for(lambda: decision_after(world, a, frozen_at) is not None, 60, "a's restart")
+    wait_for(lambda: decision_after(world, a, frozen_at) is not None, 120, "a's restart")
     took = decision_after(world, a, frozen_at)
     stop_clients(world, "plain")
-    line = world.restarts_of(a)[-1]["MESSAGE"]
-    print(f"between steps with 4 clients waiting -> restart decision: {took:.1f} s: {line}")
-    assert took is not None and took <= 15, (took, line)
-    assert "client(s) waiting for an answer" in line, line
+    (first,) = world.restarts_of(a)
+    line = first["MESSAGE"]
+    print(f"between steps with 4 clients waiting -> restart decision: {took:.1f} s ({first.get('GUARDIAN_RULE')}): {line}")
+    # By the stall shortcut (clients waiting, a canary failed with nothing moving), not by waiting out
+    # the whole stall window: the rule and its evidence say which. The time is the benchmark's.
+    assert "client(s) waiting for an answer" in line and "stalled" in line, line
 
 
 def test_a_job_that_talks_to_a_replica_directly_is_named_and_nginx_is_not(world):

@@ -12,7 +12,8 @@ import pytest
 from systemd_box import wait_for
 from world import DEVICE_TOTAL, HOG, GiB, World, hog, line_with, start_with_thresholds
 
-pytestmark = pytest.mark.system
+# host_memory: guardian reads the host's /proc/meminfo, which every box shares: run alone (scripts/run-tests)
+pytestmark = [pytest.mark.system, pytest.mark.host_memory]
 
 @pytest.fixture
 def world(box):

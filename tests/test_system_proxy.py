@@ -146,6 +146,7 @@ def test_a_failing_drain_command_blocks_a_planned_restart_but_never_a_hung_repli
     world.wait_states({"a": "healthy"}, timeout_s=30)
 
 
+@pytest.mark.host_memory  # its squeeze is a hog against the host's MemAvailable: run alone (scripts/run-tests)
 def test_a_memory_guard_lowering_with_8_streams_drains_first_and_no_client_request_fails(world):
     from world import DEVICE_TOTAL, HOG, hog, line_with, start_with_thresholds
 

@@ -15,7 +15,8 @@ from guardian.core.startguard import CGROUP, FALL
 from systemd_box import wait_for
 from world import HOG, GiB, World, hog, line_with, mem_available, start_with_thresholds
 
-pytestmark = pytest.mark.system
+# host_memory: guardian reads the host's /proc/meminfo, which every box shares: run alone (scripts/run-tests)
+pytestmark = [pytest.mark.system, pytest.mark.host_memory]
 
 DEVICE = 8 * GiB  # what the fractions are of, for the simulated replicas and for guardian
 LOAD_S = 12.0  # b's load time: 0.95 x 8 GiB = 7.6 GiB taken at 0.63 GiB/s

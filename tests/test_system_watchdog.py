@@ -80,8 +80,8 @@ def test_frozen_process_is_restarted(world):
 def test_a_hung_replica_that_ignores_sigterm_is_replaced_at_once_not_after_timeoutstopsec(world):
     """A hung vLLM does not finish a graceful stop (its API server waits on the engine). Here the
     process ignores SIGTERM once frozen, and the unit allows a 60 s stop: without guardian's kill the
-    new process would start after 60 s. The bound asserted (15 s) is loose on purpose; the time
-    itself is measured in the benchmark."""
+    new process would start after systemd's stop timed out and it killed the process itself. The
+    time itself is measured in the benchmark."""
     a = world.replicas[0]
     a.sim_args = "--hang-on-sigterm"
     a.service_extra = "TimeoutStopSec=60s"
@@ -90,9 +90,11 @@ def test_a_hung_replica_that_ignores_sigterm_is_replaced_at_once_not_after_timeo
     assert "killed at once (hung)" in line["MESSAGE"]
     decided_us = int(line["__MONOTONIC_TIMESTAMP"])
     started_us = int(world.box.prop(a.unit, "ExecMainStartTimestampMonotonic"))
-    took_s = (started_us - decided_us) / 1e6
-    print(f"hung replica: restart decision -> new process started in {took_s:.2f} s")
-    assert 0 < took_s < 15, took_s
+    print(f"hung replica: restart decision -> new process started in {(started_us - decided_us) / 1e6:.2f} s")
+    assert started_us > decided_us
+    # guardian's kill, not systemd's: TimeoutStopSec never ran out
+    unit_said = world.box.messages(f"_SYSTEMD_UNIT={a.unit}") + world.box.messages("_PID=1", f"UNIT={a.unit}")
+    assert not [m for m in unit_said if "timed out" in m], unit_said
     done = wait_line(world, "GUARDIAN_REPLICA=a", "GUARDIAN_DECISION=restarted")
     assert "killed (SIGKILL)" in done["MESSAGE"]
     # (that such a process outlives SIGTERM is test_simulator.py's hang-on-sigterm test)

@@ -57,6 +57,13 @@ class Refusal(Enum):
     PEER_CAP = "peer_cap"
 
 
+class CutOff(Enum):
+    """Which bound closed a connection that never finished its request."""
+
+    FIRST_BYTE = "first_byte"  # nothing sent within FIRST_BYTE_TIMEOUT_S
+    HEAD = "head"  # a head begun, not finished within HEAD_TIMEOUT_S of the connect
+
+
 def _peer(writer: asyncio.StreamWriter) -> str:
     name = writer.get_extra_info("peername")
     if isinstance(name, tuple) and name:
@@ -98,6 +105,7 @@ class MetricsServer:
         self._per_peer: dict[str, int] = {}
         self._lingering = 0
         self.refused_total = 0
+        self.cut_off_total = {c: 0 for c in CutOff}
         self._refused_by_peer: dict[str, int] = {}
         self._refused_by_reason = {r: 0 for r in Refusal}
         self._refused_since_mono: float | None = None
@@ -221,7 +229,10 @@ class MetricsServer:
                         return bytes(buf[: end + 4]) if end + 4 <= MAX_REQUEST_BYTES else None
                     if len(buf) >= MAX_REQUEST_BYTES:
                         return None
-        except (TimeoutError, ConnectionError):
+        except TimeoutError:
+            self.cut_off_total[CutOff.HEAD if buf else CutOff.FIRST_BYTE] += 1
+            return None
+        except ConnectionError:
             return None
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, accepted_mono: float) -> None:
