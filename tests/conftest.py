@@ -16,9 +16,9 @@ from world import World
 
 _STARTED = pytest.StashKey[float]()
 
-# scripts/run-tests runs the suite with pytest-xdist (--dist loadgroup): each worker boots a box of its
-# own on first use, and a test goes to whichever worker is free, except these files, whose tests go
-# to one worker together (docs/testbed.md):
+# scripts/run-tests runs the suite with pytest-xdist: each worker boots a box of its own on first use,
+# and a test goes to whichever worker is free, except these files, whose tests go to one worker
+# together, in their order (docs/testbed.md):
 SAME_WORKER = {
     # a module-scoped etcd cluster on fixed loopback ports of the host
     "test_fleet_etcd.py": "etcd-ports",
@@ -31,12 +31,17 @@ SAME_WORKER = {
 }
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the xdist_group marks
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        group = SAME_WORKER.get(item.path.name)
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """xdist's scope scheduler with a scope per test, or per SAME_WORKER group. (Not xdist's own
+    loadgroup: it renames a test's nodeid, which pytest 9 no longer reads.) The largest scopes go
+    out first (xdist's reorder), so the package group's few minutes start at once."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SameWorker(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return SAME_WORKER.get(nodeid.split("::", 1)[0].rsplit("/", 1)[-1], nodeid)
+
+    return SameWorker(config, log)
 
 
 @pytest.fixture(scope="session")

@@ -84,7 +84,7 @@ def test_sighup_reloads_a_valid_config_and_keeps_the_old_on_an_invalid_one(world
 def test_status_shows_each_replica_from_the_running_daemon(world):
     world.setup()
     world.box.systemctl("stop", "vllm-b.service")
-    world.wait_states({"a": "healthy", "b": "stopped"}, timeout_s=15)
+    world.wait_states({"a": "healthy", "b": "stopped"}, timeout_s=60)
     out = world.box.run(["guardian", "status"]).stdout
     lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ")}
     assert "healthy" in lines["a"] and "vllm-a.service" in lines["a"]

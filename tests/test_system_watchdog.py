@@ -182,7 +182,7 @@ def test_stalled_with_requests_queued_is_restarted(world):
 
     def inject(a):
         world.sim(a, "load", "4")
-        world.wait_states({"a": "healthy"}, timeout_s=10)
+        world.wait_states({"a": "healthy"}, timeout_s=60)
         world.fault(a, "engine-dead")
 
     line = expect_restart(world, inject, "stalled")
@@ -227,7 +227,7 @@ def test_stopped_on_purpose_is_not_started(world):
     world.setup()
     a = world.replicas[0]
     world.box.systemctl("stop", a.unit)
-    world.wait_states({"a": "stopped"}, timeout_s=10)
+    world.wait_states({"a": "stopped"}, timeout_s=60)
     time.sleep(world.watchdog["unresponsive_after_s"] + 2)
     assert world.box.prop(a.unit, "ActiveState") == "inactive"
     assert world.restarts_of(a) == []

@@ -19,8 +19,11 @@ FLAGGED = [
     ("assert late_s < 0.5, 'late'", "lateness"),
     ("assert took_s < 1.0 + 2 * GRACE_S + 2", "against arithmetic with a constant"),
     ("assert 2.5 <= served_after_s < 10", "an _after_s bound"),
-    ("assert r.elapsed_s >= 1", "an attribute"),
+    ("assert r.elapsed_s <= 1", "an attribute"),
+    ("assert 15 >= took_s", "the bound on the left"),
     ("assert elapsed_s < QUICK_S", "against a module constant"),
+    ("assert gone_at - decided_at <= GONE_WITHIN_S", "a difference of two named points"),
+    ("assert (int(b['__REALTIME_TIMESTAMP']) - int(a['__REALTIME_TIMESTAMP'])) / 1e6 < 3", "journal timestamps"),
 ]
 
 ALLOWED = [
@@ -31,6 +34,8 @@ ALLOWED = [
     ("assert took is not None", "no comparison"),
     ("wait_for(lambda: time.monotonic() - started >= 20, 30, 'x')", "a wait, not an assertion"),
     ("assert len(lines) <= 3", "a count"),
+    ("assert t1 - t0 >= interval_s - 0.05", "a lower bound: a rule waited its window"),
+    ("assert 2.5 <= served_after_s", "a lower bound, written the other way"),
     ("before = time.time()\n    started = wait_for(lambda: seen() >= before)\n    assert started <= before + 9", "a point, not a span"),
     ("t0 = time.monotonic()\n    assert time.monotonic() < t0 + stall_s", "a reading against a deadline of names"),
     ("began, proc = time.monotonic(), Process(1)\n    base = proc.rss\n    assert proc.rss - base >= 9", "a tuple's other name"),

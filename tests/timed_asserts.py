@@ -5,17 +5,21 @@ test, and the speed a test used to assert lives in bench/ and docs/benchmarks.md
 machine a duration bound fails a test whose decision was right, so none may be asserted.
 
 What counts as a measured duration (an expression is "timed" when any part of it is):
-- a difference with a clock reading in it: time.monotonic() - t0, or now - t0 where t0 (or now) was
-  assigned from time.monotonic/time/perf_counter (and their _ns forms) in the same function; a
-  reading alone is a point in time, and comparing points is an order, not a speed;
+- a difference with a point in time in it: time.monotonic() - t0, where t0 was assigned from
+  time.monotonic/time/perf_counter (and their _ns forms) in the same function, or a name that says
+  it is a point (gone_at, decided_us, t0, started; a journal's __REALTIME_TIMESTAMP); a point alone
+  is not a duration, and comparing points is an order, not a speed;
 - a name assigned in the same function from a timed expression (followed through assignments);
 - a name, attribute or string subscript key that is named like a measured time: took, elapsed,
   late, latency, duration, wall, waited, lag (alone or with _s/_ms), or ending in _after_s;
 - anything read out of something named timings.
 
-What is flagged: an ``assert`` whose condition has an ordering comparison (<, <=, >, >=) with a timed
-expression on one side and a number on the other (a constant, or arithmetic with one). Equality, a
-comparison of two clock readings (an order: "decided after the freeze"), and waits are not flagged.
+What is flagged: an ``assert`` whose condition puts an upper bound on a timed expression: ``timed <
+number``, ``timed <= number``, ``number > timed`` or ``number >= timed``, where the number is a
+literal or an UPPER_CASE constant, alone or in arithmetic. That is the assertion a busy machine fails
+although the decision was right. A lower bound ("not raised before restore_after_s") is left alone:
+it says a rule waited its window, and load only makes a wait longer. Equality, a comparison of two
+points in time (an order: "decided after the freeze"), and waits are not flagged either.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from pathlib import Path
 CLOCKS = {"monotonic", "time", "perf_counter", "monotonic_ns", "time_ns", "perf_counter_ns", "process_time"}
 TIMED_NAME = re.compile(r"^(took|elapsed|late|latency|duration|wall|waited|lag)(_[a-z0-9]+)*$"
                         r"|_(took|elapsed|latency|duration|waited)(_s|_ms)?$|_after_s$")
+# a point in time by its name (decided_at, t0, started_mono) or a journal's timestamp field
+TIME_POINT = re.compile(r"(_at|_mono|_wall|_ts|_us|_ns)$|^(t\d*|now|since|started|began|before|after)$|TIMESTAMP|Timestamp")
 ORDERING = (ast.Lt, ast.LtE, ast.Gt, ast.GtE)
 
 
@@ -60,7 +66,13 @@ def _reads_clock(node: ast.AST) -> bool:
 
 
 def _reading(node: ast.AST, readings: set[str]) -> bool:
-    return any(_reads_clock(sub) or (isinstance(sub, ast.Name) and sub.id in readings) for sub in ast.walk(node))
+    for sub in ast.walk(node):
+        if _reads_clock(sub) or (isinstance(sub, ast.Name) and sub.id in readings):
+            return True
+        ident = _ident(sub)
+        if ident is not None and TIME_POINT.search(ident):
+            return True
+    return False
 
 
 def _timed(node: ast.AST, timed_names: set[str], readings: set[str] = frozenset()) -> bool:  # type: ignore[assignment]
@@ -128,9 +140,10 @@ def _flag(test: ast.AST, timed: set[str], readings: set[str]) -> bool:
         for op, left, right in zip(cmp.ops, sides, sides[1:], strict=False):
             if not isinstance(op, ORDERING):
                 continue
-            for a, b in ((left, right), (right, left)):
-                if _timed(a, timed, readings) and _numeric(b) and not _timed(b, timed, readings):
-                    return True
+            # (small, large): the side an upper bound is put on is the smaller one
+            small, large = (left, right) if isinstance(op, ast.Lt | ast.LtE) else (right, left)
+            if _timed(small, timed, readings) and _numeric(large) and not _timed(large, timed, readings):
+                return True
     return False
 
 
