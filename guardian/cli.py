@@ -806,7 +806,9 @@ def cmd_restart(args: argparse.Namespace) -> int:
 def _running_daemon(cfg: Config) -> int | None:
     """The PID of the daemon that serves this config's state, if it runs and ticks."""
     try:
-        data = json.loads((cfg.runtime_dir / STATUS_FILE).read_text())
+        # The bounded reader, as `status` reads it: a FIFO or a link to /dev/zero planted at the
+        # name would block this command for ever, or fill its memory.
+        data = json.loads(read_back(cfg.runtime_dir / STATUS_FILE, STATUS_MAX_BYTES))
         pid = int(data["pid"])
         fresh = time.time() - float(data["updated_at"]) <= max(30.0, 5 * float(data.get("interval_s", 2.0)))
     except (OSError, ValueError, KeyError, TypeError):

@@ -304,3 +304,27 @@ def test_wait_0_is_no_wait(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(cli.time, "sleep", once)
     main(["--config", path, "restart", "a", "--wait", "0"])
     assert seen and seen[0].get("wait_until") is None
+
+
+# --- issue 34 row 6: the CLI reads the daemon's status file back bounded and not followed ---------------
+@pytest.mark.parametrize("plant", ["fifo", "link to /dev/zero"])
+def test_restart_reads_the_status_file_bounded_a_fifo_or_dev_zero_there_means_no_daemon(tmp_path, plant):
+    """`guardian restart` asks whether a daemon runs from /run/guardian/status.json: a FIFO planted
+    there blocked it for ever, a link to /dev/zero filled its memory (MemoryError)."""
+    from guardian.config import load_config
+
+    cfg = load_config(Path(config(tmp_path, ("a", "http://127.0.0.1:9"))))
+    cfg.runtime_dir.mkdir(parents=True)
+    status = cfg.runtime_dir / "status.json"
+    if plant == "fifo":
+        os.mkfifo(status)
+    else:
+        status.symlink_to("/dev/zero")
+    got: list[object] = []
+    t = threading.Thread(target=lambda: got.append(cli._running_daemon(cfg)), daemon=True)
+    t.start()
+    t.join(30)  # a deadline for a hang only
+    if t.is_alive():
+        os.open(status, os.O_WRONLY | os.O_NONBLOCK) if plant == "fifo" else None  # let the reader go
+        pytest.fail(f"reading the status file ({plant}) blocked")
+    assert got == [None]

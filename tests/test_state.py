@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -27,7 +28,8 @@ def test_update_round_trips_and_leaves_no_temporary_files(tmp_path):
     store.update(lambda d: d["pauses"].__setitem__("b", {"until": None, "reason": "operator"}))
     pv = view(store.read(), NOW)
     assert pv.restarts == {"a": (5000.0,)} and pv.pauses["b"].until is None
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".state.lock", "state.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "state.json"]
+    assert [p.name for p in (tmp_path / ".lock").iterdir()] == ["state.lock"]
 
 
 def test_record_restart_forgets_what_is_older_than_keep():
@@ -156,11 +158,15 @@ def test_history_of_replicas_no_longer_configured_is_dropped():
                  "fraction_bases": {"a": 0.78}}
 
 
-def test_the_lock_file_is_never_followed_through_a_symlink(tmp_path):
-    """`sudo guardian pause a` with .state.lock replaced by a link must not create root's file elsewhere."""
+@pytest.mark.parametrize("planted", [".lock", ".lock/state.lock"])
+def test_the_lock_file_is_never_followed_through_a_symlink(tmp_path, planted):
+    """`sudo guardian pause a` with the lock (or its directory) replaced by a link must not create
+    or change root's file elsewhere."""
     target = tmp_path / "elsewhere"
-    (tmp_path / "state").mkdir()
-    (tmp_path / "state" / ".state.lock").symlink_to(target)
+    (tmp_path / "state" / ".lock").mkdir(parents=True, mode=0o700)
+    if planted == ".lock":
+        (tmp_path / "state" / ".lock").rmdir()
+    (tmp_path / "state" / planted).symlink_to(target)
     with pytest.raises(OSError):
         store_at(tmp_path / "state").update(lambda d: None)
     assert not target.exists()
@@ -427,3 +433,103 @@ def test_a_long_waiting_text_or_answer_is_written_short_enough_to_read_back(tmp_
     data = store.read()  # not corrupt
     assert len(data["requests"]["r1"]["waiting"]) == TEXT_MAX_CHARS and data["requests"]["r1"]["waiting"].endswith("...")
     assert len(data["answers"]["r2"]["message"]) == TEXT_MAX_CHARS
+
+
+# --- issue 34: state reads that miss nothing a CLI wrote ----------------------------------------------
+def test_a_request_written_between_the_daemons_read_and_its_stat_is_read_at_the_next_load(tmp_path):
+    """Row 9: the cache stat'ed the file after reading it, so a CLI's write in between looked read
+    already, and its restart request waited for some unrelated write."""
+    from guardian.act.state import StateCache
+
+    store = store_at(tmp_path)
+    store.update(lambda d: None)
+    cache = StateCache(store)
+    real_read = store.read
+    wrote = []
+
+    def read_then_a_cli_writes():
+        data = real_read()
+        if not wrote:  # the CLI's pause lands right after the daemon's read
+            store.update(lambda d: d["pauses"].update({"a": {"until": None}}))
+            wrote.append(True)
+        return data
+
+    store.read = read_then_a_cli_writes  # type: ignore[method-assign]
+    assert cache.load(force=True) == []
+    assert "a" not in cache.data["pauses"]  # read before the CLI's write
+    assert cache.load() == []
+    assert "a" in cache.data["pauses"], "the CLI's write was never read"
+    assert cache.load() == [] and "a" in cache.data["pauses"]
+
+
+# --- issue 34 row 5: no other user can hold the state lock ----------------------------------------------
+HOLD = """
+import fcntl, os, sys, time
+try:
+    fd = os.open(sys.argv[1], os.O_RDONLY)
+except OSError as e:
+    print("denied", e.errno, flush=True)
+    sys.exit(0)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("held", flush=True)
+time.sleep(60)
+"""
+
+
+def _as_nobody() -> None:
+    os.setgroups([])
+    os.setgid(65534)
+    os.setuid(65534)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="runs a process as user nobody: needs root (make test runs as root)")
+def test_a_user_who_is_not_guardian_cannot_open_the_lock_and_so_cannot_stop_a_state_write():
+    """The attack: user nobody opened the 0644 lock file read-only and held LOCK_EX; root's
+    `guardian pause` blocked, and so did the daemon's start. Here a real process as nobody tries."""
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+    import threading
+
+    base = Path(tempfile.mkdtemp(prefix="guardian-lock-"))
+    try:
+        base.chmod(0o755)  # as /var/lib is: nobody may walk to the state directory
+        store = StateStore(base / "state")
+        store.update(lambda d: None)
+        # the system's python3: the venv's may lie under /root, which nobody cannot enter
+        python = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
+        attacker = subprocess.Popen([python, "-c", HOLD, str(store.lock_path)], stdout=subprocess.PIPE,
+                                    text=True, preexec_fn=_as_nobody)
+        try:
+            said = attacker.stdout.readline().strip()  # type: ignore[union-attr]
+            done: list[bool] = []
+            t = threading.Thread(target=lambda: done.append(bool(store.update(lambda d: None))), daemon=True)
+            t.start()
+            t.join(30)  # a deadline for a hang only: the write takes milliseconds
+            assert said.startswith("denied"), f"user nobody could open the lock: {said}"
+            assert done == [True], "root's state write was held by user nobody's lock"
+        finally:
+            attacker.kill()
+            attacker.wait()
+        assert oct((base / "state" / ".lock").stat().st_mode & 0o777) == "0o700"
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_lock_held_past_its_bound_fails_the_write_with_a_clear_error_and_never_hangs(tmp_path):
+    import fcntl
+
+    from guardian.act.state import StateLocked
+
+    store = store_at(tmp_path)
+    store.update(lambda d: None)
+    store.lock_timeout_s = 0.2
+    fd = os.open(store.lock_path, os.O_RDONLY)  # another open file: flock excludes it from this one
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        with pytest.raises(StateLocked, match="held by another process for over 0.2 s"):
+            store.update(lambda d: None)
+    finally:
+        os.close(fd)
+    assert store.update(lambda d: None) is not None  # free again: the write goes through

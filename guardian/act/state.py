@@ -3,7 +3,12 @@
 Every write is atomic: a temporary file in the same directory, fsync, rename over the old one,
 fsync of the directory. A reader sees the old file or the new one, never half of one.
 Read-modify-write of the persistent state holds an flock, because ``guardian pause`` and
-``guardian restart`` (other processes) change it too.
+``guardian restart`` (other processes) change it too. The lock file lies in a directory of its
+own, mode 0700 and owned by the state directory's owner (guardian's user), so that no other user
+can open it and hold the lock (it was a 0644 file in the 0755 state directory: any user could
+flock it and stop every state write, the daemon's start among them). The lock is waited for at
+most STATE_LOCK_TIMEOUT_S; then the read or write fails with StateLocked (an OSError), which
+every caller already says and survives.
 
 ``guardian restart NAME`` records a request under "requests" while the daemon runs; the daemon
 acts on it on its next tick (core/tick.py) and moves it to "answers" with the outcome, which the
@@ -43,6 +48,7 @@ import fcntl
 import json
 import math
 import os
+import stat
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -104,6 +110,16 @@ def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
 
 def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
+
+
+LOCK_DIR = ".lock"  # in the state directory: 0700, the state directory's owner's
+LOCK_FILE = "state.lock"
+STATE_LOCK_TIMEOUT_S = 5.0  # the CLI holds it for a read-modify-write: milliseconds
+LOCK_POLL_S = 0.02
+
+
+class StateLocked(OSError):
+    """The state lock was held by another process for longer than STATE_LOCK_TIMEOUT_S."""
 
 
 class CorruptState(Exception):
@@ -296,19 +312,55 @@ class StateStore:
         self.dir = state_dir
         self.clock = clock  # times read are clamped to its now
         self.path = state_dir / STATE_FILE
-        self.lock_path = state_dir / ".state.lock"
+        self.lock_path = state_dir / LOCK_DIR / LOCK_FILE
+        self.lock_timeout_s = STATE_LOCK_TIMEOUT_S
+
+    def _private_lock_dir(self) -> None:
+        """The lock's directory: made 0700, given to the state directory's owner when root (the
+        CLI) makes it, so the daemon's user can open the lock too and nobody else can."""
+        lock_dir = self.lock_path.parent
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(lock_dir, 0o700)
+        st = os.lstat(lock_dir)
+        if not stat.S_ISDIR(st.st_mode):
+            raise OSError(errno.ENOTDIR, "not a directory (something else was planted there)", str(lock_dir))
+        owner = os.stat(self.dir)
+        if os.geteuid() == 0 and (st.st_uid, st.st_gid) != (owner.st_uid, owner.st_gid):
+            os.chown(lock_dir, owner.st_uid, owner.st_gid, follow_symlinks=False)
+        if stat.S_IMODE(st.st_mode) != 0o700:
+            os.chmod(lock_dir, 0o700)  # a directory: lstat said so just now
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
         self.dir.mkdir(parents=True, exist_ok=True)
-        # Read-only is enough for flock, and works whichever user (root's CLI, the daemon's
-        # own user) created the lock file.
-        fd = os.open(self.lock_path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        self._private_lock_dir()
+        # Read-only is enough for flock; in the private directory only root and the owner reach it.
+        fd = os.open(self.lock_path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            if os.geteuid() == 0:  # root's CLI made it: the daemon's user must open it too
+                owner = os.stat(self.dir)
+                with contextlib.suppress(OSError):
+                    os.fchown(fd, owner.st_uid, owner.st_gid)
+            self._wait_for_lock(fd)
             yield
         finally:
             os.close(fd)
+
+    def _wait_for_lock(self, fd: int) -> None:
+        # Never an unbounded flock: in the daemon this runs on the event loop.
+        deadline = time.monotonic() + self.lock_timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise StateLocked(
+                        errno.EWOULDBLOCK,
+                        f"the state lock was held by another process for over {self.lock_timeout_s:g} s",
+                        str(self.lock_path),
+                    ) from None
+                time.sleep(LOCK_POLL_S)
 
     def _read_unlocked(self) -> StateDoc:
         try:
@@ -446,18 +498,23 @@ class StateCache:
         self.store = store
         self.data: StateDoc = _empty()
         self._view: PersistentView | None = None
-        self._mtime: float | None = None
+        self._seen: tuple[int, ...] | None = None  # the file as stat'ed just before it was last read
         self._loaded = False
 
-    def _stat(self) -> float | None:
+    def _stat(self) -> tuple[int, ...] | None:
+        """What tells one version of the file from the next: a write replaces it (a new inode),
+        and the size and times change too (an inode number can be reused at once)."""
         try:
-            return self.store.path.stat().st_mtime_ns / 1e9
+            st = self.store.path.stat()
         except FileNotFoundError:
             return None
+        return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
     def load(self, force: bool = False) -> list[str]:
-        mtime = self._stat()
-        if not force and self._loaded and mtime == self._mtime:
+        # Stat'ed before the read, and that is what is kept: a CLI's write between the read and a
+        # later stat would otherwise look already read, and its request wait for some other write.
+        seen = self._stat()
+        if not force and self._loaded and seen == self._seen:
             return []
         problems: list[str] = []
         try:
@@ -468,7 +525,7 @@ class StateCache:
         except OSError as e:
             problems.append(f"cannot read state in {self.store.dir}: {e}; keeping what was loaded")
         self._loaded = True
-        self._mtime = self._stat()
+        self._seen = seen
         self._view = None
         return problems
 
