@@ -514,6 +514,9 @@ CGROUPS = {
     6: "/system.slice/haproxy.service",
     7: "/user.slice/user-1000.slice/session-4.scope",
     8: "/system.slice",
+    # issue 34 row 10: a user's own units named like the proxy and the monitoring (its delegated tree)
+    9: "/user.slice/user-1000.slice/user@1000.service/app.slice/nginx.service",
+    10: "/user.slice/user-1000.slice/user@1000.service/app.slice/prometheus.service",
 }
 
 
@@ -551,6 +554,8 @@ DRAINS_ONLY = {"proxy": ProxyConfig(drain_command=["/bin/true"])}  # a proxy els
         (5, 500, {}, PeerKind.OTHER, "batch.service"),
         (7, 500, {}, PeerKind.OTHER, "session-4.scope"),
         (8, 500, {}, PeerKind.OTHER, "127.0.0.1"),  # a cgroup that names no unit
+        (9, 500, PROXY_ON, PeerKind.OTHER, "user@1000.service"),  # not the proxy: B2 still sees it
+        (10, 500, {}, PeerKind.OTHER, "user@1000.service"),  # not monitoring
         (99, 500, {}, PeerKind.OTHER, "127.0.0.1"),  # an unknown cgroup id
         (None, 500, {}, PeerKind.OTHER, "127.0.0.1"),  # no cgroup id (Linux < 5.7)
     ],

@@ -120,6 +120,11 @@ def test_cgroup_dirs_walks_the_tree_by_inode(tmp_path):
         ("/system.slice/system-vllm\\x2dreplica.slice/vllm-replica@a.service", "vllm-replica@a.service"),
         ("/system.slice/vllm-a.service/payload", "vllm-a.service"),  # a delegated sub-cgroup
         ("/user.slice/user-1000.slice/session-3.scope", "session-3.scope"),
+        # issue 34 rows 3 and 10: names made in a user's own (delegated) tree are that user's manager's
+        ("/user.slice/user-65534.slice/user@65534.service/app.slice/vllm-replica@r1.service", "user@65534.service"),
+        ("/user.slice/user-1000.slice/user@1000.service/app.slice/nginx.service", "user@1000.service"),
+        ("/user.slice/user-1000.slice/user@1000.service/app.slice/app-squat.scope", "user@1000.service"),
+        ("/system.slice/vllm-d.service/libpod-payload-abc/init.scope", "vllm-d.service"),  # a unit's own tree
         ("/init.scope", None),  # systemd itself: socket activation, not the server
         ("/system.slice", None),
         ("/", None),

@@ -237,8 +237,12 @@ def cgroup_of_pid(pid: int, proc: str = "/proc") -> str | None:
 
 
 def unit_of_cgroup(path: str) -> str | None:
-    """The unit a cgroup path belongs to: its deepest component named like a unit (not a slice)."""
-    for part in reversed(path.strip("/").split("/")):
+    """The system unit a cgroup path belongs to: its first component from the root named like a
+    unit (slices are only the way there). Below a unit its cgroup is that unit's own (delegated)
+    tree, where any name can be made: a user's manager (user@UID.service) makes its units there, so
+    ".../user@65534.service/app.slice/vllm-replica@r1.service" is user@65534.service's, never
+    the replica's, and a user's ".../nginx.service" is not the proxy."""
+    for part in path.strip("/").split("/"):
         if part.endswith(_UNIT_SUFFIXES):
             return None if part in _NOT_AN_OWNER else part
     return None
