@@ -31,6 +31,7 @@ SAME_WORKER = {
 }
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: a run with -p no:xdist has no such hook
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     """xdist's scope scheduler with a scope per test, or per SAME_WORKER group. (Not xdist's own
     loadgroup: it renames a test's nodeid, which pytest 9 no longer reads.) The largest scopes go

@@ -460,9 +460,11 @@ def test_a_dripping_etcd_cannot_hold_the_step_past_its_deadline_while_a_slot_req
         asking = asyncio.ensure_future(s.acquire("a", "m"))
         while not s.lock.locked():  # the slot request holds the lock, its txn dripping
             await asyncio.sleep(0)
-        # The drip lasts 60 s, run()'s bound 20 s: the step and the request end only by their own deadline.
+        # The drip lasts 60 s, run()'s bound 20 s: the step and the request end only by a deadline of
+        # their own: the step's whole (1 s) or, on a loaded machine, its read's (0.5 s) first.
         v = await step(s)
-        assert not v.ok and f"etcd did not answer within {s.deadline_s:g} s" in (v.error or ""), v  # the step's own
+        deadlines = (f"etcd did not answer within {s.deadline_s:g} s", "no answer within 0.5 s")
+        assert not v.ok and any(d in (v.error or "") for d in deadlines), v
         await asking
         (line,) = said(s, "asking etcd for a fleet slot failed")
         assert "no answer within 0.5 s" in line, line
