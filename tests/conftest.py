@@ -53,11 +53,11 @@ def box():
         deps = ensure_deps()
         b = SystemdBox(rootfs, deps)
         b.boot()
-    except BoxError as e:
+    except Exception as e:  # noqa: BLE001 - BoxError, and whatever else a boot raised: the box goes
         if b is not None:
             b.halt()
         # Fail, never skip: a system test that cannot run must say so loudly.
-        pytest.fail(f"cannot boot the real-systemd test container: {e}", pytrace=False)
+        pytest.fail(f"cannot boot the real-systemd test container: {type(e).__name__}: {e}", pytrace=False)
     yield b
     b.halt()
 
@@ -111,15 +111,18 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):
     box = _box_of(item)
     if box is None or box.leader is None:
         return
+    try:
+        rep.sections.append(("container journal", _save_journal(item, box)))
+    except Exception as e:  # noqa: BLE001 - the failure itself must still be reported, whatever this does
+        rep.sections.append(("container journal", f"box {box.name}: its journal could not be saved: {e}"))
+
+
+def _save_journal(item: pytest.Item, box: SystemdBox) -> str:
     since = item.stash.get(_STARTED, None)
     cmd = ["journalctl", "--no-pager", "-o", "short-precise"] + (["--since", f"@{int(since) - 1}"] if since else [])
-    try:
-        text = box.run(cmd, check=False, timeout=30).stdout
-    except Exception as e:  # noqa: BLE001 - the failure itself must still be reported
-        text = f"(the journal could not be read: {e})"
+    text = box.run(cmd, check=False, timeout=30).stdout
     LOGS.mkdir(parents=True, exist_ok=True)
     path = LOGS / (re.sub(r"[^A-Za-z0-9_.-]+", "_", item.nodeid)[-150:] + ".journal")
     path.write_text(text)
     tail = "\n".join(text.splitlines()[-30:])
-    rep.sections.append(("container journal", f"box {box.name} (machine {box.name}, nspawn log {box.log_path}); "
-                                              f"its journal during the test: {path}\n...\n{tail}"))
+    return f"box {box.name} (nspawn log {box.log_path}); its journal during the test: {path}\n...\n{tail}"

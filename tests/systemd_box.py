@@ -195,13 +195,17 @@ class SystemdBox:
         # two boxes started from one cgroup would share them. Each box gets a cgroup of its own first.
         self.cgroups = [root / f"guardian-test-{self.name}" for root in _cgroup_roots()]
         procs = [str(cg / "cgroup.procs") for cg in self.cgroups]
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child only calls it
+        parent = os.getpid()
 
         def enter_own_cgroup() -> None:
             for p in procs:
                 with open(p, "w") as f:
                     f.write("0")
             # A worker that dies (killed, interrupted) takes its box with it: nspawn halts on SIGTERM.
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+            # (The signal follows the thread that forks: boot() runs on the worker's main thread.)
+            if prctl(PR_SET_PDEATHSIG, signal.SIGTERM) != 0 or os.getppid() != parent:
+                os._exit(1)  # no such guard, or the worker is gone already: no box without an owner
         cmd = [nspawn, "--register=no", "--keep-unit", "-D", str(self.rootfs), "-M", self.name, "--boot",
                "--console=pipe", "--volatile=overlay", "--private-network",
                f"--bind-ro={REPO}:/opt/guardian/src", f"--bind-ro={self.deps}:/opt/guardian/deps",
@@ -217,8 +221,10 @@ class SystemdBox:
             if subprocess.run(["mountpoint", "-q", "/run/systemd/nspawn"]).returncode != 0:
                 subprocess.run(["mount", "-t", "tmpfs", "tmpfs", "/run/systemd/nspawn"], check=True)
             for root in _cgroup_roots():  # what boxes of earlier runs, killed before their halt, left
-                for old in root.glob("guardian-test-*"):
-                    _remove_cgroup(old)  # a cgroup that still holds a process stays (rmdir refuses)
+                for old in root.glob("guardian-test-gtest*"):
+                    pid = old.name.removeprefix("guardian-test-gtest")
+                    if pid.isdigit() and not Path(f"/proc/{pid}").exists():  # its worker is gone
+                        _remove_cgroup(old)  # a cgroup that still holds a process stays (rmdir refuses)
             for cg in self.cgroups:
                 cg.mkdir(exist_ok=True)
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

@@ -71,8 +71,8 @@ def run(coro):  # noqa: ANN001, ANN201
 
 def test_a_canary_answer_that_never_ends_is_cut_at_its_byte_cap(hostile):
     result = run(lambda c: probes.canary(c, hostile, 0.0))
+    # ended by the bytes (this message), not by the deadline (that one says "no answer within")
     assert not result.ok and f"larger than {probes.MAX_SMALL_BYTES} bytes" in result.error
-    assert result.latency_s < hostile.canary_timeout_s  # ended by the bytes, not by the deadline
 
 
 def test_a_compressed_metrics_page_is_unreadable_never_inflated(hostile):

@@ -16,7 +16,9 @@ What counts as a measured duration (an expression is "timed" when any part of it
 
 What is flagged: an ``assert`` whose condition puts an upper bound on a timed expression: ``timed <
 number``, ``timed <= number``, ``number > timed`` or ``number >= timed``, where the number is a
-literal or an UPPER_CASE constant, alone or in arithmetic. That is the assertion a busy machine fails
+literal, an UPPER_CASE constant or a setting named in seconds (``cfg.timeout_s``), alone or in
+arithmetic; or that bounds a point by another plus a bound (``now < t0 + 5``, a deadline written
+inline). That is the assertion a busy machine fails
 although the decision was right. A lower bound ("not raised before restore_after_s") is left alone:
 it says a rule waited its window, and load only makes a wait longer. Equality, a comparison of two
 points in time (an order: "decided after the freeze"), and waits are not flagged either.
@@ -95,14 +97,32 @@ def _timed(node: ast.AST, timed_names: set[str], readings: set[str] = frozenset(
     return False
 
 
+BOUND_NAME = re.compile(r"(_s|_ms|timeout)$")
+
+
 def _numeric(node: ast.AST) -> bool:
-    """A number, or a module constant (an UPPER_CASE name such as TIMEOUT_S), alone or in arithmetic."""
+    """A bound: a number, a module constant (an UPPER_CASE name such as TIMEOUT_S), or a setting
+    named in seconds (cfg.canary_timeout_s), alone or in arithmetic."""
     for sub in ast.walk(node):
         if isinstance(sub, ast.Constant) and isinstance(sub.value, int | float) and not isinstance(sub.value, bool):
             return True
         if isinstance(sub, ast.Name) and sub.id.isupper():
             return True
+        ident = _ident(sub)
+        if ident is not None and not isinstance(sub, ast.Subscript) and BOUND_NAME.search(ident):
+            return True
     return False
+
+
+def _point_plus_bound(small: ast.AST, large: ast.AST, readings: set[str]) -> bool:
+    """``now < t0 + 5``: a duration bound written as a deadline (now - t0 < 5)."""
+    return (
+        _reading(small, readings)
+        and isinstance(large, ast.BinOp)
+        and isinstance(large.op, ast.Add)
+        and _reading(large, readings)
+        and _numeric(large)
+    )
 
 
 def _names_of(fn: ast.AST) -> tuple[set[str], set[str]]:
@@ -143,6 +163,8 @@ def _flag(test: ast.AST, timed: set[str], readings: set[str]) -> bool:
             # (small, large): the side an upper bound is put on is the smaller one
             small, large = (left, right) if isinstance(op, ast.Lt | ast.LtE) else (right, left)
             if _timed(small, timed, readings) and _numeric(large) and not _timed(large, timed, readings):
+                return True
+            if _point_plus_bound(small, large, readings):
                 return True
     return False
 
