@@ -361,7 +361,9 @@ def _message(info_len: int | None, cgroup_id: int | None = 77) -> bytes:
     struct.pack_into("=I", msg, 68, 4242)
     if info_len is not None:
         info = bytearray(info_len)
-        for off, fmt, value in ((44, "=I", 11), (52, "=I", 22), (120, "=Q", 333), (128, "=Q", 444), (156, "=I", 5)):
+        fields = ((44, "=I", 11), (52, "=I", 22), (120, "=Q", 333), (128, "=Q", 444), (144, "=I", 60), (156, "=I", 5),
+                  (200, "=Q", 1000), (208, "=Q", 100))
+        for off, fmt, value in fields:
             if off + struct.calcsize(fmt) <= info_len:
                 struct.pack_into(fmt, info, off, value)
         msg += struct.pack("=HH", 4 + info_len, 2) + info + bytes(-info_len % 4)
@@ -373,16 +375,20 @@ def _message(info_len: int | None, cgroup_id: int | None = 77) -> bytes:
 @pytest.mark.parametrize(
     ("info_len", "want"),
     [
-        (232, (11, 22, 333, 444, 5)),
-        (136, (11, 22, 333, 444, None)),  # Linux 4.1 to 4.5: no data_segs_out
-        (104, (11, 22, None, None, None)),  # before 4.1: no bytes counts
-        (None, (None, None, None, None, None)),  # no INET_DIAG_INFO at all
+        # written: bytes_sent 1000 - bytes_retrans 100 + notsent 60
+        (232, (11, 22, 333, 444, 5, 960)),
+        (216, (11, 22, 333, 444, 5, 960)),  # Linux 4.19: ends with bytes_retrans
+        (200, (11, 22, 333, 444, 5, None)),  # 4.6 to 4.18: no bytes_sent, so nothing written known
+        (136, (11, 22, 333, 444, None, None)),  # Linux 4.1 to 4.5: no data_segs_out
+        (104, (11, 22, None, None, None, None)),  # before 4.1: no bytes counts
+        (None, (None, None, None, None, None, None)),  # no INET_DIAG_INFO at all
     ],
 )
 def test_a_short_tcp_info_leaves_the_later_fields_unknown(info_len, want):
     data = _message(info_len)
     s = parse_sock(data, 0, len(data))
-    assert (s.last_sent_ms, s.last_recv_ms, s.bytes_acked, s.bytes_received, s.data_segs_out) == want
+    got = (s.last_sent_ms, s.last_recv_ms, s.bytes_acked, s.bytes_received, s.data_segs_out, s.bytes_written)
+    assert got == want
     assert (s.local, s.lport, s.remote, s.rport, s.inode, s.cgroup_id) == ("10.0.0.1", 8000, "10.0.0.2", 40000, 4242, 77)
 
 
@@ -406,9 +412,10 @@ def _srv(
     sent_ms: int | None = 5000,
     received: int | None = 100,
     segs: int | None = 1,
+    written: int | None = None,
 ) -> Sock:
     return Sock(
-        "10.0.0.1", PORT, remote, rport, inode, None, sent_ms, recv_ms, acked, received, segs
+        "10.0.0.1", PORT, remote, rport, inode, None, sent_ms, recv_ms, acked, received, segs, written
     )
 
 
@@ -436,6 +443,11 @@ def _prev(acked: int = 1000, inode: int = 100, at: float = 10.0, moving: bool = 
         # a quick answer to a request that spanned one look (a dead engine's 500): not a response flowing
         (_srv(acked=1500, recv_ms=2001, sent_ms=1999), _prev(moving=False), 0, 0),
         (_srv(acked=1500, recv_ms=9000, sent_ms=1), _prev(moving=False), 0, 0),  # its first interval only
+        # issue 34 row 2: what the process wrote, where the kernel says (the previous look kept it)
+        (_srv(acked=1200, written=1500, recv_ms=9000, sent_ms=1), _prev(acked=1000), 1, 500),  # it wrote 500
+        # a frozen process: its kernel still sends the buffer to a slow reader (acked 1000 -> 1400) but
+        # the process wrote nothing more: no response flows
+        (_srv(acked=1400, written=1000, recv_ms=9000, sent_ms=1), _prev(acked=1000), 0, 0),
     ],
 )
 def test_flowing(sock, prev, flowing, bytes_out):

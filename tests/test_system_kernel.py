@@ -139,3 +139,53 @@ def test_a_job_that_talks_to_a_replica_directly_is_named_and_nginx_is_not(world)
     wait_for(lambda: any("no longer talks to it directly" in m for m in
                          (e["MESSAGE"] for e in world.guardian_lines("GUARDIAN_DECISION=hazard"))), 30,
              "the bypass to be said gone")
+
+
+SLOW_READER = """
+import socket, sys, time
+port, n = int(sys.argv[1]), int(sys.argv[2])
+socks = []
+for _ in range(n):
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)  # a tiny window: the page comes 1 KiB at a time
+    s.connect(("127.0.0.1", port))
+    s.sendall(b"GET /metrics HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n")
+    socks.append(s)
+got = 0
+while True:
+    for s in socks:
+        got += len(s.recv(128))
+    print(got, flush=True)
+    time.sleep(0.125)
+"""
+
+
+def test_a_frozen_replica_fed_to_slow_readers_by_its_kernel_is_still_restarted_by_its_window(world):
+    """Issue 34 row 2, confirmed on a real vLLM 0.32: a frozen process's kernel keeps sending what
+    is in its socket buffers, so 3 slow readers of /metrics (user nobody, a tiny window, 1 KiB/s)
+    kept it "busy" for minutes. What counts is what the process wrote since the last look."""
+    world.watchdog["unresponsive_after_s"] = 10
+    world.setup()
+    a = world.replicas[0]
+    world.box.write("/tmp/slow_reader.py", SLOW_READER)
+    world.box.run(["systemd-run", "--unit=slow-readers", "-p", "User=nobody", "-p", "Restart=no",
+                   "/usr/bin/python3", "/tmp/slow_reader.py", str(a.port), "3"])
+    world.extra_units.append("slow-readers.service")
+    # the readers are being fed: their unit's journal counts bytes going up
+    wait_for(lambda: any(int(m) > 4096 for m in world.box.messages(unit="slow-readers.service") if m.isdigit()), 60,
+             "the slow readers to be fed")
+    frozen_at = time.time()
+    world.kill(a.unit, "STOP")
+    wait_for(lambda: decision_after(world, a, frozen_at) is not None, 120, "a's restart")
+    (line,) = world.restarts_of(a)
+    print(f"frozen with 3 slow readers -> restart decision {decision_after(world, a, frozen_at):.1f} s: {line['MESSAGE']}")
+    # the kernel kept feeding the readers after the freeze, and that was not taken for the replica's work
+    fed = [int(m) for m in world.box.messages(unit="slow-readers.service", since=frozen_at + 2) if m.isdigit()]
+    assert len(set(fed)) > 1, fed[-5:]
+    assert line["GUARDIAN_RULE"] == "L7" and "unresponsive" in line["MESSAGE"], line["MESSAGE"]
+    # never busy by responses flowing after the freeze: the kernel's sends were not taken for the
+    # replica's answers (before, it was busy by them (L10) until the buffers ran dry, and L7's window
+    # ran from then). Busy by its progress before the freeze, while L7's window runs, is right.
+    flowing = [e["MESSAGE"] for e in world.guardian_lines("GUARDIAN_REPLICA=a", "GUARDIAN_STATE=busy")
+               if int(e["__REALTIME_TIMESTAMP"]) / 1e6 > frozen_at and "responses flowing" in e["MESSAGE"]]
+    assert not flowing, flowing

@@ -2,8 +2,11 @@
 
 A vLLM API server under load can leave /health, /metrics and /v1/models unanswered for seconds
 while its token streams keep flowing. The kernel knows: one sock_diag dump of the established TCP
-sockets on the replicas' ports, with tcp_info (bytes acked and received, how long ago data was
-last sent and received), says which clients are being answered and which wait. Unprivileged:
+sockets on the replicas' ports, with tcp_info (bytes written, acked and received, how long ago
+data was last sent and received), says which clients are being answered and which wait. A
+response flows when the replica's process wrote more of it since the last look (its write
+sequence: bytes sent once plus bytes not yet sent), not when the kernel sends what is already
+in the buffer: a frozen process's kernel goes on feeding a slow reader for minutes (issue 34). Unprivileged:
 sock_diag shows every user's sockets with their tcp_info, and a socket's cgroup id (the inode of
 its cgroup v2 directory) names the unit of a local peer without reading anyone's /proc/PID.
 
@@ -52,14 +55,19 @@ _EXT_INFO = 1 << (_INET_DIAG_INFO - 1)
 # at 40; tcpi_last_data_sent 44, tcpi_last_ack_sent 48, tcpi_last_data_recv 52 (ms ago); u32
 # metrics up to tcpi_total_retrans at 100; u64 tcpi_pacing_rate 104, tcpi_max_pacing_rate 112,
 # tcpi_bytes_acked 120, tcpi_bytes_received 128 (Linux >= 4.1); u32 tcpi_segs_out 136, segs_in
-# 140, notsent_bytes 144, min_rtt 148, data_segs_in 152, tcpi_data_segs_out 156 (Linux >= 4.6).
+# 140, notsent_bytes 144, min_rtt 148, data_segs_in 152, tcpi_data_segs_out 156 (Linux >= 4.6);
+# u64 delivery_rate 160, busy_time 168, rwnd_limited 176, sndbuf_limited 184; u32 delivered 192,
+# delivered_ce 196; u64 tcpi_bytes_sent 200, tcpi_bytes_retrans 208 (Linux >= 4.19).
 # Checked against getsockopt(TCP_INFO) and bytes sent over loopback (tests/test_conns.py). A
 # shorter attribute (an older kernel) lacks the later fields: they are unknown.
 _TCPI_LAST_DATA_SENT = 44
 _TCPI_LAST_DATA_RECV = 52
 _TCPI_BYTES_ACKED = 120
 _TCPI_BYTES_RECEIVED = 128
+_TCPI_NOTSENT_BYTES = 144
 _TCPI_DATA_SEGS_OUT = 156
+_TCPI_BYTES_SENT = 200
+_TCPI_BYTES_RETRANS = 208
 _U32 = struct.Struct("=I")
 _U64 = struct.Struct("=Q")
 
@@ -94,6 +102,16 @@ class Sock:
     bytes_acked: int | None = None  # tcpi_bytes_acked: bytes sent and acked by the peer
     bytes_received: int | None = None  # tcpi_bytes_received
     data_segs_out: int | None = None  # tcpi_data_segs_out: segments with data sent
+    # What the process wrote to it (its write sequence): bytes sent once (tcpi_bytes_sent less
+    # tcpi_bytes_retrans) plus those still queued (tcpi_notsent_bytes); Linux >= 4.19. A frozen
+    # process's kernel keeps sending its buffer to a slow reader: acked bytes grow, this does not.
+    bytes_written: int | None = None
+
+    @property
+    def out_bytes(self) -> int | None:
+        """How far the server's side of S has come: what its process wrote where the kernel says,
+        else (an older kernel) what the peer acked."""
+        return self.bytes_written if self.bytes_written is not None else self.bytes_acked
 
     @property
     def key(self) -> Key:
@@ -144,9 +162,9 @@ def _field(info: bytes, offset: int, fmt: struct.Struct) -> int | None:
     return int(fmt.unpack_from(info, offset)[0]) if len(info) >= offset + fmt.size else None
 
 
-# The five tcp_info fields in one unpack, from tcpi_last_data_sent (44) to past tcpi_data_segs_out
-# (156): a look parses every socket on the replicas' ports, both ends of a local connection.
-_TCPI_ALL = struct.Struct("=I4xI64xQQ20xI")
+# The eight tcp_info fields in one unpack, from tcpi_last_data_sent (44) to past tcpi_bytes_retrans
+# (208): a look parses every socket on the replicas' ports, both ends of a local connection.
+_TCPI_ALL = struct.Struct("=I4xI64xQQ8xI8xI40xQQ")
 _TCPI_ALL_END = _TCPI_LAST_DATA_SENT + _TCPI_ALL.size
 _RTA = struct.Struct("=HH")
 _ATTRS_AT = DIAG_MSG_SIZE
@@ -169,16 +187,24 @@ def parse_sock(data: bytes, body: int, end: int) -> Sock:
         elif kind == INET_DIAG_CGROUP_ID and length >= 12:
             (cgroup_id,) = _U64.unpack_from(data, at + 4)
         at += (length + 3) & ~3
-    sent = recv = acked = received = segs = None
+    sent = recv = acked = received = segs = notsent = bytes_sent = retrans = None
     if info_len >= _TCPI_ALL_END:
-        sent, recv, acked, received, segs = _TCPI_ALL.unpack_from(data, info_at + _TCPI_LAST_DATA_SENT)
+        sent, recv, acked, received, notsent, segs, bytes_sent, retrans = _TCPI_ALL.unpack_from(
+            data, info_at + _TCPI_LAST_DATA_SENT
+        )
     elif info_at >= 0:  # an older kernel's shorter tcp_info: the fields it has
         info = data[info_at : info_at + info_len]
         sent = _field(info, _TCPI_LAST_DATA_SENT, _U32)
         recv = _field(info, _TCPI_LAST_DATA_RECV, _U32)
         acked = _field(info, _TCPI_BYTES_ACKED, _U64)
         received = _field(info, _TCPI_BYTES_RECEIVED, _U64)
+        notsent = _field(info, _TCPI_NOTSENT_BYTES, _U32)
         segs = _field(info, _TCPI_DATA_SEGS_OUT, _U32)
+        bytes_sent = _field(info, _TCPI_BYTES_SENT, _U64)
+        retrans = _field(info, _TCPI_BYTES_RETRANS, _U64)
+    written = None
+    if bytes_sent is not None and retrans is not None and notsent is not None:
+        written = bytes_sent - retrans + notsent
     return Sock(
         local=_address(family, data[body + 8 : body + 24]),
         lport=sport,
@@ -191,6 +217,7 @@ def parse_sock(data: bytes, body: int, end: int) -> Sock:
         bytes_acked=acked,
         bytes_received=received,
         data_segs_out=segs,
+        bytes_written=written,
     )
 
 
@@ -297,7 +324,7 @@ class Seen(NamedTuple):
     """A server-side socket at the previous look."""
 
     inode: int  # so that a 4-tuple reused by a new connection is not taken for the old one
-    acked: int  # tcpi_bytes_acked
+    acked: int  # Sock.out_bytes: what the process wrote (or, on an older kernel, what was acked)
     moving: bool = False  # more was acked in the interval before that look, the client silent
     received: int | None = None  # tcpi_bytes_received
     segs_out: int | None = None  # tcpi_data_segs_out
@@ -332,10 +359,12 @@ def _same(s: Sock, before: Seen | None) -> Seen | None:
 
 
 def _moving(s: Sock, before: Seen | None, since_s: float | None) -> int:
-    """Bytes acked on S since the previous look while the client sent nothing (0 if not)."""
-    if since_s is None or before is None or s.bytes_acked is None or s.last_recv_ms is None:
+    """Bytes the server wrote on S since the previous look (acked, on an older kernel) while the
+    client sent nothing (0 if not)."""
+    out = s.out_bytes
+    if since_s is None or before is None or out is None or s.last_recv_ms is None:
         return 0
-    delta = s.bytes_acked - before.acked
+    delta = out - before.acked
     return delta if delta > 0 and s.last_recv_ms >= since_s * 1000 else 0
 
 
@@ -406,8 +435,8 @@ def conn_views(
         t.peers[kind, name] = t.peers.get((kind, name), 0) + 1
         before = _same(s, prev.sockets.get(s.key))
         moved = _moving(s, before, since_s)
-        if s.bytes_acked is not None:
-            sockets[s.key] = Seen(s.inode, s.bytes_acked, moved > 0, s.bytes_received, s.data_segs_out)
+        if s.out_bytes is not None:
+            sockets[s.key] = Seen(s.inode, s.out_bytes, moved > 0, s.bytes_received, s.data_segs_out)
         if kind not in _CLIENTS:
             continue
         flowed = _flowed(s, before, moved)
