@@ -692,6 +692,19 @@ def test_a_replica_whose_endpoints_all_time_out_while_responses_flow_is_never_un
     assert box.rule() == "L10" and "responses flowing to 5 client connection(s), 20000 bytes" in box.tracks["a"].evidence
 
 
+def test_a_partial_kernel_view_is_no_evidence_of_flow_so_a_frozen_replica_is_still_unresponsive():
+    """Issue 34 row 11: 27,000 sockets of another user filled the 50,000-socket bound; a view cut
+    there counts no response as flowing, so L7 runs its window as without the kernel's view."""
+    box = Box(cfg(1, unresponsive_after_s=10))
+    healthy_start(box)
+    for t in range(102, 160, 2):
+        partial = replace(starved(t, flowing=5), conns=replace(conns(flowing=5, bytes_out=20000), truncated=True))
+        box.tick(t, a=partial)
+        if restarts(box.actions):
+            break
+    assert restarts(box.actions) and box.rule() == "L7", (box.state(), box.rule(), box.tracks["a"].evidence)
+
+
 @pytest.mark.parametrize("last_flow_t, t, state, rule", [
     (120.0, 129.9, State.BUSY, "L15"),  # 9.9 s after the last response flowed: not yet
     (120.0, 130.0, State.UNRESPONSIVE, "L7"),  # at unresponsive_after_s: a frozen server sends nothing

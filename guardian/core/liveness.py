@@ -413,8 +413,10 @@ def _progressed(prev: VllmSample | None, cur: VllmSample | None) -> bool:
 
 
 def _flowing(obs: ReplicaObservation) -> bool:
-    """The kernel saw a response flowing to a client since its last look (ConnView)."""
-    return obs.conns is not None and obs.conns.flowing > 0
+    """The kernel saw a response flowing to a client since its last look (ConnView). A partial view
+    (more sockets than one look reads) is no evidence of it: whoever filled the dump with sockets of
+    their own could otherwise keep a frozen replica "busy" (issue 34 row 11)."""
+    return obs.conns is not None and not obs.conns.truncated and obs.conns.flowing > 0
 
 
 def _progress_at(track: Track, obs: ReplicaObservation, now: float, seen_now: bool) -> float:
