@@ -239,12 +239,12 @@ def test_restart_wait_prints_what_it_waits_for_once_and_exits_4_when_the_wait_ra
                               name="asking")
     asking.start()
     try:
-        rid, q = wait_for(lambda: next(iter(store.read()["requests"].items()), None), 10, "the request")
+        rid, q = wait_for(lambda: next(iter(store.read()["requests"].items()), None), 30, "the request")
         assert q["replica"] == "a" and q["wait_until"]["mono"] == pytest.approx(q["at"]["mono"] + 300, abs=0.01)
         for _ in range(3):  # said over several ticks: printed once
             store.update(lambda d: record_waiting(d, rid, "b is starting or being restarted (A3)"))
         seen = reads[0]
-        wait_for(lambda: reads[0] >= seen + 3, 10, "the command to read the same waiting text 3 times")
+        wait_for(lambda: reads[0] >= seen + 3, 30, "the command to read the same waiting text 3 times")
         answer = AnswerRequest(rid, "a", False, "refused (one-at-a-time): b is starting; after waiting 300 s (A4)",
                                waited_out=True)
         store.update(lambda d: record_answer(d, answer, cli.clock.now()))
@@ -265,7 +265,7 @@ def test_restart_without_wait_keeps_exit_1_for_a_refusal(tmp_path, capsys):
     asking = threading.Thread(target=lambda: result.update(rc=main(["--config", path, "restart", "a"])))
     asking.start()
     try:
-        rid, q = wait_for(lambda: next(iter(store.read()["requests"].items()), None), 10, "the request")
+        rid, q = wait_for(lambda: next(iter(store.read()["requests"].items()), None), 30, "the request")
         assert q.get("wait_until") is None
         store.update(lambda d: record_answer(d, AnswerRequest(rid, "a", False, "refused (masked): x"), cli.clock.now()))
     finally:

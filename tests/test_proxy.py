@@ -245,7 +245,7 @@ def test_a_command_whose_setsid_child_holds_its_output_is_killed_whole_and_its_w
         assert "did not finish within 0.5 s" in (p.view().error or "")
         assert p.view().applied == frozenset() and p.view().failed == frozenset({"a"})
         assert any(line.priority is Priority.ERROR and "did not finish" in line.message for line, _ in journal.lines)
-        wait_for(lambda: all(_gone(pid) for pid in _pids(pids)), 5, "the command and its setsid child to be gone")
+        wait_for(lambda: all(_gone(pid) for pid in _pids(pids)), 30, "the command and its setsid child to be gone")
     finally:
         _kill(_pids(pids))
 
