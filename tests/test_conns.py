@@ -423,9 +423,9 @@ def _one(socks: list[Sock], prev: Memory = Memory(), now: float = 12.0, who: Who
     return conn_views(Table(tuple(socks)), REPLICAS, who, prev, now)[0]["a"]
 
 
-def _prev(acked: int = 1000, inode: int = 100, at: float = 10.0, moving: bool = True) -> Memory:
+def _prev(acked: int = 1000, inode: int = 100, at: float = 10.0, moving: bool = True, written: int | None = None) -> Memory:
     """The previous look; MOVING: a response was already moving on it in the interval before."""
-    return Memory(at=at, sockets={("10.0.0.1", PORT, "10.0.0.9", 40000): Seen(inode, acked, moving, 100, 1)})
+    return Memory(at=at, sockets={("10.0.0.1", PORT, "10.0.0.9", 40000): Seen(inode, acked, moving, 100, 1, written)})
 
 
 @pytest.mark.parametrize(
@@ -444,10 +444,12 @@ def _prev(acked: int = 1000, inode: int = 100, at: float = 10.0, moving: bool = 
         (_srv(acked=1500, recv_ms=2001, sent_ms=1999), _prev(moving=False), 0, 0),
         (_srv(acked=1500, recv_ms=9000, sent_ms=1), _prev(moving=False), 0, 0),  # its first interval only
         # issue 34 row 2: what the process wrote, where the kernel says (the previous look kept it)
-        (_srv(acked=1200, written=1500, recv_ms=9000, sent_ms=1), _prev(acked=1000), 1, 500),  # it wrote 500
+        (_srv(acked=1200, written=1500, recv_ms=9000, sent_ms=1), _prev(acked=1000, written=1000), 1, 500),
         # a frozen process: its kernel still sends the buffer to a slow reader (acked 1000 -> 1400) but
         # the process wrote nothing more: no response flows
-        (_srv(acked=1400, written=1000, recv_ms=9000, sent_ms=1), _prev(acked=1000), 0, 0),
+        (_srv(acked=1400, written=1000, recv_ms=9000, sent_ms=1), _prev(acked=1000, written=1000), 0, 0),
+        # counted as sent again, nothing acked: a send that failed below TCP and was retried
+        (_srv(acked=1000, written=1500, recv_ms=9000, sent_ms=1), _prev(acked=1000, written=1000), 0, 0),
     ],
 )
 def test_flowing(sock, prev, flowing, bytes_out):

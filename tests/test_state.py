@@ -533,3 +533,26 @@ def test_a_lock_held_past_its_bound_fails_the_write_with_a_clear_error_and_never
     finally:
         os.close(fd)
     assert store.update(lambda d: None) is not None  # free again: the write goes through
+
+
+def test_a_state_read_refused_for_a_held_lock_is_tried_again_at_the_next_load(tmp_path):
+    """A lock held past its bound is no reason to take the file as read: a CLI's pause written
+    last would otherwise wait for some other write (and at the daemon's start, defaults stay)."""
+    from guardian.act.state import StateCache, StateLocked
+
+    store = store_at(tmp_path)
+    store.update(lambda d: d["pauses"].update({"a": {"until": None}}))
+    cache = StateCache(store)
+    real_read = store.read
+    calls = []
+
+    def locked_once():
+        calls.append(1)
+        if len(calls) == 1:
+            raise StateLocked(11, "the state lock was held by another process for over 5 s", str(store.lock_path))
+        return real_read()
+
+    store.read = locked_once  # type: ignore[method-assign]
+    problems = cache.load(force=True)
+    assert len(problems) == 1 and "held by another process" in problems[0]
+    assert cache.load() == [] and "a" in cache.data["pauses"], "the file was taken as read"

@@ -521,9 +521,15 @@ class StateCache:
             self.data = self.store.read()
         except CorruptState as e:
             problems.append(str(e))
-            self.data = self.store.update(lambda d: None)
+            try:
+                self.data = self.store.update(lambda d: None)
+            except OSError as e2:
+                problems.append(f"cannot write state in {self.store.dir}: {e2}; going on from defaults")
+                self.data, seen = _empty(), None
         except OSError as e:
             problems.append(f"cannot read state in {self.store.dir}: {e}; keeping what was loaded")
+            if isinstance(e, StateLocked):
+                seen = None  # not read: read again at the next tick (a lock held is not a file said once)
         self._loaded = True
         self._seen = seen
         self._view = None

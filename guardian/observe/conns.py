@@ -108,12 +108,6 @@ class Sock:
     bytes_written: int | None = None
 
     @property
-    def out_bytes(self) -> int | None:
-        """How far the server's side of S has come: what its process wrote where the kernel says,
-        else (an older kernel) what the peer acked."""
-        return self.bytes_written if self.bytes_written is not None else self.bytes_acked
-
-    @property
     def key(self) -> Key:
         return (self.local, self.lport, self.remote, self.rport)
 
@@ -324,10 +318,11 @@ class Seen(NamedTuple):
     """A server-side socket at the previous look."""
 
     inode: int  # so that a 4-tuple reused by a new connection is not taken for the old one
-    acked: int  # Sock.out_bytes: what the process wrote (or, on an older kernel, what was acked)
-    moving: bool = False  # more was acked in the interval before that look, the client silent
+    acked: int  # tcpi_bytes_acked
+    moving: bool = False  # a response moved in the interval before that look, the client silent
     received: int | None = None  # tcpi_bytes_received
     segs_out: int | None = None  # tcpi_data_segs_out
+    written: int | None = None  # Sock.bytes_written
 
 
 @dataclass(frozen=True)
@@ -359,12 +354,16 @@ def _same(s: Sock, before: Seen | None) -> Seen | None:
 
 
 def _moving(s: Sock, before: Seen | None, since_s: float | None) -> int:
-    """Bytes the server wrote on S since the previous look (acked, on an older kernel) while the
-    client sent nothing (0 if not)."""
-    out = s.out_bytes
-    if since_s is None or before is None or out is None or s.last_recv_ms is None:
+    """Bytes the server's process wrote on S since the previous look, while the peer acked some
+    and the client sent nothing (0 if not). Both: a frozen process's kernel still sends (and the
+    peer acks) its buffer, and a send that failed below TCP (a full qdisc, a firewall's DROP) is
+    counted in tcpi_bytes_sent again when the kernel retries it. On a kernel that does not say
+    what was written (Linux < 4.19): the bytes acked."""
+    if since_s is None or before is None or s.bytes_acked is None or s.last_recv_ms is None:
         return 0
-    delta = out - before.acked
+    delta = s.bytes_acked - before.acked
+    if s.bytes_written is not None and before.written is not None:
+        delta = s.bytes_written - before.written if delta > 0 else 0
     return delta if delta > 0 and s.last_recv_ms >= since_s * 1000 else 0
 
 
@@ -435,8 +434,8 @@ def conn_views(
         t.peers[kind, name] = t.peers.get((kind, name), 0) + 1
         before = _same(s, prev.sockets.get(s.key))
         moved = _moving(s, before, since_s)
-        if s.out_bytes is not None:
-            sockets[s.key] = Seen(s.inode, s.out_bytes, moved > 0, s.bytes_received, s.data_segs_out)
+        if s.bytes_acked is not None:
+            sockets[s.key] = Seen(s.inode, s.bytes_acked, moved > 0, s.bytes_received, s.data_segs_out, s.bytes_written)
         if kind not in _CLIENTS:
             continue
         flowed = _flowed(s, before, moved)
