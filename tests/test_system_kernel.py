@@ -100,7 +100,7 @@ def test_an_engine_frozen_between_steps_with_clients_waiting_is_restarted_by_the
     injected_at = time.time()
     world.fault(a, "between-steps")
     frozen = wait_for(lambda: next(iter(e for e in world.box.journal(f"_SYSTEMD_UNIT={a.unit}", since=injected_at)
-                                        if "SIM engine frozen between steps" in e.get("MESSAGE", "")), None), 30,
+                                        if "SIM engine frozen between steps" in e.get("MESSAGE", "")), None), 120,
                       "the engine to freeze at its next step with nothing running")
     frozen_at = int(frozen["__REALTIME_TIMESTAMP"]) / 1e6
     wait_for(lambda: decision_after(world, a, frozen_at) is not None, 120, "a's restart")
