@@ -913,8 +913,8 @@ def write_report(path: Path, r: dict, quick: bool, took_s: float, date: str | No
         "between-steps with guardian restarted 20 s before the fault with nothing learned (no canary latencies "
         "in its state file), so its deadlines come from its learning canaries.",
         "",
-        "Restart decision -> the unit's new process started (guardian kills a hung replica's processes as the "
-        "restart job begins):",
+        "Restart decision -> the unit's new process started (guardian kills a hung replica's processes if its "
+        "stop lasts 1 s once the restart job began; a process that ends on SIGTERM is not killed):",
         "",
         *[f"- {f}: {r[f][3].cell()}" for f in faults if len(r[f]) > 3],
         "",

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from guardian.core.actions import HUNG_STOP_GRACE_S
 from systemd_box import wait_for
 from world import Replica, World
 
@@ -77,7 +78,7 @@ def test_frozen_process_is_restarted(world):
     expect_restart(world, lambda a: world.kill(a.unit, "STOP"), "unresponsive")
 
 
-def test_a_hung_replica_that_ignores_sigterm_is_replaced_at_once_not_after_timeoutstopsec(world):
+def test_a_hung_replica_that_ignores_sigterm_is_killed_after_the_grace_not_after_timeoutstopsec(world):
     """A hung vLLM does not finish a graceful stop (its API server waits on the engine). Here the
     process ignores SIGTERM once frozen, and the unit allows a 60 s stop: without guardian's kill the
     new process would start after systemd's stop timed out and it killed the process itself. The
@@ -86,8 +87,8 @@ def test_a_hung_replica_that_ignores_sigterm_is_replaced_at_once_not_after_timeo
     a.sim_args = "--hang-on-sigterm"
     a.service_extra = "TimeoutStopSec=60s"
     world.setup()
-    line = expect_restart(world, lambda r: world.kill(r.unit, "STOP"), "unresponsive")
-    assert "killed at once (hung)" in line["MESSAGE"]
+    line = expect_restart(world, lambda r: world.fault(r, "frozen"), "unresponsive")
+    assert f"killed if its stop lasts {HUNG_STOP_GRACE_S:g} s (hung)" in line["MESSAGE"]
     decided_us = int(line["__MONOTONIC_TIMESTAMP"])
     started_us = int(world.box.prop(a.unit, "ExecMainStartTimestampMonotonic"))
     print(f"hung replica: restart decision -> new process started in {(started_us - decided_us) / 1e6:.2f} s")
@@ -99,6 +100,66 @@ def test_a_hung_replica_that_ignores_sigterm_is_replaced_at_once_not_after_timeo
     assert "killed (SIGKILL)" in done["MESSAGE"]
     # (that such a process outlives SIGTERM is test_simulator.py's hang-on-sigterm test)
     assert "--hang-on-sigterm" in world.box.prop(a.unit, "ExecStart")
+
+
+SLOW_STOP_UNIT = """[Unit]
+Description=a unit whose stop takes until it is killed
+[Service]
+Type=oneshot
+RemainAfterExit=yes
+ExecStart=/bin/true
+ExecStop=/bin/sleep 300
+"""
+
+
+@pytest.mark.parametrize("sim_args, note", [
+    ("--hang-on-sigterm", f"still stopping after {HUNG_STOP_GRACE_S:g} s, so its processes were killed (SIGKILL)"),
+    ("", "it stopped by itself in"),  # SIGCONT comes with systemd's SIGTERM: the sim shuts down
+])
+def test_a_hung_replica_is_killed_only_while_its_own_stop_runs(world, sim_args, note):
+    """systemd answers TryRestartUnit before the job runs, and a job may wait on another unit's. A
+    kill sent while it waits reaches a unit that is still active: the unit fails on the signal and
+    its own Restart= schedules a second restart beside guardian's (NRestarts=1, seen in CI on a
+    docker unit). A kill sent once the stop is over reaches the new process. Here vllm-a is ordered
+    Before= a unit whose stop is running, and systemd runs stops in that order, so guardian's
+    restart job waits until that stop is over; then its own stop either lasts (killed) or not."""
+    a = world.replicas[0]
+    a.unit_extra = "Before=slowstop.service"
+    a.sim_args = sim_args
+    world.box.write("/etc/systemd/system/slowstop.service", SLOW_STOP_UNIT)
+    world.extra_units.append("slowstop.service")
+    world.setup()
+    world.box.systemctl("start", "slowstop.service")
+    world.box.systemctl("stop", "--no-block", "slowstop.service")
+    wait_for(lambda: world.box.prop("slowstop.service", "ActiveState") == "deactivating", 30, "slowstop's stop to run")
+    hung, old = world.main_pid(a.unit), world.box.identity(a.unit)
+    frozen_at = time.time()
+    if sim_args:
+        world.fault(a, "frozen")  # it SIGSTOPs itself; --hang-on-sigterm then outlives SIGTERM
+    else:
+        world.kill(a.unit, "STOP")
+    decision = wait_line(world, "GUARDIAN_REPLICA=a", "GUARDIAN_DECISION=restart", timeout_s=40)
+    assert f"killed if its stop lasts {HUNG_STOP_GRACE_S:g} s (hung)" in decision["MESSAGE"], decision["MESSAGE"]
+
+    def waiting_job() -> str:
+        jobs = world.box.run(["systemctl", "list-jobs", "--no-legend", "--plain"]).stdout
+        return next((line for line in jobs.splitlines() if a.unit in line and "waiting" in line), "")
+
+    print(wait_for(waiting_job, 30, f"guardian's restart job of {a.unit} to wait on slowstop's stop"))
+    # A kill sent while the job waits would have landed 1 grace after the decision: look after 3.
+    decided_at = int(decision["__REALTIME_TIMESTAMP"]) / 1e6
+    time.sleep(max(0.0, decided_at + 3 * HUNG_STOP_GRACE_S - time.time()))
+    assert waiting_job(), "the restart job was to wait on slowstop's stop"
+    assert world.box.run(["kill", "-0", str(hung)], check=False).returncode == 0  # not killed while it waits
+    world.box.kill_unit("slowstop.service")  # its stop ends: the restart job runs
+    wait_restarted(world, a, old)
+    world.wait_states({"a": "healthy", "b": "healthy"}, timeout_s=40)
+    done = wait_line(world, "GUARDIAN_REPLICA=a", "GUARDIAN_DECISION=restarted")
+    assert note in done["MESSAGE"], done["MESSAGE"]
+    assert world.box.prop(a.unit, "NRestarts") == "0"  # systemd's own Restart= never ran: no process died on it
+    starts = world.box.messages("MESSAGE_ID=39f53479d3a045ac8e11786248231fbf", f"UNIT={a.unit}", since=frozen_at)
+    assert len(starts) == 1, starts
+    assert len(world.restarts_of(a)) == 1
 
 
 def test_engine_dead_with_health_200_is_restarted(world):

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from ..config import Config, ReplicaConfig
 from ..core import gates
-from ..core.actions import LogLine
+from ..core.actions import HUNG_STOP_GRACE_S, LogLine
 from ..core.container import helper_unit
 from ..core.observations import RestartOutcome, UnitInfo
 from ..core.rules import Refusal
@@ -54,7 +54,7 @@ class RestartOrder:
     replica: ReplicaConfig
     why: str
     allow_failed: bool = False  # a failed unit may be restarted (the memory guard's retry of a start)
-    kill_first: bool = False  # a hung replica, or a start stopped: SIGKILL its processes once the job is queued
+    kill_first: bool = False  # a hung replica, or a start stopped: SIGKILL its processes if its stop lasts
     stop_timeout_s: float | None = None  # a drained replica: SIGKILL its processes if the stop takes longer
     before_restart: Callable[[], None] | None = None  # the memory guard's env file write, once the gates pass
     killed_what: str = "hung"  # what a failed kill_first names the unit: a "hung" one, or a "starting" one
@@ -175,7 +175,8 @@ class Stop:
     """How one restart's stop is helped along, in the way its order says (during):
 
     - kill_hung (kill_first): a hung replica's processes, or those of a start the start guard stops
-      (core/startguard.py), are SIGKILLed once the job is queued;
+      (core/startguard.py), are SIGKILLed if the stop has not ended HUNG_STOP_GRACE_S after the
+      job began;
     - bounded (stop_timeout_s): a drained replica's stop is waited for up to its bound, then its
       processes are SIGKILLed; how long the stop took is said either way;
     - either kill takes a replica's container with it, through the root helper: the unit's
@@ -192,7 +193,7 @@ class Stop:
         self.note = ""
 
     def during(self, order: RestartOrder) -> Callable[[], Awaitable[None]] | None:
-        """What runs once the restart job is queued."""
+        """What runs once the restart job has begun (its stop is under way; Systemd.run_job)."""
         if order.kill_first:
             return functools.partial(self.kill_hung, order.killed_what)
         if order.stop_timeout_s is not None:
@@ -200,23 +201,37 @@ class Stop:
         return None
 
     async def kill_hung(self, what: str = "hung") -> None:
-        if await self._kill(what):
-            self.note = "; its processes were killed (SIGKILL) as the job began"
+        took_s = await self._stop_ended_within(HUNG_STOP_GRACE_S)
+        if took_s is not None:
+            self.note = f"; it stopped by itself in {took_s:.1f} s, so nothing was killed"
+        elif await self._kill(what):
+            self.note = f"; still stopping after {HUNG_STOP_GRACE_S:g} s, so its processes were killed (SIGKILL)"
         else:
             self.note = "; killing its processes failed, so the stop waited for the unit's own stop"
 
     async def bounded(self, timeout_s: float) -> None:
-        clock = self.tools.clock
-        began_mono = clock().mono
-        while clock().mono - began_mono < timeout_s:
-            if await self._stopped():
-                self.note = f"; the stop took {clock().mono - began_mono:.1f} s"
-                return
-            await asyncio.sleep(STOP_POLL_S)
+        took_s = await self._stop_ended_within(timeout_s)
+        if took_s is not None:
+            self.note = f"; the stop took {took_s:.1f} s"
+            return
         killed = await self._kill("drained")
         self.note = f"; the stop was still running after {timeout_s:g} s, so " + (
             "its processes were killed (SIGKILL)" if killed else "killing them was tried and failed"
         )
+
+    async def _stop_ended_within(self, timeout_s: float) -> float | None:
+        """How long the unit's stop took, or None if it is still running after TIMEOUT_S: asked
+        every STOP_POLL_S and once more at the end, right before a kill (KillUnit signals the
+        unit's processes of that moment: a new process once the stop is over)."""
+        clock = self.tools.clock
+        began_mono = clock().mono
+        while True:
+            if await self._stopped():
+                return clock().mono - began_mono
+            left_s = timeout_s - (clock().mono - began_mono)
+            if left_s <= 0:
+                return None
+            await asyncio.sleep(min(STOP_POLL_S, left_s))
 
     async def restart_unitless(self, why: str) -> RestartOutcome:
         """The root helper restarts the container at once (SIGKILL, then its start), and only if it

@@ -9,6 +9,13 @@ from dataclasses import dataclass
 
 from .vocab import Decision, Gate, Priority, RestartKind, State
 
+# A hung replica's stop (kill_first), once its restart job has begun, before its processes are
+# SIGKILLed. systemd's KillUnit hits whatever runs in the unit at that moment: a process that does
+# end on SIGTERM (a SIGSTOPped one gets SIGCONT with it) is gone within this and never killed, so
+# the kill cannot reach the new process of a restart that went on without it. A hung vLLM never
+# ends its stop by itself: it waits this long instead of the unit's TimeoutStopSec.
+HUNG_STOP_GRACE_S = 1.0
+
 
 @dataclass(frozen=True)
 class LogLine:
@@ -35,7 +42,7 @@ class RestartUnit:
     kind: RestartKind
     evidence: str
     request_id: str | None = None  # an operator's request, answered when the job ends
-    kill_first: bool = False  # SIGKILL the unit's processes once the restart job is queued (a hung replica)
+    kill_first: bool = False  # SIGKILL the unit's processes if the stop lasts HUNG_STOP_GRACE_S (a hung replica)
     stop_timeout_s: float | None = None  # a drained replica: SIGKILL its processes if the stop takes longer
 
 
@@ -66,8 +73,8 @@ class SetFraction:
     evidence: str
     retry: bool = False  # after a failed start with the previous fraction: a failed unit may be restarted
     stop_timeout_s: float | None = None  # drained first: SIGKILL its processes if the stop takes longer
-    # SIGKILL the unit's processes once the restart job is queued, as RestartUnit's: the start guard stops a
-    # start that is taking the box's last memory at once (core/startguard.py)
+    # SIGKILL the unit's processes if the stop lasts HUNG_STOP_GRACE_S, as RestartUnit's: the start guard
+    # stops a start that is taking the box's last memory at once (core/startguard.py)
     kill_first: bool = False
 
 

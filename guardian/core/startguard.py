@@ -12,7 +12,8 @@ Rules: RULES below (ids S1-S10), rendered into docs/rules.md. ``M`` = the memory
 starts are watched and what is recorded at a start's first look (its Start); then, on every tick,
 the rows of ROWS are checked in order for each watched start and the first that holds is the
 verdict. The stop (S10) is a SetFraction like a lowering's, with ``kill_first``: the restart job
-is queued and the unit's processes SIGKILLed, so the memory is back at once. The tick records it
+is queued and the unit's processes SIGKILLed if its stop lasts HUNG_STOP_GRACE_S, so the memory is
+back within about a second. The tick records it
 as the memory guard's pending change (memguard.Pending), and M3-M8 follow it as they follow a
 lowering: done, mismatch, abandoned, a failed start retried a step lower (core/tick.py).
 
@@ -32,7 +33,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..config import Config, MemoryConfig
-from .actions import LogLine, SetFraction
+from .actions import HUNG_STOP_GRACE_S, LogLine, SetFraction
 from .memguard import Pending, choose_fraction, grid
 from .observations import ReplicaObservation, gib
 from .rules import Refusal, Row, Rule, first_match
@@ -234,8 +235,8 @@ ROWS: tuple[Row[_Look, None], ...] = (
             "S10",
             "stop",
             "otherwise: write the next fraction down (S7's) to its env file and restart its unit alone, its "
-            "processes SIGKILLed once the job is queued; the memory guard follows it as a lowering (M3-M8) "
-            "(with dry_run = true: logged, not done)",
+            f"processes SIGKILLed if its stop lasts {HUNG_STOP_GRACE_S:g} s once the job began; the memory guard "
+            "follows it as a lowering (M3-M8) (with dry_run = true: logged, not done)",
         ),
         lambda k: True,
         lambda k: None,
@@ -288,7 +289,8 @@ MESSAGES: dict[str, tuple[Priority, str]] = {
     "S9": (Priority.ERROR, "stopping its start is refused now: {refusal} ({refusal_rule}; S9)"),
     STOP: (
         Priority.WARNING,
-        "stopping its start now: {unit}'s processes killed and the unit restarted alone with "
+        "stopping its start now: {unit}'s processes killed if its stop lasts "
+        f"{HUNG_STOP_GRACE_S:g} s, and the unit restarted alone with "
         "gpu_memory_utilization {fraction} -> {new:g} (S10)",
     ),
 }

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field, replace
 from ..config import Config, ReplicaConfig
 from . import admission, bypass, drain, fleet, liveness, memguard, memview, startguard
 from .actions import (
+    HUNG_STOP_GRACE_S,
     AcquireSlot,
     Action,
     AnswerRequest,
@@ -404,9 +405,9 @@ class Tick:
     def _issue(self, replica: ReplicaConfig, ask: RestartAsk) -> None:
         budget = admission.budget(replica.name, self.obs.persistent, self.now, self.cfg)
         # A hung engine will not shut down gracefully: vLLM's API server would wait on it until
-        # systemd's TimeoutStopSec. Its processes are killed as soon as the restart job is queued.
+        # systemd's TimeoutStopSec. Its processes are killed once its stop has run HUNG_STOP_GRACE_S.
         kill = ask.kind is RestartKind.HANG
-        how = ", its processes killed at once (hung)" if kill else ""
+        how = f", its processes killed if its stop lasts {HUNG_STOP_GRACE_S:g} s (hung)" if kill else ""
         if ask.stop_timeout_s is not None and not kill:
             how = f", its processes killed if the stop takes over {ask.stop_timeout_s:g} s"
         track = self.tracks[replica.name]

@@ -33,6 +33,7 @@ SD_PATH = "/org/freedesktop/systemd1"
 MANAGER = "org.freedesktop.systemd1.Manager"
 UNIT_IFACE = "org.freedesktop.systemd1.Unit"
 SERVICE_IFACE = "org.freedesktop.systemd1.Service"
+JOB_IFACE = "org.freedesktop.systemd1.Job"
 PROPS = "org.freedesktop.DBus.Properties"
 UNIT_PROPS = (
     "LoadState",
@@ -54,6 +55,7 @@ RECONNECT_FIRST_S = 0.5
 RECONNECT_MAX_S = 30.0
 BUS_LOST = "bus lost before the job ended"
 JOB_DONE = "done"  # systemd's job result for a job that succeeded
+JOB_POLL_S = 0.02  # how often a queued job is asked whether it has begun
 
 
 class SystemdEvent(StrEnum):
@@ -378,8 +380,8 @@ class Systemd:
         """TryRestartUnit(name, "replace"), and wait for the job's JobRemoved result. A try-restart
         does nothing to a unit that is not running, so an operator's stop between guardian's last
         look and this call always wins. START_IF_STOPPED (RestartUnit) is for the memory guard's
-        retry of a start that failed after its own lowering. KILL runs once the job is queued (the
-        unit is deactivating: systemd's own restart on a process exit cannot race it)."""
+        retry of a start that failed after its own lowering. KILL runs once the job has begun (see
+        run_job): only then does systemd's own Restart= stand down for this stop."""
         member = "RestartUnit" if start_if_stopped else "TryRestartUnit"
         return await self.run_job(member, name, timeout_s, during=kill)
 
@@ -387,8 +389,13 @@ class Systemd:
         self, member: str, name: str, timeout_s: float, during: Callable[[], Awaitable[None]] | None = None
     ) -> str:
         """MEMBER (StartUnit, ReloadUnit, ...) of NAME in mode "replace", and wait for the job's
-        result ("done", "failed", ...; polkit verbs "start", "reload"). DURING runs once the job is
-        queued and still running."""
+        result ("done", "failed", ...; polkit verbs "start", "reload"). DURING runs once the job's
+        State is "running", never while it waits: systemd answers the call before its run queue
+        (the lowest priority) starts the job, so a kill sent at once could reach the unit's main
+        process while the unit is still active; the unit would then fail on the signal and its own
+        Restart= would schedule a second restart beside guardian's (a restart job that has begun
+        has called the unit's stop, which forbids that). A job that ends without running (it
+        waited on another unit's job, then failed) skips DURING."""
         loop = asyncio.get_running_loop()
         (job_path,) = await self._call(MANAGER, member, "ss", [name, "replace"])
         job_path = str(job_path)
@@ -398,13 +405,30 @@ class Systemd:
         else:
             self._jobs[job_path] = fut
         try:
-            if during is not None and not fut.done():
+            deadline_mono = loop.time() + timeout_s
+            if during is not None and await self._began(job_path, fut, deadline_mono):
                 await during()
-            return await asyncio.wait_for(fut, timeout_s)
+            return await asyncio.wait_for(fut, max(0.0, deadline_mono - loop.time()))
         except TimeoutError:
             return f"no result within {timeout_s:.0f} s"
         finally:
             self._jobs.pop(job_path, None)
+
+    async def _began(self, job_path: str, fut: asyncio.Future[str], deadline_mono: float) -> bool:
+        """Whether JOB_PATH reached State "running" before
+        it ended or the deadline passed (polled). A job object that is gone has ended."""
+        loop = asyncio.get_running_loop()
+        while not fut.done() and loop.time() < deadline_mono:
+            try:
+                (v,) = await self._call(PROPS, "Get", "ss", [JOB_IFACE, "State"], path=job_path)
+                if str(_v(v)) == "running":
+                    return True
+            except SystemdError as e:
+                if any(gone in str(e) for gone in ("UnknownObject", "NoSuchJob")):
+                    return False
+                # a slow or lost bus: asked again until the job ends (JobRemoved, or "bus lost")
+            await asyncio.sleep(JOB_POLL_S)
+        return False
 
     async def unit_processes(self, name: str) -> list[tuple[int, str]]:
         """(pid, command line) of each process in NAME's cgroup (GetUnitProcesses: no polkit verb)."""
