@@ -386,7 +386,7 @@ async def _port_owner(r: ReplicaConfig, bus: _Bus | None) -> PortOwner:
     """Who listens on the replica's port: with the bus, as the gates see it (containers too); without,
     what the socket table and /proc tell (an unconnected Systemd names no unit: the cgroup does)."""
     sd = bus.sd if bus is not None else Systemd()
-    owners = await port_owners(sd, {r.port})
+    owners = await port_owners(sd, {r.port: r.host})
     if bus is not None:
         owners = await bus.watch.owners([r], owners)
     return owners[r.port]

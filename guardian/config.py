@@ -223,6 +223,11 @@ class ReplicaConfig(_Strict):
         parts = urlsplit(self.url)
         return parts.port or (443 if parts.scheme == "https" else 80)
 
+    @property
+    def host(self) -> str:
+        """The URL's host, as a connection to it names it (an IPv6 literal without brackets)."""
+        return urlsplit(self.url).hostname or ""
+
 
 class WatchdogConfig(_Strict):
     stall_window_s: float = Field(default=60.0, gt=0, le=MAX_WINDOW_S)

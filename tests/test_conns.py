@@ -35,7 +35,7 @@ from guardian.observe.conns import (
     port_filter,
     read_table,
 )
-from guardian.observe.sockets import DIAG_MSG_SIZE, CgroupMounts, cgroup_dirs, parse_mountinfo
+from guardian.observe.sockets import DIAG_MSG_SIZE, CgroupMounts, Listener, cgroup_dirs, parse_mountinfo
 
 DEADLINE_S = 5.0
 
@@ -704,6 +704,7 @@ def test_local_peers_are_named_through_the_cgroup2_tree(tmp_path, monkeypatch):
     server = _srv(remote="127.0.0.1", rport=41000, acked=5)
     client = Sock("127.0.0.1", 41000, "10.0.0.1", PORT, inode=500, cgroup_id=os.stat(batch).st_ino)
     monkeypatch.setattr(conns, "read_table", lambda *_a, **_k: Table((server, client)))
+    monkeypatch.setattr(conns, "listener_table", lambda _ports: [Listener(socket.AF_INET, "0.0.0.0", PORT, 1)])
     ob = ConnObserver(recognise_self=False, mounts=CgroupMounts(unified=str(tmp_path)))
     view = ob.look_now(_cfg(PORT), 1.0)["a"]
     assert view is not None and view.peers == (Peer(PeerKind.OTHER, "batch.service", 1),)
@@ -792,3 +793,82 @@ def test_a_unit_without_a_cgroup_is_not_searched_for_by_a_walk_at_every_look(tmp
     (tmp_path / "system.slice" / "vllm-a.service").mkdir()
     tree.new_look()
     assert tree.unit_path("vllm-a.service") == "/system.slice/vllm-a.service"  # found where it usually is
+
+
+# --- whose sockets (issue 34 rows 1 and 13) -----------------------------------------------------
+
+V4, V6 = socket.AF_INET, socket.AF_INET6
+
+
+def _at(local: str, cgroup_id: int | None = 7) -> Sock:
+    return Sock(local, PORT, "10.0.0.9", 40000, 100, cgroup_id, 1, 9000, 1500, 100, 1, 1500)
+
+
+@pytest.mark.parametrize(
+    ("sock", "listener", "accepted"),
+    [
+        (_at("127.0.0.1"), Listener(V4, "0.0.0.0", PORT, 1, 7), True),
+        (_at("10.0.0.1"), Listener(V4, "0.0.0.0", PORT, 1, 7), True),
+        (_at("::1"), Listener(V4, "0.0.0.0", PORT, 1, 7), False),  # the squatter's [::1] beside 0.0.0.0
+        (_at("::1"), Listener(V6, "::", PORT, 1, 7), True),  # dual-stack takes both
+        (_at("127.0.0.1"), Listener(V6, "::", PORT, 1, 7), True),
+        (_at("127.0.0.1"), Listener(V4, "127.0.0.1", PORT, 1, 7), True),
+        (_at("127.0.0.2"), Listener(V4, "127.0.0.1", PORT, 1, 7), False),  # another loopback address
+        (_at("127.0.0.1"), Listener(V6, "::ffff:127.0.0.1", PORT, 1, 7), True),
+        (_at("127.0.0.1", cgroup_id=8), Listener(V4, "0.0.0.0", PORT, 1, 7), False),  # another cgroup's
+        (_at("127.0.0.1", cgroup_id=None), Listener(V4, "0.0.0.0", PORT, 1, 7), True),  # before Linux 5.7
+        (_at("127.0.0.1", cgroup_id=8), Listener(V4, "", PORT, 1, None), True),  # /proc/net: the port alone
+        (_at("127.0.0.1"), None, False),  # nothing serves the replica's address
+    ],
+)
+def test_a_socket_is_the_replicas_only_if_its_listener_accepted_it(sock, listener, accepted):
+    assert conns.accepted_by(sock, listener) is accepted
+
+
+def test_a_squatters_flowing_connections_on_the_port_are_not_the_replicas():
+    """Row 1: a frozen replica on 0.0.0.0:P; another user's listener on [::1]:P trickles to its own
+    client. Counted by port, the squatter's flow kept the replica busy (L10) for as long as it wished."""
+    prev = Memory(at=10.0, sockets={("::1", PORT, "10.0.0.9", 40000): Seen(100, 1000, True, 100, 1, 1000)})
+    squat = _at("::1")
+    by_port = conn_views(Table((squat,)), REPLICAS, Who(), prev, 12.0)[0]["a"]
+    assert (by_port.connections, by_port.flowing) == (1, 1)  # what a port alone says
+    own = conn_views(Table((squat,)), REPLICAS, Who(listeners={"a": Listener(V4, "0.0.0.0", PORT, 1, 7)}),
+                     prev, 12.0)[0]["a"]
+    assert (own.connections, own.flowing, own.bytes_out) == (0, 0, 0)
+
+
+def test_two_replicas_on_one_port_at_two_addresses_each_count_their_own():
+    a, b = _at("127.0.0.1", cgroup_id=7), _at("127.0.0.2", cgroup_id=8)
+    who = Who(listeners={"a": Listener(V4, "127.0.0.1", PORT, 1, 7), "b": Listener(V4, "127.0.0.2", PORT, 2, 8)})
+    views, _ = conn_views(Table((a, b)), [("a", PORT), ("b", PORT)], who, Memory(), 12.0)
+    assert (views["a"].connections, views["b"].connections) == (1, 1)
+
+
+def test_a_squatter_on_another_family_is_left_out_by_a_real_look(loop):
+    """Row 1 with real sockets: the replica listens on 0.0.0.0:P (IPv4, as vLLM does), a squatter
+    on [::1]:P streams to its own client; the replica's view has none of the squatter's sockets."""
+    squat = socket.socket(socket.AF_INET6)
+    squat.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+    squat.bind(("::1", 0))
+    squat.listen()
+    port = squat.getsockname()[1]
+    replica = socket.socket()
+    try:
+        replica.bind(("0.0.0.0", port))
+    except OSError as e:
+        squat.close()
+        pytest.fail(f"could not bind 0.0.0.0:{port} beside [::1]:{port}: {e}")
+    replica.listen()
+    client = socket.create_connection(("::1", port))
+    served, _ = squat.accept()
+    try:
+        ob, cfg = _observer(), _cfg(port)
+        first = _look(ob, cfg)
+        served.sendall(b"x" * 1000)
+        _recv_exactly(client, 1000)
+        second = _look(ob, cfg)
+        assert (first.connections, second.connections, second.flowing) == (0, 0, 0)
+        assert replica.fileno() > 0
+    finally:
+        for s in (client, served, squat, replica):
+            s.close()

@@ -365,3 +365,29 @@ def test_an_engines_start_time(text, wall):
 
     got = started_wall(text)
     assert got == wall if wall is None else got == pytest.approx(wall, abs=1e-6)
+
+
+def test_a_process_that_calls_itself_docker_proxy_outside_docker_service_points_at_no_container():
+    """Issue 34 row 4: any user can start a process named docker-proxy with Docker's flags. Only
+    root's docker-proxy in docker.service's cgroup is Docker's; elsewhere its command line makes
+    it nobody's container, and never the replica's own (a real process, its argv forged)."""
+    import subprocess
+    import sys
+    import time
+
+    from guardian.observe.containers import seen_holder
+
+    forged = subprocess.Popen(
+        ["docker-proxy", "-", "-proto", "tcp", "-host-ip", "0.0.0.0", "-host-port", "8001",
+         "-container-ip", "172.17.0.2", "-container-port", "8000"],
+        executable=sys.executable, stdin=subprocess.PIPE,  # python reads its program from stdin: it waits
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while open(f"/proc/{forged.pid}/cmdline", "rb").read().split(b"\0")[0] != b"docker-proxy":
+            assert time.monotonic() < deadline, "the forged process never showed its command line"
+            time.sleep(0.01)
+        assert seen_holder(HeldBy(8001, forged.pid, "app-squat.scope")) is None
+    finally:
+        forged.kill()
+        forged.wait()

@@ -8,9 +8,10 @@ import pytest
 from guardian.observe.sockets import cgroup_dirs, first_pid, listeners, listening, unit_of_cgroup
 
 
-def listening_inodes(ports):
-    """Port -> inode of its listening socket, from guardian's reader (netlink, else /proc/net)."""
-    table = listening(ports)
+def listening_inodes(ports, host="localhost"):
+    """Port -> inode of the listening socket that serves HOST on it, from guardian's reader
+    (netlink, else /proc/net)."""
+    table = listening({p: host for p in ports})
     return None if table is None else {p: inode for p, (inode, _cg) in table.items()}
 
 
@@ -29,7 +30,7 @@ def test_listening_inodes_names_each_listening_socket_by_its_inode():
             v4.getsockname()[1]: os.fstat(v4.fileno()).st_ino,
             v6.getsockname()[1]: os.fstat(v6.fileno()).st_ino,
         }
-        assert set(listeners(ports)) == ports  # the full scan agrees on which ports are held
+        assert set(listeners({p: "localhost" for p in ports})) == ports  # the full scan agrees
     finally:
         v4.close()
         v6.close()
@@ -68,17 +69,18 @@ def test_netlink_and_proc_net_agree():
     """sock_diag is the normal path; /proc/net/tcp is the fallback where netlink is refused.
     Netlink is asked directly: through listening_inodes a failing netlink would hide behind the
     fallback and the two sides would trivially agree."""
-    from guardian.observe.sockets import _proc_net_listening_inodes, _sock_diag_listeners
+    from guardian.observe.sockets import _proc_net_listeners, _sock_diag_listeners
 
     v4, v6 = _listener(), _listener(socket.AF_INET6, "::1")
     try:
         ports = {v4.getsockname()[1], v6.getsockname()[1]}
-        netlink = {}
-        for family in (socket.AF_INET, socket.AF_INET6):
-            for port, inode, _cgroup in _sock_diag_listeners(family):
-                if port in ports:
-                    netlink.setdefault(port, inode)
-        assert netlink == _proc_net_listening_inodes(ports) == listening_inodes(ports) != {}
+        netlink = [x for family in (socket.AF_INET, socket.AF_INET6) for x in _sock_diag_listeners(family)
+                   if x.port in ports]
+        proc = _proc_net_listeners(ports)
+        assert sorted((x.family, x.address, x.port, x.inode) for x in netlink) == sorted(
+            (x.family, x.address, x.port, x.inode) for x in proc)
+        assert {(x.address, x.port) for x in netlink} == {("127.0.0.1", v4.getsockname()[1]), ("::1", v6.getsockname()[1])}
+        assert {x.port: x.inode for x in netlink} == listening_inodes(ports) != {}
     finally:
         v4.close()
         v6.close()
@@ -93,7 +95,7 @@ def test_a_socket_is_mapped_to_the_cgroup_that_created_it_without_reading_proc()
     s = _listener()
     port = s.getsockname()[1]
     try:
-        inode, cgroup_id = listening({port})[port]
+        inode, cgroup_id = listening({port: "127.0.0.1"})[port]
         assert inode == os.fstat(s.fileno()).st_ino
         own = _own_cgroup()
         assert cgroup_id == os.stat(f"/sys/fs/cgroup{own}").st_ino  # a cgroup's id is its directory's inode
@@ -142,3 +144,47 @@ def test_first_pid_reads_cgroup_procs(tmp_path):
     assert first_pid("/a.service", str(tmp_path)) == 4242
     assert first_pid("/empty.service", str(tmp_path)) is None
     assert first_pid("/gone.service", str(tmp_path)) is None
+
+
+def _bound(host, port, family=socket.AF_INET):
+    s = socket.socket(family)
+    if family == socket.AF_INET6:
+        s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+    s.bind((host, port))
+    s.listen()
+    return s
+
+
+@pytest.mark.parametrize("replica_host, squatter_host, squatter_family", [
+    ("127.0.0.1", "127.0.0.2", socket.AF_INET),  # issue 34 row 3A: another address of the loopback
+    ("0.0.0.0", "::1", socket.AF_INET6),  # row 1: IPv6 beside the replica's IPv4 wildcard
+])
+def test_the_listener_that_serves_a_replicas_url_is_its_own_not_a_squatters_on_the_port(
+        replica_host, squatter_host, squatter_family):
+    """Issue 34 rows 1 and 3A: guardian keeps the port's listener that a connection to the
+    replica's URL (http://127.0.0.1:P) reaches, whichever was bound first."""
+    squatter = _bound(squatter_host, 0, squatter_family)
+    port = squatter.getsockname()[1]
+    try:
+        replica = _bound(replica_host, port)
+    except OSError as e:  # the port happened to be taken on the other address
+        squatter.close()
+        pytest.fail(f"could not bind the replica's listener beside the squatter: {e}")
+    try:
+        assert listening_inodes({port}, "127.0.0.1") == {port: os.fstat(replica.fileno()).st_ino}
+        by_proc = listeners({port: "127.0.0.1"})
+        assert by_proc == {port: os.getpid()}
+        assert listening_inodes({port}, squatter_host) == {port: os.fstat(squatter.fileno()).st_ino}
+    finally:
+        replica.close()
+        squatter.close()
+
+
+def test_nothing_serves_a_replicas_address_when_only_another_address_listens():
+    other = _bound("127.0.0.2", 0)
+    port = other.getsockname()[1]
+    try:
+        assert listening_inodes({port}, "127.0.0.1") == {}
+        assert listening_inodes({port}, "127.0.0.2") == {port: os.fstat(other.fileno()).st_ino}
+    finally:
+        other.close()

@@ -189,3 +189,57 @@ def test_a_frozen_replica_fed_to_slow_readers_by_its_kernel_is_still_restarted_b
     flowing = [e["MESSAGE"] for e in world.guardian_lines("GUARDIAN_REPLICA=a", "GUARDIAN_STATE=busy")
                if int(e["__REALTIME_TIMESTAMP"]) / 1e6 > frozen_at and "responses flowing" in e["MESSAGE"]]
     assert not flowing, flowing
+
+
+SQUATTER = """
+import socket, sys, time
+port = int(sys.argv[1])
+pairs = []
+for family, host in ((socket.AF_INET6, "::1"), (socket.AF_INET, "127.0.0.2")):
+    listener = socket.socket(family)
+    if family == socket.AF_INET6:
+        listener.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+    listener.bind((host, port))
+    listener.listen()
+    client = socket.create_connection((host, port))
+    served, _ = listener.accept()
+    pairs.append((listener, client, served))
+print("squatting", flush=True)
+while True:
+    for _listener, client, served in pairs:
+        served.sendall(b"x")
+        client.recv(16)
+    time.sleep(0.3)
+"""
+
+
+def test_another_users_listeners_on_the_replicas_port_neither_keep_it_busy_nor_hold_its_port(world):
+    """Issue 34 rows 1 and 3A. The replica serves 127.0.0.1:P; user nobody, in a unit of its own,
+    listens on [::1]:P and 127.0.0.2:P and trickles a byte every 0.3 s to its own clients. Counted
+    by port, that flow kept the frozen replica busy (L10) for as long as nobody wished, and G7 took
+    nobody's 127.0.0.2 listener for the port's holder and refused the restart. Only the listener
+    that serves the replica's URL, and the sockets it accepted, are the replica's."""
+    world.setup()
+    a = world.replicas[0]
+    world.box.write("/tmp/squat.py", SQUATTER)
+    world.box.run(["systemd-run", "--unit=squat", "-p", "User=nobody", "-p", "Restart=no",
+                   "/usr/bin/python3", "/tmp/squat.py", str(a.port)])
+    world.extra_units.append("squat.service")
+    wait_for(lambda: "squatting" in world.box.messages(unit="squat.service")
+             or world.box.prop("squat.service", "ActiveState") != "active", 30, "the squatter to listen")
+    assert "squatting" in world.box.messages(unit="squat.service"), world.box.messages(unit="squat.service")
+    old = world.box.identity(a.unit)
+    frozen_at = time.time()
+    world.kill(a.unit, "STOP")
+    wait_for(lambda: decision_after(world, a, frozen_at) is not None, 60, "a's restart")
+    (line,) = world.restarts_of(a)
+    assert line["GUARDIAN_RULE"] == "L7" and "unresponsive" in line["MESSAGE"], line["MESSAGE"]
+    flowing = [e["MESSAGE"] for e in world.guardian_lines("GUARDIAN_REPLICA=a", "GUARDIAN_STATE=busy")
+               if int(e["__REALTIME_TIMESTAMP"]) / 1e6 > frozen_at and "responses flowing" in e["MESSAGE"]]
+    assert not flowing, flowing
+    refused = world.guardian_lines("GUARDIAN_REPLICA=a", "GUARDIAN_DECISION=refused")
+    assert not refused, [e["MESSAGE"] for e in refused]
+    wait_for(lambda: world.box.identity(a.unit) != old and world.box.prop(a.unit, "ActiveState") == "active", 40,
+             "a to be restarted")
+    world.wait_states({"a": "healthy"}, timeout_s=40)
+    assert world.box.prop("squat.service", "ActiveState") == "active"  # nobody's listeners were left alone

@@ -102,7 +102,7 @@ async def _fresh_look(
     """The unit (or a unit-less container as one) and the port's holder looked at afresh, and the
     first gate that refuses. A container holding the port is judged on a fresh helper report."""
     unit, err = await containers.unitless_view(r) if r.unitless else await unit_or_error(sd, r.unit)
-    owner = (await port_owners(sd, {r.port}))[r.port]
+    owner = (await port_owners(sd, {r.port: r.host}))[r.port]
     if r.container is not None:
         if isinstance(owner, HeldBy) and owner.unit != r.unit:
             await containers.refresh(r, force=True)

@@ -137,8 +137,8 @@ ROWS: tuple[Row[_UnitView, Why], ...] = (
         Rule(
             "G7",
             Gate.PORT_OWNER,
-            "a process listens on the replica's port and it is neither in this unit's cgroup nor the replica's "
-            "own container (its scope, or its engine's proxy forwarding to it)",
+            "a process listens on the replica's port, at the address its URL reaches, and it is neither in this "
+            "unit's cgroup nor the replica's own container (its scope, or its engine's proxy forwarding to it)",
         ),
         lambda v: v.port_held_by_another is not None,
         _port_owner,

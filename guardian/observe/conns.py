@@ -25,7 +25,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -35,9 +35,12 @@ from .sockets import (
     DIAG_MSG_SIZE,
     INET_DIAG_CGROUP_ID,
     CgroupMounts,
+    Listener,
     cgroup_dirs,
     cgroup_mounts,
     cgroup_v2_path,
+    listener_table,
+    serving,
     sock_diag_dump,
     unit_of_cgroup,
 )
@@ -260,13 +263,16 @@ def _normal(peer: str) -> str:
 @dataclass(frozen=True)
 class Who:
     """What names the peers: cgroup id -> path, guardian's own cgroup and sockets, and the units
-    and addresses that are proxies or monitoring."""
+    and addresses that are proxies or monitoring; and whose the server-side sockets are: the
+    listener that serves each replica's URL (sockets.serving; None: nothing does), of which only
+    the sockets it accepted are the replica's (None as a whole: every socket on its port)."""
 
     cgroups: Mapping[int, str] = field(default_factory=dict)
     guardian_cgroup: str | None = None  # guardian's unit's cgroup path ("/system.slice/guardian.service")
     guardian_sockets: frozenset[int] = frozenset()  # inodes of guardian's own sockets
     proxy: frozenset[str] = frozenset()  # units and addresses
     monitoring: frozenset[str] = frozenset()
+    listeners: Mapping[str, Listener | None] | None = None
 
     @classmethod
     def of(
@@ -275,6 +281,7 @@ class Who:
         cgroups: Mapping[int, str] | None = None,
         guardian_cgroup: str | None = None,
         guardian_sockets: frozenset[int] = frozenset(),
+        listeners: Mapping[str, Listener | None] | None = None,
     ) -> Who:
         proxy = {_normal(p) for p in cfg.watchdog.proxy_peers}
         if cfg.proxy.nginx_upstream_dir is not None:  # guardian drives nginx on this box (core/bypass.py B1)
@@ -285,6 +292,7 @@ class Who:
             guardian_sockets=guardian_sockets,
             proxy=frozenset(proxy),
             monitoring=frozenset(_normal(p) for p in cfg.watchdog.monitoring_peers),
+            listeners=listeners,
         )
 
 
@@ -408,6 +416,42 @@ def local_peers(socks: Iterable[Sock], ports: Iterable[int]) -> list[Sock]:
     return [s for s in socks if s.rport in ports and s.key in servers]
 
 
+def accepted_by(s: Sock, listener: Listener | None) -> bool:
+    """Whether the server-side socket S came from LISTENER: its local address is one the listener
+    is bound to (the address itself, or its family's wildcard; "::" takes IPv4 too), and, where
+    the kernel gives both, its cgroup is the listener's (an accepted socket takes its listener's).
+    Another user's listener on the port at another address ([::1] beside 0.0.0.0, 127.0.0.2
+    beside 127.0.0.1) makes sockets that are never the replica's (issue 34)."""
+    if listener is None:
+        return False
+    if s.cgroup_id is not None and listener.cgroup_id is not None and s.cgroup_id != listener.cgroup_id:
+        return False
+    if not listener.address:
+        return True
+    try:
+        bound, local = ipaddress.ip_address(listener.address), ipaddress.ip_address(s.local)
+    except ValueError:
+        return False
+    if bound.is_unspecified:
+        return listener.family == socket.AF_INET6 or local.version == 4
+    mapped = bound.ipv4_mapped if isinstance(bound, ipaddress.IPv6Address) else None
+    return local in (bound, mapped)
+
+
+def _owned(
+    socks: Iterable[Sock], replicas: Sequence[tuple[str, int]], listeners: Mapping[str, Listener | None] | None
+) -> Iterator[tuple[str, Sock]]:
+    """(replica, socket) for each server-side socket that is a replica's (accepted_by)."""
+    on_port: dict[int, list[str]] = {}
+    for name, port in replicas:
+        on_port.setdefault(port, []).append(name)
+    for s in socks:
+        names = on_port.get(s.lport, ())
+        owner = next((n for n in names if listeners is None or accepted_by(s, listeners.get(n))), None)
+        if owner is not None:
+            yield owner, s
+
+
 def conn_views(
     table: Table,
     replicas: Sequence[tuple[str, int]],
@@ -418,18 +462,17 @@ def conn_views(
 ) -> tuple[dict[str, ConnView], Memory]:
     """Each replica's ConnView (REPLICAS: (name, port)) from the sockets of one look at NOW
     (monotonic seconds), and the memory for the next look. CPU: each replica's CPU seconds
-    since the previous look, None or absent where unknown."""
+    since the previous look, None or absent where unknown. A socket is a replica's by
+    who.listeners (see Who)."""
     socks, truncated = table.socks, table.truncated
     ports = {port for _name, port in replicas}
     clients = {s.key: s for s in socks if s.rport in ports}
     since_s = None if prev.at is None else max(0.0, now - prev.at)
     sockets: dict[Key, Seen] = {}
-    tallies: dict[int, _Tally] = {}
-    for s in socks:
-        if s.lport not in ports:
-            continue
+    tallies: dict[str, _Tally] = {}
+    for owner, s in _owned(socks, replicas, who.listeners):
         kind, name = classify(s, clients.get(s.peer_key), who)
-        t = tallies.setdefault(s.lport, _Tally())
+        t = tallies.setdefault(owner, _Tally())
         t.connections += 1
         t.peers[kind, name] = t.peers.get((kind, name), 0) + 1
         before = _same(s, prev.sockets.get(s.key))
@@ -448,8 +491,8 @@ def conn_views(
             t.waiting += 1
             t.waits_ms.append(s.last_recv_ms or 0)
     views: dict[str, ConnView] = {}
-    for name, port in replicas:
-        t = tallies.get(port, _Tally())
+    for name, _port in replicas:
+        t = tallies.get(name, _Tally())
         ranked = sorted(t.peers.items(), key=lambda kv: (_KIND_ORDER[kv[0][0]], -kv[1], kv[0][1]))
         views[name] = ConnView(
             connections=t.connections,
@@ -671,11 +714,13 @@ class ConnObserver:
         self.unavailable = None
         peers = local_peers(table.socks, ports)
         ids = {s.cgroup_id for s in peers if s.cgroup_id is not None}
+        found = listener_table(ports)
         who = Who.of(
             cfg,
             cgroups=v2.paths(ids) if ids else {},
             guardian_cgroup=self._guardian_cgroup,
             guardian_sockets=own_socket_inodes() if peers and self._recognise_self else frozenset(),
+            listeners=None if found is None else {r.name: serving(found, r.host, r.port) for r in cfg.replicas},
         )
         cpu: dict[str, float | None] = {}
         samples: dict[str, CpuSample] = {}

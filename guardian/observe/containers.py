@@ -200,14 +200,20 @@ def seen_holder(owner: HeldBy) -> Seen | None:
         if path is None or not _ENGINE_CGROUP.match(path):
             return Seen(via=f"a unit named {owner.unit} outside the engines' slices")
         return Seen(container_id=cid, via=f"its scope {owner.unit}")
-    pid = _docker_proxy(owner.port) if owner.unit == "docker.service" else owner.pid
+    if owner.unit == "docker.service":
+        # Docker's own docker-proxy: root's, in docker.service's cgroup (_is_proxy_for). A process
+        # elsewhere that calls itself docker-proxy is any user's forgery (issue 34 row 4).
+        pid = _docker_proxy(owner.port)
+        if pid is None:
+            return None
+        argv = list(cmdline_of(pid))
+        ip, port = _option(argv, "-container-ip"), _option(argv, "-container-port")
+        return Seen(ip=ip, via=f"docker-proxy, pid {pid}, forwarding to {ip}:{port}")
+    pid = owner.pid
     if pid is None:
         return None
     argv = list(cmdline_of(pid))
     prog = argv[0].rsplit("/", 1)[-1] if argv else ""
-    if prog == "docker-proxy":
-        ip, port = _option(argv, "-container-ip"), _option(argv, "-container-port")
-        return Seen(ip=ip, via=f"docker-proxy, pid {pid}, forwarding to {ip}:{port}")
     if prog == "conmon":
         name = _option(argv, "-n", "--name")
         return Seen(name=name, via=f"Podman's conmon, pid {pid}")

@@ -70,8 +70,11 @@ def _owners_by_cgroup(table: dict[int, Listening]) -> dict[int, HeldBy]:
     return out
 
 
-async def port_owners(sd: Systemd, ports: set[int]) -> dict[int, PortOwner]:
-    table = await asyncio.to_thread(listening, ports)
+async def port_owners(sd: Systemd, wanted: Mapping[int, str]) -> dict[int, PortOwner]:
+    """Who holds each port of WANTED (port -> the host of a replica's URL): the listener that
+    serves that host on it (sockets.serving), not any socket on the port."""
+    ports = set(wanted)
+    table = await asyncio.to_thread(listening, wanted)
     if table is None:
         return {p: Unreadable(p) for p in ports}
     by_cgroup = await asyncio.to_thread(_owners_by_cgroup, table)
@@ -87,7 +90,7 @@ async def port_owners(sd: Systemd, ports: set[int]) -> dict[int, PortOwner]:
         # No cgroup id (old kernel, no netlink) or systemd's own cgroup: ask /proc, which
         # shows only guardian's own processes' sockets without the capabilities.
         if scanned is None:
-            scanned = await asyncio.to_thread(listeners, ports) or {}
+            scanned = await asyncio.to_thread(listeners, wanted) or {}
         pid = scanned.get(port)
         if pid is None:
             out[port] = Hidden(port)
@@ -150,16 +153,17 @@ class PortOwnerCache:
     """
 
     def __init__(self) -> None:
-        self._key: tuple[frozenset[int], tuple[tuple[int, Listening], ...] | None] | None = None
+        self._key: tuple[tuple[tuple[int, str], ...], tuple[tuple[int, Listening], ...] | None] | None = None
         self._owners: dict[int, PortOwner] = {}
 
-    async def get(self, sd: Systemd, ports: set[int]) -> dict[int, PortOwner]:
-        before = await asyncio.to_thread(listening, ports)
-        key = (frozenset(ports), tuple(sorted(before.items())) if before is not None else None)
+    async def get(self, sd: Systemd, wanted: Mapping[int, str]) -> dict[int, PortOwner]:
+        """WANTED: port -> the host of the replica's URL on it (see port_owners)."""
+        before = await asyncio.to_thread(listening, wanted)
+        key = (tuple(sorted(wanted.items())), tuple(sorted(before.items())) if before is not None else None)
         if before is not None and key == self._key:
             return self._owners
-        owners = await port_owners(sd, ports)
-        after = await asyncio.to_thread(listening, ports)
+        owners = await port_owners(sd, wanted)
+        after = await asyncio.to_thread(listening, wanted)
         # Kept only when the sockets did not change during the scan and every holder was named
         # (a failed D-Bus lookup must not stick).
         complete = all(isinstance(o, Nobody) or (isinstance(o, HeldBy) and o.unit is not None) for o in owners.values())
@@ -383,7 +387,7 @@ class WorldObserver:
         """Who holds each replica's port, and each unit; the containers name the containers that
         hold ports and stand in for the unit of a unit-less container."""
         owners, units = await asyncio.gather(
-            self.port_cache.get(self.sd, {r.port for r in cfg.replicas}),
+            self.port_cache.get(self.sd, {r.port: r.host for r in cfg.replicas}),
             self.unit_cache.get(self.sd, [r.unit for r in cfg.replicas if not r.unitless], time.monotonic()),
         )
         if any(r.container is not None for r in cfg.replicas):

@@ -2,30 +2,38 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import socket
 import struct
-from collections.abc import Generator, Iterator
+from collections.abc import Generator, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import psutil
 
 
-def listeners(ports: set[int]) -> dict[int, int | None] | None:
-    """Port -> PID of its listener (None: listening, but the PID is hidden from us).
+def listeners(wanted: Mapping[int, str]) -> dict[int, int | None] | None:
+    """Port -> PID of the listener that serves WANTED's host on it (port -> host; see serving;
+    None: listening, but the PID is hidden from us).
 
-    Ports nobody listens on are absent. None as a whole: the socket table could not be read.
+    Ports where nothing serves that host are absent. None as a whole: the socket table could not be read.
     """
     try:
         conns = psutil.net_connections(kind="tcp")
     except (psutil.AccessDenied, OSError):
         return None
-    found: dict[int, int | None] = {}
+    pids: dict[Listener, int | None] = {}
     for c in conns:
-        if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port in ports:
-            if found.get(c.laddr.port) is None:
-                found[c.laddr.port] = c.pid
+        if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port in wanted:
+            key = Listener(c.family, str(c.laddr.ip), c.laddr.port, 0)
+            if pids.get(key) is None:
+                pids[key] = c.pid
+    found: dict[int, int | None] = {}
+    for port, host in wanted.items():
+        x = serving(pids, host, port)
+        if x is not None:
+            found[port] = pids[x]
     return found
 
 
@@ -107,35 +115,112 @@ def sock_diag_dump(
                 offset += (length + 3) & ~3
 
 
-def _sock_diag_listeners(family: int) -> list[tuple[int, int, int | None]]:
-    """(port, inode, cgroup id) of every listening TCP socket of FAMILY in guardian's network namespace."""
-    out: list[tuple[int, int, int | None]] = []
+_DIAG_MSG_SRC = 8  # idiag_src: 16 bytes (IPv4 in the first 4) at offset 8 of inet_diag_msg
+
+
+@dataclass(frozen=True, slots=True)
+class Listener:
+    """One listening TCP socket: where it is bound, and who made it."""
+
+    family: int  # socket.AF_INET or socket.AF_INET6
+    address: str  # "0.0.0.0", "::", "127.0.0.1", "::1" ...; "" where not known
+    port: int
+    inode: int
+    cgroup_id: int | None = None  # the cgroup (v2) of the process that created it; None: not known
+
+
+def _sock_diag_listeners(family: int) -> list[Listener]:
+    """Every listening TCP socket of FAMILY in guardian's network namespace."""
+    out: list[Listener] = []
+    size = 4 if family == socket.AF_INET else 16
     for data, body, end in sock_diag_dump(family, 1 << _TCP_LISTEN):
         (port,) = _DIAG_MSG_SPORT.unpack_from(data, body + 4)
         (inode,) = _DIAG_MSG_INODE.unpack_from(data, body + 68)
-        out.append((port, inode, _cgroup_id(data, body + DIAG_MSG_SIZE, end)))
+        raw = data[body + _DIAG_MSG_SRC : body + _DIAG_MSG_SRC + size]
+        address = str(ipaddress.ip_address(raw)) if len(raw) == size else ""
+        out.append(Listener(family, address, port, inode, _cgroup_id(data, body + DIAG_MSG_SIZE, end)))
     return out
+
+
+def listener_table(ports: set[int]) -> list[Listener] | None:
+    """The listening sockets on PORTS, IPv4 first (netlink, else /proc/net without cgroup ids).
+    None: the kernel's socket tables could not be read at all."""
+    try:
+        families = (socket.AF_INET, socket.AF_INET6)
+        return [x for family in families for x in _sock_diag_listeners(family) if x.port in ports]
+    except OSError:
+        return _proc_net_listeners(ports)
+
+
+Address = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+def _places(host: str) -> list[Address] | None:
+    """The addresses a connection to HOST goes to; None for a name guardian does not resolve."""
+    host = host.strip("[]").lower()
+    if host == "localhost" or host.endswith(".localhost"):
+        return [ipaddress.IPv4Address("127.0.0.1"), ipaddress.IPv6Address("::1")]
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return [ip.ipv4_mapped]
+    return [ip]
+
+
+def _binds(ip: Address) -> list[tuple[int, Address]]:
+    """The bindings that take a connection to IP, in the kernel's order: the exact address, then
+    its family's wildcard; an IPv4 one, then an IPv6 socket bound to it mapped or to "::"
+    (dual-stack, which a v4 socket on the port would have refused)."""
+    if isinstance(ip, ipaddress.IPv4Address):
+        return [
+            (socket.AF_INET, ip),
+            (socket.AF_INET, ipaddress.IPv4Address("0.0.0.0")),
+            (socket.AF_INET6, ipaddress.IPv6Address(f"::ffff:{ip}")),
+            (socket.AF_INET6, ipaddress.IPv6Address("::")),
+        ]
+    return [(socket.AF_INET6, ip), (socket.AF_INET6, ipaddress.IPv6Address("::"))]
+
+
+def serving(table: Iterable[Listener], host: str, port: int) -> Listener | None:
+    """The listener that a connection to HOST:PORT reaches (a replica's URL): the one bound to
+    that address, else its family's wildcard. A listener on the same port at another address
+    (127.0.0.2, [::1] beside 0.0.0.0) serves other connections, never the replica's. A host
+    name other than localhost, or a table without addresses (/proc/net unreadable), gives the
+    port's first listener, as a port alone would."""
+    on_port = [x for x in table if x.port == port]
+    places = _places(host)
+    known = [x for x in on_port if x.address]
+    if places is None or not known:
+        return on_port[0] if on_port else None
+    bound = {(x.family, ipaddress.ip_address(x.address)): x for x in reversed(known)}
+    for ip in places:
+        for key in _binds(ip):
+            if key in bound:
+                return bound[key]
+    return None
 
 
 Listening = tuple[int, int | None]  # (socket inode, cgroup id of its creator; None: not known)
 
 
-def listening(ports: set[int]) -> dict[int, Listening] | None:
-    """Port -> its listening socket (IPv4 first, then IPv6). No per-process scan.
+def listening(wanted: Mapping[int, str]) -> dict[int, Listening] | None:
+    """Port -> the listening socket that serves WANTED's host on it (port -> host of a replica's
+    URL; see serving). Ports where nothing serves that host are absent. No per-process scan.
 
     None: the kernel's socket tables could not be read at all. The cgroup id is None where
     netlink is not allowed (the /proc/net fallback) or the kernel is older than 5.7.
     """
+    table = listener_table(set(wanted))
+    if table is None:
+        return None
     found: dict[int, Listening] = {}
-    try:
-        for family in (socket.AF_INET, socket.AF_INET6):
-            for port, inode, cgroup_id in _sock_diag_listeners(family):
-                if port in ports and port not in found:
-                    found[port] = (inode, cgroup_id)
-        return found
-    except OSError:
-        table = _proc_net_listening_inodes(ports)
-        return None if table is None else {p: (inode, None) for p, inode in table.items()}
+    for port, host in wanted.items():
+        x = serving(table, host, port)
+        if x is not None:
+            found[port] = (x.inode, x.cgroup_id)
+    return found
 
 
 # A socket's cgroup id is the inode of its cgroup's directory in the cgroup2 hierarchy, which
@@ -261,11 +346,21 @@ def first_pid(path: str, root: str = CGROUP_ROOT) -> int | None:
 _LISTEN = "0A"
 
 
-def _proc_net_listening_inodes(ports: set[int]) -> dict[int, int] | None:
-    """The same from /proc/net/tcp{,6}, where netlink is not allowed."""
-    found: dict[int, int] = {}
+def _proc_address(hex_text: str) -> str:
+    """An address of /proc/net/tcp{,6}: 32-bit words in host order, as hex."""
+    try:
+        raw = bytes.fromhex(hex_text)
+        words = b"".join(struct.pack("=I", int.from_bytes(raw[i : i + 4], "big")) for i in range(0, len(raw), 4))
+        return str(ipaddress.ip_address(words))
+    except ValueError:
+        return ""
+
+
+def _proc_net_listeners(ports: set[int]) -> list[Listener] | None:
+    """The same from /proc/net/tcp{,6}, where netlink is not allowed (no cgroup ids)."""
+    found: list[Listener] = []
     read_any = False
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+    for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
         try:
             with open(table) as f:
                 lines = f.readlines()[1:]
@@ -277,10 +372,11 @@ def _proc_net_listening_inodes(ports: set[int]) -> dict[int, int] | None:
             if len(fields) < 10 or fields[3] != _LISTEN:
                 continue
             try:
-                port = int(fields[1].rsplit(":", 1)[1], 16)
+                address, port_hex = fields[1].rsplit(":", 1)
+                port = int(port_hex, 16)
                 inode = int(fields[9])
             except (IndexError, ValueError):
                 continue
-            if port in ports and port not in found:
-                found[port] = inode
+            if port in ports:
+                found.append(Listener(family, _proc_address(address), port, inode))
     return found if read_any else None
