@@ -58,6 +58,9 @@ class RestartOrder:
     stop_timeout_s: float | None = None  # a drained replica: SIGKILL its processes if the stop takes longer
     before_restart: Callable[[], None] | None = None  # the memory guard's env file write, once the gates pass
     killed_what: str = "hung"  # what a failed kill_first names the unit: a "hung" one, or a "starting" one
+    # The core's line that says the restart ("...; restarting vllm-a.service (restart 2 of 3 ...)"):
+    # journaled once the re-check passes, so that a restart refused there is never said as taken
+    announce: LogLine | None = None
 
 
 async def checked_restart(tools: Tools, order: RestartOrder) -> RestartOutcome:
@@ -69,7 +72,9 @@ async def checked_restart(tools: Tools, order: RestartOrder) -> RestartOutcome:
     containers = tools.containers if tools.containers is not None else ContainerWatch(tools.sd)
     unit, refusal = await _fresh_look(tools.sd, r, containers, order.allow_failed)
     if refusal is not None:
-        return _refused(tools, r, refusal)
+        return _refused(tools, order, refusal)
+    if order.announce is not None:
+        tools.journal.line(order.announce)
     if order.before_restart is not None:
         try:
             order.before_restart()
@@ -110,11 +115,13 @@ async def _fresh_look(
     return unit, gates.unit_refusal(unit, owner, allow_failed, unit_error=err)
 
 
-def _refused(tools: Tools, r: ReplicaConfig, refusal: Refusal) -> RestartOutcome:
+def _refused(tools: Tools, order: RestartOrder, refusal: Refusal) -> RestartOutcome:
+    r = order.replica
     tools.journal.line(
         LogLine(
             Priority.ERROR,
-            f"replica {r.name}: restart of {r.unit} refused on the re-check right before acting: {refusal.text}",
+            f"replica {r.name}: restart of {r.unit} refused on the re-check right before acting: {refusal.text} "
+            f"(it was for {order.why})",
             Decision.REFUSED,
             r.name,
             r.unit,
