@@ -32,6 +32,11 @@ DEFAULT_CONFIG_PATH = Path("/etc/guardian/guardian.toml")
 CONFIG_ENV = "GUARDIAN_CONFIG"
 SHIPPED_WATCHDOG_S = 30.0  # WatchdogSec= of the shipped guardian.service
 MAX_WINDOW_S = 30 * 86400.0  # no window or timeout is longer than 30 days
+# All of a tick's container helper waits together (each replica's are concurrent): past it, the
+# ports are judged without the containers (G7 refuses a holder it cannot name) and unit-less
+# replicas are unknown for the tick, so a hung engine CLI never holds the loop up past systemd's
+# watchdog (observe/containers.ContainerWatch.views; counted by _inside_the_watchdog).
+CONTAINER_PHASE_S = 5.0
 # The lowest gpu-memory-utilization fraction guardian believes or writes (core/wiring.parse_fraction):
 # 1% of a GPU holds no model vLLM serves; below it a value is a typo or hostile (1e-320).
 MIN_FRACTION = 0.01
@@ -563,6 +568,9 @@ class Config(BaseSettings):
                 (f"replicas.{i}.health_timeout_s", r.health_timeout_s),
                 (f"replicas.{i}.metrics_timeout_s", r.metrics_timeout_s),
             ]
+        if any(r.container is not None for r in self.replicas):
+            # the container helpers' waits in a tick, all together (observe/containers.CONTAINER_PHASE_S)
+            checks.append(("the container helpers' wait with container replicas", CONTAINER_PHASE_S))
         over = [f"{k} = {v:g}" for k, v in checks if v > limit_s]
         if over:
             raise ValueError(

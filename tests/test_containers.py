@@ -391,3 +391,54 @@ def test_a_process_that_calls_itself_docker_proxy_outside_docker_service_points_
     finally:
         forged.kill()
         forged.wait()
+
+
+def test_a_ticks_container_helpers_wait_all_at_once_and_within_one_bound(monkeypatch, tmp_path):
+    """Issue 34 row 7: with an engine whose `docker ps` hangs, each replica's helper waited up to
+    5 s one after another (6 unit-less replicas: 30 s, systemd's watchdog). The waits are now all
+    in flight at once, and the phase ends at CONTAINER_PHASE_S with each unit-less view unknown."""
+    import asyncio
+
+    import guardian.observe.containers as containers_module
+    from guardian.config import ReplicaConfig
+    from guardian.observe.containers import ContainerWatch
+
+    class HungHelpers:
+        def __init__(self) -> None:
+            self.started: list[str] = []
+            self.in_flight = 0
+            self.most_in_flight = 0
+
+        async def run_job(self, member, name, timeout_s, during=None):
+            self.started.append(name)
+            self.in_flight += 1
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
+            try:
+                await asyncio.Event().wait()  # the helper's `docker ps` never returns
+            finally:
+                self.in_flight -= 1
+
+    monkeypatch.setattr(containers_module, "CONTAINER_PHASE_S", 0.5)
+    replicas = [ReplicaConfig(name=f"c{i}", container=f"c{i}", url=f"http://127.0.0.1:{8100 + i}", model="m")
+                for i in range(6)]
+    sd = HungHelpers()
+    watch = ContainerWatch(sd, directory=tmp_path)
+    owners, units = asyncio.run(watch.views(replicas, {}))
+    assert sd.most_in_flight == 6, sd.started  # all at once, not one after another
+    assert sorted(sd.started) == sorted(f"guardian-container@inspect:c{i}.service" for i in range(6))
+    assert owners == {}
+    assert set(units) == {r.unit for r in replicas}
+    for info, why in units.values():
+        assert info is None and "did not answer within 0.5 s" in why, why
+
+
+def test_container_replicas_count_the_helpers_wait_against_the_watchdog(monkeypatch):
+    """The config check that keeps a tick inside systemd's watchdog counts the container phase."""
+    from guardian.config import CONTAINER_PHASE_S, ReplicaConfig
+
+    monkeypatch.setenv("WATCHDOG_USEC", str(int(4 * CONTAINER_PHASE_S * 1e6) - 1))  # a quarter just below it
+    replica = {"name": "c", "container": "vllm-c", "url": "http://127.0.0.1:8100", "model": "m"}
+    with pytest.raises(ValueError, match="container helpers' wait"):
+        Config(replicas=[ReplicaConfig(**replica)])
+    plain = {"name": "a", "unit": "vllm-a.service", "url": "http://127.0.0.1:8101", "model": "m"}
+    assert Config(replicas=[ReplicaConfig(**plain)]).replicas[0].name == "a"  # no containers: not counted

@@ -302,4 +302,3 @@ def _announcements(actions: list[Action]) -> dict[str, LogLine]:
         elif isinstance(action, RestartUnit) and action.replica in said:
             out[action.replica] = said.pop(action.replica)
     return out
-

@@ -10,6 +10,7 @@ the last report, at most every REFRESH_S per replica, and right before a restart
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -18,7 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ..config import ReplicaConfig
+from ..config import CONTAINER_PHASE_S, ReplicaConfig
 from ..core.container import (
     MAX_CONTAINERS,
     Container,
@@ -39,7 +40,7 @@ REPORT_MAX_BYTES = 4 * 2**20
 REFRESH_S = 10.0  # a replica's report is asked for at most this often, unless a restart needs it
 # A tick waits this long for an inspect (systemd's watchdog is pinged after each tick); a slower
 # one finishes on its own and its report is read at the next refresh.
-HELPER_TIMEOUT_S = 5.0
+HELPER_TIMEOUT_S = 5.0  # one helper job; a tick's together: config.CONTAINER_PHASE_S
 _MAX_TEXT = 256
 
 
@@ -269,19 +270,45 @@ class ContainerWatch:
         return report
 
     async def owners(self, replicas: list[ReplicaConfig], owners: dict[int, PortOwner]) -> dict[int, PortOwner]:
+        """OWNERS with the containers they stand for; the reports that must be asked for first are
+        asked for all at once."""
         out = dict(owners)
+        todo: list[tuple[ReplicaConfig, HeldBy, Seen]] = []
         for r in replicas:
             owner = owners.get(r.port)
             if r.container is None or not isinstance(owner, HeldBy) or owner.unit == r.unit:
                 continue
             seen = seen_holder(owner)
-            if seen is None:
-                continue
-            report = self.reports.get(r.name)
-            if not _known(seen, report):
-                report = await self.refresh(r)
+            if seen is not None:
+                todo.append((r, owner, seen))
+        fresh = await asyncio.gather(
+            *(self._report_for(r, seen) for r, _owner, seen in todo),
+        )
+        for (r, owner, seen), report in zip(todo, fresh, strict=True):
             out[r.port] = resolve(owner, r, seen, report)
         return out
+
+    async def _report_for(self, r: ReplicaConfig, seen: Seen) -> EngineReport | None:
+        report = self.reports.get(r.name)
+        return report if _known(seen, report) else await self.refresh(r)
+
+    async def views(
+        self, replicas: list[ReplicaConfig], owners: dict[int, PortOwner]
+    ) -> tuple[dict[int, PortOwner], dict[str, tuple[UnitInfo | None, str | None]]]:
+        """A tick's container phase: the owners with their containers, and each unit-less replica's
+        view, every helper wait at once and all of them within CONTAINER_PHASE_S (see there)."""
+        unitless = [r for r in replicas if r.unitless]
+
+        async def both() -> tuple[dict[int, PortOwner], list[tuple[UnitInfo | None, str | None]]]:
+            named = await self.owners(replicas, owners)
+            return named, list(await asyncio.gather(*(self.unitless_view(r) for r in unitless)))
+
+        try:
+            named, seen = await asyncio.wait_for(both(), CONTAINER_PHASE_S)
+        except TimeoutError:
+            why = f"the container helpers did not answer within {CONTAINER_PHASE_S:g} s (this tick)"
+            return dict(owners), {r.unit: (None, why) for r in unitless}
+        return named, {r.unit: view for r, view in zip(unitless, seen, strict=True)}
 
     def scope_of(self, r: ReplicaConfig) -> str | None:
         """The running container's own scope unit (its processes), from the last report."""

@@ -391,8 +391,6 @@ class WorldObserver:
             self.unit_cache.get(self.sd, [r.unit for r in cfg.replicas if not r.unitless], time.monotonic()),
         )
         if any(r.container is not None for r in cfg.replicas):
-            owners = await self.containers.owners(cfg.replicas, owners)
-            for r in cfg.replicas:
-                if r.unitless:
-                    units[r.unit] = await self.containers.unitless_view(r)
+            owners, unitless = await self.containers.views(cfg.replicas, owners)
+            units.update(unitless)
         return owners, units
