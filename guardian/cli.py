@@ -10,8 +10,10 @@ import asyncio
 import json
 import os
 import re
+import signal
 import sys
 import textwrap
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -34,7 +36,7 @@ from .core.actions import Action, AnswerRequest, LogLine, RequestWaits, RestartU
 from .core.container import KEEPING_POLICIES, helper_unit, parse_run_line, unit_problems
 from .core.observations import Probe, RestartRequest, TickObservation, UnitInfo, VllmSample
 from .core.vocab import ActiveState, Decision, HeldBy, Hidden, Nobody, PortOwner, Priority
-from .observe import clock, probes
+from .observe import askers, clock, probes
 from .observe.containers import ContainerWatch
 from .observe.memory import env_path, wiring_of
 from .observe.nvml import Nvml
@@ -838,18 +840,25 @@ def _ask_daemon_to_restart(cfg: Config, name: str, pid: int, wait_s: float | Non
     then for as long as an admitted restart takes."""
     rid = uuid.uuid4().hex[:16]
     asked = clock.now()
+    waits_s = (wait_s or 0.0) + _answer_margin_s(cfg)
+    me = askers.start_ticks(os.getpid())
 
     def ask(d: StateDoc) -> None:
         request: dict[str, Any] = {"replica": name, "at": stamp(asked)}
         if wait_s:  # --wait 0 is no wait: answered at once
             request["wait_until"] = stamp(clock.Now(asked.mono + wait_s, asked.wall + wait_s))
+        # When this command stops waiting, and who it is: a request whose command is gone without
+        # withdrawing it (SIGKILL) is withdrawn by the daemon, never acted on later (A5)
+        request["expires"] = stamp(clock.Now(asked.mono + waits_s, asked.wall + waits_s))
+        if me is not None:
+            request["asker"] = {"pid": os.getpid(), "start": me}
         d["requests"][rid] = request
 
     _update_state(cfg, ask)
     what = "drain and restart" if cfg.proxy.enabled else "restart"
     how = f"waiting up to {wait_s:g} s through what passes by itself, then" if wait_s else "waiting"
     print(f"asked the running guardian (pid {pid}) to {what} replica {name}; {how} for its answer", flush=True)
-    answer = _await_answer(cfg, rid, time.monotonic() + (wait_s or 0.0) + _answer_margin_s(cfg))
+    answer = _await_answer(cfg, rid, time.monotonic() + waits_s)
     if answer is None:
         print(
             f"guardian: no answer from the running daemon within the wait; request withdrawn "
@@ -861,12 +870,23 @@ def _ask_daemon_to_restart(cfg: Config, name: str, pid: int, wait_s: float | Non
     return Exit.OK if answer["ok"] else Exit.WAITED_OUT if answer.get("waited_out") else Exit.PROBLEM
 
 
+def _interrupt_on(*signums: signal.Signals) -> dict[signal.Signals, Any]:
+    """SIGNUMS raise KeyboardInterrupt (in the main thread; a test's thread keeps them); the
+    handlers they had, to put back."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {signum: signal.signal(signum, signal.default_int_handler) for signum in signums}
+
+
 def _await_answer(cfg: Config, rid: str, deadline_mono: float) -> dict[str, Any] | None:
     """Request RID's answer, once the daemon wrote it (then forgotten); each new thing it waits for
     is printed once as it comes. None: no answer by DEADLINE_MONO (the request is withdrawn) or the
     state file was corrupt (said)."""
     store = StateStore(cfg.state_dir)
     said = None
+    # A command ended by SIGTERM or SIGHUP (systemd-run, a closed terminal) withdraws its request
+    # as one interrupted does; SIGKILL cannot, and the daemon sees it gone (A5)
+    before = _interrupt_on(signal.SIGTERM, signal.SIGHUP)
     try:
         while time.monotonic() < deadline_mono:
             try:
@@ -887,6 +907,9 @@ def _await_answer(cfg: Config, rid: str, deadline_mono: float) -> dict[str, Any]
         _update_state(cfg, lambda d: d["requests"].pop(rid, None))
         print("guardian: interrupted: request withdrawn (a restart already begun goes on)", file=sys.stderr)
         raise
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
     _update_state(cfg, lambda d: d["requests"].pop(rid, None))
     return None
 

@@ -38,6 +38,7 @@ from .core.observations import MemorySample, TickObservation
 from .core.vocab import Priority
 from .export.exports import Exports
 from .fleet.sync import Fleet
+from .observe.askers import askers_checked
 from .observe.clock import Now
 from .observe.clock import now as clock_now
 from .observe.meminfo import sample_memory
@@ -171,8 +172,9 @@ class Daemon:
             self.exports.metrics.set_hazards(self.notices.hazards(self.cfg, await self.observer.scan(self.cfg)))
         started = self.clock()
         wait_s = tick.probe_wait_s(self.state, started.mono, self.cfg)
+        persistent = askers_checked(self.persistent.view(started))
         observing = self.observer.observe(
-            self.cfg, self.persistent.view(started), self.executor.take_results, self.state.mem.pending, started, wait_s
+            self.cfg, persistent, self.executor.take_results, self.state.mem.pending, started, wait_s
         )
         obs = await self.fleet.beside(observing, self.state.tracks, started)
         # Judge as of when the answers were in: a probe that hung for its whole timeout has

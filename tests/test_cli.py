@@ -9,7 +9,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -19,6 +22,7 @@ import pytest
 from guardian import cli
 from guardian.act.state import StateStore, record_answer, record_waiting
 from guardian.cli import EXIT_STATUS, Exit, build_parser, main
+from guardian.observe import askers
 from guardian.core.actions import AnswerRequest
 from harness import Running, free_port, unit
 from systemd_box import wait_for
@@ -328,3 +332,27 @@ def test_restart_reads_the_status_file_bounded_a_fifo_or_dev_zero_there_means_no
         os.open(status, os.O_WRONLY | os.O_NONBLOCK) if plant == "fifo" else None  # let the reader go
         pytest.fail(f"reading the status file ({plant}) blocked")
     assert got == [None]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_command_ended_by_sigterm_or_sighup_withdraws_its_request(tmp_path, signum):
+    """Issue 34 row 12: a request left by a command killed with SIGTERM or SIGHUP (a closed terminal,
+    systemd-run's stop) never expired. It withdraws it as Ctrl-C does; its request names it (pid and
+    start) and says when it stops waiting, for the daemon to withdraw what a SIGKILL leaves (A5)."""
+    path = config(tmp_path, ("a", "http://127.0.0.1:8001"))
+    fake_daemon_status(tmp_path)
+    store = StateStore(tmp_path / "state")
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, "-m", "guardian", "--config", path, "restart", "a", "--wait", "1h"],
+                            cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        _rid, q = wait_for(lambda: next(iter(store.read()["requests"].items()), None), 30, "the request")
+        assert q["asker"] == {"pid": proc.pid, "start": askers.start_ticks(proc.pid)}
+        assert q["expires"]["mono"] > q["wait_until"]["mono"]  # it waits the answer's margin beyond --wait
+        proc.send_signal(signum)
+        _out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert store.read()["requests"] == {}
+    assert "request withdrawn" in err, err

@@ -199,3 +199,70 @@ def test_a_replica_loading_is_state_starting_for_the_tick():
     box.tick(100.0)
     box.tick(101.0, b=loading_b(101.0, since=101.0))
     assert box.state("b") is State.STARTING
+
+
+# --- A5: a request whose command is gone, or stopped waiting, is withdrawn (issue 34 row 12) ---------
+
+@pytest.mark.parametrize(("gone", "expires", "withdrawn", "why"), [
+    (True, None, True, "the command that asked (pid 4242) is gone without withdrawing it"),
+    (False, 100.9, True, "the command that asked stopped waiting for its answer 1 s ago"),
+    (False, 102.5, False, ""),  # its command still waits
+    (False, None, False, ""),  # an older guardian's request: no end said, its command alive
+])
+def test_a_request_whose_command_is_gone_or_stopped_waiting_is_withdrawn_unacted(gone, expires, withdrawn, why):
+    from dataclasses import replace as _replace
+
+    box = Box(cfg(2))
+    box.tick(100.0)
+    box.persistent = PersistentView(requests=(_replace(request(at=100.5), expires=expires, asker=(4242, 77),
+                                                       asker_gone=gone),))
+    acts = box.tick(102.0)
+    restarts = [a for a in acts if isinstance(a, RestartUnit)]
+    if not withdrawn:
+        assert [r.replica for r in restarts] == ["a"]
+        assert box.lines(rule="A5") == []
+        return
+    assert restarts == []
+    (said,) = box.lines(rule="A5")
+    assert said.priority is Priority.ERROR and said.decision is Decision.REQUEST
+    assert said.message == f"replica a: an operator's restart request (asked 2 s ago) withdrawn, not acted on: {why} (A5)"
+    (answer,) = [a for a in acts if isinstance(a, AnswerRequest)]
+    assert (answer.request_id, answer.ok, answer.message) == ("r1", False, f"withdrawn: {why}")
+
+
+def test_a_request_already_acted_on_is_not_withdrawn_when_its_command_goes():
+    """A5 is for requests not acted on yet: a restart already issued goes on."""
+    from dataclasses import replace as _replace
+
+    box = Box(cfg(2))
+    box.tick(100.0)
+    box.persistent = PersistentView(requests=(_replace(request(at=100.5), asker=(4242, 77)),))
+    assert [a.replica for a in box.tick(101.0) if isinstance(a, RestartUnit)] == ["a"]
+    box.persistent = PersistentView(requests=(_replace(request(at=100.5), asker=(4242, 77), asker_gone=True),))
+    acts = box.tick(102.0)
+    assert box.lines(rule="A5") == [] and not [a for a in acts if isinstance(a, AnswerRequest)]
+
+
+def test_the_asker_of_a_request_is_a_real_process_by_its_pid_and_its_start():
+    import subprocess
+    import sys
+
+    from guardian.observe.askers import askers_checked, start_ticks
+
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        start = start_ticks(proc.pid)
+        assert start is not None and start > 0
+        asked = (RequestFor := request(at=1.0))  # noqa: F841 - named for the three cases below
+        from dataclasses import replace as _replace
+        view = PersistentView(requests=(
+            _replace(RequestFor, id="alive", asker=(proc.pid, start)),
+            _replace(RequestFor, id="reused", asker=(proc.pid, start + 1)),  # the pid now names another process
+            _replace(RequestFor, id="older"),  # no asker recorded
+        ))
+        assert {q.id: q.asker_gone for q in askers_checked(view).requests} == {
+            "alive": False, "reused": True, "older": False}
+    finally:
+        proc.kill()
+        proc.wait()
+    assert {q.id: q.asker_gone for q in askers_checked(view).requests}["alive"] is True  # gone once it ended

@@ -556,3 +556,26 @@ def test_a_state_read_refused_for_a_held_lock_is_tried_again_at_the_next_load(tm
     problems = cache.load(force=True)
     assert len(problems) == 1 and "held by another process" in problems[0]
     assert cache.load() == [] and "a" in cache.data["pauses"], "the file was taken as read"
+
+
+def test_a_request_keeps_its_asker_and_its_expiry(tmp_path):
+    """Issue 34 row 12: what the daemon needs to withdraw a request whose command is gone (A5)."""
+    at = {"wall": NOW.wall - 5, "mono": NOW.mono - 5}
+    ends = {"wall": NOW.wall + 60, "mono": NOW.mono + 60}
+    (tmp_path / "state.json").write_text(json.dumps({"version": 1, "boot_id": boot_id(), "requests": {
+        "r1": {"replica": "a", "at": at, "expires": ends, "asker": {"pid": 4242, "start": 77}},
+        "r0": {"replica": "b", "at": at}}}))  # an older guardian's request
+    pv = view(store_at(tmp_path).read(), NOW)
+    by_id = {q.id: q for q in pv.requests}
+    assert (by_id["r1"].expires, by_id["r1"].asker, by_id["r1"].asker_gone) == (NOW.mono + 60, (4242, 77), False)
+    assert (by_id["r0"].expires, by_id["r0"].asker) == (None, None)
+
+
+@pytest.mark.parametrize("asker", [{"pid": "4242", "start": 77}, {"pid": 4242}, {"pid": 0, "start": 1},
+                                   {"pid": True, "start": 1}, [4242, 77]])
+def test_a_request_with_a_malformed_asker_is_corrupt(tmp_path, asker):
+    at = {"wall": NOW.wall - 5, "mono": NOW.mono - 5}
+    (tmp_path / "state.json").write_text(json.dumps({"version": 1, "requests": {
+        "r1": {"replica": "a", "at": at, "asker": asker}}}))
+    with pytest.raises(CorruptState):
+        store_at(tmp_path).read()

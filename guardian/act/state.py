@@ -212,12 +212,22 @@ def _request(q: dict[str, Any], latest: Now) -> dict[str, Any]:
     ahead, at most the longest window away; None: answered at once) and what it waits for now."""
     until = q.get("wait_until")
     waiting = q.get("waiting")
-    return {
+    expires = q.get("expires")
+    out = {
         "replica": _text(q["replica"]),
         "at": _time(q["at"], latest),
         "wait_until": None if until is None else _time(until, _ahead(latest)),
         "waiting": None if waiting is None else _text(waiting),
+        "expires": None if expires is None else _time(expires, _ahead(latest)),
     }
+    asker = q.get("asker")
+    if asker is not None:  # the asking command: its pid and its start (clock ticks after boot)
+        asker = _table(asker)
+        pid, start = asker.get("pid"), asker.get("start")
+        if not all(isinstance(v, int) and not isinstance(v, bool) and 0 < v < 2**63 for v in (pid, start)):
+            raise ValueError("a request's asker is not a pid and a start time")
+        out["asker"] = {"pid": pid, "start": start}
+    return out
 
 
 def _ahead(latest: Now) -> Now:
@@ -289,8 +299,9 @@ def _stamps(data: StateDoc) -> Iterator[Stamp]:
         for entry in data[section].values():
             yield entry["at"]
     for entry in data["requests"].values():
-        if entry.get("wait_until") is not None:
-            yield entry["wait_until"]
+        for end in ("wait_until", "expires"):
+            if entry.get(end) is not None:
+                yield entry[end]
 
 
 def _adopt_boot(data: StateDoc, this_boot: str) -> None:
@@ -435,7 +446,14 @@ def view(data: StateDoc, at: Now, this_boot: str | None = None) -> PersistentVie
         requests=tuple(
             sorted(
                 (
-                    RestartRequest(rid, q["replica"], mono(q["at"]), until(q.get("wait_until")))
+                    RestartRequest(
+                        rid,
+                        q["replica"],
+                        mono(q["at"]),
+                        until(q.get("wait_until")),
+                        until(q.get("expires")),
+                        (q["asker"]["pid"], q["asker"]["start"]) if same_boot and "asker" in q else None,
+                    )
                     for rid, q in data["requests"].items()
                 ),
                 key=lambda q: (q.at, q.id),

@@ -149,7 +149,15 @@ WAIT_RULE = Rule(
     "when its drain is over marks the replica up again and the request waits again (drained anew once it may "
     "go). Any other refusal (A1, G2-G5, G7-G9) is answered at once",
 )
-RULES = (*(row.rule for row in ROWS), WAIT_RULE)
+WITHDRAW_RULE = Rule(
+    "A5",
+    "withdrawn",
+    "an operator's request not acted on yet whose command is gone (the process that asked, by its pid and "
+    "start time, no longer runs: killed with SIGKILL, a machine lost; SIGINT, SIGTERM and SIGHUP make it "
+    "withdraw the request itself) OR now >= its expiry (when the command stops waiting: asked + its --wait + "
+    "the answer's margin): withdrawn, nothing done, said once (error). A restart already issued goes on",
+)
+RULES = (*(row.rule for row in ROWS), WAIT_RULE, WITHDRAW_RULE)
 
 
 def passes_by_itself(refusal: Refusal) -> bool:

@@ -192,6 +192,11 @@ class RestartRequest:
     # `--wait D`: until when a refusal that passes by itself keeps it waiting rather than answered
     # (core/admission.py A4; now's clock); None: answered at once, whatever the refusal
     wait_until: float | None = None
+    # When the command that asked stops waiting for the answer (now's clock; None: a request of an
+    # older guardian, which says no end), and whether that command is gone (observe/askers.py)
+    expires: float | None = None
+    asker: tuple[int, int] | None = None  # (pid, start in clock ticks after boot) of the asking command
+    asker_gone: bool = False
 
 
 @dataclass(frozen=True)

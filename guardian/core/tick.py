@@ -509,6 +509,9 @@ class Tick:
             answer = f"no replica named {request.replica!r} in the config"
             self.actions.append(AnswerRequest(request.id, request.replica, False, answer))
             return True
+        if request.asker_gone or (request.expires is not None and self.now >= request.expires):
+            self._withdraw(replica, request)
+            return True
         head = f"replica {replica.name}: an operator asked for a restart (it is {self.tracks[replica.name].state})"
         slot = self._fleet_wait(replica)
         if slot is not None:
@@ -529,6 +532,28 @@ class Tick:
         else:
             self.restart_under_way = True
         return True
+
+    def _withdraw(self, replica: ReplicaConfig, request: RestartRequest) -> None:
+        """A5: a request whose command is gone, or stopped waiting, is never acted on later."""
+        if request.asker_gone:
+            assert request.asker is not None
+            why = f"the command that asked (pid {request.asker[0]}) is gone without withdrawing it"
+        else:
+            why = (
+                f"the command that asked stopped waiting for its answer {self.now - (request.expires or 0.0):.0f} s ago"
+            )
+        self._say(
+            LogLine(
+                Priority.ERROR,
+                f"replica {replica.name}: an operator's restart request (asked {self.now - request.at:.0f} s ago) "
+                f"withdrawn, not acted on: {why} (A5)",
+                Decision.REQUEST,
+                replica.name,
+                replica.unit,
+                rule="A5",
+            )
+        )
+        self.actions.append(AnswerRequest(request.id, replica.name, False, f"withdrawn: {why}"))
 
     def _refused(self, request: RestartRequest, refusal: Refusal, passing: bool) -> AnswerRequest:
         """The answer to a refused request; one that waited until its end for a refusal that passes by
