@@ -18,7 +18,7 @@ import pytest
 
 import guardian
 from systemd_box import REPO, build_deb, wait_for
-from world import NGINX_SITE, PROXY, Replica
+from world import PROXY, Replica
 
 pytestmark = pytest.mark.system
 
@@ -100,6 +100,13 @@ PREVIOUS_RELEASE = "9781282"
 BUILD_CACHE = Path(os.environ.get("GUARDIAN_BUILD_CACHE", "/var/cache/guardian-build"))
 LOWERED = "# written by guardian's memory guard\nGPU_MEMORY_UTILIZATION=0.74\n"  # as act/executor.py writes it
 UPSTREAM = "/var/lib/guardian/nginx/llm.conf"
+LINKED = "/var/lib/guardian/nginx-lb/lb.conf"  # read by nginx through the link /etc/nginx/lb (issue 34 row 8)
+# Units that read an env file from where the old purge did not look: /usr/local, and a generator's
+# output (where Quadlet writes the unit of the README's Podman replica; every daemon-reload, postrm's
+# too, writes it anew, so a generator writes it here as Quadlet does)
+LATE_READERS = {"c": "/usr/local/lib/systemd/system", "q": "/run/systemd/generator"}
+GENERATOR = "/etc/systemd/system-generators/q-generator"
+UNIT_READING = "[Service]\nEnvironmentFile=-/var/lib/guardian/replicas/{name}.env\nExecStart=/bin/true\n"
 
 
 def previous_release_deb(tmp_path: Path) -> Path:
@@ -188,19 +195,40 @@ def test_upgrade_from_the_previous_release_keeps_state_then_remove_and_purge_lea
     assert json.loads(box.run(["cat", "/var/lib/guardian/state.json"]).stdout)["proxy_down"] == ["a"]
     assert box.run("find /usr/lib/guardian -name '*.pyc' 2>/dev/null | head -n 1", check=False).stdout == ""
 
+    # readers the old purge, which grepped fixed directories, did not see
+    for name in LATE_READERS:
+        box.write(f"/var/lib/guardian/replicas/{name}.env", LOWERED)
+    box.write(f"{LATE_READERS['c']}/vllm-c.service", UNIT_READING.format(name="c"))
+    box.write(GENERATOR, f"#!/bin/sh\ncat > \"$1/vllm-q.service\" <<'EOF'\n{UNIT_READING.format(name='q')}EOF\n",
+              mode=0o755)
+    box.daemon_reload()
+    assert "EnvironmentFile=-/var/lib/guardian/replicas/q.env" in box.run(["cat", "/run/systemd/generator/vllm-q.service"]).stdout
+    box.write(LINKED, "# Written by guardian: the replicas of this box in upstream lb\n"
+                      "upstream lb {\n    server 127.0.0.1:8001;\n}\n")
+    box.run(["ln", "-sfn", "/var/lib/guardian/nginx-lb", "/etc/nginx/lb"])
+    box.write("/etc/nginx/conf.d/lb.conf", "include /etc/nginx/lb/lb.conf;\n")
+    _nginx_ok(box)
     # purge, as if guardian had been killed with a replica marked down: the file is rewritten all up
     box.run(["sed", "-i", "-E", r"s/^(server .*8001.*);(  # a )/\1 down;\2/", UPSTREAM])
     assert " down;" in box.run(["cat", UPSTREAM]).stdout
     r = box.run(["apt-get", "purge", "-y", "-q", "guardian"], timeout=120)
     print(r.stdout)
     assert f"guardian: marked every server up in {UPSTREAM}; nginx reloaded" in r.stdout
-    assert f"guardian: keeping {UPSTREAM}: nginx includes it (from {NGINX_SITE})" in r.stdout
+    assert f"guardian: keeping {UPSTREAM}: nginx reads it (nginx -T: {UPSTREAM})" in r.stdout
+    assert f"guardian: keeping {LINKED}: nginx reads it (nginx -T: /etc/nginx/lb/lb.conf)" in r.stdout
+    for name in LATE_READERS:
+        assert (f"guardian: keeping /var/lib/guardian/replicas/{name}.env (GPU_MEMORY_UTILIZATION=0.74): "
+                f"vllm-{name}.service reads it") in r.stdout
     assert ("guardian: keeping /var/lib/guardian/replicas/a.env (GPU_MEMORY_UTILIZATION=0.74): vllm-a.service "
             "reads it; delete it to let vllm-a.service start with its own fraction") in r.stdout
     assert "guardian: removing /var/lib/guardian/replicas/gone.env (GPU_MEMORY_UTILIZATION=0.74)" in r.stdout
     _nginx_ok(box)
     assert sorted(box.run("find /var/lib/guardian /run/guardian ! -type d", check=False).stdout.split()) == \
-        sorted(["/var/lib/guardian/replicas/a.env", UPSTREAM])
+        sorted(["/var/lib/guardian/replicas/a.env", UPSTREAM, LINKED,
+                *(f"/var/lib/guardian/replicas/{name}.env" for name in LATE_READERS)])
+    box.run(["rm", "-rf", "/etc/nginx/conf.d/lb.conf", "/etc/nginx/lb", "/var/lib/guardian/nginx-lb", GENERATOR,
+             f"{LATE_READERS['c']}/vllm-c.service"])
+    box.daemon_reload()
     for gone in ("/etc/guardian/guardian.toml", RULE):
         assert box.run(["test", "-e", gone], check=False).returncode != 0, gone
     # back to the package the other tests use
