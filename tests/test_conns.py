@@ -847,17 +847,21 @@ def test_two_replicas_on_one_port_at_two_addresses_each_count_their_own():
 def test_a_squatter_on_another_family_is_left_out_by_a_real_look(loop):
     """Row 1 with real sockets: the replica listens on 0.0.0.0:P (IPv4, as vLLM does), a squatter
     on [::1]:P streams to its own client; the replica's view has none of the squatter's sockets."""
-    squat = socket.socket(socket.AF_INET6)
-    squat.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-    squat.bind(("::1", 0))
-    squat.listen()
-    port = squat.getsockname()[1]
-    replica = socket.socket()
-    try:
-        replica.bind(("0.0.0.0", port))
-    except OSError as e:
-        squat.close()
-        pytest.fail(f"could not bind 0.0.0.0:{port} beside [::1]:{port}: {e}")
+    for _ in range(50):  # a port free on both: another test may hold it on IPv4
+        squat = socket.socket(socket.AF_INET6)
+        squat.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        squat.bind(("::1", 0))
+        squat.listen()
+        port = squat.getsockname()[1]
+        replica = socket.socket()
+        try:
+            replica.bind(("0.0.0.0", port))
+            break
+        except OSError:
+            replica.close()
+            squat.close()
+    else:
+        pytest.fail("no port free on both [::1] and 0.0.0.0 in 50 tries")
     replica.listen()
     client = socket.create_connection(("::1", port))
     served, _ = squat.accept()

@@ -155,6 +155,18 @@ def _bound(host, port, family=socket.AF_INET):
     return s
 
 
+def _side_by_side(first_host, first_family, second_host, tries=50):
+    """Two listeners on one port: FIRST_HOST's on a free port, then SECOND_HOST's (IPv4) on the same
+    one; another port when that one is taken on the second address (another test's, say)."""
+    for _ in range(tries):
+        first = _bound(first_host, 0, first_family)
+        try:
+            return first, _bound(second_host, first.getsockname()[1])
+        except OSError:
+            first.close()
+    pytest.fail(f"no port free on both {first_host} and {second_host} in {tries} tries")
+
+
 @pytest.mark.parametrize("replica_host, squatter_host, squatter_family", [
     ("127.0.0.1", "127.0.0.2", socket.AF_INET),  # issue 34 row 3A: another address of the loopback
     ("0.0.0.0", "::1", socket.AF_INET6),  # row 1: IPv6 beside the replica's IPv4 wildcard
@@ -163,13 +175,8 @@ def test_the_listener_that_serves_a_replicas_url_is_its_own_not_a_squatters_on_t
         replica_host, squatter_host, squatter_family):
     """Issue 34 rows 1 and 3A: guardian keeps the port's listener that a connection to the
     replica's URL (http://127.0.0.1:P) reaches, whichever was bound first."""
-    squatter = _bound(squatter_host, 0, squatter_family)
+    squatter, replica = _side_by_side(squatter_host, squatter_family, replica_host)
     port = squatter.getsockname()[1]
-    try:
-        replica = _bound(replica_host, port)
-    except OSError as e:  # the port happened to be taken on the other address
-        squatter.close()
-        pytest.fail(f"could not bind the replica's listener beside the squatter: {e}")
     try:
         assert listening_inodes({port}, "127.0.0.1") == {port: os.fstat(replica.fileno()).st_ino}
         by_proc = listeners({port: "127.0.0.1"})
