@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import ipaddress
 import os
 import socket
@@ -43,6 +42,7 @@ from .sockets import (
     listener_table,
     serving,
     sock_diag_dump,
+    takes,
     unit_of_cgroup,
 )
 
@@ -427,25 +427,7 @@ def accepted_by(s: Sock, listener: Listener | None) -> bool:
         return False
     if s.cgroup_id is not None and listener.cgroup_id is not None and s.cgroup_id != listener.cgroup_id:
         return False
-    locals_, any_v4, any_local = _binding(listener)
-    return any_local or (any_v4 and ":" not in s.local) or s.local in locals_
-
-
-@functools.lru_cache(maxsize=256)
-def _binding(listener: Listener) -> tuple[frozenset[str], bool, bool]:
-    """LISTENER's local addresses as a socket's text shows them (IPv4-mapped as IPv4, see
-    _address), whether it takes every IPv4 address, and whether it takes every address (an
-    unknown one: the port alone). Once per listener: a look compares thousands of sockets."""
-    if not listener.address:
-        return frozenset(), False, True
-    try:
-        bound = ipaddress.ip_address(listener.address)
-    except ValueError:
-        return frozenset(), False, False
-    if bound.is_unspecified:
-        return frozenset(), True, listener.family == socket.AF_INET6
-    mapped = bound.ipv4_mapped if isinstance(bound, ipaddress.IPv6Address) else None
-    return frozenset({str(mapped or bound)}), False, False
+    return takes(listener, s.local)
 
 
 def _owned(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import os
 import re
@@ -181,6 +182,23 @@ def _binds(ip: Address) -> list[tuple[int, Address]]:
             (socket.AF_INET6, ipaddress.IPv6Address("::")),
         ]
     return [(socket.AF_INET6, ip), (socket.AF_INET6, ipaddress.IPv6Address("::"))]
+
+
+@functools.lru_cache(maxsize=1024)
+def takes(listener: Listener, local: str) -> bool:
+    """Whether LISTENER takes a connection to its port at address LOCAL (a socket's local address
+    as text): LOCAL's bindings (_binds, as serving uses them) include the listener's. One whose
+    address is not known (/proc/net unreadable) takes any. Cached: a look asks it for thousands
+    of sockets, which have a few local addresses between them."""
+    if not listener.address:
+        return True
+    try:
+        ip = ipaddress.ip_address(local)
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return (listener.family, ipaddress.ip_address(listener.address)) in _binds(ip)
 
 
 def serving(table: Iterable[Listener], host: str, port: int) -> Listener | None:
