@@ -974,11 +974,8 @@ async def _act_alone(cfg: Config, sd: Systemd, store: StateStore, name: str, act
     """What the daemon's executor would do with this command's request's actions; the exit status once
     it is answered or restarted, None while it waits."""
     journal = Journal()
-    announce: LogLine | None = None  # the restart's own line: said once its re-check passes
     for a in actions:
-        if isinstance(a, LogLine) and a.decision is Decision.RESTART and a.replica == name:
-            announce = a
-        elif isinstance(a, LogLine) and a.decision in _REQUEST_DECISIONS and a.replica == name:
+        if isinstance(a, LogLine) and a.decision in _REQUEST_DECISIONS and a.replica == name:
             journal.line(a)
         elif isinstance(a, RequestWaits) and a.request_id == "cli":
             print(f"waiting: {a.text}", flush=True)
@@ -988,7 +985,7 @@ async def _act_alone(cfg: Config, sd: Systemd, store: StateStore, name: str, act
         elif isinstance(a, RestartUnit) and a.request_id == "cli":
             r = cfg.replica(a.replica)
             assert r is not None
-            order = RestartOrder(r, "requested by an operator", announce=announce)
+            order = RestartOrder(r, "requested by an operator", announce=a.said)
             outcome = await checked_restart(Tools(sd, store, journal, cfg), order)
             print(f"{r.unit}: {outcome.result}")
             return Exit.OK if outcome.ok else Exit.PROBLEM

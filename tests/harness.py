@@ -216,8 +216,15 @@ def canaries(actions: list) -> list[StartCanary]:
     return of(actions, StartCanary)
 
 
+def said(actions: list) -> list[LogLine]:
+    """Every journal line among ACTIONS, in order: a RestartUnit's own (written by the restart once
+    its re-check passes, issue 34 row 14) at its place."""
+    return [x for a in actions for x in ([a] if isinstance(a, LogLine) else [a.said] if isinstance(a, RestartUnit)
+                                         and a.said is not None else [])]
+
+
 def lines(actions: list, priority=None) -> list[LogLine]:
-    return [a for a in of(actions, LogLine) if priority is None or a.priority == priority]
+    return [a for a in said(actions) if priority is None or a.priority == priority]
 
 
 def logs(actions: list, priority=None) -> list[str]:
@@ -305,7 +312,7 @@ class Box:
 
     def lines(self, decision: Decision | None = None, rule: str | None = None) -> list[LogLine]:
         """Every journal line so far, of DECISION and RULE if given."""
-        return [a for a in of(self.actions, LogLine)
+        return [a for a in said(self.actions)
                 if (decision is None or a.decision == decision) and (rule is None or a.rule == rule)]
 
     def of(self, kind: type) -> list:

@@ -12,6 +12,7 @@ from guardian.core.drain import Drain, Phase
 from guardian.core.observations import ProxyView, RestartOutcome, RestartRequest
 from guardian.core.vocab import Decision, RestartKind, State
 from harness import (
+    said,
     DRAIN_S, GiB, TIMEOUT, Box, answers, cfg, lowerings, memory, obs, restarts, rules, sample, unit, with_memory,
     with_proxy,
 )
@@ -97,7 +98,7 @@ def test_drain_timeout_boundary_d6(waited, restarted):
     acts = confirmed(box, 102 + waited, s=sample(gen=100, running=3, waiting=1))
     assert bool(restarts(acts)) == restarted
     if restarted:
-        line = next(a for a in acts if isinstance(a, LogLine) and a.decision is Decision.RESTART)
+        line = next(a for a in said(acts) if a.decision is Decision.RESTART)
         assert "3 running, 1 waiting" in line.message and "(D6)" in line.message
 
 

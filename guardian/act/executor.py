@@ -88,24 +88,21 @@ class Executor:
         """Perform ACTIONS, decided AT from the replicas' TRACKS, then count them: counting comes
         after every action is under way, so that nothing in the metrics can hold one back."""
         actions = list(actions)
-        held = _announcements(actions)
         for action in actions:
-            self._dispatch(action, held)
+            self._dispatch(action)
         if self.counter is None:
             return
         for action in actions:
             self.counter.count(action, tracks, at)
 
-    def _dispatch(self, action: Action, held: Mapping[str, LogLine]) -> None:
-        """HELD: the lines that their restarts say once the re-check passes (_announcements)."""
+    def _dispatch(self, action: Action) -> None:
         match action:
             case LogLine():
-                if not any(line is action for line in held.values()):
-                    self.tools.journal.line(action)
+                self.tools.journal.line(action)
             case StartCanary():
                 self._spawn(self._canary(action.replica, action.timeout_s))
             case RestartUnit():
-                self._spawn(self._restart(action, held.get(action.replica)))
+                self._spawn(self._restart(action))
             case SetFraction():
                 self._spawn(self._set_fraction(action))
             case AnswerRequest():
@@ -201,18 +198,16 @@ class Executor:
             )
             return RestartOutcome(r.unit, f"error: {e}")
 
-    async def _restart(self, action: RestartUnit, announce: LogLine | None = None) -> None:
+    async def _restart(self, action: RestartUnit) -> None:
         r = self.cfg.replica(action.replica)
         if r is None:
-            if announce is not None:
-                self.tools.journal.line(announce)
             return
         order = RestartOrder(
             r,
             f"{action.kind}: {action.evidence}",
             kill_first=action.kill_first,
             stop_timeout_s=action.stop_timeout_s,
-            announce=announce,
+            announce=action.said,
         )
         outcome = await self._guarded(order, "restart")
         self._outcomes[action.replica] = outcome
@@ -289,16 +284,3 @@ class Executor:
                 r.unit,
             )
         )
-
-
-def _announcements(actions: list[Action]) -> dict[str, LogLine]:
-    """Per replica with a RestartUnit among ACTIONS, the core's line that said it (Decision.RESTART,
-    before it in the same tick): held back until the restart's re-check passes (issue 34 row 14)."""
-    out: dict[str, LogLine] = {}
-    said: dict[str, LogLine] = {}
-    for action in actions:
-        if isinstance(action, LogLine) and action.decision is Decision.RESTART and action.replica is not None:
-            said[action.replica] = action
-        elif isinstance(action, RestartUnit) and action.replica in said:
-            out[action.replica] = said.pop(action.replica)
-    return out

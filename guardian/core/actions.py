@@ -44,6 +44,10 @@ class RestartUnit:
     request_id: str | None = None  # an operator's request, answered when the job ends
     kill_first: bool = False  # SIGKILL the unit's processes if the stop lasts HUNG_STOP_GRACE_S (a hung replica)
     stop_timeout_s: float | None = None  # a drained replica: SIGKILL its processes if the stop takes longer
+    # The warning line that says this restart ("...; restarting vllm-a.service (restart 2 of 3 ...)"):
+    # written by the restart once the re-check right before acting passes, so that a restart refused
+    # there is said only as refused (act/restart.py)
+    said: LogLine | None = None
 
 
 @dataclass(frozen=True)

@@ -411,17 +411,15 @@ class Tick:
         if ask.stop_timeout_s is not None and not kill:
             how = f", its processes killed if the stop takes over {ask.stop_timeout_s:g} s"
         track = self.tracks[replica.name]
-        self._say(
-            LogLine(  # an action taken is always said
-                Priority.WARNING,
-                f"{ask.head}; restarting {replica.unit}{how} (restart {budget.used + 1} of {budget.limit} in "
-                f"{self.cfg.watchdog.restart_window_s:.0f} s)",
-                Decision.RESTART,
-                replica.name,
-                replica.unit,
-                state=track.state,
-                rule=track.rule if kill else None,
-            )
+        said = LogLine(  # an action taken is always said: by the restart, once its re-check passes
+            Priority.WARNING,
+            f"{ask.head}; restarting {replica.unit}{how} (restart {budget.used + 1} of {budget.limit} in "
+            f"{self.cfg.watchdog.restart_window_s:.0f} s)",
+            Decision.RESTART,
+            replica.name,
+            replica.unit,
+            state=track.state,
+            rule=track.rule if kill else None,
         )
         self.actions.append(
             RestartUnit(
@@ -432,6 +430,7 @@ class Tick:
                 ask.request_id,
                 kill_first=kill,
                 stop_timeout_s=ask.stop_timeout_s,
+                said=said,
             )
         )
         self.tracks[replica.name] = replace(
