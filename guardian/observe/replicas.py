@@ -324,10 +324,13 @@ class WorldObserver:
     async def scan(self, cfg: Config) -> UnitScan:
         """What the hazards are judged from, looked at afresh (when units may have changed), and
         the memory guard's wiring."""
+        unitless = [r for r in cfg.replicas if r.unitless]
+        # the unit-less ones as a tick's observation asks for them: at once, within CONTAINER_PHASE_S
+        _owners, views = await self.containers.views(unitless, {}) if unitless else ({}, {})
         units = {}
         for r in cfg.replicas:
             if r.unitless:
-                units[r.unit], _ = await self.containers.unitless_view(r)
+                units[r.unit] = views[r.unit][0]
             else:
                 units[r.unit], _ = await unit_or_error(self.sd, r.unit)
         try:
