@@ -8,7 +8,8 @@ so a name nobody configured reaches no container. Verbs:
 
 - inspect: write every container the engine knows (at most MAX_CONTAINERS) to
   /run/guardian-containers/REPLICA.json (root's own directory), for guardian to tell its replica's container from a
-  stray one holding the port, and to see a unit-less container's state;
+  stray one holding the port, and to see a unit-less container's state; and, when the other
+  engine is installed, its containers too, only to name a stray of that engine;
 - kill: SIGKILL the replica's container (a hung replica; its unit's restart then replaces it);
 - restart: restart a unit-less Docker container at once (`docker restart --time 0`), only if it
   is running: a container stopped on purpose stays stopped.
@@ -30,24 +31,26 @@ from pathlib import Path
 from typing import Any
 
 from .config import Config, ConfigError, ReplicaConfig, load_config
-from .core.container import MAX_CONTAINERS
+from .core.container import ENGINES, MAX_CONTAINERS
 
 # Root's own directory (the helper unit's RuntimeDirectory=): not under guardian's /run/guardian,
 # where guardian's user could put a link for root to follow.
 REPORT_DIR = Path("/run/guardian-containers")
 ENGINE_TIMEOUT_S = 30.0
+OTHER_ENGINE_TIMEOUT_S = 5.0  # the other engine only names strays: it may not hold the report up long
+ENGINE_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"
 VERBS = ("inspect", "kill", "restart")
 
 
 def _engine(r: ReplicaConfig) -> str:
-    path = shutil.which(r.engine, path="/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin")
+    path = shutil.which(r.engine, path=ENGINE_PATH)
     if path is None:
         raise RuntimeError(f"{r.engine} is not installed (no {r.engine} in /usr/bin or /usr/local/bin)")
     return path
 
 
-def _run(argv: list[str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(argv, capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S, check=False)
+def _run(argv: list[str], timeout_s: float = ENGINE_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)
 
 
 def _fraction(env: list[Any], args: list[Any]) -> str | None:
@@ -96,27 +99,54 @@ def normalize(c: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _listing(engine: str, path: str, timeout_s: float) -> dict[str, Any]:
+    """Every container ENGINE knows (at most MAX_CONTAINERS), as normalize() rows, and any error."""
+    out: dict[str, Any] = {"containers": [], "truncated": False}
+    ps = _run([path, "ps", "-a", "-q", "--no-trunc"], timeout_s)
+    if ps.returncode != 0:
+        out["error"] = f"`{engine} ps` failed: {ps.stderr.strip()[:500]}"
+        return out
+    ids = ps.stdout.split()
+    out["truncated"] = len(ids) > MAX_CONTAINERS
+    if ids:
+        got = _run(
+            [path, "inspect", "--type", "container", *ids[:MAX_CONTAINERS]]
+            if engine == "docker"
+            else [path, "inspect", *ids[:MAX_CONTAINERS]],
+            timeout_s,
+        )
+        # A container removed between ps and inspect makes inspect exit 1 with the others printed.
+        try:
+            rows = json.loads(got.stdout or "[]")
+            out["containers"] = [normalize(c) for c in rows if isinstance(c, dict)]
+        except (ValueError, TypeError, KeyError) as e:
+            out["error"] = f"`{engine} inspect` printed what guardian cannot read: {e}"
+    return out
+
+
+def _other_engine(r: ReplicaConfig) -> dict[str, Any] | None:
+    """The other engine's containers, when it is installed: a stray of that engine on the
+    replica's port (a Docker container in front of a Podman replica) is then named."""
+    other = next(e for e in ENGINES if e != r.engine)
+    path = shutil.which(other, path=ENGINE_PATH)
+    if path is None:
+        return None
+    try:
+        return {"engine": other, **_listing(other, path, OTHER_ENGINE_TIMEOUT_S)}
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return {"engine": other, "containers": [], "error": f"`{other}` did not answer: {e}"}
+
+
 def inspect(r: ReplicaConfig) -> int:
     engine = _engine(r)
-    report: dict[str, Any] = {"engine": r.engine, "at_wall": time.time(), "containers": [], "truncated": False}
-    ps = _run([engine, "ps", "-a", "-q", "--no-trunc"])
-    if ps.returncode != 0:
-        report["error"] = f"`{r.engine} ps` failed: {ps.stderr.strip()[:500]}"
-    else:
-        ids = ps.stdout.split()
-        report["truncated"] = len(ids) > MAX_CONTAINERS
-        if ids:
-            got = _run(
-                [engine, "inspect", "--type", "container", *ids[:MAX_CONTAINERS]]
-                if r.engine == "docker"
-                else [engine, "inspect", *ids[:MAX_CONTAINERS]]
-            )
-            # A container removed between ps and inspect makes inspect exit 1 with the others printed.
-            try:
-                rows = json.loads(got.stdout or "[]")
-                report["containers"] = [normalize(c) for c in rows if isinstance(c, dict)]
-            except (ValueError, TypeError, KeyError) as e:
-                report["error"] = f"`{r.engine} inspect` printed what guardian cannot read: {e}"
+    report: dict[str, Any] = {
+        "engine": r.engine,
+        "at_wall": time.time(),
+        **_listing(r.engine, engine, ENGINE_TIMEOUT_S),
+    }
+    others = _other_engine(r)
+    if others is not None:
+        report["others"] = others
     from .act.state import atomic_write  # the one atomic writer (a reader never sees half a report)
 
     REPORT_DIR.mkdir(mode=0o755, exist_ok=True)

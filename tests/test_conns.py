@@ -827,7 +827,7 @@ def test_a_socket_is_the_replicas_only_if_its_listener_accepted_it(sock, listene
 
 def test_a_squatters_flowing_connections_on_the_port_are_not_the_replicas():
     """Row 1: a frozen replica on 0.0.0.0:P; another user's listener on [::1]:P trickles to its own
-    client. Counted by port, the squatter's flow kept the replica busy (L10) for as long as it wished."""
+    client. Counted by port, the squatter's flow kept the replica busy (L11) for as long as it wished."""
     prev = Memory(at=10.0, sockets={("::1", PORT, "10.0.0.9", 40000): Seen(100, 1000, True, 100, 1, 1000)})
     squat = _at("::1")
     by_port = conn_views(Table((squat,)), REPLICAS, Who(), prev, 12.0)[0]["a"]

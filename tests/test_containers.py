@@ -186,21 +186,26 @@ def _replica():
 
 
 @pytest.mark.parametrize(
-    "seen, name, own",
+    "seen, name, own, stray",
     [
-        (Seen(ip="172.17.0.2", via="docker-proxy"), "vllm-a", True),
-        (Seen(ip="172.17.0.3", via="docker-proxy"), "stray", False),
-        (Seen(ip="172.17.0.9", via="docker-proxy"), None, False),  # not in the report: not recognised
-        (Seen(container_id=CID, via="scope"), "vllm-a", True),
-        (Seen(container_id=OTHER, via="scope"), "stray", False),
-        # conmon's command line names a container but is its own word: a stray, however named
-        (Seen(name="vllm-a", via="conmon"), "vllm-a", False),
-        (Seen(name="stray", via="conmon"), "stray", False),
+        (Seen(ip="172.17.0.2", via="docker-proxy", engine="docker"), "vllm-a", True, False),
+        (Seen(ip="172.17.0.3", via="docker-proxy", engine="docker"), "stray", False, True),
+        # not in the report: not recognised, and not known to be another's
+        (Seen(ip="172.17.0.9", via="docker-proxy", engine="docker"), None, False, False),
+        (Seen(container_id=CID, via="scope", engine="docker"), "vllm-a", True, False),
+        (Seen(container_id=OTHER, via="scope", engine="docker"), "stray", False, True),
+        # conmon's command line names a container but is its own word: never the replica's own
+        (Seen(name="vllm-a", via="conmon"), "vllm-a", False, False),
+        (Seen(name="stray", via="conmon"), "stray", False, True),
+        # Podman's holder in front of a Docker replica: another's, even under the replica's name
+        (Seen(name="vllm-a", via="conmon", engine="podman"), "vllm-a", False, True),
+        # a unit named like Docker's scope in a user's tree
+        (Seen(via="a unit named docker-x.scope outside the engines' slices", forged=True), None, False, True),
     ],
 )
-def test_the_holder_is_the_replicas_own_container_or_named(seen, name, own):
+def test_the_holder_is_the_replicas_own_container_or_named(seen, name, own, stray):
     held = resolve(_owner(), _replica(), seen, REPORT)
-    assert held.container == name and held.own_container is own
+    assert (held.container, held.own_container, held.stray) == (name, own, stray)
     unit = UnitInfo("vllm-a.service", LoadState.LOADED, ActiveState.ACTIVE, unit_file_state=UnitFileState.ENABLED)
     refusal = checked(gates.unit_refusal(unit, held))
     if own:
@@ -209,6 +214,31 @@ def test_the_holder_is_the_replicas_own_container_or_named(seen, name, own):
         assert refusal is not None and refusal.gate is Gate.PORT_OWNER
         if name is not None:
             assert f"container {name}" in refusal.reason
+
+
+def test_a_stray_of_the_other_engine_is_named_from_its_part_of_the_report_and_never_the_replicas():
+    """A Podman replica; Docker's docker-proxy holds its port for a container named like it: the
+    name comes from the report's Docker part, and it is a stray all the same."""
+    podman = _replica().model_copy(update={"engine": "podman"})
+    report = EngineReport("podman", 1.0, (_c(name="vllm-a", ips=("10.88.0.2",)),),
+                          others=(_c(id=OTHER, name="vllm-a", ips=("172.17.0.3",)),))
+    held = resolve(_owner(), podman, Seen(ip="172.17.0.3", via="docker-proxy", engine="docker"), report)
+    assert (held.container, held.own_container, held.stray) == ("vllm-a", False, True)
+    assert "a docker container" in held.holder_text()
+    # an address only the replica's own engine knows is not looked up there for Docker's proxy
+    held = resolve(_owner(), podman, Seen(ip="10.88.0.2", via="docker-proxy", engine="docker"), report)
+    assert (held.container, held.own_container, held.stray) == (None, False, True)
+
+
+def test_the_other_engines_part_of_a_report_names_strays_and_spoils_nothing():
+    row = normalize(DOCKER_INSPECT)
+    good = {"engine": "podman", "at_wall": 5.0, "containers": [], "others": {"engine": "docker", "containers": [row]}}
+    report = parse_report(json.dumps(good).encode(), "podman")
+    assert report.error is None and [c.name for c in report.others] == ["vllm-a"] and report.containers == ()
+    for others in ({"engine": "docker", "containers": [{"id": 5}]}, {"engine": "podman", "containers": [row]},
+                   "garbage", {"engine": "docker", "containers": [row] * 600}):
+        report = parse_report(json.dumps({**good, "others": others}).encode(), "podman")
+        assert report.error is None and report.others == (), others
 
 
 def test_two_containers_on_one_address_are_not_guessed():

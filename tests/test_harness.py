@@ -83,7 +83,7 @@ def _line(rule: str | None) -> LogLine:
 
 
 def test_the_harness_fails_on_a_rule_id_in_no_table():
-    check_rule_ids([_line("L1"), _line("D11"), _line(None)], {"a": Track(rule="L17")})
+    check_rule_ids([_line("L1"), _line("D11"), _line(None)], {"a": Track(rule="L18")})
     with pytest.raises(AssertionError, match="L99"):
         check_rule_ids([_line("L99")])
     with pytest.raises(AssertionError, match="X1"):
@@ -92,7 +92,7 @@ def test_the_harness_fails_on_a_rule_id_in_no_table():
         check_rule_ids([], {"a": Track(rule="A1")})
     check_rule_ids([], mem_rule="M4")
     with pytest.raises(AssertionError, match="no M rule"):
-        check_rule_ids([], mem_rule="L4")
+        check_rule_ids([], mem_rule="L5")
     assert checked(None) is None
     assert checked(Refusal(Gate.MASKED, "G1", "masked")).rule == "G1"
     with pytest.raises(AssertionError, match="G99"):

@@ -432,30 +432,32 @@ FLAT = sample(gen=5, running=2)
      State.UNKNOWN, "L2", "systemd not reachable: D-Bus GetUnit timed out"),
     (_after_healthy((110, {"u": unit(active_state="failed"), "health": TIMEOUT})), State.STOPPED, "L3",
      "unit vllm-a.service is failed"),
-    (_after_healthy((110, {"u": unit(active_state="deactivating")})), State.STARTING, "L4", "unit deactivating"),
-    (_fresh(health=TIMEOUT, u=unit(inactive_exit_mono=50.0)), State.STARTING, "L5", "loading for 50 s of 1200 s grace"),
-    (_after_healthy((110, {"models": ("other",)})), State.WRONG_MODEL, "L6", "/v1/models lists other, expected m"),
-    (_after_healthy((105, {"health": TIMEOUT}), (110, {"health": TIMEOUT})), State.UNRESPONSIVE, "L7",
+    (_after_healthy((110, {"port": HeldBy(8001, 4242, "app-squat.scope")})), State.PORT_TAKEN, "L4",
+     "port 8001 is held by app-squat.scope, pid 4242, not by vllm-a.service"),
+    (_after_healthy((110, {"u": unit(active_state="deactivating")})), State.STARTING, "L5", "unit deactivating"),
+    (_fresh(health=TIMEOUT, u=unit(inactive_exit_mono=50.0)), State.STARTING, "L6", "loading for 50 s of 1200 s grace"),
+    (_after_healthy((110, {"models": ("other",)})), State.WRONG_MODEL, "L7", "/v1/models lists other, expected m"),
+    (_after_healthy((105, {"health": TIMEOUT}), (110, {"health": TIMEOUT})), State.UNRESPONSIVE, "L8",
      "no HTTP answer for 10 s (/health: timeout)"),
-    (_after_healthy((105, {"health": DEAD_503}), (115, {"health": DEAD_503})), State.UNRESPONSIVE, "L8",
+    (_after_healthy((105, {"health": DEAD_503}), (115, {"health": DEAD_503})), State.UNRESPONSIVE, "L9",
      "/health 503 (engine dead) for 10 s"),
-    (_after_healthy((110, {"s": sample(gen=9, running=2), "health": SLOW})), State.BUSY, "L10",
+    (_after_healthy((110, {"s": sample(gen=9, running=2), "health": SLOW})), State.BUSY, "L11",
      "/health took 2.5 s, but counters advance (2 running, 0 waiting)"),
-    (_after_healthy((110, {"s": sample(gen=9, running=2)})), State.HEALTHY, "L11",
+    (_after_healthy((110, {"s": sample(gen=9, running=2)})), State.HEALTHY, "L12",
      "2 running, 0 waiting, tokens flowing"),
-    (_after_healthy((110, {"s": FLAT}), (170, {"s": FLAT})), State.STALLED, "L12",
+    (_after_healthy((110, {"s": FLAT}), (170, {"s": FLAT})), State.STALLED, "L13",
      "2 running, 0 waiting and no counter progress for 60 s"),
-    (lambda: _quiet_queue_canary(QUEUED), State.STALLED, "L13",
+    (lambda: _quiet_queue_canary(QUEUED), State.STALLED, "L14",
      "12 running, 4 waiting, nothing moved for 25 s, and a canary sent 15 s ago failed"),
     (_after_healthy((110, {"canary": CanaryResult(False, 105, 2, "timeout")}),
-                    (120, {"canary": CanaryResult(False, 115, 2, "timeout")})), State.IDLE_DEAD, "L14",
+                    (120, {"canary": CanaryResult(False, 115, 2, "timeout")})), State.IDLE_DEAD, "L15",
      "idle, and 2 canary completions failed in a row"),
-    (_after_healthy((110, {"s": FLAT}), (120, {"s": FLAT, "health": SLOW_FAIL})), State.BUSY, "L15",
+    (_after_healthy((110, {"s": FLAT}), (120, {"s": FLAT, "health": SLOW_FAIL})), State.BUSY, "L16",
      "/health timeout, progress 10 s ago"),
-    (_after_healthy((110, {"metrics_down": True})), State.DEGRADED, "L16", "/metrics: timeout"),
-    (_after_healthy((110, {})), State.HEALTHY, "L17", "0 running, 0 waiting"),
-    # no news: the standing verdict keeps its own evidence (L17's, from the tick at 100)
-    (_after_healthy((102, {"_obs": replace(obs(t=102, health=TIMEOUT), probes_pending_s=1.0)})), State.HEALTHY, "L9",
+    (_after_healthy((110, {"metrics_down": True})), State.DEGRADED, "L17", "/metrics: timeout"),
+    (_after_healthy((110, {})), State.HEALTHY, "L18", "0 running, 0 waiting"),
+    # no news: the standing verdict keeps its own evidence (L18's, from the tick at 100)
+    (_after_healthy((102, {"_obs": replace(obs(t=102, health=TIMEOUT), probes_pending_s=1.0)})), State.HEALTHY, "L10",
      "0 running, 0 waiting"),
 ])
 def test_each_liveness_rule_by_id(scenario, state, rule, evidence):
@@ -471,9 +473,9 @@ def pending(t: float, for_s: float):
 
 
 @pytest.mark.parametrize("last_t, state, rule", [
-    (109.9, State.HEALTHY, "L9"),  # just before unresponsive_after_s from the last answer (100)
-    (110.0, State.UNRESPONSIVE, "L7"),  # at it: probes still in flight count as no answer
-    (110.1, State.UNRESPONSIVE, "L7"),
+    (109.9, State.HEALTHY, "L10"),  # just before unresponsive_after_s from the last answer (100)
+    (110.0, State.UNRESPONSIVE, "L8"),  # at it: probes still in flight count as no answer
+    (110.1, State.UNRESPONSIVE, "L8"),
 ])
 def test_probes_in_flight_count_from_the_last_answer(last_t, state, rule):
     box = Box(cfg(1, unresponsive_after_s=10))
@@ -566,7 +568,7 @@ def _quiet_queue_canary(during: VllmSample):
 
 def test_a_canary_that_fails_while_nothing_moves_with_work_queued_is_a_stall():
     box = _quiet_queue_canary(QUEUED)
-    assert (box.state(), box.rule()) == (State.STALLED, "L13")
+    assert (box.state(), box.rule()) == (State.STALLED, "L14")
     assert restarts(box.actions)
 
 
@@ -689,12 +691,12 @@ def test_a_replica_whose_endpoints_all_time_out_while_responses_flow_is_never_un
         box.tick(t, a=starved(t, flowing=5))
         assert box.state() in (State.HEALTHY, State.BUSY), (t, box.state(), box.rule())
     assert not restarts(box.actions)
-    assert box.rule() == "L10" and "responses flowing to 5 client connection(s), 20000 bytes" in box.tracks["a"].evidence
+    assert box.rule() == "L11" and "responses flowing to 5 client connection(s), 20000 bytes" in box.tracks["a"].evidence
 
 
 def test_a_partial_kernel_view_is_no_evidence_of_flow_so_a_frozen_replica_is_still_unresponsive():
     """Issue 34 row 11: 27,000 sockets of another user filled the 50,000-socket bound; a view cut
-    there counts no response as flowing, so L7 runs its window as without the kernel's view."""
+    there counts no response as flowing, so L8 runs its window as without the kernel's view."""
     box = Box(cfg(1, unresponsive_after_s=10))
     healthy_start(box)
     for t in range(102, 160, 2):
@@ -702,13 +704,13 @@ def test_a_partial_kernel_view_is_no_evidence_of_flow_so_a_frozen_replica_is_sti
         box.tick(t, a=partial)
         if restarts(box.actions):
             break
-    assert restarts(box.actions) and box.rule() == "L7", (box.state(), box.rule(), box.tracks["a"].evidence)
+    assert restarts(box.actions) and box.rule() == "L8", (box.state(), box.rule(), box.tracks["a"].evidence)
 
 
 @pytest.mark.parametrize("last_flow_t, t, state, rule", [
-    (120.0, 129.9, State.BUSY, "L15"),  # 9.9 s after the last response flowed: not yet
-    (120.0, 130.0, State.UNRESPONSIVE, "L7"),  # at unresponsive_after_s: a frozen server sends nothing
-    (120.0, 130.1, State.UNRESPONSIVE, "L7"),
+    (120.0, 129.9, State.BUSY, "L16"),  # 9.9 s after the last response flowed: not yet
+    (120.0, 130.0, State.UNRESPONSIVE, "L8"),  # at unresponsive_after_s: a frozen server sends nothing
+    (120.0, 130.1, State.UNRESPONSIVE, "L8"),
 ])
 def test_when_the_flow_stops_too_the_window_runs_from_the_last_response_that_flowed(last_flow_t, t, state, rule):
     box = Box(cfg(1, unresponsive_after_s=10))
@@ -731,7 +733,7 @@ def test_a_sigstopped_server_is_unresponsive_in_the_usual_window_with_its_kernel
         box.tick(t, a=replace(obs(t=t, health=TIMEOUT), conns=conns(cpu_s=0.0)))
     assert box.state() != State.UNRESPONSIVE
     box.tick(110.0, a=replace(obs(t=110.0, health=TIMEOUT), conns=conns(cpu_s=0.0)))
-    assert (box.state(), box.rule()) == (State.UNRESPONSIVE, "L7")
+    assert (box.state(), box.rule()) == (State.UNRESPONSIVE, "L8")
     assert restarts(box.actions)
 
 
@@ -772,7 +774,7 @@ def test_an_engine_frozen_between_steps_with_clients_waiting_gets_a_stall_canary
     assert len(sent) == 1  # stall_canary_after_s after the oldest client started waiting
     failed = CanaryResult(False, 120.0, 3.0, "timeout")
     box = frozen_between_steps(wait_from_110, until=124, canary=lambda t: failed if t == 124 else None)
-    assert (box.state(), box.rule()) == (State.STALLED, "L13")
+    assert (box.state(), box.rule()) == (State.STALLED, "L14")
     assert restarts(box.actions)
 
 
@@ -893,7 +895,7 @@ def test_learned_latencies_go_to_the_state_file_once_per_change_and_a_new_guardi
 @pytest.mark.parametrize("t, state", [(127.4, State.BUSY), (127.5, State.UNRESPONSIVE)])
 def test_the_window_runs_from_the_last_byte_that_flowed_not_from_the_look_that_saw_it(t, state):
     """A frozen server's last bytes are acked after the freeze: the look after it still sees a flow,
-    sent 0.5 s before that look (tcpi_last_data_sent). L7 counts from the send, not the look."""
+    sent 0.5 s before that look (tcpi_last_data_sent). L8 counts from the send, not the look."""
     box = Box(cfg(1, unresponsive_after_s=10))
     healthy_start(box)
     for tt in (102.0, 104.0, 106.0, 118.0):
@@ -934,7 +936,7 @@ def test_a_replica_never_idle_still_learns_its_canary_deadline():
 
 def test_clients_that_waited_before_guardian_first_looked_are_not_a_stall_at_its_first_tick():
     """guardian (re)started while a long non-streaming answer was being computed: the client had
-    waited 90 s. Counting its wait from before guardian watched made L12 fire at once."""
+    waited 90 s. Counting its wait from before guardian watched made L13 fire at once."""
     box = Box(cfg(1), LEARNED)
     box.tick(100.0, a=replace(obs(t=100.0, s=sample(gen=5000, running=1)), conns=conns(waiting=1, oldest_wait_s=90)))
     assert box.state() != State.STALLED and not restarts(box.actions)
@@ -979,3 +981,58 @@ def test_a_deadline_already_past_does_not_shorten_every_tick_and_a_lost_canary_i
     s2.tick(133.5)
     assert s2.tracks["a"].canary_in_flight_since is None or s2.tracks["a"].canary_in_flight_since == 133.5
     assert s2.tracks["a"].canary_due_at != 103.0
+
+
+# --- a stray on the replica's address (issue 34 row 13) -----------------------------------------
+
+STRAY = HeldBy(8001, 4242, "docker.service", container="stray", via="docker-proxy", stray=True)
+
+
+def container_cfg():
+    c = cfg(1)
+    return c.model_copy(update={"replicas": [c.replicas[0].model_copy(update={"container": "vllm-a"})]})
+
+
+def test_a_stray_answering_while_the_unit_crash_loops_never_makes_it_healthy():
+    """The unit starts, its container cannot bind, it fails, it starts again; a stray answers on the
+    port all along with the right model: the verdict is port-taken, said once as an error, never
+    healthy, and nothing is restarted."""
+    box = Box(container_cfg())
+    for i, t in enumerate(range(10, 200, 2)):
+        phase = ("activating", "active", "failed")[i % 3]
+        u = unit(active_state=phase, inactive_exit_mono=float(t - t % 6))
+        box.tick(t, a=obs(t=t, u=u, s=sample(gen=i), port=STRAY))
+        assert box.state() in (State.PORT_TAKEN, State.STOPPED), (t, box.state())
+    assert restarts(box.actions) == []
+    errors = [m for m in logs(box.actions, "error") if "port-taken" in m]
+    assert errors and all("container stray (docker-proxy)" in m and "not restarting" in m for m in errors)
+    assert not any("-> healthy" in m for m in logs(box.actions, "info"))
+
+
+def test_a_strays_answers_do_not_end_the_replicas_startup_grace():
+    """Answers from the stray are not folded in: once it is gone, the replica that never answered
+    is still loading in its grace (L6), not judged from a health it never gave."""
+    box = Box(cfg(1))
+    for t in (10.0, 12.0, 14.0):
+        box.tick(t, a=obs(t=t, port=HeldBy(8001, 4242, "app-squat.scope")))
+        assert (box.state(), box.rule()) == (State.PORT_TAKEN, "L4")
+    box.tick(16.0, a=obs(t=16.0, health=TIMEOUT, port=Nobody(8001)))
+    assert (box.state(), box.rule()) == (State.STARTING, "L6")
+    assert box.tracks["a"].canary_latencies == ()
+
+
+@pytest.mark.parametrize("owner, state", [
+    # a container holder the engine has not named yet may be the replica's own: judged as such
+    (HeldBy(8001, 4242, "docker.service", via="docker-proxy"), State.HEALTHY),
+    # the replica's own container, named by its engine
+    (HeldBy(8001, 4242, "docker.service", container="vllm-a", own_container=True), State.HEALTHY),
+    # guardian could not map the process to a unit: unknown, not another's
+    (HeldBy(8001, 4242, None), State.HEALTHY),
+    (Hidden(8001), State.HEALTHY),
+    (STRAY, State.PORT_TAKEN),
+    (HeldBy(8001, 4242, "app-x.scope", container="other", via="conmon", stray=True), State.PORT_TAKEN),
+])
+def test_only_a_holder_known_to_be_anothers_takes_the_answers_away(owner, state):
+    box = Box(container_cfg())
+    box.tick(100.0, a=obs(t=100.0, port=owner))
+    assert box.state() == state

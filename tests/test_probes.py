@@ -187,7 +187,7 @@ def test_a_health_answer_counts_while_metrics_are_still_in_flight(pages):
 
     seen = asyncio.run(ticks())
     for (health, (mprobe, sample), (models_probe, _)), pending_s in seen[:3]:
-        assert health.ok and models_probe.ok and pending_s is None  # answered: news, not L9
+        assert health.ok and models_probe.ok and pending_s is None  # answered: news, not L10
         assert not mprobe.ok and mprobe.status is None and "no answer yet" in mprobe.error and sample is None
     (health, (mprobe, sample), _), pending_s = seen[3]
     assert health.ok and mprobe.ok and sample is not None and sample.running == 2 and pending_s is None

@@ -301,7 +301,7 @@ def loading_box(config, persistent=None, headroom_gib=100.0) -> Box:
     box = Box(config, persistent)
     box.tick(100.0, memory=mem(30))
     box.tick(201.0, memory=mem(headroom_gib, 0.5), b=b_loading(201.0))
-    assert box.state("b") == State.STARTING and box.rule("b") == "L5"
+    assert box.state("b") == State.STARTING and box.rule("b") == "L6"
     return box
 
 

@@ -60,10 +60,10 @@ def test_a_wall_clock_step_changes_no_decision(world):
     world.kill(a.unit, "STOP")
     step(world, "-3600")
     wait_for(lambda: world.box.identity(a.unit) != old_a, 60, "the frozen replica to be restarted despite the step")
-    # by L7, as without the step. (More than one decision only where a restart could not be issued:
+    # by L8, as without the step. (More than one decision only where a restart could not be issued:
     # on a loaded box polkitd once took 15 s to load its rules, and the D-Bus call ran out at 5 s.)
     lines = world.restarts_of(a)
-    assert lines and all(e["GUARDIAN_STATE"] == "unresponsive" and e["GUARDIAN_RULE"] == "L7" for e in lines), lines
+    assert lines and all(e["GUARDIAN_STATE"] == "unresponsive" and e["GUARDIAN_RULE"] == "L8" for e in lines), lines
     issued_again = [m for m in world.guardian_messages("GUARDIAN_REPLICA=a") if "could not be issued" in m]
     assert len(lines) == 1 + len(issued_again), (len(lines), issued_again)
     world.wait_states({"a": "healthy", "b": "healthy"}, timeout_s=30)

@@ -103,10 +103,10 @@ def cw(box, engines):
     box.run(["rm", "-f", "/run/gone.txt"], check=False)
 
 
-def start(w: World, replicas: list[dict], memory: dict | None = None) -> None:
+def start(w: World, replicas: list[dict], memory: dict | None = None, state: str = "healthy") -> None:
     w.box.write("/etc/guardian/guardian.toml", config_text(replicas, memory))
     w.box.systemctl("restart", "guardian.service")
-    w.wait_states({r["name"]: "healthy" for r in replicas}, timeout_s=40)
+    w.wait_states({r["name"]: state for r in replicas}, timeout_s=40)
 
 
 def url(port: int) -> str:
@@ -167,6 +167,8 @@ STRAYS = {
     # started from an operator's shell (a session scope; here a scope of its own): conmon holds the port there
     "podman": ("podman", "systemd-run --scope --unit=operator-shell podman run -d --name stray -p 8021:8000 {opts} {sim}",
                "Podman's conmon"),
+    # the other engine's container in front of a Podman replica: named from Docker's part of the report
+    "podman-docker": ("podman", "docker run -d --name stray -p 8021:8000 {opts} {sim}", "a docker container"),
 }
 
 
@@ -184,13 +186,44 @@ def test_a_stray_container_on_the_replicas_port_is_refused_by_name(cw, engines, 
     replica = {"name": "sa", "unit": "vllm-sa.service", "container": "sa", "url": url(8021), "model": MODEL}
     if engine == "podman":
         replica["engine"] = "podman"
-    start(cw, [replica])
+    # The stray answers with the right model, but its answers are not the replica's (L4).
+    start(cw, [replica], state="port-taken")
+    said = cw.guardian_lines("GUARDIAN_REPLICA=sa", "GUARDIAN_STATE=port-taken")
+    assert said and said[0]["PRIORITY"] == "3" and "held by container stray" in said[0]["MESSAGE"], said
+    assert said[0]["GUARDIAN_RULE"] == "L4" and via in said[0]["MESSAGE"], said[0]
     out = cw.box.run(["guardian", "check"], check=False).stdout
     line = next((x for x in out.splitlines() if x.startswith("replica sa (")), "")
     assert "could NOT restart it" in line and "held by container stray" in line and via in line, out
     r = cw.box.run(["guardian", "restart", "sa", "--wait", "30s"], check=False)
     assert r.returncode != 0 and "container stray" in r.stdout + r.stderr, r.stdout + r.stderr
-    assert len(containers_named(cw, engine, "stray")) == 1  # nothing was done to it
+    stray_engine = "docker" if run.startswith("docker ") else "podman"
+    assert len(containers_named(cw, stray_engine, "stray")) == 1  # nothing was done to it
+
+
+def test_a_stray_on_the_port_of_a_crash_looping_unit_is_never_taken_for_the_replica(cw, engines):
+    """The README's Docker unit stopped, a stray container started on its port, the unit started
+    again: its container cannot bind, so it fails and systemd starts it again every 10 s. guardian
+    says port-taken, naming the stray, and never healthy from the stray's answers (issue 34 row 13)."""
+    replica, engine, name, port = _docker_p(cw.box)
+    wait_serving(cw.box, port)
+    replica = {**replica, "url": url(port), "model": MODEL}
+    start(cw, [replica])
+    cw.box.systemctl("stop", replica["unit"])
+    cw.wait_states({"a": "stopped"}, timeout_s=30)
+    cw.box.run(f"docker run -d --name stray -p {port}:8000 {_run_opts()} {SIM}", timeout=60)
+    wait_serving(cw.box, port)
+    cw.box.systemctl("start", replica["unit"])
+    cw.wait_states({"a": "port-taken"}, timeout_s=40)
+    # Two of the unit's failed starts (RestartSec=10s), each with the stray answering throughout.
+    failed = lambda: int(cw.box.prop(replica["unit"], "NRestarts"))  # noqa: E731
+    wait_for(lambda: failed() >= 2, 60, "two of the unit's own restarts")
+    lines = cw.guardian_lines("GUARDIAN_REPLICA=a", "GUARDIAN_DECISION=state")
+    stray_era = lines[next(i for i, e in enumerate(lines) if e.get("GUARDIAN_STATE") == "stopped"):]
+    assert not any(e.get("GUARDIAN_STATE") == "healthy" for e in stray_era), [e["MESSAGE"] for e in stray_era]
+    taken = [e for e in stray_era if e.get("GUARDIAN_STATE") == "port-taken"]
+    assert taken and all("held by container stray" in e["MESSAGE"] for e in taken), [e["MESSAGE"] for e in taken]
+    assert restarts(cw, "a") == []
+    assert len(containers_named(cw, engine, "stray")) == 1
 
 
 def ticks(w: World) -> int:

@@ -40,7 +40,7 @@ def decision_after(world: World, r, t0_wall: float) -> float | None:
 
 def test_a_replica_whose_endpoints_all_stall_while_streams_flow_is_not_restarted(world):
     """The false restart measured on a real vLLM 0.32: every endpoint unanswered while 8 streams
-    kept delivering tokens. Without the kernel's view guardian judged it unresponsive (L7) after
+    kept delivering tokens. Without the kernel's view guardian judged it unresponsive (L8) after
     unresponsive_after_s (4 s here) and killed it."""
     world.setup()
     a = world.replicas[0]
@@ -77,11 +77,11 @@ def test_a_sigstopped_server_under_load_is_still_restarted_within_its_window(wor
     world.kill(a.unit, "STOP")
     wait_for(lambda: decision_after(world, a, frozen_at) is not None, 90, "a's restart")
     print(f"SIGSTOP under load -> restart decision: {decision_after(world, a, frozen_at):.1f} s")
-    # By L7, with the kernel's word that nothing flowed: the streams did not keep it "busy". (Its
+    # By L8, with the kernel's word that nothing flowed: the streams did not keep it "busy". (Its
     # window, 10 s from the last answer and the last response that flowed, is test_liveness.py's
     # boundary test; the time itself is the benchmark's.)
     (line,) = world.restarts_of(a)
-    assert line["GUARDIAN_RULE"] == "L7", line
+    assert line["GUARDIAN_RULE"] == "L8", line
     assert "unresponsive" in line["MESSAGE"] and "kernel: nothing flowed to" in line["MESSAGE"], line["MESSAGE"]
 
 
@@ -182,10 +182,10 @@ def test_a_frozen_replica_fed_to_slow_readers_by_its_kernel_is_still_restarted_b
     # the kernel kept feeding the readers after the freeze, and that was not taken for the replica's work
     fed = [int(m) for m in world.box.messages(unit="slow-readers.service", since=frozen_at + 2) if m.isdigit()]
     assert len(set(fed)) > 1, fed[-5:]
-    assert line["GUARDIAN_RULE"] == "L7" and "unresponsive" in line["MESSAGE"], line["MESSAGE"]
+    assert line["GUARDIAN_RULE"] == "L8" and "unresponsive" in line["MESSAGE"], line["MESSAGE"]
     # never busy by responses flowing after the freeze: the kernel's sends were not taken for the
-    # replica's answers (before, it was busy by them (L10) until the buffers ran dry, and L7's window
-    # ran from then). Busy by its progress before the freeze, while L7's window runs, is right.
+    # replica's answers (before, it was busy by them (L11) until the buffers ran dry, and L8's window
+    # ran from then). Busy by its progress before the freeze, while L8's window runs, is right.
     flowing = [e["MESSAGE"] for e in world.guardian_lines("GUARDIAN_REPLICA=a", "GUARDIAN_STATE=busy")
                if int(e["__REALTIME_TIMESTAMP"]) / 1e6 > frozen_at and "responses flowing" in e["MESSAGE"]]
     assert not flowing, flowing
@@ -216,7 +216,7 @@ while True:
 def test_another_users_listeners_on_the_replicas_port_neither_keep_it_busy_nor_hold_its_port(world):
     """Issue 34 rows 1 and 3A. The replica serves 127.0.0.1:P; user nobody, in a unit of its own,
     listens on [::1]:P and 127.0.0.2:P and trickles a byte every 0.3 s to its own clients. Counted
-    by port, that flow kept the frozen replica busy (L10) for as long as nobody wished, and G7 took
+    by port, that flow kept the frozen replica busy (L11) for as long as nobody wished, and G7 took
     nobody's 127.0.0.2 listener for the port's holder and refused the restart. Only the listener
     that serves the replica's URL, and the sockets it accepted, are the replica's."""
     world.setup()
@@ -233,7 +233,7 @@ def test_another_users_listeners_on_the_replicas_port_neither_keep_it_busy_nor_h
     world.kill(a.unit, "STOP")
     wait_for(lambda: decision_after(world, a, frozen_at) is not None, 60, "a's restart")
     (line,) = world.restarts_of(a)
-    assert line["GUARDIAN_RULE"] == "L7" and "unresponsive" in line["MESSAGE"], line["MESSAGE"]
+    assert line["GUARDIAN_RULE"] == "L8" and "unresponsive" in line["MESSAGE"], line["MESSAGE"]
     flowing = [e["MESSAGE"] for e in world.guardian_lines("GUARDIAN_REPLICA=a", "GUARDIAN_STATE=busy")
                if int(e["__REALTIME_TIMESTAMP"]) / 1e6 > frozen_at and "responses flowing" in e["MESSAGE"]]
     assert not flowing, flowing

@@ -219,7 +219,7 @@ def test_a_long_chunked_prefill_is_never_restarted(world, coschedule):
 def test_a_chunk_slower_than_the_windows_is_taken_for_a_stall(world):
     """The margin's other side: a single 12 s chunk (the test bed's stall_canary_after_s 3 s +
     canary deadline, and its stall_window_s 6 s, are shorter) moves nothing for longer than guardian
-    waits, so it is a stall (L12 or L13). This is why the README sizes the windows from the longest
+    waits, so it is a stall (L13 or L14). This is why the README sizes the windows from the longest
     chunk measured, and why they must be raised for replicas whose chunks are slower."""
     world.setup()
 
@@ -228,7 +228,7 @@ def test_a_chunk_slower_than_the_windows_is_taken_for_a_stall(world):
                        {"prompt_tokens": 2 * 512, "chunk_tokens": 512, "chunk_s": 12.0, "coschedule": False})
 
     line = expect_restart(world, slow_chunk, "stalled")
-    assert line["GUARDIAN_RULE"] in ("L12", "L13"), line
+    assert line["GUARDIAN_RULE"] in ("L13", "L14"), line
 
 
 def test_engine_killed_health_503_is_restarted(world):

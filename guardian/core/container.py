@@ -233,16 +233,28 @@ class EngineReport:
     containers: tuple[Container, ...] = ()
     error: str | None = None
     truncated: bool = False
+    # The other engine's containers, when it is installed: only to name a stray of that engine
+    # on the replica's port (a Docker container in front of a Podman replica); never the replica's.
+    others: tuple[Container, ...] = ()
 
     def by_name(self, name: str) -> Container | None:
         return next((c for c in self.containers if c.name == name), None)
 
     def by_id(self, cid: str) -> Container | None:
-        return next((c for c in self.containers if c.id == cid), None)
+        return find_container(self.containers, cid=cid)
 
     def by_ip(self, ip: str) -> Container | None:
-        found = [c for c in self.containers if c.running and ip in c.ips]
-        return found[0] if len(found) == 1 else None
+        return find_container(self.containers, ip=ip)
+
+
+def find_container(
+    containers: tuple[Container, ...], cid: str | None = None, ip: str | None = None
+) -> Container | None:
+    """The container of id CID, or the one running container with address IP (two: neither)."""
+    if cid is not None:
+        return next((c for c in containers if c.id == cid), None)
+    found = [c for c in containers if c.running and ip in c.ips]
+    return found[0] if len(found) == 1 else None
 
 
 @dataclass(frozen=True)

@@ -127,7 +127,7 @@ RULES = (
     Rule(
         "D9",
         "away",
-        "a hung replica's restart is issued (L7, L8, L12, L13, L14), or a critical lowering's (not drained): "
+        "a hung replica's restart is issued (L8, L9, L13, L14, L15), or a critical lowering's (not drained): "
         "marked down at once; a proxy that cannot be told never holds that restart up",
     ),
     Rule(

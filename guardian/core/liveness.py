@@ -3,7 +3,7 @@
 Pure: a Track (what guardian remembers about one replica) plus one ReplicaObservation plus
 ``now`` give the next Track, whose ``state`` is the verdict. No clock, no I/O, no sleeping.
 
-Rules, first match wins: the rows of ROWS below (ids L1-L17), each its table row, the predicate
+Rules, first match wins: the rows of ROWS below (ids L1-L18, in table order), each its table row, the predicate
 that says when it holds and the evidence it gives, over one _Facts value; RULES (their rules) is
 rendered into docs/rules.md. ``W`` = watchdog config, ``R`` = replica config, times in seconds.
 
@@ -45,7 +45,7 @@ A failed canary counts only if no progress was seen while it ran (real traffic p
 engine; a kv change during a long prefill proves it too).
 
 When the unit's start time changes (it was restarted, by anyone), everything but the restart
-bookkeeping, the canary latencies and the count of learning canaries is forgotten, and rule L5
+bookkeeping, the canary latencies and the count of learning canaries is forgotten, and rule L6
 applies afresh.
 """
 
@@ -56,7 +56,7 @@ from dataclasses import dataclass, replace
 from ..config import ReplicaConfig, WatchdogConfig
 from .observations import Pause, Probe, ReplicaObservation, UnitInfo, VllmSample
 from .rules import UNCHANGED, Row, Rule, first_match
-from .vocab import ActiveState, State
+from .vocab import ActiveState, HeldBy, PortOwner, State
 
 
 @dataclass(frozen=True)
@@ -210,6 +210,45 @@ def _stall_proof(facts: _Facts) -> str:
     )
 
 
+def port_taken_by(owner: PortOwner | None, rcfg: ReplicaConfig) -> HeldBy | None:
+    """The listener on the replica's address when it is known to be someone else's. A holder that
+    may still be the replica's own (a container its engine has not named yet, a process guardian
+    cannot map to a unit) is not: its answers are judged as the replica's, and G7 refuses to
+    restart while it is unknown."""
+    if not isinstance(owner, HeldBy) or owner.own_container or owner.unit is None or owner.unit == rcfg.unit:
+        return None
+    return owner if rcfg.container is None or owner.stray else None
+
+
+def _port_taken(facts: _Facts) -> str:
+    owner = port_taken_by(facts.obs.port_owner, facts.rcfg)
+    assert owner is not None, "said only while the port is another's"
+    pid = f", pid {owner.pid}" if owner.pid is not None else ""
+    return (
+        f"port {owner.port} is held by {owner.holder_text()}{pid}, not by {facts.rcfg.unit}: "
+        "what answers there is not this replica"
+    )
+
+
+def _not_its_answers(track: Track, obs: ReplicaObservation) -> tuple[Track, ReplicaObservation]:
+    """OBS without the answers of a listener that is not the replica's: nothing they say (health,
+    counters, a model, a canary) is the replica's progress or its start's end (issue 34 row 13)."""
+    none = Probe(False, None, 0.0, "answered by another's listener")
+    if obs.canary is not None:
+        track = replace(track, canary_in_flight_since=None, canary_due_at=None)
+    blind = replace(
+        obs,
+        health=none,
+        metrics_probe=none,
+        metrics=None,
+        models_probe=none,
+        models=None,
+        canary=None,
+        probes_pending_s=None,
+    )
+    return track, blind
+
+
 # First match wins: a row may count on the rows above it not holding.
 ROWS: tuple[Row[_Facts, str], ...] = (
     Row(
@@ -237,6 +276,17 @@ ROWS: tuple[Row[_Facts, str], ...] = (
     Row(
         Rule(
             "L4",
+            State.PORT_TAKEN,
+            "the listener on the replica's address is known to be another's (not R.unit's cgroup and not "
+            "R.container: another unit, a container of another name or engine, a forged engine scope): its "
+            "answers are not the replica's, and none of them is folded in",
+        ),
+        lambda f: port_taken_by(f.obs.port_owner, f.rcfg) is not None,
+        _port_taken,
+    ),
+    Row(
+        Rule(
+            "L5",
             State.STARTING,
             "unit activating, deactivating or in maintenance, or a restart by guardian is in flight",
         ),
@@ -247,7 +297,7 @@ ROWS: tuple[Row[_Facts, str], ...] = (
     ),
     Row(
         Rule(
-            "L5",
+            "L6",
             State.STARTING,
             "unit active, not healthy once since it last started, AND now - start < R.startup_grace_s "
             "(start = systemd's InactiveExitTimestampMonotonic)",
@@ -258,13 +308,13 @@ ROWS: tuple[Row[_Facts, str], ...] = (
         _loading,
     ),
     Row(
-        Rule("L6", State.WRONG_MODEL, "/v1/models answered AND does not list R.model"),
+        Rule("L7", State.WRONG_MODEL, "/v1/models answered AND does not list R.model"),
         lambda f: f.obs.models is not None and f.rcfg.model not in f.obs.models,
         lambda f: f"/v1/models lists {', '.join(f.obs.models or ()) or 'nothing'}, expected {f.rcfg.model}",
     ),
     Row(
         Rule(
-            "L7",
+            "L8",
             State.UNRESPONSIVE,
             "no probe got any HTTP answer for >= W.unresponsive_after_s (counted from the last "
             "answer) AND no progress for >= W.unresponsive_after_s",
@@ -274,7 +324,7 @@ ROWS: tuple[Row[_Facts, str], ...] = (
     ),
     Row(
         Rule(
-            "L8",
+            "L9",
             State.UNRESPONSIVE,
             "/health answered 503 (vLLM: engine dead) for >= W.unresponsive_after_s AND no "
             "progress for >= W.unresponsive_after_s",
@@ -287,17 +337,17 @@ ROWS: tuple[Row[_Facts, str], ...] = (
     ),
     Row(
         Rule(
-            "L9",
+            "L10",
             UNCHANGED,
             "no probe answered this tick AND one sent at an earlier tick is still running (each bounded by "
-            "its timeout): no news, the verdict stands (L1-L8 still apply)",
+            "its timeout): no news, the verdict stands (L1-L9 still apply)",
         ),
         lambda f: f.obs.probes_pending_s is not None and f.track.observed,
         lambda f: f.track.evidence,
     ),
     Row(
         Rule(
-            "L10",
+            "L11",
             State.BUSY,
             "progress this tick (counters, or responses flowing to clients per the kernel) AND (/health failed "
             "OR took >= R.health_timeout_s)",
@@ -307,7 +357,7 @@ ROWS: tuple[Row[_Facts, str], ...] = (
     ),
     Row(
         Rule(
-            "L11",
+            "L12",
             State.HEALTHY,
             "progress this tick (counters, or responses flowing to clients per the kernel) AND /health answered "
             "2xx in < R.health_timeout_s",
@@ -317,7 +367,7 @@ ROWS: tuple[Row[_Facts, str], ...] = (
     ),
     Row(
         Rule(
-            "L12",
+            "L13",
             State.STALLED,
             "/metrics readable AND queued work (running + waiting > 0, or clients waiting >= W.client_wait_s) "
             "AND now - max(last progress, work first queued) >= W.stall_window_s",
@@ -327,9 +377,9 @@ ROWS: tuple[Row[_Facts, str], ...] = (
     ),
     Row(
         Rule(
-            "L13",
+            "L14",
             State.STALLED,
-            "/metrics readable AND queued work (as L12) AND a canary sent after the last progress (and "
+            "/metrics readable AND queued work (as L13) AND a canary sent after the last progress (and "
             "after work was first queued) failed with no progress while it ran",
         ),
         _stall_proven,
@@ -337,7 +387,7 @@ ROWS: tuple[Row[_Facts, str], ...] = (
     ),
     Row(
         Rule(
-            "L14",
+            "L15",
             State.IDLE_DEAD,
             "/metrics readable AND no queued work AND consecutive failed canaries >= W.canary_failures",
         ),
@@ -347,13 +397,13 @@ ROWS: tuple[Row[_Facts, str], ...] = (
         lambda f: f"idle, and {f.track.canary_failures} canary completions failed in a row (/health {f.health_said})",
     ),
     Row(
-        Rule("L15", State.BUSY, "/health failed AND last progress < W.stall_window_s ago"),
+        Rule("L16", State.BUSY, "/health failed AND last progress < W.stall_window_s ago"),
         lambda f: not f.obs.health.ok and f.quiet_for_s < f.wcfg.stall_window_s,
         lambda f: f"/health {f.obs.health.error}, progress {_ago(f.now, f.track.last_progress_at)}",
     ),
     Row(
         Rule(
-            "L16",
+            "L17",
             State.DEGRADED,
             "some probe failed, or /metrics unreadable, or a canary failed (no grounds to restart yet)",
         ),
@@ -361,7 +411,7 @@ ROWS: tuple[Row[_Facts, str], ...] = (
         lambda f: "; ".join(f.problems),
     ),
     Row(
-        Rule("L17", State.HEALTHY, "otherwise"),
+        Rule("L18", State.HEALTHY, "otherwise"),
         lambda f: True,
         lambda f: f.work_said if f.obs.metrics is not None else "answering",
     ),
@@ -422,7 +472,7 @@ def _flowing(obs: ReplicaObservation) -> bool:
 def _progress_at(track: Track, obs: ReplicaObservation, now: float, seen_now: bool) -> float:
     """When the progress seen at this tick happened: now for counters and canaries; for a response
     flowing, when its last byte was sent (a frozen server's last bytes are acked after the freeze:
-    counted at the look, they would stretch L7's window by up to a tick), counted from when the
+    counted at the look, they would stretch L8's window by up to a tick), counted from when the
     kernel was read (the tick judges after its probe wait)."""
     conns = obs.conns
     if seen_now or conns is None or conns.last_flow_s is None:
@@ -484,7 +534,7 @@ CANARY_LOST_AFTER_S = 30.0  # past its deadline with no result: forgotten, as if
 
 def next_deadline(track: Track, wcfg: WatchdogConfig) -> float | None:
     """The next moment at which T's verdict may change with no news, or None: its unresponsive
-    window ends (L7, L8) if no answer and no progress comes before it; the canary in flight has
+    window ends (L8, L9) if no answer and no progress comes before it; the canary in flight has
     failed (its deadline); a stall canary falls due (queued work, nothing moving for
     W.stall_canary_after_s). The daemon judges at that moment instead of at the next tick mark:
     a frozen server is then found U seconds after its last answer, and a frozen engine with work
@@ -532,6 +582,8 @@ def step(
 ) -> tuple[Track, float | None]:
     """Fold one observation into the track. Returns (new track, the deadline of a canary to start, or None)."""
     track = _carry_over(track, obs, now)
+    if port_taken_by(obs.port_owner, rcfg) is not None:
+        track, obs = _not_its_answers(track, obs)
     track, seen = _fold(track, obs, now, rcfg, wcfg)
     facts = _Facts(track, obs, now, rcfg, wcfg, pause, seen)
     state, rule, evidence = _classify(facts)

@@ -9,7 +9,7 @@ decide() makes a Tick, which holds what it was given and what it has decided so 
 its steps in order:
 
 1. judge_liveness: each replica's observation is folded into its track (core/liveness.py,
-   L1-L17); state changes and unreadable /metrics are logged once; canaries are asked for;
+   L1-L18); state changes and unreadable /metrics are logged once; canaries are asked for;
    canary latencies that changed are recorded in the state file (one action a tick), where a
    track created later starts from them;
 2. follow_drains (core/drain.py, D3-D8, D10, D11): a drained replica is restarted, a drain that
@@ -177,7 +177,7 @@ class Tick:
     # --- 1. liveness --------------------------------------------------------------------------
 
     def judge_liveness(self) -> None:
-        """Step 1 (L1-L17): every replica's verdict, said when it changes; canaries asked for."""
+        """Step 1 (L1-L18): every replica's verdict, said when it changes; canaries asked for."""
         before = self.previous.tracks
         for replica in self.cfg.replicas:
             old = before[replica.name] if replica.name in before else _new_track(replica.name, self.obs, self.now)
@@ -978,5 +978,7 @@ def _state_change(replica: ReplicaConfig, old: Track, new: Track, now: float) ->
         text += f"; serving again {now - old.restart_issued_at:.1f} s after guardian's restart"
     if new.state is State.WRONG_MODEL:
         text += "; not restarting: a wrong model is a wiring or cutover fault, fix the unit or the config"
-    priority = Priority.ERROR if new.state in (State.WRONG_MODEL, State.UNKNOWN) else Priority.INFO
+    if new.state is State.PORT_TAKEN:
+        text += "; not restarting: restarting the unit would not free its port, stop the other listener"
+    priority = Priority.ERROR if new.state in (State.WRONG_MODEL, State.UNKNOWN, State.PORT_TAKEN) else Priority.INFO
     return LogLine(priority, text, Decision.STATE, replica.name, replica.unit, state=new.state, rule=new.rule)

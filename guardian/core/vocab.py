@@ -25,6 +25,7 @@ class State(StrEnum):
     STALLED = "stalled"
     IDLE_DEAD = "idle-dead"
     DEGRADED = "degraded"
+    PORT_TAKEN = "port-taken"
 
 
 # Verdicts that ask for a restart.
@@ -251,6 +252,10 @@ class HeldBy:
     container: str | None = None
     own_container: bool = False
     via: str = ""  # how the container was recognised, for the journal
+    # Known not to be the replica's: a container its engine names that is another, a holder of
+    # the other engine, a forged engine scope, or (set by observe/containers.py) a unit that no
+    # engine uses. A holder that may still be the replica's own leaves this False.
+    stray: bool = False
 
     def holder_text(self) -> str:
         if self.container is not None:

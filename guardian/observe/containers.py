@@ -19,12 +19,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from ..config import CONTAINER_PHASE_S, ReplicaConfig
 from ..core.container import (
     MAX_CONTAINERS,
     Container,
     EngineReport,
     container_id_of_cgroup,
+    find_container,
     helper_unit,
     synthetic_unit,
 )
@@ -38,6 +41,7 @@ from .systemd import JOB_DONE, Systemd, SystemdError
 REPORT_DIR = Path("/run/guardian-containers")  # the helper's (root's) RuntimeDirectory
 REPORT_MAX_BYTES = 4 * 2**20
 REFRESH_S = 10.0  # a replica's report is asked for at most this often, unless a restart needs it
+FORCED_GAP_S = 2.0  # a report older than the port's holder is asked for again at most this often
 # A tick waits this long for an inspect (systemd's watchdog is pinged after each tick); a slower
 # one finishes on its own and its report is read at the next refresh.
 HELPER_TIMEOUT_S = 5.0  # one helper job; a tick's together: config.CONTAINER_PHASE_S
@@ -83,6 +87,20 @@ def _container(row: Any) -> Container:
     )
 
 
+def _others(part: Any, engine: str) -> tuple[Container, ...]:
+    """The other engine's containers in a report; a part that cannot be read names nothing
+    (it only ever names a stray) and spoils nothing of the replica's own engine's part."""
+    if not isinstance(part, dict) or part.get("engine") == engine:
+        return ()
+    rows = part.get("containers", [])
+    if not isinstance(rows, list) or len(rows) > MAX_CONTAINERS:
+        return ()
+    try:
+        return tuple(_container(x) for x in rows)
+    except (ValueError, TypeError):
+        return ()
+
+
 def parse_report(data: bytes, engine: str) -> EngineReport:
     """The helper's report, checked field by field; anything else is a report with an error."""
     try:
@@ -102,6 +120,7 @@ def parse_report(data: bytes, engine: str) -> EngineReport:
             tuple(_container(x) for x in rows),
             error=error[:500] if isinstance(error, str) else None,
             truncated=doc.get("truncated") is True,
+            others=_others(doc.get("others"), engine),
         )
     except (ValueError, TypeError, RecursionError, OverflowError) as e:
         return EngineReport(engine, 0.0, error=f"the container helper's report cannot be read: {e}")
@@ -125,6 +144,16 @@ async def run_helper(sd: Systemd, verb: str, replica: str, timeout_s: float = HE
         return f"error: {e}"
 
 
+def _started_wall(pid: int | None) -> float | None:
+    """When PID started, as epoch seconds (None: unknown or gone)."""
+    if pid is None:
+        return None
+    try:
+        return float(psutil.Process(pid).create_time())
+    except psutil.Error:
+        return None
+
+
 def _option(argv: list[str], *names: str) -> str | None:
     for i, w in enumerate(argv):
         for n in names:
@@ -143,6 +172,9 @@ class Seen:
     ip: str | None = None  # docker-proxy's -container-ip
     name: str | None = None  # conmon's -n
     via: str = ""
+    engine: str | None = None  # the engine whose holder this is (docker-proxy is Docker's, conmon Podman's)
+    pid: int | None = None  # the process that stands for the holder (docker-proxy's, not dockerd's)
+    forged: bool = False  # a unit named like an engine's scope outside the engines' slices
 
 
 def _root_cgroup(pid: int) -> str | None:
@@ -199,8 +231,9 @@ def seen_holder(owner: HeldBy) -> Seen | None:
     if cid is not None:
         path = _root_cgroup(owner.pid) if owner.pid is not None else None
         if path is None or not _ENGINE_CGROUP.match(path):
-            return Seen(via=f"a unit named {owner.unit} outside the engines' slices")
-        return Seen(container_id=cid, via=f"its scope {owner.unit}")
+            return Seen(via=f"a unit named {owner.unit} outside the engines' slices", forged=True)
+        engine = "docker" if component.startswith("docker-") else "podman"
+        return Seen(container_id=cid, via=f"its scope {owner.unit}", engine=engine, pid=owner.pid)
     if owner.unit == "docker.service":
         # Docker's own docker-proxy: root's, in docker.service's cgroup (_is_proxy_for). A process
         # elsewhere that calls itself docker-proxy is any user's forgery (issue 34 row 4).
@@ -209,7 +242,7 @@ def seen_holder(owner: HeldBy) -> Seen | None:
             return None
         argv = list(cmdline_of(pid))
         ip, port = _option(argv, "-container-ip"), _option(argv, "-container-port")
-        return Seen(ip=ip, via=f"docker-proxy, pid {pid}, forwarding to {ip}:{port}")
+        return Seen(ip=ip, via=f"docker-proxy, pid {pid}, forwarding to {ip}:{port}", engine="docker", pid=pid)
     pid = owner.pid
     if pid is None:
         return None
@@ -217,33 +250,39 @@ def seen_holder(owner: HeldBy) -> Seen | None:
     prog = argv[0].rsplit("/", 1)[-1] if argv else ""
     if prog == "conmon":
         name = _option(argv, "-n", "--name")
-        return Seen(name=name, via=f"Podman's conmon, pid {pid}")
+        return Seen(name=name, via=f"Podman's conmon, pid {pid}", engine="podman", pid=pid)
     return None
 
 
 def resolve(owner: HeldBy, r: ReplicaConfig, seen: Seen, report: EngineReport | None) -> HeldBy:
-    """OWNER with the container it stands for, when the report (or conmon) names it."""
+    """OWNER with the container it stands for, when a report (or conmon) names it, and whether it
+    is the replica's own, known to be another's (HeldBy.stray), or not known yet."""
+    foreign = seen.engine is not None and seen.engine != r.engine
     found: Container | None = None
     if report is not None:
+        pool = report.others if foreign else report.containers
         if seen.container_id is not None:
-            found = report.by_id(seen.container_id)
+            found = find_container(pool, cid=seen.container_id)
         elif seen.ip is not None:
-            found = report.by_ip(seen.ip)
+            found = find_container(pool, ip=seen.ip)
     name = found.name if found is not None else seen.name
     # Only the engine's report makes a holder the replica's own: a command line (conmon's -n) is
     # the process's own word, which any user's process can forge; it only names a stray.
-    own = found is not None and found.running and found.name == r.container
-    return replace(owner, container=name, own_container=own, via=seen.via)
+    own = not foreign and found is not None and found.running and found.name == r.container
+    stray = seen.forged or foreign or (name is not None and name != r.container)
+    via = f"{seen.via}, a {seen.engine} container" if foreign and seen.engine else seen.via
+    return replace(owner, container=name, own_container=own, via=via, stray=stray)
 
 
-def _known(seen: Seen, report: EngineReport | None) -> bool:
-    if seen.name is not None:
+def _known(seen: Seen, r: ReplicaConfig, report: EngineReport | None) -> bool:
+    if seen.name is not None or seen.forged:
         return True
     if report is None or report.error is not None:
         return False
+    pool = report.others if seen.engine is not None and seen.engine != r.engine else report.containers
     if seen.container_id is not None:
-        return report.by_id(seen.container_id) is not None
-    return seen.ip is not None and report.by_ip(seen.ip) is not None
+        return find_container(pool, cid=seen.container_id) is not None
+    return seen.ip is not None and find_container(pool, ip=seen.ip) is not None
 
 
 class ContainerWatch:
@@ -281,6 +320,9 @@ class ContainerWatch:
             seen = seen_holder(owner)
             if seen is not None:
                 todo.append((r, owner, seen))
+            elif owner.unit is not None and owner.unit != "docker.service":
+                # no engine holds a port from there (a user's scope, another service): not the container's
+                out[r.port] = replace(owner, stray=True)
         fresh = await asyncio.gather(
             *(self._report_for(r, seen) for r, _owner, seen in todo),
         )
@@ -289,8 +331,20 @@ class ContainerWatch:
         return out
 
     async def _report_for(self, r: ReplicaConfig, seen: Seen) -> EngineReport | None:
+        """A report that can name SEEN: the last one, unless it predates the holder's process (a
+        container started since may have taken a gone one's address: docker reuses 172.17.0.2),
+        or does not know it; then a new one. One older than the holder names nothing."""
         report = self.reports.get(r.name)
-        return report if _known(seen, report) else await self.refresh(r)
+        born = _started_wall(seen.pid)
+        stale = report is not None and born is not None and report.at_wall < born
+        if report is not None and not stale and _known(seen, r, report):
+            return report
+        if stale and time.monotonic() - self._asked.get(r.name, -1e9) < FORCED_GAP_S:
+            return None  # asked for a moment ago: judged unknown until it comes
+        report = await self.refresh(r, force=stale)
+        if report is not None and born is not None and report.at_wall < born:
+            return None
+        return report
 
     async def views(
         self, replicas: list[ReplicaConfig], owners: dict[int, PortOwner]

@@ -187,7 +187,7 @@ class ProbeCarry:
     Each endpoint is carried on its own: a /health that answered is an answer whatever /metrics
     does (a page slow to fetch or to parse once hid a fast /health 200 for 11 s, and the replica
     was judged unresponsive and killed). Only when none of the three answered this tick and one
-    is still in flight is there no news (L9).
+    is still in flight is there no news (L10).
     """
 
     ENDPOINTS = ("health", "metrics", "models")
