@@ -801,7 +801,7 @@ def cmd_restart(args: argparse.Namespace) -> int:
     _need_replica(cfg, args.name)
     pid = _running_daemon(cfg)
     if pid is not None:
-        return _ask_daemon_to_restart(cfg, args.name, pid, args.wait)
+        return _ask_daemon_to_restart(cfg, args.name, pid, args.wait, args.no_drain)
     return asyncio.run(_restart_without_daemon(cfg, args.name, args.wait))
 
 
@@ -834,7 +834,7 @@ def _answer_margin_s(cfg: Config) -> float:
     return margin_s
 
 
-def _ask_daemon_to_restart(cfg: Config, name: str, pid: int, wait_s: float | None) -> int:
+def _ask_daemon_to_restart(cfg: Config, name: str, pid: int, wait_s: float | None, no_drain: bool = False) -> int:
     """Record the request for the daemon, which admits it like any restart (core/tick.py), and
     wait for its answer: with WAIT_S, through refusals that pass by themselves (A4) for that long,
     then for as long as an admitted restart takes."""
@@ -847,6 +847,8 @@ def _ask_daemon_to_restart(cfg: Config, name: str, pid: int, wait_s: float | Non
         request: dict[str, Any] = {"replica": name, "at": stamp(asked)}
         if wait_s:  # --wait 0 is no wait: answered at once
             request["wait_until"] = stamp(clock.Now(asked.mono + wait_s, asked.wall + wait_s))
+        if no_drain:
+            request["no_drain"] = True
         # When this command stops waiting, and who it is: a request whose command is gone without
         # withdrawing it (SIGKILL) is withdrawn by the daemon, never acted on later (A5)
         request["expires"] = stamp(clock.Now(asked.mono + waits_s, asked.wall + waits_s))
@@ -855,7 +857,7 @@ def _ask_daemon_to_restart(cfg: Config, name: str, pid: int, wait_s: float | Non
         d["requests"][rid] = request
 
     _update_state(cfg, ask)
-    what = "drain and restart" if cfg.proxy.enabled else "restart"
+    what = "drain and restart" if cfg.proxy.enabled and not no_drain else "restart"
     how = f"waiting up to {wait_s:g} s through what passes by itself, then" if wait_s else "waiting"
     print(f"asked the running guardian (pid {pid}) to {what} replica {name}; {how} for its answer", flush=True)
     answer = _await_answer(cfg, rid, time.monotonic() + waits_s)
@@ -1070,7 +1072,14 @@ def _arguments(commands: dict[str, argparse.ArgumentParser]) -> None:
         default=None,
         metavar="D",
         help="wait up to D (300, 90s, 5m) through refusals that pass by themselves (one restart at a time, "
-        "back-off, a systemd job pending, a fleet slot), printing what it waits for; default: answer at once",
+        "back-off, a systemd job pending, a fleet slot, under a proxy no other replica of the model serving "
+        "yet), printing what it waits for; default: answer at once",
+    )
+    rs.add_argument(
+        "--no-drain",
+        action="store_true",
+        help="under a proxy, restart at once without marking it down first: its clients see errors until it "
+        "serves again (default: drained first, and only while another replica of the model serves)",
     )
     pk = commands["polkit-rule"]
     pk.add_argument("--output", default=str(polkit.RULE_PATH))

@@ -1,4 +1,4 @@
-"""Draining through the proxy (core/drain.py, D1-D11) as the tick applies it: table rows before, at
+"""Draining through the proxy (core/drain.py, D1-D12) as the tick applies it: table rows before, at
 and after each threshold, with a fake clock. Assertions name rule ids, not wording."""
 
 from __future__ import annotations
@@ -63,13 +63,75 @@ def test_a_planned_restart_drains_first_d1():
     draining()
 
 
-def test_with_no_other_replica_serving_it_restarts_at_once_not_drained_d2():
+def test_with_no_other_replica_configured_it_restarts_at_once_not_drained_and_bounded_d2():
+    box = Box(with_proxy(cfg(1)))
+    box.tick(98)
+    asked(box)
+    acts = box.tick(100)
+    assert proxy_rules(acts) == ["D2"] and not box.core.drains
+    (r,) = restarts(acts)
+    assert r.stop_timeout_s == 30 and not r.kill_first  # undrained, and bounded all the same
+
+
+def test_asked_with_no_drain_it_restarts_at_once_though_a_peer_serves_d2():
+    box = Box(with_proxy(cfg(2)))
+    box.tick(98)
+    box.persistent = replace(box.persistent, requests=(RestartRequest("q1", "a", 100.0, no_drain=True),))
+    acts = box.tick(100)
+    assert proxy_rules(acts) == ["D2"] and not box.core.drains
+    (r,) = restarts(acts)
+    assert r.stop_timeout_s == 30
+    assert "--no-drain" in next(a for a in said(acts) if a.rule == "D2").message
+
+
+def test_with_its_peer_not_serving_an_operators_restart_is_refused_at_once_never_undrained_d3():
     box = Box(with_proxy(cfg(2)))
     stopped = obs("b", 98, u=unit("vllm-b.service", active_state="inactive"))
     box.tick(98, b=stopped)
     asked(box)
     acts = box.tick(100, b=replace(stopped, at=100))
-    assert proxy_rules(acts) == ["D2"] and restarts(acts) and not box.core.drains
+    assert not restarts(acts) and not box.core.drains and refused_rules(acts) == ["D3"]
+    (ans,) = answers(acts)
+    assert not ans.ok and "b is stopped" in ans.message and "--no-drain" in ans.message
+
+
+def test_with_wait_it_waits_for_its_peer_and_drains_once_the_peer_serves_d3():
+    box = Box(with_proxy(cfg(2)))
+    stopped = obs("b", 98, u=unit("vllm-b.service", active_state="inactive"))
+    box.tick(98, b=stopped)
+    box.persistent = replace(box.persistent, requests=(RestartRequest("q1", "a", 100.0, wait_until=160.0),))
+    for t in (100.0, 102.0, 104.0):
+        acts = box.tick(t, b=replace(stopped, at=t))
+        assert not restarts(acts) and not answers(acts) and not box.core.drains, t
+    waits = [a for a in box.actions if isinstance(a, RequestWaits)]
+    assert len(waits) == 1 and "b is stopped" in waits[0].text and "(D3)" in waits[0].text
+    acts = box.tick(106.0, b=obs("b", 106.0))  # b serves again
+    assert proxy_rules(acts) == ["D1"] and box.core.drains["a"].phase is Phase.DRAINING
+
+
+@pytest.mark.parametrize("late_s, drained", [
+    (1.1, True),    # b's /metrics in flight for 1.1 s: degraded, still serving (issue 35's undrained restart)
+    (12.0, True),   # /metrics has not answered for 12 s, but /health answers in time: serving
+])
+def test_a_peer_whose_metrics_are_late_still_serves_so_the_restart_drains_d1(late_s, drained):
+    box = Box(with_proxy(cfg(2)))
+    box.tick(98)
+    late = replace(obs("b", 100), metrics_probe=replace(TIMEOUT, error=f"no answer yet (in flight for {late_s} s)"),
+                   metrics=None)
+    box.tick(99, b=replace(late, at=99))
+    asked(box)
+    acts = box.tick(100, b=late)
+    assert box.tracks["b"].state is State.DEGRADED
+    assert (proxy_rules(acts) == ["D1"]) == drained and not restarts(acts)
+
+
+def test_a_peer_degraded_by_a_503_or_a_failed_canary_does_not_serve_d3():
+    box = Box(with_proxy(cfg(2)))
+    box.tick(98)
+    dead = obs("b", 100, health=replace(TIMEOUT, status=503, error="HTTP 503"))
+    asked(box)
+    acts = box.tick(100, b=dead)
+    assert refused_rules(acts) == ["D3"] and not restarts(acts)
 
 
 def test_nothing_is_restarted_before_the_proxy_confirms_the_drain():
@@ -79,7 +141,7 @@ def test_nothing_is_restarted_before_the_proxy_confirms_the_drain():
 
 
 @pytest.mark.parametrize("running, waiting, restarted", [(1, 0, False), (0, 1, False), (0, 0, True)])
-def test_restarted_once_no_request_is_left_d5(running, waiting, restarted):
+def test_restarted_once_no_request_is_left_d6(running, waiting, restarted):
     box = draining()
     confirmed(box, 102)
     acts = confirmed(box, 104, s=sample(gen=2, running=running, waiting=waiting))
@@ -91,7 +153,7 @@ def test_restarted_once_no_request_is_left_d5(running, waiting, restarted):
 
 
 @pytest.mark.parametrize("waited, restarted", [(DRAIN_S - 0.5, False), (DRAIN_S, True), (DRAIN_S + 1, True)])
-def test_drain_timeout_boundary_d6(waited, restarted):
+def test_drain_timeout_boundary_d7(waited, restarted):
     box = draining()
     confirmed(box, 102)  # the timer starts when the proxy has it down
     confirmed(box, 130, s=sample(gen=50, running=3, waiting=1))  # tokens flow: long streams, not a stall
@@ -99,35 +161,35 @@ def test_drain_timeout_boundary_d6(waited, restarted):
     assert bool(restarts(acts)) == restarted
     if restarted:
         line = next(a for a in said(acts) if a.decision is Decision.RESTART)
-        assert "3 running, 1 waiting" in line.message and "(D6)" in line.message
+        assert "3 running, 1 waiting" in line.message and "(D7)" in line.message
 
 
-def test_a_proxy_that_cannot_mark_it_down_blocks_the_planned_restart_d3():
+def test_a_proxy_that_cannot_mark_it_down_blocks_the_planned_restart_d4():
     box = draining()
     acts = box.tick(102, a=obs("a", 102, s=BUSY), proxy=ProxyView(frozenset(), frozenset({"a"}), "exit status 1"))
     assert not restarts(acts) and "a" not in box.core.drains
-    assert refused_rules(acts) == ["D3"]
+    assert refused_rules(acts) == ["D4"]
     (ans,) = answers(acts)
     assert not ans.ok and "exit status 1" in ans.message
 
 
-def test_a_drain_is_given_up_when_the_other_replica_stops_serving_d4():
+def test_a_drain_is_given_up_when_the_other_replica_stops_serving_d5():
     box = draining()
     confirmed(box, 102)
     gone = obs("b", 104, u=unit("vllm-b.service", active_state="failed"))
     acts = box.tick(104, a=obs("a", 104, s=BUSY), b=gone, proxy=ProxyView(frozenset({"a"})))
-    assert refused_rules(acts) == ["D4"] and "a" not in box.core.drains and not restarts(acts)
+    assert refused_rules(acts) == ["D5"] and "a" not in box.core.drains and not restarts(acts)
     assert not answers(acts)[0].ok
 
 
-def test_a_restart_refused_when_the_drain_ends_marks_it_up_again_d7():
+def test_a_restart_refused_when_the_drain_ends_marks_it_up_again_d8():
     box = draining()
     confirmed(box, 102)
     box.persistent = replace(box.persistent, restarts={"a": (90.0, 95.0, 99.0)})  # budget spent meanwhile
     acts = confirmed(box, 104, s=sample(gen=2))
     assert not restarts(acts) and "a" not in box.core.drains
     (ans,) = answers(acts)
-    assert not ans.ok and "(D8)" in ans.message
+    assert not ans.ok and "(D9)" in ans.message
 
 
 def test_another_planned_restart_waits_while_one_replica_drains():
@@ -138,12 +200,12 @@ def test_another_planned_restart_waits_while_one_replica_drains():
     assert (ans.request_id, ans.ok) == ("q2", False) and "one-at-a-time" in ans.message
 
 
-def test_a_hung_replica_is_marked_down_with_its_restart_and_up_once_it_serves_d8_d9():
+def test_a_hung_replica_is_marked_down_with_its_restart_and_up_once_it_serves_d8_d10():
     box = Box(with_proxy(cfg(2, unresponsive_after_s=10)))
     box.tick(100)
     box.tick(105, a=obs("a", 105, health=TIMEOUT))
     acts = box.tick(110, a=obs("a", 110, health=TIMEOUT))
-    assert restarts(acts)[0].kill_first and proxy_rules(acts) == ["D9"]
+    assert restarts(acts)[0].kill_first and proxy_rules(acts) == ["D10"]
     assert box.core.drains["a"].phase is Phase.AWAY
     # the restart job is under way, then done; the new process loads
     acts = box.tick(112, a=obs("a", 112, health=TIMEOUT))
@@ -152,7 +214,7 @@ def test_a_hung_replica_is_marked_down_with_its_restart_and_up_once_it_serves_d8
     acts = box.tick(114, a=obs("a", 114, health=TIMEOUT, u=new, outcome=RestartOutcome("vllm-a.service", "done", True, True)))
     assert box.state() is State.STARTING and "a" in box.core.drains
     acts = box.tick(116, a=obs("a", 116, u=new, s=sample(gen=1)))
-    assert box.state() is State.HEALTHY and proxy_rules(acts) == ["D10"] and not box.core.drains
+    assert box.state() is State.HEALTHY and proxy_rules(acts) == ["D11"] and not box.core.drains
 
 
 def test_a_replica_that_hangs_while_draining_is_restarted_as_hung_and_the_request_answered():
@@ -169,7 +231,7 @@ def test_a_replica_that_hangs_while_draining_is_restarted_as_hung_and_the_reques
     assert ans.ok and ans.request_id == "q1"
 
 
-def test_a_replica_dropped_from_the_config_leaves_the_proxy_d10():
+def test_a_replica_dropped_from_the_config_leaves_the_proxy_d11():
     box = Box(with_proxy(cfg(2)))
     box.core = replace(box.core, drains={"zz": Drain(Phase.AWAY, 0.0, "old")})
     box.tick(100)
@@ -184,7 +246,7 @@ def test_dry_run_never_drains():
     assert not box.core.drains and answers(acts)[0].ok and "DRY-RUN" in answers(acts)[0].message
 
 
-# --- the memory guard's lowerings drain first (M16, D7) -------------------------------------------
+# --- the memory guard's lowerings drain first (M16, D8) -------------------------------------------
 
 def mem_box(critical_gib: float = 3) -> Box:
     """A box with the memory guard on (critical below CRITICAL_GIB) behind a proxy; 20 GiB of
@@ -204,7 +266,7 @@ def test_a_lowering_waits_for_its_replicas_drain_then_restarts_it_with_a_bounded
     acts = box.tick(114, memory=memory(5), a=obs("a", 114, s=sample(gen=3)))  # drained
     (low,) = lowerings(acts)
     assert (low.replica, low.restart, low.stop_timeout_s) == ("a", True, 30)
-    assert box.core.drains["a"].phase is Phase.AWAY and "D7" in proxy_rules(acts)
+    assert box.core.drains["a"].phase is Phase.AWAY and "D8" in proxy_rules(acts)
     # one line for the M16 wait over all those ticks
     assert [a.rule for a in box.actions if isinstance(a, LogLine) and a.rule == "M16"] == ["M16"]
 
@@ -214,7 +276,7 @@ def test_a_squeeze_that_ends_during_the_drain_marks_the_replica_up_again():
     box.tick(100)
     box.tick(110, memory=memory(5), a=obs("a", 110, s=BUSY))
     acts = box.tick(112, memory=memory(20), a=obs("a", 112, s=sample(gen=2, running=3)))
-    assert not box.core.drains and "D7" in proxy_rules(acts) and not lowerings(acts)
+    assert not box.core.drains and "D8" in proxy_rules(acts) and not lowerings(acts)
 
 
 def test_a_critical_squeeze_lowers_at_once_and_marks_the_replica_down_as_it_restarts():
@@ -222,7 +284,8 @@ def test_a_critical_squeeze_lowers_at_once_and_marks_the_replica_down_as_it_rest
     box.tick(100)
     acts = box.tick(110, memory=memory(5), a=obs("a", 110, s=BUSY))
     (low,) = lowerings(acts)
-    assert low.stop_timeout_s is None and box.core.drains["a"].phase is Phase.AWAY and "D9" in proxy_rules(acts)
+    # not drained, but its stop is bounded as every planned one (issue 35 item 5)
+    assert low.stop_timeout_s == 30 and box.core.drains["a"].phase is Phase.AWAY and "D10" in proxy_rules(acts)
     line = next(a for a in acts if isinstance(a, LogLine) and a.rule == "M17")
     assert "not drained (critical)" in line.message
 
@@ -245,7 +308,7 @@ def test_every_tick_behind_a_proxy_ends_by_telling_it_the_whole_set_marked_down(
 
 def test_a_request_with_a_wait_refused_by_a_passing_rule_when_its_drain_ends_is_marked_up_and_waits_a4():
     """Drained, then admission says back-off (A2: a restart of a was recorded meanwhile): with a wait
-    not over, the request is not refused (D8) but marked up and waits as asked; without one, D8."""
+    not over, the request is not refused (D9) but marked up and waits as asked; without one, D9."""
     box = draining()
     box.persistent = replace(box.persistent, requests=(RestartRequest("q1", "a", 100.0, 1000.0),))
     confirmed(box, 102)

@@ -125,3 +125,24 @@ def test_with_a_fleet_another_box_serving_the_model_is_the_peer_that_lets_a_lowe
         box.tick(100)
         box.tick(112, memory=memory(5))
         assert box.core.mem.rule == rule
+
+
+@pytest.mark.parametrize("value, serving", [
+    ('{"box": "b2", "name": "a", "model": "m", "state": "degraded", "serves": true}', True),  # late /metrics only
+    ('{"box": "b2", "name": "a", "model": "m", "state": "healthy", "serves": false}', False),  # its box says not
+    ('{"box": "b2", "name": "a", "model": "m", "state": "busy"}', True),  # an older guardian: by its state
+    ('{"box": "b2", "name": "a", "model": "m", "state": "degraded"}', False),
+])
+def test_another_box_counts_its_replica_by_the_one_definition_of_serving(value, serving):
+    """Issue 35 item 3: the fleet's counts use what the replica's own box judged (liveness.serves)."""
+    from guardian.fleet.sync import read_member
+
+    member_, _ = read_member(value)
+    assert member_.serving is serving
+
+
+def test_a_members_serves_that_is_not_a_boolean_is_not_a_guardians():
+    from guardian.fleet.sync import NotOurs, read_member
+
+    with pytest.raises(NotOurs):
+        read_member('{"box": "b2", "name": "a", "model": "m", "state": "healthy", "serves": "yes"}')

@@ -83,7 +83,7 @@ def _line(rule: str | None) -> LogLine:
 
 
 def test_the_harness_fails_on_a_rule_id_in_no_table():
-    check_rule_ids([_line("L1"), _line("D11"), _line(None)], {"a": Track(rule="L18")})
+    check_rule_ids([_line("L1"), _line("D12"), _line(None)], {"a": Track(rule="L18")})
     with pytest.raises(AssertionError, match="L99"):
         check_rule_ids([_line("L99")])
     with pytest.raises(AssertionError, match="X1"):

@@ -1036,3 +1036,45 @@ def test_only_a_holder_known_to_be_anothers_takes_the_answers_away(owner, state)
     box = Box(container_cfg())
     box.tick(100.0, a=obs(t=100.0, port=owner))
     assert box.state() == state
+
+
+# --- "serves": one definition for the drain, the memory guard's peers and the fleet (issue 35 item 3) ---
+
+from guardian.core.liveness import SERVED_RECENTLY_S, serves  # noqa: E402
+
+METRICS_LATE = {"_obs": replace(obs(t=0), metrics_probe=replace(TIMEOUT, error="no answer yet (in flight for 1.1 s)"),
+                                metrics=None)}
+
+
+def _then(t: float, **kw) -> dict:
+    """Observation kwargs at T; METRICS_LATE-style entries carry a whole observation, moved to T."""
+    if "_obs" in kw:
+        return {"_obs": replace(kw["_obs"], at=t)}
+    return kw
+
+
+@pytest.mark.parametrize("steps, now, expected", [
+    ([], 100.0, True),  # healthy at 100
+    ([(102, _then(102, **METRICS_LATE))], 102.0, True),  # degraded: /metrics late, /health in time
+    ([(102 + i, _then(102 + i, **METRICS_LATE)) for i in range(0, 30, 2)], 130.0, True),  # for as long as it lasts
+    ([(102, {"health": TIMEOUT, "metrics_down": True})], 102.0, True),  # no answer at all, served 2 s ago
+    ([(102, {"health": TIMEOUT})], 100.0 + SERVED_RECENTLY_S + 0.5, False),  # ... but not 10 s on
+    ([(102, {"health": DEAD_503})], 102.0, False),  # a 503 says the engine died
+    ([(110, {"canary": CanaryResult(False, 105, 2, "timeout")})], 110.0, False),  # a failed canary
+    ([(102, {"models": ("other",)})], 102.0, False),  # wrong model
+    ([(102, {"u": unit(active_state="activating")})], 102.0, False),  # starting
+])
+def test_serves_is_evidence_of_serving_within_the_last_few_seconds(steps, now, expected):
+    box = _after_healthy(*steps)()
+    assert serves(box.tracks["a"], now) is expected, box.tracks["a"]
+
+
+def test_no_news_is_no_evidence_of_serving():
+    """Probes in flight (L10) keep the verdict, not the evidence: a replica with no answer for
+    longer than SERVED_RECENTLY_S does not serve, whatever its standing verdict."""
+    box = Box(cfg(1, unresponsive_after_s=30))
+    healthy_start(box)
+    for t in (102.0, 106.0, 111.0):
+        box.tick(t, a=replace(obs(t=t, health=TIMEOUT), probes_pending_s=t - 100.0))
+    assert box.rule() == "L10" and box.state() is State.HEALTHY
+    assert not serves(box.tracks["a"], 111.0)

@@ -88,6 +88,15 @@ def test_fit_check_steps_further_down_or_waits():
     assert lowerings(every) == [] and any("waiting rather than a start vLLM would refuse" in m for m in logs(every, "error"))
 
 
+@pytest.mark.parametrize("peer_serves, lowered", [(True, True), (False, False)])
+def test_a_peer_counts_by_the_one_definition_of_serving(peer_serves, lowered):
+    """Issue 35 item 3: b degraded only by a late /metrics still serves (liveness.serves), so a is
+    lowered while b carries the load; the verdict alone (degraded) would have deferred it."""
+    pair = (rep("a", 0.78), replace(rep("b", 0.70, state="degraded"), serves=peer_serves))
+    _, every, _ = run_memguard(memory_cfg(), [(100, view(5, *pair)), (130, view(5, *pair))])
+    assert bool(lowerings(every)) is lowered
+
+
 def test_no_serving_peer_defers_unless_critical():
     lonely = (rep("a", 0.78), rep("b", 0.70, state="stopped"))
     t, every, _ = run_memguard(memory_cfg(), [(100, view(5, *lonely)), (130, view(5, *lonely)), (140, view(5, *lonely))])
@@ -614,12 +623,12 @@ def test_through_the_tick_under_a_proxy_a_raise_drains_first_and_its_lines_say_r
     for t in range(1000, 1620, 10):
         box.tick(float(t), memory=memory(30, a=0.74))
     assert [line.rule for line in box.lines() if line.rule and line.rule.startswith(("M", "D"))] == [
-        "M21", "M25", "M26", "D7"]
-    assert "the memory guard raises it now (D7)" in box.lines(rule="D7")[0].message
+        "M21", "M25", "M26", "D8"]
+    assert "the memory guard raises it now (D8)" in box.lines(rule="D8")[0].message
     (up,) = box.of(SetFraction)
     assert (up.replica, up.old, up.new, up.restart, up.stop_timeout_s) == ("a", 0.74, 0.78, True, 30.0)
     assert box.core.drains["a"].phase == "away" and box.tracks["a"].restart_in_flight
-    assert not any("lower" in line.message for line in box.lines() if line.rule in ("M25", "M26", "D7"))
+    assert not any("lower" in line.message for line in box.lines() if line.rule in ("M25", "M26", "D8"))
 
 
 @pytest.mark.parametrize("bases, restore, asked", [

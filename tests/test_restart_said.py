@@ -1,5 +1,5 @@
 """A restart is said once it has passed the re-check right before acting (issue 34 row 14): the core's
-warning line ("...; restarting vllm-a.service (restart 1 of 3 in 1800 s)") is written by the restart
+warning line ("...; restarting vllm-a.service, ... (restart 1 of 3 in 1800 s)") is written by the restart
 itself once the unit gates pass on a fresh look, so that a restart refused there is said only as
 refused, and never counted in the journal as taken. The real tick decides; the executor performs
 with a journal that keeps its lines, and a systemd whose restart job is done at once."""
@@ -48,7 +48,7 @@ def test_the_restart_line_is_written_only_once_the_recheck_passes(tmp_path, monk
     (restart,) = [a for a in actions if isinstance(a, RestartUnit)]
     said = restart.said  # the core's line travels with the restart, not beside it
     assert said is not None and said.decision is Decision.RESTART and said.replica == "a"
-    assert "restarting vllm-a.service (restart 1 of" in said.message
+    assert "restarting vllm-a.service, its processes killed if the stop takes over 30 s (restart 1 of" in said.message
     assert not [a for a in actions if isinstance(a, LogLine) and a.decision is Decision.RESTART]
 
     async def fresh_look(sd, r, containers, allow_failed):

@@ -579,3 +579,21 @@ def test_a_request_with_a_malformed_asker_is_corrupt(tmp_path, asker):
         "r1": {"replica": "a", "at": at, "asker": asker}}}))
     with pytest.raises(CorruptState):
         store_at(tmp_path).read()
+
+
+@pytest.mark.parametrize("no_drain, kept", [(True, True), (False, False), (None, False)])
+def test_a_request_keeps_whether_it_was_asked_with_no_drain(tmp_path, no_drain, kept):
+    """Issue 35 item 4: `guardian restart --no-drain` travels to the daemon with its request."""
+    at = {"wall": NOW.wall - 5, "mono": NOW.mono - 5}
+    q = {"replica": "a", "at": at} | ({} if no_drain is None else {"no_drain": no_drain})
+    (tmp_path / "state.json").write_text(json.dumps({"version": 1, "boot_id": boot_id(), "requests": {"r1": q}}))
+    (request,) = view(store_at(tmp_path).read(), NOW).requests
+    assert request.no_drain is kept
+
+
+def test_a_request_whose_no_drain_is_not_a_boolean_is_corrupt(tmp_path):
+    at = {"wall": NOW.wall - 5, "mono": NOW.mono - 5}
+    (tmp_path / "state.json").write_text(json.dumps({"version": 1, "requests": {
+        "r1": {"replica": "a", "at": at, "no_drain": "yes"}}}))
+    with pytest.raises(CorruptState):
+        store_at(tmp_path).read()

@@ -50,16 +50,16 @@ def test_a_planned_restart_under_load_drains_first_and_no_client_request_fails(w
     asked = world.box.run(["guardian", "restart", "a"], check=False, timeout=120)
     assert asked.returncode == 0, asked.stdout + asked.stderr
     world.wait_states({"a": "healthy", "b": "healthy"}, timeout_s=30)
-    wait_for(lambda: "D10" in proxy_rules(world, "a"), 20, "a marked up again")
+    wait_for(lambda: "D11" in proxy_rules(world, "a"), 20, "a marked up again")
     back_at = world.box.run(["date", "+%s.%N"]).stdout.strip()
     world.wait_requests(30, after=float(back_at))
     reqs = world.stop_load()
     assert failures(reqs) == [], failures(reqs)[:5]
     assert len(restart_times(world, "a")) == 1 and restart_times(world, "b") == []
     assert world.box.identity(b.unit) == old_b
-    assert proxy_rules(world, "a")[:1] == ["D1"] and "D10" in proxy_rules(world, "a")
+    assert proxy_rules(world, "a")[:1] == ["D1"] and "D11" in proxy_rules(world, "a")
     line = world.guardian_messages("GUARDIAN_REPLICA=a", "GUARDIAN_DECISION=restart")[0]
-    assert "(D5)" in line and "drained" in line
+    assert "(D6)" in line and "drained" in line
     done = world.guardian_messages("GUARDIAN_REPLICA=a", "GUARDIAN_DECISION=restarted")[0]
     assert "the stop took" in done
     assert " down;" not in world.upstream_file()
@@ -77,7 +77,7 @@ def test_a_hung_replica_is_marked_down_at_its_restart_and_no_new_request_goes_to
     world.wait_requests(30)
     frozen_at = float(world.box.run(["date", "+%s.%N"]).stdout.strip())
     world.kill(a.unit, "STOP")
-    wait_for(lambda: "D9" in proxy_rules(world, "a"), 30, "a marked down as hung")
+    wait_for(lambda: "D10" in proxy_rules(world, "a"), 30, "a marked down as hung")
     wait_for(lambda: any("marked down: a" in m for m in world.guardian_messages("GUARDIAN_DECISION=proxy")), 20,
              "nginx reloaded with a down")
     marked_lines = [e for e in world.guardian_lines("GUARDIAN_DECISION=proxy") if "marked down: a" in e["MESSAGE"]]
@@ -85,16 +85,16 @@ def test_a_hung_replica_is_marked_down_at_its_restart_and_no_new_request_goes_to
     assert "its new workers in charge after" in marked_lines[0]["MESSAGE"], marked_lines[0]["MESSAGE"]
     marked = [int(e["__REALTIME_TIMESTAMP"]) / 1e6 for e in marked_lines]
     world.wait_states({"a": "healthy"}, timeout_s=30)
-    wait_for(lambda: "D10" in proxy_rules(world, "a"), 20, "a marked up again")
+    wait_for(lambda: "D11" in proxy_rules(world, "a"), 20, "a marked up again")
 
-    def marked_up() -> list[float]:  # the proxy's line comes after D10's, once nginx's new workers are in charge
+    def marked_up() -> list[float]:  # the proxy's line comes after D11's, once nginx's new workers are in charge
         return [int(e["__REALTIME_TIMESTAMP"]) / 1e6 for e in world.guardian_lines("GUARDIAN_DECISION=proxy")
                 if "marked down: none" in e["MESSAGE"] and int(e["__REALTIME_TIMESTAMP"]) / 1e6 > marked[0]]
 
     up = wait_for(marked_up, 20, "nginx reloaded with a up")
-    # guardian decided to mark a up (D10) before it rewrote nginx's file: nginx had a down until then
+    # guardian decided to mark a up (D11) before it rewrote nginx's file: nginx had a down until then
     up_decided = [t for t in (int(e["__REALTIME_TIMESTAMP"]) / 1e6
-                              for e in world.guardian_lines("GUARDIAN_REPLICA=a", "GUARDIAN_RULE=D10")) if t > marked[0]]
+                              for e in world.guardian_lines("GUARDIAN_REPLICA=a", "GUARDIAN_RULE=D11")) if t > marked[0]]
     assert up_decided[0] < up[0] and up_decided[0] - marked[0] > 3, (marked, up_decided)
     world.wait_requests(20, after=up[0])
     reqs = world.stop_load()
@@ -137,7 +137,7 @@ def test_a_failing_drain_command_blocks_a_planned_restart_but_never_a_hung_repli
     old = world.box.identity(a.unit)
     asked = world.box.run(["guardian", "restart", "a"], check=False, timeout=90)
     assert asked.returncode == 1
-    assert "upstream API refused" in asked.stderr and "(D3)" in asked.stderr
+    assert "upstream API refused" in asked.stderr and "(D4)" in asked.stderr
     assert world.box.identity(a.unit) == old and restart_times(world, "a") == []
     errors = world.guardian_messages("GUARDIAN_REPLICA=a", "PRIORITY=3")
     assert any("proxy drain command" in m and "exited with status 3" in m for m in errors), errors
@@ -167,12 +167,12 @@ def test_a_memory_guard_lowering_with_8_streams_drains_first_and_no_client_reque
     hog(world, "build.service", 3)
     line_with(world, "draining it at the proxy first", "GUARDIAN_REPLICA=a", "GUARDIAN_RULE=M16")
     line_with(world, "serving again with gpu_memory_utilization 0.74", "GUARDIAN_REPLICA=a", timeout_s=90)
-    wait_for(lambda: "D10" in proxy_rules(world, "a"), 30, "a marked up again")
+    wait_for(lambda: "D11" in proxy_rules(world, "a"), 30, "a marked up again")
     back_at = float(world.box.run(["date", "+%s.%N"]).stdout.strip())
     world.wait_requests(20, after=back_at)
     reqs = world.stop_load()
     assert failures(reqs) == [], failures(reqs)[:5]
-    assert "D7" in proxy_rules(world, "a")
+    assert "D8" in proxy_rules(world, "a")
     assert world.box.identity(b.unit) == old_b and restart_times(world, "b") == []
 
 
@@ -191,7 +191,7 @@ def test_a_drained_replica_whose_stop_hangs_is_killed_after_stop_timeout_s(world
     assert asked.returncode == 0, asked.stdout + asked.stderr
     assert world.box.identity(a.unit) != old
     line = world.guardian_messages("GUARDIAN_REPLICA=a", "GUARDIAN_DECISION=restart")[0]
-    assert "drain timeout" in line and "(D6)" in line
+    assert "drain timeout" in line and "(D7)" in line
     done = world.guardian_messages("GUARDIAN_REPLICA=a", "GUARDIAN_DECISION=restarted")[0]
     assert "the stop was still running after 3 s, so its processes were killed (SIGKILL)" in done, done
     assert not world.guardian_messages("GUARDIAN_REPLICA=a", "PRIORITY=3")

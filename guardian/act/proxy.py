@@ -313,14 +313,14 @@ class ProxySync:
     def adopt(self, persisted: Iterable[str], at_mono: float) -> dict[str, Drain]:
         """At startup: what the state file says was marked down when guardian last ran (it may
         have died in the middle of a drain) is what the hooks were told. The configured replicas
-        among them stay down until they serve (D10): said, and returned as the tick's drains."""
+        among them stay down until they serve (D11): said, and returned as the tick's drains."""
         down = [name for name in persisted if self.cfg.replica(name) is not None]
         self.hook_down = frozenset(down)
         if not down or not self.cfg.proxy.enabled:
             return {}
         self.journal.send(
             Priority.INFO,
-            f"proxy: {', '.join(down)} marked down when guardian last ran; each is marked up once it serves (D10)",
+            f"proxy: {', '.join(down)} marked down when guardian last ran; each is marked up once it serves (D11)",
         )
         return {name: Drain(Phase.AWAY, at_mono, "marked down when guardian last ran") for name in down}
 
@@ -363,7 +363,7 @@ class ProxySync:
             return
         self.stopping = True
         # The state file keeps what guardian had marked down: a guardian started again (a restart, an
-        # upgrade) marks those down again until each serves (D10); after `apt remove` none starts.
+        # upgrade) marks those down again until each serves (D11); after `apt remove` none starts.
         err = await self._nginx(frozenset())
         for r, path in down:
             text = (

@@ -213,13 +213,17 @@ def _request(q: dict[str, Any], latest: Now) -> dict[str, Any]:
     until = q.get("wait_until")
     waiting = q.get("waiting")
     expires = q.get("expires")
-    out = {
+    out: dict[str, Any] = {
         "replica": _text(q["replica"]),
         "at": _time(q["at"], latest),
         "wait_until": None if until is None else _time(until, _ahead(latest)),
         "waiting": None if waiting is None else _text(waiting),
         "expires": None if expires is None else _time(expires, _ahead(latest)),
     }
+    if q.get("no_drain") is not None:
+        if not isinstance(q["no_drain"], bool):
+            raise ValueError("a request's no_drain is not true or false")
+        out["no_drain"] = q["no_drain"]
     asker = q.get("asker")
     if asker is not None:  # the asking command: its pid and its start (clock ticks after boot)
         asker = _table(asker)
@@ -453,6 +457,7 @@ def view(data: StateDoc, at: Now, this_boot: str | None = None) -> PersistentVie
                         until(q.get("wait_until")),
                         until(q.get("expires")),
                         (q["asker"]["pid"], q["asker"]["start"]) if same_boot and "asker" in q else None,
+                        no_drain=q.get("no_drain", False),
                     )
                     for rid, q in data["requests"].items()
                 ),

@@ -11,10 +11,11 @@ SyncProxy(that set) when a proxy is configured, and the shell makes the proxy ma
 (act/proxy.py: nginx's upstream file or the command hooks) and reports what it applied
 (ProxyView); a drain waits for that report before it counts.
 
-Rules: RULES below (D1-D11), rendered into docs/rules.md; DRAINED_ROWS (D5, D6) are checked in
+Rules: RULES below (D1-D12), rendered into docs/rules.md; DRAINED_ROWS (D6, D7) are checked in
 order, the others are the steps of core/tick.py that name them. ``P`` = the [proxy] config.
-"Another replica of the model serves" means: a replica of this box with the same model, healthy
-or busy, and not marked down; or a `memory.peer_urls` peer that answered with the model; or,
+"Another replica of the model serves" means: a replica of this box with the same model that serves
+(liveness.serves: healthy or busy, or degraded only by a late probe, within the last
+SERVED_RECENTLY_S) and is not marked down; or a `memory.peer_urls` peer that answered with the model; or,
 with [fleet], a replica of another box serving it in the fleet view.
 """
 
@@ -24,7 +25,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from ..config import Config
-from .liveness import Track
+from .liveness import Track, serves
 from .observations import ProxyView, ReplicaObservation, TickObservation, VllmSample
 from .rules import Row, Rule, first_match
 from .vocab import SERVING_STATES
@@ -48,7 +49,7 @@ class Drain:
 
 @dataclass(frozen=True)
 class _Waited:
-    """A confirmed drain as D5 and D6 read it."""
+    """A confirmed drain as D6 and D7 read it."""
 
     waited_s: float  # since the proxy confirmed it marked the replica down
     sample: VllmSample | None  # the replica's /metrics now; None: unreadable
@@ -56,32 +57,32 @@ class _Waited:
 
     @property
     def left(self) -> str:
-        """The requests still running, as the D6 line says them."""
+        """The requests still running, as the D7 line says them."""
         if self.sample is None:
             return "unknown (/metrics unreadable)"
         return f"{self.sample.running:.0f} running, {self.sample.waiting:.0f} waiting"
 
 
-# D5, D6: when a draining replica is drained; the evidence is the restart line's.
+# D6, D7: when a draining replica is drained; the evidence is the restart line's.
 DRAINED_ROWS: tuple[Row[_Waited, str], ...] = (
     Row(
         Rule(
-            "D5",
+            "D6",
             "restart (drained)",
             "draining AND the proxy confirmed it AND /metrics readable AND running + waiting == 0",
         ),
         lambda w: w.sample is not None and w.sample.queued == 0,
-        lambda w: f"drained: no request left after {w.waited_s:.1f} s (D5)",
+        lambda w: f"drained: no request left after {w.waited_s:.1f} s (D6)",
     ),
     Row(
         Rule(
-            "D6",
+            "D7",
             "restart (drained)",
             "draining AND the proxy confirmed it AND now - confirmed >= P.drain_timeout_s (the line says how "
             "many requests were still running)",
         ),
         lambda w: w.waited_s >= w.timeout_s,
-        lambda w: f"drain timeout: {w.timeout_s:g} s passed with {w.left} (D6)",
+        lambda w: f"drain timeout: {w.timeout_s:g} s passed with {w.left} (D7)",
     ),
 )
 
@@ -95,48 +96,83 @@ RULES = (
     Rule(
         "D2",
         "restart, not drained",
-        "a planned restart passes admission AND the proxy is configured AND no other replica of the model "
-        "serves: restarted at once and not marked down (its clients see errors, said at warning)",
+        "a planned restart passes admission AND the proxy is configured AND (it was asked with `--no-drain` OR "
+        "no other replica of the model is configured at all: none on this box, no M.peer_urls, none of the "
+        "model on another box of the fleet): restarted at once and not marked down (its clients see errors, "
+        "said at warning); its stop is bounded as a drained one's (P.stop_timeout_s)",
     ),
     Rule(
         "D3",
+        "waits for a peer",
+        "a planned restart passes admission AND the proxy is configured AND another replica of the model is "
+        "configured AND none serves now: the request waits for one (A4: with `--wait D` until D is over, then "
+        "refused; without, refused at once), said with who does not serve and why; never restarted undrained "
+        "by accident",
+    ),
+    Rule(
+        "D4",
         "drain abandoned",
         "draining for an operator AND the proxy reported that marking it down failed: marked up again, no "
         "restart, the request refused with the proxy's error (a memory guard's drain waits for the proxy's "
         "retry instead, said once)",
     ),
     Rule(
-        "D4",
+        "D5",
         "drain abandoned",
         "draining AND no other replica of the model serves any more: marked up again, no restart, the request refused",
     ),
     *(row.rule for row in DRAINED_ROWS),
     Rule(
-        "D7",
+        "D8",
         "memory drain: lowered, or given up",
-        "a memory guard's drain (M16) that is drained (D5, D6): the memory guard lowers it on this tick (M17) "
+        "a memory guard's drain (M16) that is drained (D6, D7): the memory guard lowers it on this tick (M17) "
         "and it is away; one the memory guard no longer asks for (the squeeze ended, it chose another): "
         "marked up again",
     ),
     Rule(
-        "D8",
+        "D9",
         "marked up",
         "draining AND the restart is refused when it comes to it (admission A1-A3, G1-G9): marked up "
         "again, the request answered with the refusal",
     ),
     Rule(
-        "D9",
+        "D10",
         "away",
         "a hung replica's restart is issued (L8, L9, L13, L14, L15), or a critical lowering's (not drained): "
         "marked down at once; a proxy that cannot be told never holds that restart up",
     ),
     Rule(
-        "D10",
+        "D11",
         "marked up",
         "away AND no restart by guardian in flight AND the replica is healthy or busy",
     ),
-    Rule("D11", "forgotten", "the replica is no longer in the config: its server line goes with it"),
+    Rule("D12", "forgotten", "the replica is no longer in the config: its server line goes with it"),
 )
+
+
+def peers_configured(name: str, obs: TickObservation, cfg: Config) -> bool:
+    """D2: some other replica of NAME's model could carry its load: another of this box's replicas
+    of the model (whatever its state), M.peer_urls, or one of the model on another box of the fleet."""
+    replica = cfg.replica(name)
+    if replica is None:
+        return False
+    if any(o.name != name and o.model == replica.model for o in cfg.replicas):
+        return True
+    if cfg.memory.enabled and cfg.memory.peer_urls:
+        return True
+    view = obs.fleet
+    return view is not None and any(m.model == replica.model and m.box != view.box for m in view.members)
+
+
+def not_serving(name: str, cfg: Config, tracks: dict[str, Track], drains: dict[str, Drain]) -> str:
+    """D3's evidence: the other replicas of NAME's model on this box and why each does not serve."""
+    replica = cfg.replica(name)
+    found = [
+        f"{o.name} is {'marked down' if o.name in drains else tracks[o.name].state} ({tracks[o.name].evidence})"
+        for o in cfg.replicas
+        if replica is not None and o.name != name and o.model == replica.model and o.name in tracks
+    ]
+    return "; ".join(found) or "none on this box"
 
 
 def serving_elsewhere(obs: TickObservation, cfg: Config) -> dict[str, tuple[str, ...]]:
@@ -158,8 +194,10 @@ def serving_peer_count(obs: TickObservation, cfg: Config, model: str) -> int:
     return peers + len(serving_elsewhere(obs, cfg).get(model, ()))
 
 
-def others_serving(name: str, cfg: Config, tracks: dict[str, Track], drains: dict[str, Drain], peers: int) -> int:
-    """How many other replicas of NAME's model serve: this box's, not marked down, and PEERS."""
+def others_serving(
+    name: str, cfg: Config, tracks: dict[str, Track], drains: dict[str, Drain], peers: int, now: float
+) -> int:
+    """How many other replicas of NAME's model serve (liveness.serves): this box's, not marked down, and PEERS."""
     replica = cfg.replica(name)
     if replica is None:
         return 0
@@ -169,7 +207,7 @@ def others_serving(name: str, cfg: Config, tracks: dict[str, Track], drains: dic
         if o.name != name
         and o.model == replica.model
         and o.name in tracks
-        and tracks[o.name].state in SERVING_STATES
+        and serves(tracks[o.name], now)
         and o.name not in drains
     )
     return local + peers
@@ -183,14 +221,14 @@ def confirmed(down: Drain, name: str, proxy: ProxyView | None, now: float) -> Dr
 
 
 def refused_by_proxy(down: Drain, name: str, proxy: ProxyView | None) -> str | None:
-    """D3: the proxy's error when its last attempt to mark NAME down failed, else None."""
+    """D4: the proxy's error when its last attempt to mark NAME down failed, else None."""
     if down.confirmed_at is not None or proxy is None or proxy.error is None:
         return None
     return proxy.error if name in proxy.failed and name not in proxy.applied else None
 
 
 def drained(down: Drain, observed: ReplicaObservation, now: float, cfg: Config) -> str | None:
-    """D5 and D6: why the drain is over (the evidence for the restart line), or None."""
+    """D6 and D7: why the drain is over (the evidence for the restart line), or None."""
     if down.confirmed_at is None:
         return None
     found = first_match(DRAINED_ROWS, _Waited(now - down.confirmed_at, observed.metrics, cfg.proxy.drain_timeout_s))
@@ -198,5 +236,5 @@ def drained(down: Drain, observed: ReplicaObservation, now: float, cfg: Config) 
 
 
 def back(down: Drain, track: Track) -> bool:
-    """D10: an away replica serves again."""
+    """D11: an away replica serves again."""
     return down.phase is Phase.AWAY and not track.restart_in_flight and track.state in SERVING_STATES

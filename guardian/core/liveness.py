@@ -56,7 +56,7 @@ from dataclasses import dataclass, replace
 from ..config import ReplicaConfig, WatchdogConfig
 from .observations import Pause, Probe, ReplicaObservation, UnitInfo, VllmSample
 from .rules import UNCHANGED, Row, Rule, first_match
-from .vocab import ActiveState, HeldBy, PortOwner, State
+from .vocab import SERVING_STATES, ActiveState, HeldBy, PortOwner, State
 
 
 @dataclass(frozen=True)
@@ -417,6 +417,7 @@ ROWS: tuple[Row[_Facts, str], ...] = (
     ),
 )
 RULES = tuple(row.rule for row in ROWS)
+_NO_NEWS_RULE = next(rule.id for rule in RULES if rule.outcome == UNCHANGED)  # evidence of nothing
 # A replica not observed yet is starting, as by the first rule that says so.
 _NOT_OBSERVED_RULE = next(rule.id for rule in RULES if rule.outcome == State.STARTING)
 
@@ -452,6 +453,7 @@ class Track:
     restart_issued_at: float | None = None
     last_notice: tuple[str, ...] | None = None  # stable key of the last refusal or notice logged
     metrics_error: str | None = None
+    served_at: float | None = None  # the last tick with evidence that it serves (see serves())
 
 
 def _progressed(prev: VllmSample | None, cur: VllmSample | None) -> bool:
@@ -590,7 +592,43 @@ def step(
     track, want_canary = _schedule_canary(facts, state)
     if state != track.state:
         track = replace(track, state=state, state_since=now)
+    if rule != _NO_NEWS_RULE and _serving_now(state, track, seen):
+        track = replace(track, served_at=now)
     return replace(track, rule=rule, evidence=evidence, observed=True), want_canary
+
+
+# "Another replica serves" (issue 35 item 3), the one definition for every rule that asks it: the
+# drain (D1-D5), the memory guard's peers (M14, the raise), the fleet's counts. A replica serves
+# when, at its last tick with evidence, it was healthy or busy, or degraded only by a probe that
+# was late or unreadable while /health answered in time or its work progressed; and that tick was
+# at most SERVED_RECENTLY_S ago, with nothing since that says it stopped (a verdict other than
+# healthy, busy or degraded, a restart in flight, a /health 503, a failed canary). A /metrics
+# answer late by a second on a loaded box is not the end of serving.
+SERVED_RECENTLY_S = 10.0
+_MAY_SERVE = frozenset({State.HEALTHY, State.BUSY, State.DEGRADED})
+
+
+def _serving_now(state: State, track: Track, seen: _Seen) -> bool:
+    if state in SERVING_STATES:
+        return True
+    return (
+        state is State.DEGRADED
+        and (seen.health_in_time or seen.progressed)
+        and track.canary_failures == 0
+        and track.dead_503_since is None
+    )
+
+
+def serves(track: Track, now: float) -> bool:
+    """TRACK's replica serves now, by the definition above."""
+    return (
+        track.state in _MAY_SERVE
+        and not track.restart_in_flight
+        and track.dead_503_since is None
+        and track.canary_failures == 0
+        and track.served_at is not None
+        and now - track.served_at <= SERVED_RECENTLY_S
+    )
 
 
 def _classify(facts: _Facts) -> tuple[State, str, str]:

@@ -54,9 +54,15 @@ class ReplicaMemory:
     usage_bytes: int | None = None  # NVML per-process memory, when the driver reports it
     start_failure: str | None = None  # vLLM's startup error, from the unit's journal since the lowering
     startup_grace_s: float = 1200.0
-    drained: bool = False  # marked down at the proxy and drained (core/drain.py D5, D6)
+    drained: bool = False  # marked down at the proxy and drained (core/drain.py D6, D7)
     base: float | None = None  # its fraction before guardian first lowered it (state file); None: never lowered
     restarts_left: int | None = None  # restarts its budget still allows in the window (A1); None: not counted
+    serves: bool | None = None  # liveness.serves (None: not judged by it; then healthy or busy)
+
+    @property
+    def serving(self) -> bool:
+        """It carries its model's load while another replica restarts (the one definition: liveness.serves)."""
+        return self.serves if self.serves is not None else self.state in SERVING_STATES
 
 
 @dataclass(frozen=True)
@@ -259,7 +265,7 @@ SQUEEZE_ROWS: tuple[Row[Squeeze, ReplicaMemory | None], ...] = (
             "M16",
             MemVerdict.DRAINING,
             "a proxy is configured ([proxy]) AND not critical AND the chosen replica is not drained yet "
-            "(core/drain.py D5, D6): it is marked down and drained first; the lowering waits (with dry_run: not "
+            "(core/drain.py D6, D7): it is marked down and drained first; the lowering waits (with dry_run: not "
             "drained)",
         ),
         lambda s: s.drain_first and not s.critical and not s.dry_run and not s.drained,
@@ -379,7 +385,7 @@ RESTORE_ROWS: tuple[Row[Raise, ReplicaMemory], ...] = (
         Rule(
             "M25",
             MemVerdict.RESTORE_DRAINING,
-            "a proxy is configured ([proxy]) AND the chosen replica is not drained yet (core/drain.py D5, D6): it "
+            "a proxy is configured ([proxy]) AND the chosen replica is not drained yet (core/drain.py D6, D7): it "
             "is marked down and drained first; the raise waits (with dry_run: not drained)",
         ),
         lambda r: r.drain_first and not r.dry_run and not r.chosen.drained,
@@ -908,9 +914,7 @@ def _can_give(replica: ReplicaMemory, memory: MemoryConfig) -> bool:
 
 def _peers(chosen: ReplicaMemory, view: MemoryView) -> tuple[str, ...]:
     """Who serves CHOSEN's model while it restarts: this box's replicas, M.peer_urls, other boxes."""
-    local = [
-        r.name for r in view.replicas if r.name != chosen.name and r.model == chosen.model and r.state in SERVING_STATES
-    ]
+    local = [r.name for r in view.replicas if r.name != chosen.name and r.model == chosen.model and r.serving]
     return (*local, *view.peers_serving.get(chosen.model, ()), *(view.fleet_serving or {}).get(chosen.model, ()))
 
 

@@ -10,7 +10,7 @@ found, into what core/memguard.py decides on, per replica:
   with another fraction than its env file says is overridden by something, so not wired (not
   while the fraction written is one its running start predates: M18 gave up or M19 dropped the
   restart that would have read it);
-- whether it is drained at the proxy for a change of fraction (core/drain.py D5, D6);
+- whether it is drained at the proxy for a change of fraction (core/drain.py D6, D7);
 - why it could not be restarted now: admission (A1-A3), then a fleet slot (F3-F6); and how many
   restarts its budget still allows (a raise never spends the last one, M24);
 - its base: the fraction it had before guardian first lowered it (the state file), which a raise
@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..config import ReplicaConfig
-from . import admission, drain, fleet
+from . import admission, drain, fleet, liveness
 from .drain import Phase
 from .memguard import MemoryView, ReplicaMemory, not_read
 from .observations import MemoryObservation, ReplicaMemoryObservation
@@ -83,6 +83,7 @@ def _replica(tick: Tick, replica: ReplicaConfig, found: ReplicaMemoryObservation
         and drain.drained(down, seen, tick.now, tick.cfg) is not None,
         base=tick.obs.persistent.fraction_bases.get(replica.name),
         restarts_left=budget.limit - budget.used,
+        serves=liveness.serves(track, tick.now),
     )
 
 

@@ -197,6 +197,7 @@ class RestartRequest:
     expires: float | None = None
     asker: tuple[int, int] | None = None  # (pid, start in clock ticks after boot) of the asking command
     asker_gone: bool = False
+    no_drain: bool = False  # `--no-drain`: restarted at once under a proxy, not marked down first (D2)
 
 
 @dataclass(frozen=True)
@@ -275,6 +276,11 @@ class FleetMember:
     name: str
     model: str
     state: str
+    serves: bool | None = None  # liveness.serves, as its box judged it (None: a guardian that did not say)
+
+    @property
+    def serving(self) -> bool:
+        return self.serves if self.serves is not None else self.state in SERVING_STATES
 
 
 @dataclass(frozen=True)
@@ -307,7 +313,7 @@ class FleetView:
             f"{m.box}/{m.name}"
             for m in self.members
             if m.model == model
-            and m.state in SERVING_STATES
+            and m.serving
             and (m.box, m.name) not in held
             and not (m.box == self.box and m.name == except_replica)
         ]

@@ -12,11 +12,11 @@ its steps in order:
    L1-L18); state changes and unreadable /metrics are logged once; canaries are asked for;
    canary latencies that changed are recorded in the state file (one action a tick), where a
    track created later starts from them;
-2. follow_drains (core/drain.py, D3-D8, D10, D11): a drained replica is restarted, a drain that
+2. follow_drains (core/drain.py, D4-D9, D11, D12): a drained replica is restarted, a drain that
    cannot go on is abandoned, a replica back in service is marked up at the proxy;
 3. restart_unplanned: a replica whose verdict asks for one (stalled, unresponsive, idle-dead) is
    restarted if admission allows (core/admission.py, A1-A3 then G1-G9), at most one per tick,
-   and marked down at the proxy (D9);
+   and marked down at the proxy (D10);
 4. take_requests: operators' restart requests (`guardian restart NAME`, recorded in the state
    file) wait for a fleet slot when [fleet] is set (core/fleet.py, F2-F6), pass the same
    admission, then drain first when a proxy is configured (D1, D2); each is answered, refused
@@ -28,7 +28,7 @@ its steps in order:
 6. guard_memory: the memory guard (its view built by core/memview.py, its verdict by
    core/memguard.py, M1-M26) sees the tracks and what admission would say; a change it starts
    marks that replica's restart in flight, as any other restart does; its drains are kept here
-   (D7, D9);
+   (D8, D10);
 7. release_fleet_slots: a fleet slot whose planned restart is over is given back (F7);
 8. watch_bypass: clients that talk to a replica past the proxy are said (core/bypass.py, B1-B3);
 9. sync_proxy: with a proxy configured, the last action is SyncProxy(the replicas marked down).
@@ -137,7 +137,7 @@ class Tick:
         self.actions: list[Action] = []
         # The next state's parts, as the steps make them.
         self.tracks: dict[str, Track] = {}
-        # D11: a replica gone from the config leaves the proxy's file with its server line.
+        # D12: a replica gone from the config leaves the proxy's file with its server line.
         self.drains = {name: down for name, down in previous.drains.items() if cfg.replica(name) is not None}
         self.mem = previous.mem
         self.requests_taken = previous.requests_taken
@@ -229,18 +229,18 @@ class Tick:
     # --- 2. drains in progress ----------------------------------------------------------------
 
     def follow_drains(self) -> None:
-        """Step 2: each replica marked down at the proxy (core/drain.py D3-D8, D10)."""
+        """Step 2: each replica marked down at the proxy (core/drain.py D4-D9, D11)."""
         for replica in self.cfg.replicas:
             down = self.drains.get(replica.name)
             if down is None:
                 continue
             if down.phase is Phase.AWAY:
                 self._mark_up_when_back(replica, down)
-            elif self.tracks[replica.name].state not in RESTART_STATES:  # one that hung: step 3 restarts it (D9)
+            elif self.tracks[replica.name].state not in RESTART_STATES:  # one that hung: step 3 restarts it (D10)
                 self._follow_drain(replica, down)
 
     def _mark_up_when_back(self, replica: ReplicaConfig, down: Drain) -> None:
-        """D10."""
+        """D11."""
         track = self.tracks[replica.name]
         if not drain.back(down, track):
             return
@@ -249,18 +249,18 @@ class Tick:
             LogLine(
                 Priority.INFO,
                 f"replica {replica.name}: serving again ({track.evidence}); marked up at the proxy, which also "
-                "clears its count of failed attempts (D10)",
+                "clears its count of failed attempts (D11)",
                 Decision.PROXY,
                 replica.name,
                 replica.unit,
                 state=track.state,
-                rule="D10",
+                rule="D11",
             )
         )
 
     def _follow_drain(self, replica: ReplicaConfig, down: Drain) -> None:
-        """A draining replica: wait, give the drain up (D3, D4), or restart it once drained (D5, D6,
-        D8); one the memory guard waits for is its business once drained (D7)."""
+        """A draining replica: wait, give the drain up (D4, D5), or restart it once drained (D6, D7,
+        D9); one the memory guard waits for is its business once drained (D8)."""
         down = drain.confirmed(down, replica.name, self.obs.proxy, self.now)
         self.drains[replica.name] = down
         error = drain.refused_by_proxy(down, replica.name, self.obs.proxy)
@@ -271,39 +271,39 @@ class Tick:
             self._abandon(
                 replica,
                 down,
-                "D3",
+                "D4",
                 f"marking it down at the proxy failed: {error}; fix the proxy (see `guardian check`) or "
                 "P.drain_command, then ask again",
             )
             return
         peers = drain.serving_peer_count(self.obs, self.cfg, replica.model)
-        if drain.others_serving(replica.name, self.cfg, self.tracks, self.drains, peers) == 0:
+        if drain.others_serving(replica.name, self.cfg, self.tracks, self.drains, peers, self.now) == 0:
             none_left = f"no other replica of {replica.model} serves any more, so draining it would leave none"
-            self._abandon(replica, down, "D4", none_left)
+            self._abandon(replica, down, "D5", none_left)
             return
         over = drain.drained(down, self.obs.replicas[replica.name], self.now, self.cfg)
         if over is not None and not down.for_memory:
             self._restart_drained(replica, down, over)
 
     def _say_memory_drain_waits(self, replica: ReplicaConfig, down: Drain, error: str) -> None:
-        """D3 for the memory guard's drain: it waits for the proxy's retry, said once."""
+        """D4 for the memory guard's drain: it waits for the proxy's retry, said once."""
         if down.error_said:
             return
         self._say(
             LogLine(
                 Priority.ERROR,
                 f"replica {replica.name}: the memory guard's change of fraction waits: marking it down at the proxy "
-                f"failed: {error}; the proxy is asked again every 30 s (D3)",
+                f"failed: {error}; the proxy is asked again every 30 s (D4)",
                 Decision.REFUSED,
                 replica.name,
                 replica.unit,
-                rule="D3",
+                rule="D4",
             )
         )
         self.drains[replica.name] = replace(down, error_said=True)
 
     def _restart_drained(self, replica: ReplicaConfig, down: Drain, why: str) -> None:
-        """D5, D6: the planned restart, with a bounded stop; refused when it comes to it: D8, unless
+        """D6, D7: the planned restart, with a bounded stop; refused when it comes to it: D9, unless
         its request waits through that refusal (A4): then it is marked up and waits as asked."""
         if self._requeue(replica, down):
             return
@@ -316,7 +316,7 @@ class Tick:
         )
         refusal = self._restart(replica, ask, self.restart_under_way)
         if refusal is not None:
-            self._abandon(replica, down, "D8", f"refused ({refusal.gate}): {refusal.text}", already_said=True)
+            self._abandon(replica, down, "D9", f"refused ({refusal.gate}): {refusal.text}", already_said=True)
             return
         self.drains[replica.name] = Drain(
             Phase.AWAY, self.now, "planned restart after its drain", down.request_id, down.confirmed_at
@@ -407,9 +407,11 @@ class Tick:
         # A hung engine will not shut down gracefully: vLLM's API server would wait on it until
         # systemd's TimeoutStopSec. Its processes are killed once its stop has run HUNG_STOP_GRACE_S.
         kill = ask.kind is RestartKind.HANG
+        # Every planned stop is bounded, drained or not: a loaded vLLM's graceful stop took 196.5 s.
+        stop_timeout_s = None if kill else (ask.stop_timeout_s or self.cfg.proxy.stop_timeout_s)
         how = f", its processes killed if its stop lasts {HUNG_STOP_GRACE_S:g} s (hung)" if kill else ""
-        if ask.stop_timeout_s is not None and not kill:
-            how = f", its processes killed if the stop takes over {ask.stop_timeout_s:g} s"
+        if stop_timeout_s is not None:
+            how = f", its processes killed if the stop takes over {stop_timeout_s:g} s"
         track = self.tracks[replica.name]
         said = LogLine(  # an action taken is always said: by the restart, once its re-check passes
             Priority.WARNING,
@@ -429,7 +431,7 @@ class Tick:
                 ask.evidence,
                 ask.request_id,
                 kill_first=kill,
-                stop_timeout_s=ask.stop_timeout_s,
+                stop_timeout_s=stop_timeout_s,
                 said=said,
             )
         )
@@ -444,7 +446,7 @@ class Tick:
 
     def restart_unplanned(self) -> None:
         """Step 3: a replica whose verdict asks for a restart gets one if admitted, and is marked
-        down at the proxy (D9)."""
+        down at the proxy (D10)."""
         for replica in self.cfg.replicas:
             track = self.tracks[replica.name]
             if track.state not in RESTART_STATES:
@@ -460,7 +462,7 @@ class Tick:
                 self._mark_down_hung(replica, track)
 
     def _mark_down_hung(self, replica: ReplicaConfig, track: Track) -> None:
-        """D9: marked down while it restarts; a drain it hung in ends here, its request answered."""
+        """D10: marked down while it restarts; a drain it hung in ends here, its request answered."""
         down = self.drains.get(replica.name)
         if not self.cfg.proxy.enabled or (down is not None and down.phase is not Phase.DRAINING):
             return
@@ -481,11 +483,11 @@ class Tick:
                 LogLine(
                     Priority.WARNING,
                     f"replica {replica.name}: marked down at the proxy while it restarts ({track.state}): no new "
-                    "request goes to it until it serves again (D9)",
+                    "request goes to it until it serves again (D10)",
                     Decision.PROXY,
                     replica.name,
                     replica.unit,
-                    rule="D9",
+                    rule="D10",
                 )
             )
 
@@ -520,8 +522,12 @@ class Tick:
         # Without the proxy's report (no daemon runs: `guardian restart` decides alone) nobody would
         # finish a drain, so it is restarted at once.
         drain_first = self.cfg.proxy.enabled and self.obs.proxy is not None and not self.cfg.dry_run
-        if drain_first and replica.name not in self.drains and self._start_drain(replica, request.id, head):
-            return True
+        if drain_first and replica.name not in self.drains and self._admitted(replica):
+            no_peer = self._no_peer(replica, request)
+            if no_peer is not None:
+                return self._wait_for_peer(replica, request, head, no_peer)
+            if self._start_drain(replica, request, head):
+                return True
         ask = RestartAsk(RestartKind.OPERATOR, head, "requested by an operator", request.id)
         refusal = self._restart(replica, ask, self.planned_restarts_blocked)
         if refusal is not None:
@@ -626,17 +632,52 @@ class Tick:
         self._say_wait(replica, request, slot, Decision.FLEET)
         return False
 
-    def _start_drain(self, replica: ReplicaConfig, request_id: str, head: str) -> bool:
-        """D1: mark REPLICA down at the proxy instead of restarting it now; True if so. D2 says why not."""
-        if not self._admitted(replica):
-            return False  # the restart path logs and answers the refusal
+    def _no_peer(self, replica: ReplicaConfig, request: RestartRequest) -> Refusal | None:
+        """D3: why an admitted planned restart waits for another replica of its model to serve, or None
+        (one serves: D1; or it goes undrained on purpose: D2)."""
+        if request.no_drain or not drain.peers_configured(replica.name, self.obs, self.cfg):
+            return None
         peers = drain.serving_peer_count(self.obs, self.cfg, replica.model)
-        if drain.others_serving(replica.name, self.cfg, self.tracks, self.drains, peers) == 0:
+        if drain.others_serving(replica.name, self.cfg, self.tracks, self.drains, peers, self.now) > 0:
+            return None
+        others = drain.not_serving(replica.name, self.cfg, self.tracks, self.drains)
+        return Refusal(
+            Gate.NO_PEER,
+            "D3",
+            f"no other replica of {replica.model} serves now ({others}), and draining it would leave none",
+            "it is drained once one serves; `guardian restart --no-drain` restarts it at once, undrained",
+            Priority.INFO,
+            key=tuple(sorted(f"{n}:{t.state}" for n, t in self.tracks.items() if n != replica.name)),
+        )
+
+    def _wait_for_peer(self, replica: ReplicaConfig, request: RestartRequest, head: str, no_peer: Refusal) -> bool:
+        """D3: the request waits for a serving peer while its `--wait` lasts, then (or at once without
+        one) is refused; True once answered."""
+        if request.wait_until is not None and not _wait_over(request, self.now):
+            self._say_wait(replica, request, no_peer, Decision.REQUEST)
+            return False
+        text = f"{head}; restart of {replica.unit} refused: {no_peer.text} (D3)"
+        self._say(
+            LogLine(Priority.ERROR, text, Decision.REFUSED, replica.name, replica.unit, gate=no_peer.gate, rule="D3")
+        )
+        self.actions.append(self._refused(request, no_peer, passing=True))
+        return True
+
+    def _start_drain(self, replica: ReplicaConfig, request: RestartRequest, head: str) -> bool:
+        """D1: mark REPLICA down at the proxy instead of restarting it now; True if so. D2 says why not:
+        asked with --no-drain, or no other replica of its model is configured."""
+        request_id = request.id
+        if request.no_drain or not drain.peers_configured(replica.name, self.obs, self.cfg):
+            why = (
+                "asked with --no-drain"
+                if request.no_drain
+                else f"no other replica of {replica.model} is configured (on this box, at peer_urls or in the fleet)"
+            )
             self._say(
                 LogLine(
                     Priority.WARNING,
-                    f"{head}; not drained: no other replica of {replica.model} serves, so it is restarted at once and "
-                    "its clients will see errors until it serves again (D2)",
+                    f"{head}; not drained: {why}, so it is restarted at once and its clients will see errors until "
+                    f"it serves again (D2)",
                     Decision.PROXY,
                     replica.name,
                     replica.unit,
@@ -680,7 +721,7 @@ class Tick:
             if isinstance(action, SetFraction):
                 self.mem = memguard.start_stopped(self.mem, action, self.now)
                 self.restart_under_way = True
-        self._take_memory_actions(actions)  # its restart in flight, marked down at the proxy (D9)
+        self._take_memory_actions(actions)  # its restart in flight, marked down at the proxy (D10)
 
     def _start_view(self, observed: MemoryObservation) -> startguard.StartView:
         """The start guard's view: the memory guard's view of each replica, the tick's verdicts and
@@ -732,7 +773,7 @@ class Tick:
     # --- 6. the memory guard ------------------------------------------------------------------
 
     def guard_memory(self) -> None:
-        """Step 6 (M1-M26): the memory guard's verdict on its view of the box, and its drains (D7, D9);
+        """Step 6 (M1-M26): the memory guard's verdict on its view of the box, and its drains (D8, D10);
         a start the start guard stopped (step 5) is its pending change already."""
         observed = self.obs.memory
         if observed is None:  # the memory guard is off (a reload): its drains are not waited for
@@ -769,8 +810,10 @@ class Tick:
         return asked
 
     def _lowering_at_the_proxy(self, lowering: SetFraction) -> SetFraction:
-        """A lowering's restart: after its drain (D7) with a bounded stop; a critical one, not drained,
-        is marked down as it restarts (D9)."""
+        """A lowering's restart: after its drain (D8) with a bounded stop; a critical one, not drained,
+        is marked down as it restarts (D10). Its stop is bounded in every case, as a planned one."""
+        if lowering.stop_timeout_s is None:
+            lowering = replace(lowering, stop_timeout_s=self.cfg.proxy.stop_timeout_s)
         if not self.cfg.proxy.enabled:
             return lowering
         name = lowering.replica
@@ -781,17 +824,17 @@ class Tick:
             why = drain.drained(down, self.obs.replicas[name], self.now, self.cfg) or "drained"
             self.drains[name] = replace(down, phase=Phase.AWAY, since=self.now)
             verb = "raises" if lowering.new > lowering.old else "lowers"
-            text = f"replica {name}: {why}; the memory guard {verb} it now (D7)"
-            self._say(LogLine(Priority.INFO, text, Decision.PROXY, name, unit, rule="D7"))
+            text = f"replica {name}: {why}; the memory guard {verb} it now (D8)"
+            self._say(LogLine(Priority.INFO, text, Decision.PROXY, name, unit, rule="D8"))
             return replace(lowering, stop_timeout_s=self.cfg.proxy.stop_timeout_s)
         if down is None:
             self.drains[name] = Drain(Phase.AWAY, self.now, "a critical lowering")
-            text = f"replica {name}: marked down at the proxy while the memory guard restarts it (D9)"
-            self._say(LogLine(Priority.WARNING, text, Decision.PROXY, name, unit, rule="D9"))
+            text = f"replica {name}: marked down at the proxy while the memory guard restarts it (D10)"
+            self._say(LogLine(Priority.WARNING, text, Decision.PROXY, name, unit, rule="D10"))
         return lowering
 
     def _mark_up_unasked(self, asked: set[str]) -> None:
-        """D7: a drain the memory guard no longer asks for (the squeeze ended, it chose another)."""
+        """D8: a drain the memory guard no longer asks for (the squeeze ended, it chose another)."""
         for replica in self.cfg.replicas:
             down = self.drains.get(replica.name)
             if down is None or not down.for_memory or down.phase is not Phase.DRAINING or replica.name in asked:
@@ -801,11 +844,11 @@ class Tick:
                 LogLine(
                     Priority.INFO,
                     f"replica {replica.name}: the memory guard no longer changes its fraction; marked up again at the "
-                    "proxy (D7)",
+                    "proxy (D8)",
                     Decision.PROXY,
                     replica.name,
                     replica.unit,
-                    rule="D7",
+                    rule="D8",
                 )
             )
 

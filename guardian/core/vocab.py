@@ -85,6 +85,7 @@ class Gate(StrEnum):
     CONFLICTS = "conflicts"
     ENV_FILE = "env-file"  # the memory guard could not write the replica's env file
     FLEET = "fleet"  # a planned restart waits for the fleet (core/fleet.py)
+    NO_PEER = "no-peer"  # under a proxy, a planned restart waits for another replica of its model to serve
 
 
 class MemVerdict(StrEnum):

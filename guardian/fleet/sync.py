@@ -35,6 +35,7 @@ from typing import Any
 from ..config import Config
 from ..core.actions import AcquireSlot, LogLine, ReleaseSlot
 from ..core.liveness import Track
+from ..core.liveness import serves as serves_now
 from ..core.observations import FleetMember, FleetSlot, FleetView, TickObservation
 from ..core.vocab import Decision, Priority, State
 from ..observe.clock import Now
@@ -92,7 +93,11 @@ def _text(data: dict[str, Any], field: str) -> str:
 
 def read_member(value: str) -> tuple[FleetMember, dict[str, Any]]:
     data = read_value(value)
-    return FleetMember(_text(data, "box"), _text(data, "name"), _text(data, "model"), _text(data, "state")), data
+    serves = data.get("serves")
+    if serves is not None and not isinstance(serves, bool):
+        raise NotOurs("its 'serves' is not true or false")
+    member = FleetMember(_text(data, "box"), _text(data, "name"), _text(data, "model"), _text(data, "state"), serves)
+    return member, data
 
 
 def read_slot(value: str) -> tuple[FleetSlot, dict[str, Any]]:
@@ -234,8 +239,10 @@ class FleetSync:
             t = tracks.get(r.name)
             state = str(t.state if t is not None else State.STARTING)
             since = at.wall - (at.mono - t.state_since) if t is not None else at.wall
+            # Whether it serves, by the one definition (liveness.serves): other boxes count it by that.
+            serves = t is not None and serves_now(t, at.mono)
             value = json.dumps(
-                {"box": self.box, "name": r.name, "unit": r.unit, "model": r.model, "state": state},
+                {"box": self.box, "name": r.name, "unit": r.unit, "model": r.model, "state": state, "serves": serves},
                 sort_keys=True,
             )
             if self.published.get(r.name) != value:
