@@ -18,6 +18,7 @@ def tables() -> dict[str, str]:
     """Every rule table, keyed by the docs/rules.md marker it is rendered under."""
     return {
         "liveness": markdown_table(liveness.RULES, "state"),
+        "canary": markdown_table(liveness.CANARY_RULES, "meaning"),
         "admission": markdown_table(admission.RULES, "refusal"),
         "gates": markdown_table(gates.RULES, "refusal"),
         "memory": markdown_table(memguard.RULES, "verdict"),

@@ -59,7 +59,14 @@ def rule_modules() -> dict[str, ModuleType]:
     return found
 
 
-RULE_TABLES = {name: module.RULES for name, module in rule_modules().items()}
+def rule_tables() -> dict[str, tuple]:
+    """Every RULES table, and the tables a module keeps beside it (liveness's canary rows, C1-C4)."""
+    found = {name: module.RULES for name, module in rule_modules().items()}
+    found["canary"] = importlib.import_module("guardian.core.liveness").CANARY_RULES
+    return found
+
+
+RULE_TABLES = rule_tables()
 KNOWN_RULE_IDS = frozenset(r.id for rows in RULE_TABLES.values() for r in rows)
 
 

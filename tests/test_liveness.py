@@ -20,7 +20,7 @@ from guardian.core.observations import (
 )
 from guardian.core.vocab import Decision, HeldBy, Hidden, Nobody, State
 from harness import (
-    DEAD_503, SLOW, SLOW_FAIL, TIMEOUT, Box, canaries, cfg, checked, conns, logs, obs, restarts, sample, unit,
+    DEAD_503, SLOW, SLOW_FAIL, TIMEOUT, Box, canaries, cfg, checked, conns, logs, obs, restarts, said, sample, unit,
 )
 
 # Three canaries of 0.1 s learned, as the state file keeps them (the tests that count idle
@@ -799,6 +799,12 @@ def started_at_95(t: float, **kw) -> ReplicaObservation:
     return obs(t=t, u=STARTED_95, **kw)
 
 
+def late_mark(box: Box) -> float | None:
+    """The learned deadline the canary in flight was marked late at (seconds after it was sent)."""
+    t = box.tracks["a"]
+    return t.canary_late_at - t.canary_in_flight_since if t.canary_late_at is not None else None
+
+
 def sent_at(box: Box) -> dict[float, float]:
     """When each canary was asked for -> its deadline."""
     return {box.tracks["a"].canary_in_flight_since: a.timeout_s for a in canaries(box.actions)}
@@ -822,7 +828,8 @@ def test_a_replica_that_first_serves_with_nothing_learned_gets_a_canary_at_each_
         box.tick(float(t), a=started_at_95(float(t)))
     assert canaries(box.actions) == []
     box.tick(136.0, a=started_at_95(136.0))
-    assert [a.timeout_s for a in canaries(box.actions)] == [3.0]  # learned: 4 x 0.7 = 2.8, raised to the floor
+    # sent with the hard bound; late past the learned 4 x 0.7 = 2.8, raised to the floor (C2)
+    assert [a.timeout_s for a in canaries(box.actions)] == [15.0] and late_mark(box) == 3.0
 
 
 def test_learning_canaries_are_at_most_3_even_when_they_fail_and_a_restart_of_the_replica_gives_no_more():
@@ -854,7 +861,7 @@ def test_a_replica_whose_latencies_the_state_file_kept_gets_its_learned_deadline
     assert canaries(box.actions) == [] and box.tracks["a"].learning_canaries == 0
     assert not [a for a in box.actions if isinstance(a, RecordCanaryLatencies)]  # read, not changed
     box.tick(125.0, a=started_at_95(125.0))
-    assert [a.timeout_s for a in canaries(box.actions)] == [8.0]  # 4 x 2.0, not canary_timeout_s
+    assert [a.timeout_s for a in canaries(box.actions)] == [15.0] and late_mark(box) == 8.0  # 4 x 2.0
 
 
 def test_a_replica_with_fewer_than_3_kept_gets_only_the_canaries_it_misses():
@@ -889,7 +896,7 @@ def test_learned_latencies_go_to_the_state_file_once_per_change_and_a_new_guardi
     for t in range(200, 230):
         again.tick(float(t), a=obs(t=float(t), u=unit(inactive_exit_mono=200.0)))
     again.tick(230.0, a=obs(t=230.0, u=unit(inactive_exit_mono=200.0)))
-    assert [a.timeout_s for a in canaries(again.actions)] == [3.0]  # learned: no burst, no 15 s deadline
+    assert [a.timeout_s for a in canaries(again.actions)] == [15.0] and late_mark(again) == 3.0  # learned: no burst
 
 
 @pytest.mark.parametrize("t, state", [(127.4, State.BUSY), (127.5, State.UNRESPONSIVE)])
@@ -911,8 +918,9 @@ def test_a_canary_in_flight_and_a_stall_canary_falling_due_are_deadlines_of_thei
     steps with clients waiting is judged as soon as its canary's deadline passes."""
     box = Box(cfg(1, stall_canary_after_s=10, client_wait_s=3), LEARNED)
     healthy_start(box)
-    assert box.tracks["a"].canary_due_at == 100.0 + 3.0  # the canary sent at 100, its learned deadline (floor)
-    assert tick.liveness.next_deadline(box.tracks["a"], box.cfg.watchdog) == 103.0 + 0.25
+    # the canary sent at 100: late at its learned deadline (the floor), failed only at canary_timeout_s
+    assert (box.tracks["a"].canary_late_at, box.tracks["a"].canary_due_at) == (103.0, 115.0)
+    assert tick.liveness.next_deadline(box.tracks["a"], box.cfg.watchdog) == 115.0 + 0.25
     box.tick(101, a=obs(t=101, canary=CanaryResult(True, 100.0, 0.1)))
     assert tick.liveness.next_deadline(box.tracks["a"], box.cfg.watchdog) is None
     box.tick(104, a=replace(obs(t=104), conns=conns(waiting=4, oldest_wait_s=3.0)))  # queued since 101
@@ -975,12 +983,12 @@ def test_a_deadline_already_past_does_not_shorten_every_tick_and_a_lost_canary_i
     assert box.state() is State.BUSY and tick.liveness.next_deadline(box.tracks["a"], box.cfg.watchdog) == 111.0
     assert tick.probe_wait_s(box.core, 113.5, box.cfg) == pytest.approx(1.0)  # not the 0.05 floor
     s2 = Box(cfg(1), LEARNED)
-    healthy_start(s2)  # its canary went out at 100, due at 103
-    s2.tick(133.0)
-    assert s2.tracks["a"].canary_due_at == 103.0  # not yet given up: 30 s past its deadline
-    s2.tick(133.5)
-    assert s2.tracks["a"].canary_in_flight_since is None or s2.tracks["a"].canary_in_flight_since == 133.5
-    assert s2.tracks["a"].canary_due_at != 103.0
+    healthy_start(s2)  # its canary went out at 100, due at 115 (canary_timeout_s)
+    s2.tick(145.0)
+    assert s2.tracks["a"].canary_due_at == 115.0  # not yet given up: 30 s past its deadline
+    s2.tick(145.5)
+    assert s2.tracks["a"].canary_in_flight_since is None or s2.tracks["a"].canary_in_flight_since == 145.5
+    assert s2.tracks["a"].canary_due_at != 115.0
 
 
 # --- a stray on the replica's address (issue 34 row 13) -----------------------------------------
@@ -1078,3 +1086,54 @@ def test_no_news_is_no_evidence_of_serving():
         box.tick(t, a=replace(obs(t=t, health=TIMEOUT), probes_pending_s=t - 100.0))
     assert box.rule() == "L10" and box.state() is State.HEALTHY
     assert not serves(box.tracks["a"], 111.0)
+
+
+# --- a late answer is an answer (issue 35 items 1 and 2: C1-C4) -----------------------------------
+
+def test_idle_canaries_late_past_the_learned_deadline_are_slow_not_failed_and_said_once():
+    """Issue 35's false idle-dead: b, idle, learned 0.1 s canaries on an idle box; then the box is
+    saturated and its canaries answer in 5-7 s. Each is slow (C2), never a failure: no restart, one
+    info line for the spell, and the latencies learned, so the deadline follows the load."""
+    box = Box(cfg(1, canary_interval_s=30, canary_failures=2), LEARNED)
+    healthy_start(box)
+    box.tick(101.0, a=obs(t=101.0, canary=CanaryResult(True, 100.0, 0.1)))
+    t = 101.0
+    for latency in (5.0, 6.0, 7.0, 5.5):
+        sent = t + 30.0
+        box.tick(sent, a=obs(t=sent))
+        assert box.tracks["a"].canary_in_flight_since == sent
+        box.tick(sent + latency + 0.2, a=obs(t=sent + latency + 0.2, canary=CanaryResult(True, sent, latency)))
+        assert box.state() is State.HEALTHY and box.tracks["a"].canary_failures == 0
+        t = sent + latency + 0.2
+    assert restarts(box.actions) == []
+    slow = [a for a in said(box.actions) if a.rule == "C2"]
+    assert len(slow) == 1 and slow[0].priority == "info" and "past its learned deadline of 3.0 s" in slow[0].message
+    assert box.tracks["a"].canary_latencies[-4:] == (5.0, 6.0, 7.0, 5.5)
+    deadline = tick.liveness.canary_deadline(box.tracks["a"], box.cfg.replicas[0], box.cfg.watchdog)
+    assert deadline == 15.0  # 4 x 7.0, within canary_timeout_s: the next late mark follows the box
+
+
+@pytest.mark.parametrize("canary, during, counted, rule", [
+    (CanaryResult(True, 100.0, 0.5), {}, False, "C1"),
+    (CanaryResult(True, 100.0, 9.0), {}, False, "C2"),
+    # no answer at canary_timeout_s, but tokens were counted at the tick that brings its result
+    (CanaryResult(False, 100.0, 15.0, "timeout"), {"s": sample(gen=40, running=0)}, False, "C3"),
+    # ... or the replica's process wrote to a client while it ran
+    (CanaryResult(False, 100.0, 15.0, "timeout"), {"_conns": conns(flowing=1, bytes_out=900)}, False, "C3"),
+    (CanaryResult(False, 100.0, 15.0, "timeout"), {}, True, "C4"),
+    (CanaryResult(False, 100.0, 0.1, "HTTP 500"), {}, True, "C4"),
+])
+def test_what_a_canarys_result_means(canary, during, counted, rule):
+    box = Box(cfg(1), LEARNED)
+    healthy_start(box)  # its canary is sent at 100
+    kw = dict(during)
+    c = kw.pop("_conns", None)
+    o = obs(t=115.5, canary=canary, **kw)
+    box.tick(115.5, a=replace(o, conns=c) if c is not None else o)
+    assert box.tracks["a"].canary_failures == (1 if counted else 0)
+    lines = [a.rule for a in said(box.actions) if a.rule and a.rule.startswith("C")]
+    assert lines == (["C2"] if rule == "C2" else [])
+    from guardian.core.liveness import CANARY_ROWS, _CanaryBack, first_match
+
+    found = first_match(CANARY_ROWS, _CanaryBack(canary, 3.0, bool(during)))
+    assert found is not None and found[0].id == rule

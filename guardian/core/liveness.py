@@ -37,12 +37,14 @@ and none is in flight, and one of:
   at every tick, at most LEARNING_CANARIES (3) times per replica per guardian run (a restart of the
   replica does not give it more), so that its deadline is learned within seconds of it first
   serving; a failed one counts as any failed canary.
-Its deadline is canary_deadline(): R.canary_timeout_s until 3 canaries have succeeded, then
+It is sent with the hard bound R.canary_timeout_s. Its learned deadline, canary_deadline(), only
+marks it late: R.canary_timeout_s until 3 canaries have succeeded, then
 W.canary_deadline_factor x the slowest of the last 8 successful ones, within
 [W.canary_deadline_floor_s, R.canary_timeout_s]. The latencies are kept in the state file
 (act/state.py), so a guardian restart or reload, or a restart of the replica, learns nothing anew.
-A failed canary counts only if no progress was seen while it ran (real traffic proves the
-engine; a kv change during a long prefill proves it too).
+What its result means is CANARY_ROWS (C1-C4): a late answer is an answer (C2, its latency learned,
+so the deadline follows the box's load); a failure counts only with no sign of life while it ran
+(C3, C4: real traffic proves the engine; a kv change during a long prefill proves it too).
 
 When the unit's start time changes (it was restarted, by anyone), everything but the restart
 bookkeeping, the canary latencies and the count of learning canaries is forgotten, and rule L6
@@ -54,7 +56,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..config import ReplicaConfig, WatchdogConfig
-from .observations import Pause, Probe, ReplicaObservation, UnitInfo, VllmSample
+from .observations import CanaryResult, Pause, Probe, ReplicaObservation, UnitInfo, VllmSample
 from .rules import UNCHANGED, Row, Rule, first_match
 from .vocab import SERVING_STATES, ActiveState, HeldBy, PortOwner, State
 
@@ -235,7 +237,7 @@ def _not_its_answers(track: Track, obs: ReplicaObservation) -> tuple[Track, Repl
     counters, a model, a canary) is the replica's progress or its start's end (issue 34 row 13)."""
     none = Probe(False, None, 0.0, "answered by another's listener")
     if obs.canary is not None:
-        track = replace(track, canary_in_flight_since=None, canary_due_at=None)
+        track = replace(track, canary_in_flight_since=None, canary_due_at=None, canary_late_at=None)
     blind = replace(
         obs,
         health=none,
@@ -440,7 +442,12 @@ class Track:
     failing_since: float | None = None  # no answer since then (the last answer, else the first failure)
     dead_503_since: float | None = None
     canary_in_flight_since: float | None = None
-    canary_due_at: float | None = None  # when the canary in flight has failed if it has not answered
+    canary_due_at: float | None = (
+        None  # when the canary in flight has failed if it has not answered (R.canary_timeout_s)
+    )
+    canary_late_at: float | None = None  # when it is past its learned deadline (late, not failed: C2)
+    slow_spell: bool = False  # the last canary was late (C2): the next late one is not said again
+    slow_said: str | None = None  # this tick's C2 line, for the tick to say (None: nothing to say)
     last_canary_ok_at: float | None = None  # when the last successful canary was sent
     first_seen_at: float | None = None  # guardian's first observation of this replica (this run)
     last_canary_at: float | None = None
@@ -516,6 +523,71 @@ def _beyond_a_canary(prev: VllmSample | None, cur: VllmSample) -> bool:
     return cur.generation_tokens - prev.generation_tokens > 1 or cur.request_success - prev.request_success > 1
 
 
+@dataclass(frozen=True)
+class _CanaryBack:
+    """A canary's result as the canary rows read it."""
+
+    canary: CanaryResult
+    late_after_s: float | None  # its learned deadline when it was sent (None: not marked)
+    life: bool  # a sign of life while it ran: progress since it was sent, this tick's included
+
+    @property
+    def late(self) -> bool:
+        return self.late_after_s is not None and self.canary.latency_s > self.late_after_s
+
+
+def _slow(back: _CanaryBack) -> str:
+    assert back.late_after_s is not None, "said only of a canary marked late"
+    return (
+        f"a canary answered in {back.canary.latency_s:.1f} s, past its learned deadline of "
+        f"{back.late_after_s:.1f} s: alive and slow, and the deadline follows"
+    )
+
+
+# What a canary's result means (issue 35 items 1 and 2): one table for idle-dead (L15) and the stall's
+# proof (L14) alike. First match wins.
+CANARY_ROWS: tuple[Row[_CanaryBack, str], ...] = (
+    Row(
+        Rule("C1", "alive", "the canary answered within its learned deadline (canary_deadline())"),
+        lambda b: b.canary.ok and not b.late,
+        lambda b: f"a canary answered in {b.canary.latency_s:.1f} s",
+    ),
+    Row(
+        Rule(
+            "C2",
+            "alive, slow",
+            "the canary answered after its learned deadline, within R.canary_timeout_s (the bound it is sent "
+            "with): a late answer is an answer; its latency is learned as any other, so the deadline follows "
+            "the box's load; said at info once per spell of late canaries; never a failure",
+        ),
+        lambda b: b.canary.ok,
+        _slow,
+    ),
+    Row(
+        Rule(
+            "C3",
+            "no failure",
+            "the canary failed (no answer within R.canary_timeout_s, or an error) AND a sign of life came while "
+            "it ran: a counter or the kv cache moved, or a response the replica's process wrote flowed to a "
+            "client (the tick that brings the result included)",
+        ),
+        lambda b: b.life,
+        lambda b: f"a canary failed ({b.canary.error}) while the replica was working",
+    ),
+    Row(
+        Rule(
+            "C4",
+            "failed",
+            "otherwise: the canary failed with no sign of life while it ran: it counts toward idle-dead (L15: "
+            "W.canary_failures in a row) and, with work queued, is a stall's proof (L14)",
+        ),
+        lambda b: True,
+        lambda b: f"a canary failed ({b.canary.error}) with nothing moving",
+    ),
+)
+CANARY_RULES = tuple(row.rule for row in CANARY_ROWS)
+_SLOW_CANARY, _FAILED_CANARY = CANARY_RULES[1].id, CANARY_RULES[3].id
+
 CANARY_LATENCIES_KEPT = 8
 CANARY_LATENCIES_NEEDED = 3
 LEARNING_CANARIES = 3  # canaries sent at once, one a tick, to a replica with nothing learned
@@ -583,7 +655,7 @@ def step(
     pause: Pause | None = None,
 ) -> tuple[Track, float | None]:
     """Fold one observation into the track. Returns (new track, the deadline of a canary to start, or None)."""
-    track = _carry_over(track, obs, now)
+    track = replace(_carry_over(track, obs, now), slow_said=None)
     if port_taken_by(obs.port_owner, rcfg) is not None:
         track, obs = _not_its_answers(track, obs)
     track, seen = _fold(track, obs, now, rcfg, wcfg)
@@ -650,7 +722,7 @@ def _carry_over(track: Track, obs: ReplicaObservation, now: float) -> Track:
         track = replace(track, restart_in_flight=False)
     if obs.canary is None and track.canary_due_at is not None and now > track.canary_due_at + CANARY_LOST_AFTER_S:
         # its result never came (the executor lost it): no canary would ever be sent again
-        track = replace(track, canary_in_flight_since=None, canary_due_at=None)
+        track = replace(track, canary_in_flight_since=None, canary_due_at=None, canary_late_at=None)
     if track.first_seen_at is None:
         track = replace(track, first_seen_at=now)
     return track
@@ -670,7 +742,7 @@ def _fold(
         (not ours and (counters_moved or queued > 0)) or (ours and _beyond_a_canary(track.last_sample, sample))
     ):
         track = replace(track, last_traffic_at=now)
-    track, canary_ok, canary_failed = _fold_canary(track, obs, queued)
+    track, canary_ok, canary_failed = _fold_canary(track, obs, queued, counters_moved or _flowing(obs))
     progressed = counters_moved or canary_ok or _flowing(obs)
     if progressed:
         track = replace(track, last_progress_at=_progress_at(track, obs, now, counters_moved or canary_ok))
@@ -699,22 +771,37 @@ def _fold(
     return track, seen
 
 
-def _fold_canary(track: Track, obs: ReplicaObservation, queued: float) -> tuple[Track, bool, bool]:
+def _fold_canary(track: Track, obs: ReplicaObservation, queued: float, moving_now: bool) -> tuple[Track, bool, bool]:
     """The canary that came back this tick, if any: (track, it answered, it failed and counts)."""
     canary = obs.canary
     if canary is None:
         return track, False, False
+    late_after_s = track.canary_late_at - canary.started_at if track.canary_late_at is not None else None
+    life = moving_now or (track.last_progress_at is not None and track.last_progress_at > canary.started_at)
+    back = _CanaryBack(canary, late_after_s, life)
+    found = first_match(CANARY_ROWS, back)
+    assert found is not None, "the last canary row always holds"
+    rule, said = found
     track = replace(
-        track, canary_in_flight_since=None, canary_due_at=None, last_canary_at=canary.started_at + canary.latency_s
+        track,
+        canary_in_flight_since=None,
+        canary_due_at=None,
+        canary_late_at=None,
+        last_canary_at=canary.started_at + canary.latency_s,
     )
     if canary.ok:
         kept = (*track.canary_latencies, canary.latency_s)[-CANARY_LATENCIES_KEPT:]
-        return (
-            replace(track, canary_failures=0, canary_latencies=kept, last_canary_ok_at=canary.started_at),
-            True,
-            False,
+        slow = rule.id == _SLOW_CANARY
+        track = replace(
+            track,
+            canary_failures=0,
+            canary_latencies=kept,
+            last_canary_ok_at=canary.started_at,
+            slow_spell=slow,
+            slow_said=f"{said} ({rule.id})" if slow and not track.slow_spell else None,
         )
-    if track.last_progress_at is not None and track.last_progress_at > canary.started_at:
+        return track, True, False
+    if rule.id != _FAILED_CANARY:
         return track, False, False  # something moved while it ran: the engine was working
     track = replace(track, canary_failures=track.canary_failures + 1)
     if obs.metrics is not None and queued > 0:
@@ -743,8 +830,14 @@ def _schedule_canary(facts: _Facts, state: State) -> tuple[Track, float | None]:
         track = replace(track, learning_canaries=track.learning_canaries + 1)
     elif not _canary_due(facts):
         return track, None
-    deadline_s = canary_deadline(track, facts.rcfg, facts.wcfg)
-    return replace(track, canary_in_flight_since=facts.now, canary_due_at=facts.now + deadline_s), deadline_s
+    # It is sent with the hard bound, R.canary_timeout_s: a late answer is an answer (C2). The learned
+    # deadline marks it late, no more.
+    late_s = canary_deadline(track, facts.rcfg, facts.wcfg)
+    timeout_s = facts.rcfg.canary_timeout_s
+    track = replace(
+        track, canary_in_flight_since=facts.now, canary_due_at=facts.now + timeout_s, canary_late_at=facts.now + late_s
+    )
+    return track, timeout_s
 
 
 def _canary_due(facts: _Facts) -> bool:

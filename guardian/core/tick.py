@@ -210,6 +210,18 @@ class Tick:
             new = replace(new, metrics_error=error)
         if new.state is State.HEALTHY and new.restart_issued_at is not None:
             new = replace(new, restart_issued_at=None)
+        if new.slow_said is not None:
+            self._say(
+                LogLine(
+                    Priority.INFO,
+                    f"replica {replica.name}: {new.slow_said}",
+                    Decision.NOTE,
+                    replica.name,
+                    replica.unit,
+                    state=new.state,
+                    rule="C2",
+                )
+            )
         if canary_timeout_s is not None:
             self.actions.append(StartCanary(replica.name, canary_timeout_s))
         self.tracks[replica.name] = new
