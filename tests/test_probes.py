@@ -194,6 +194,33 @@ def test_a_health_answer_counts_while_metrics_are_still_in_flight(pages):
     assert server.asked["/metrics"] == 1 and server.asked["/health"] == 4  # the slow one is not sent twice
 
 
+@pytest.mark.parametrize("bound_s, answered", [(0.0, False), (10.0, True)])
+def test_a_probe_answered_past_its_timeout_but_within_the_unresponsive_window_is_an_answer(pages, bound_s, answered):
+    """Issue 35: on a starved box every answer came 1-8 s late. A probe runs up to the longer of its
+    timeout and W.unresponsive_after_s: the late 200 is an answer, its latency says it was slow."""
+    from guardian.observe.replicas import ProbeCarry
+
+    r, server = pages
+    r = r.model_copy(update={"metrics_timeout_s": 0.2})
+    server.hold_metrics.set()
+
+    async def run():  # noqa: ANN202
+        carry = ProbeCarry()
+        async with probes.make_client() as client:
+            tasks = carry.start(client, r, 0.0, bound_s)
+            await asyncio.wait(tasks, timeout=0.5)  # past the 0.2 s timeout: held by the server
+            server.release.set()
+            await asyncio.wait(tasks, timeout=5)
+            return carry.take(r.name, 5.0)
+
+    (_health, (mprobe, sample), _models), _pending = asyncio.run(run())
+    assert mprobe.ok is answered and (sample is not None) is answered
+    if answered:
+        assert mprobe.latency_s >= 0.2  # slow, and said to be (the latency is the answer's own)
+    else:
+        assert mprobe.error == "timeout"
+
+
 def test_no_answer_at_all_with_a_probe_in_flight_is_no_news(pages):
     from guardian.observe.replicas import ProbeCarry
 

@@ -294,6 +294,28 @@ def test_stall_endpoints_holds_every_probe_while_streams_flow(sim):
     wait_for(lambda: s.get("/_sim/state").json()["fault"] == {}, 30, "the stall to clear itself")
 
 
+def test_starved_delays_every_answer_while_streams_keep_their_pace(sim):
+    """Issue 35 item 9: a saturated box delays each of the replica's answers by 1-8 s (here 1-2 s),
+    canaries included, while its engine keeps producing tokens for the streams already running."""
+    s = sim().wait_up()
+    stream = stream_tokens(s, 2000)
+    wait_for(lambda: stream, 30, "the stream to deliver tokens")
+    assert s.post("/_sim/fault", {"fault": "starved", "min_s": 1.0, "max_s": 2.0, "seed": 7}).status_code == 200
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(5) as pool:
+        gets = [pool.submit(timed_get, s, path, 30.0) for path in ("/health", "/metrics", "/v1/models", "/version")]
+        canary = pool.submit(lambda: (s.post("/v1/completions", {"model": "m", "prompt": "x", "max_tokens": 1},
+                                             timeout=30.0), time.monotonic()))
+        answered = [f.result() for f in gets]
+        done, done_at = canary.result()
+    assert [got for got, _ in answered] == [200, 200, 200, 200] and done.status_code == 200
+    first = min(at for _, at in answered + [(None, done_at)])
+    assert first - t0 >= 1.0  # none was answered before its delay (a lower bound: load only adds to it)
+    assert sum(1 for at in stream if t0 < at < first) > 0  # tokens flowed while every answer was held
+    assert s.get("/_sim/state", timeout=5).json()["fault"]["fault"] == "starved"  # the simulator's own: not held
+    s.post("/_sim/clear", {})
+
+
 @pytest.mark.parametrize("coschedule", [False, True])
 def test_a_long_chunked_prefill_moves_only_the_kv_cache_and_blocks_others_unless_coscheduled(sim, coschedule):
     s = sim().wait_up()

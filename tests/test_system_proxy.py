@@ -176,10 +176,12 @@ def test_a_memory_guard_lowering_with_8_streams_drains_first_and_no_client_reque
     assert world.box.identity(b.unit) == old_b and restart_times(world, "b") == []
 
 
-def test_a_drained_replica_whose_stop_hangs_is_killed_after_stop_timeout_s(world):
+@pytest.mark.parametrize("how", ["drained", "no-drain"])
+def test_a_planned_restart_whose_stop_hangs_is_killed_after_stop_timeout_s_drained_or_not(world, how):
     """vLLM's --shutdown-timeout lets running requests finish on SIGTERM; a request longer than the
     drain (drain_timeout_s 2 s here) keeps the stop waiting. guardian's bounded stop (3 s) kills it
-    instead of waiting for the unit's TimeoutStopSec (90 s)."""
+    instead of waiting for the unit's TimeoutStopSec (90 s); with `--no-drain` too (issue 35 item 5:
+    an undrained loaded vLLM's stop took 196.5 s)."""
     a = world.replicas[0]
     a.sim_args = "--shutdown-timeout 600"
     a.service_extra = "TimeoutStopSec=90s"
@@ -187,11 +189,17 @@ def test_a_drained_replica_whose_stop_hangs_is_killed_after_stop_timeout_s(world
     world.start_load(clients=2, max_tokens=5000)  # 250 s per request
     wait_for(lambda: running(world, a) > 0, 20, "a long request running on a")
     old = world.box.identity(a.unit)
-    asked = world.box.run(["guardian", "restart", "a"], check=False, timeout=120)
+    flags = ["--no-drain"] if how == "no-drain" else []
+    asked = world.box.run(["guardian", "restart", "a", *flags], check=False, timeout=120)
     assert asked.returncode == 0, asked.stdout + asked.stderr
     assert world.box.identity(a.unit) != old
     line = world.guardian_messages("GUARDIAN_REPLICA=a", "GUARDIAN_DECISION=restart")[0]
-    assert "drain timeout" in line and "(D7)" in line
+    if how == "drained":
+        assert "drain timeout" in line and "(D7)" in line
+    else:
+        assert proxy_rules(world, "a")[:1] == ["D2"]
+        assert "--no-drain" in world.guardian_messages("GUARDIAN_REPLICA=a", "GUARDIAN_RULE=D2")[0]
+        assert "its processes killed if the stop takes over 3 s" in line
     done = world.guardian_messages("GUARDIAN_REPLICA=a", "GUARDIAN_DECISION=restarted")[0]
     assert "the stop was still running after 3 s, so its processes were killed (SIGKILL)" in done, done
     assert not world.guardian_messages("GUARDIAN_REPLICA=a", "PRIORITY=3")

@@ -36,6 +36,11 @@ Faults, at start (``--fault NAME``, with ``--fault-after-s``) or at run time
                    request is read, no byte of answer) and answered normally when the stall ends,
                    if its client still waits; streams in flight keep their pace, new completions
                    are served as usual, the engine keeps iterating. The fault then clears itself
+  starved          a saturated box (measured: a real vLLM 0.32 on 2 cores beside 16 streams of its
+                   peer): every answer (/health /ping /version /v1/models /metrics, completions and
+                   canaries too) is delayed by a random ``min_s``-``max_s`` (default 1-8 s, ``seed``
+                   for a repeatable draw) before it is begun, while the engine keeps iterating and
+                   streams already running keep their pace
   wrong-model      /v1/models lists ``model`` (default "other-model") instead
   frozen           the whole process stops itself with SIGSTOP (what ``kill -STOP`` does)
   fail-startup     exit 1 before serving, with an error (start-time only)
@@ -63,6 +68,7 @@ import argparse
 import itertools
 import json
 import os
+import random
 import signal
 import sys
 import threading
@@ -307,6 +313,7 @@ class Sim:
         self.started_at = time.time()
         self.stall_until = 0.0  # stall-endpoints: time.monotonic() at which the held requests go on
         self.stall_cond = threading.Condition()
+        self.starve_rng = random.Random()
 
     def set_fault(self, spec: dict) -> None:
         name = spec.get("fault")
@@ -333,6 +340,8 @@ class Sim:
             timer = threading.Timer(stall_s, self._stall_over, [fault])
             timer.daemon = True
             timer.start()
+        elif name == "starved":
+            self.starve_rng = random.Random(spec.get("seed"))
         elif name not in ("slow-health", "wrong-model"):
             raise ValueError(f"unknown fault {name!r}")
 
@@ -341,6 +350,16 @@ class Sim:
         if self.fault is fault:
             self.fault = {}
             log("SIM fault over: stall-endpoints")
+
+    def starve(self) -> None:
+        """starved: hold this answer for a random while, as a saturated box's scheduler does."""
+        fault = self.fault
+        if fault.get("fault") != "starved":
+            return
+        lo, hi = float(fault.get("min_s", 1.0)), float(fault.get("max_s", 8.0))
+        with self.stall_cond:
+            delay_s = self.starve_rng.uniform(lo, hi)
+        time.sleep(delay_s)
 
     def wait_stall(self) -> None:
         """Hold the caller while stall-endpoints lasts."""
@@ -386,6 +405,8 @@ def make_handler(sim: Sim):
         def do_GET(self) -> None:
             if self.path.split("?")[0] in STALLED_PATHS:
                 sim.wait_stall()  # stall-endpoints: the starved API server has not got to it yet
+            if not self.path.startswith("/_sim/"):
+                sim.starve()
             self._get()
 
         def _json(self, code: int, obj) -> None:
@@ -449,6 +470,7 @@ def make_handler(sim: Sim):
                                          float(body.get("chunk_s", 2.7)), bool(body.get("coschedule", False)))
                 return self._json(200, {"prefill": True})
             if path in ("/v1/completions", "/v1/chat/completions"):
+                sim.starve()
                 return self._complete(path, body)
             self._json(404, {"detail": "Not Found"})
 

@@ -109,8 +109,11 @@ async def probe_health(client: httpx.AsyncClient, r: ReplicaConfig) -> Probe:
     return await health_at(client, r.url, r.health_timeout_s)
 
 
-async def probe_metrics(client: httpx.AsyncClient, r: ReplicaConfig) -> tuple[Probe, VllmSample | None]:
-    probe, body = await _get(client, r.url + "/metrics", r.metrics_timeout_s, MAX_METRICS_BYTES)
+async def probe_metrics(
+    client: httpx.AsyncClient, r: ReplicaConfig, timeout_s: float | None = None
+) -> tuple[Probe, VllmSample | None]:
+    bound_s = timeout_s if timeout_s is not None else r.metrics_timeout_s
+    probe, body = await _get(client, r.url + "/metrics", bound_s, MAX_METRICS_BYTES)
     if not probe.ok:
         return probe, None
     try:

@@ -196,12 +196,16 @@ class ProbeCarry:
         # replica -> endpoint -> (its probe in flight or finished and not yet taken, sent at)
         self.tasks: dict[str, dict[str, tuple[asyncio.Task[Any], float]]] = {}
 
-    def start(self, client: httpx.AsyncClient, r: ReplicaConfig, mono: float) -> list[asyncio.Task[Any]]:
-        """Send each probe of R that is not already in flight; the tasks to wait for."""
+    def start(
+        self, client: httpx.AsyncClient, r: ReplicaConfig, mono: float, bound_s: float = 0.0
+    ) -> list[asyncio.Task[Any]]:
+        """Send each probe of R that is not already in flight; the tasks to wait for. Each may run up
+        to the longer of its own timeout and BOUND_S (W.unresponsive_after_s): a late answer is an
+        answer (a starved box answered in 1-8 s); its latency still tells slow from in time."""
         slots = self.tasks.setdefault(r.name, {})
         for endpoint in self.ENDPOINTS:
             if endpoint not in slots:
-                slots[endpoint] = (asyncio.ensure_future(_send(client, r, endpoint)), mono)
+                slots[endpoint] = (asyncio.ensure_future(_send(client, r, endpoint, bound_s)), mono)
         return [task for task, _ in slots.values()]
 
     def take(self, name: str, mono: float) -> tuple[ProbeResults, float | None]:
@@ -229,12 +233,12 @@ class ProbeCarry:
                 task.cancel()
 
 
-async def _send(client: httpx.AsyncClient, r: ReplicaConfig, endpoint: str) -> Any:
+async def _send(client: httpx.AsyncClient, r: ReplicaConfig, endpoint: str, bound_s: float) -> Any:
     if endpoint == "health":
-        return await probes.probe_health(client, r)
+        return await probes.health_at(client, r.url, max(r.health_timeout_s, bound_s))
     if endpoint == "metrics":
-        return await probes.probe_metrics(client, r)
-    return await probes.probe_models(client, r)
+        return await probes.probe_metrics(client, r, max(r.metrics_timeout_s, bound_s))
+    return await probes.models_at(client, r.url, max(r.health_timeout_s, bound_s))
 
 
 @dataclass(frozen=True)
@@ -372,7 +376,8 @@ class WorldObserver:
         """One observation per replica. Probes still running after WAIT_S are carried over (see
         ProbeCarry); with WAIT_S None, every probe is waited for (its own timeout bounds it)."""
         self.carry.forget({r.name for r in cfg.replicas})
-        tasks = [task for r in cfg.replicas for task in self.carry.start(self.client, r, at_mono)]
+        bound_s = cfg.watchdog.unresponsive_after_s
+        tasks = [task for r in cfg.replicas for task in self.carry.start(self.client, r, at_mono, bound_s)]
         (owners, units), _ = await asyncio.gather(
             self._views(cfg),
             asyncio.wait(tasks, timeout=wait_s) if tasks else asyncio.sleep(0),
