@@ -25,7 +25,10 @@ from harness import (
 
 # Three canaries of 0.1 s learned, as the state file keeps them (the tests that count idle
 # canaries start from it: with nothing learned, a replica first gets its learning canaries).
-LEARNED = PersistentView(canary_latencies={"a": (0.1, 0.1, 0.1)})
+# And a short prefill learned (the 0.3 s bucket), as every replica that served a request has: the
+# stall canary's shortcut (L14) then waits no longer than 1.5 x that (issue 35 item 8).
+SHORT_STEPS = {"a": (0.3,)}
+LEARNED = PersistentView(canary_latencies={"a": (0.1, 0.1, 0.1)}, step_seconds=SHORT_STEPS)
 
 
 def healthy_start(box: Box, t0=100.0, **kw):
@@ -554,8 +557,8 @@ def test_a_quiet_queue_gets_a_canary_after_stall_canary_after_s(quiet_s, sent):
     assert bool(canaries(box.actions)) == sent
 
 
-def _quiet_queue_canary(during: VllmSample):
-    box = Box(cfg(1, stall_canary_after_s=10, stall_window_s=60))
+def _quiet_queue_canary(during: VllmSample, steps=SHORT_STEPS):
+    box = Box(cfg(1, stall_canary_after_s=10, stall_window_s=60), PersistentView(step_seconds=steps))
     healthy_start(box)
     box.tick(110, a=obs(t=110, s=sample(gen=40, running=12, waiting=4)))
     box.tick(112, a=obs(t=112, s=QUEUED))
@@ -1137,3 +1140,116 @@ def test_what_a_canarys_result_means(canary, during, counted, rule):
 
     found = first_match(CANARY_ROWS, _CanaryBack(canary, 3.0, bool(during)))
     assert found is not None and found[0].id == rule
+
+
+# --- a quiet journal (issue 35 item 6) -----------------------------------------------------------
+
+def state_lines(box: Box) -> list[str]:
+    return [a.message for a in said(box.actions) if a.decision is Decision.STATE]
+
+
+def test_a_verdict_that_returns_within_say_after_s_is_not_said():
+    """Issue 35: b changed state 14 times in 100 s while it served (/metrics late by a second, back
+    2-7 s later). Each change is in the track (status, metrics); the journal says none of them."""
+    box = Box(cfg(1), LEARNED)
+    healthy_start(box)
+    box.actions.clear()
+    late = replace(obs(t=0), metrics_probe=replace(TIMEOUT, error="no answer yet (in flight for 1.0 s)"), metrics=None)
+    flips = 0
+    t = 102.0
+    for _ in range(14):
+        box.tick(t, a=replace(late, at=t))
+        flips += box.state() is State.DEGRADED
+        box.tick(t + 3, a=obs(t=t + 3))
+        t += 7
+    assert flips == 14 and box.state() is State.HEALTHY
+    assert state_lines(box) == []
+
+
+def test_a_verdict_that_holds_is_said_once_with_how_long_it_held_and_a_hang_at_once():
+    box = Box(cfg(1, unresponsive_after_s=30), LEARNED)
+    healthy_start(box)
+    box.actions.clear()
+    late = replace(obs(t=0), metrics_probe=replace(TIMEOUT, error="timeout"), metrics=None)
+    for t in (102.0, 106.0, 111.0, 112.0, 116.0):
+        box.tick(t, a=replace(late, at=t))
+    (line,) = state_lines(box)
+    assert "healthy -> degraded" in line and "for 10 s" in line  # said at 112, held since 102
+    box.tick(140.0, a=obs(t=140.0, health=TIMEOUT))
+    box.tick(146.0, a=obs(t=146.0, health=TIMEOUT))  # no answer for 30 s since 116: unresponsive
+    assert box.state() is State.UNRESPONSIVE
+    assert "degraded -> unresponsive" in state_lines(box)[-1]  # a hang is said at once
+
+
+# --- a long step is not a hang (issue 35 item 8) -------------------------------------------------
+
+from guardian.core.liveness import STEP_MARGIN, longest_new_prefill  # noqa: E402
+
+INF = float("inf")
+
+
+def buckets(*counts: float, bounds=(0.3, 1.0, 10.0, 60.0, 120.0, INF)) -> VllmSample:
+    return replace(sample(), prefill_buckets=tuple(zip(bounds, counts, strict=True)))
+
+
+@pytest.mark.parametrize("prev, cur, bound", [
+    (buckets(5, 5, 5, 5, 5, 5), buckets(5, 5, 5, 5, 5, 5), None),  # no prefill ended
+    (buckets(5, 5, 5, 5, 5, 5), buckets(7, 7, 7, 7, 7, 7), 0.3),  # two short ones
+    (buckets(5, 5, 5, 5, 5, 5), buckets(6, 6, 6, 7, 7, 7), 60.0),  # a short one and one of 10-60 s
+    (buckets(5, 5, 5, 5, 5, 5), buckets(5, 5, 5, 5, 5, 6), 120.0),  # longer than every finite bound
+    (buckets(5, 5, 5, 5, 5, 5), buckets(0, 0, 0, 0, 0, 1), None),  # counts went down: a new engine
+    (None, buckets(1, 1, 1, 1, 1, 1), None),
+])
+def test_the_longest_prefill_that_ended_is_bounded_by_its_bucket(prev, cur, bound):
+    assert longest_new_prefill(prev, cur) == bound
+
+
+LONG_PROMPT_WAIT = 60.0  # one prefill step of 60 s: nothing moves, a client waits, a canary queues behind
+
+
+def one_long_step(steps, until: float = 100.0 + LONG_PROMPT_WAIT - 1) -> Box:
+    """Healthy at 100; from 101 one long prefill: 1 running, counters still, a client waiting; the stall
+    canary queued behind it fails at canary_timeout_s with nothing moving."""
+    box = Box(cfg(1, stall_canary_after_s=3, stall_window_s=300, client_wait_s=3),
+              PersistentView(canary_latencies={"a": (0.1, 0.1, 0.1)}, step_seconds=steps))
+    healthy_start(box)
+    box.tick(100.5, a=obs(t=100.5, canary=CanaryResult(True, 100.0, 0.1)))
+    frozen = sample(running=1)
+    t, sent = 101.0, None
+    while t <= until:
+        canary = None
+        if sent is not None and t >= sent + 15.0:
+            canary, sent = CanaryResult(False, sent, 15.0, "timeout"), None
+        box.tick(t, a=replace(obs(t=t, s=frozen, canary=canary), conns=conns(waiting=1, oldest_wait_s=t - 101.0)))
+        if canaries(box.actions) and sent is None and box.tracks["a"].canary_in_flight_since == t:
+            sent = t
+        t += 1.0
+    return box
+
+
+@pytest.mark.parametrize("steps, stalled", [
+    ({"a": (60.0,)}, False),  # it has taken 60 s steps before: 1.5 x 60 = 90 s before any stall verdict
+    ({}, False),  # nothing learned: the stall window (300 s here) is the bound
+    ({"a": (0.3,)}, True),  # only short prefills seen: a failed stall canary proves a stall (L14)
+])
+def test_a_stall_canary_never_ends_a_step_shorter_than_the_replicas_own_longest(steps, stalled):
+    box = one_long_step(steps)
+    verdicts = [(a.state, a.rule) for a in said(box.actions) if a.decision is Decision.STATE]
+    assert ((State.STALLED, "L14") in verdicts) is stalled, verdicts
+    assert bool(restarts(box.actions)) is stalled
+
+
+def test_a_long_step_is_learned_from_the_histogram_kept_in_the_state_file_and_bounds_the_stall_window():
+    box = Box(cfg(1, stall_window_s=60), LEARNED)
+    box.tick(100.0, a=obs(t=100.0, s=buckets(5, 5, 5, 5, 5, 5)))
+    acts = box.tick(102.0, a=obs(t=102.0, s=replace(buckets(5, 5, 5, 5, 6, 6), generation_tokens=1.0)))
+    (record,) = [a for a in acts if isinstance(a, RecordCanaryLatencies)]
+    assert record.steps == (("a", (120.0, 0.3)),)  # longest first, the 0.3 s one kept from the state file
+    assert tick.liveness.longest_step_s(box.tracks["a"], 103.0) == STEP_MARGIN * 120.0
+    # L13 waits max(stall_window_s, 1.5 x 120 s) = 180 s of nothing moving with work queued
+    flat = replace(buckets(5, 5, 5, 5, 6, 6), generation_tokens=1.0, running=2)
+    for t in (104.0, 170.0, 283.0):
+        box.tick(t, a=obs(t=t, s=flat))
+    assert box.state() is not State.STALLED
+    box.tick(284.0, a=obs(t=284.0, s=flat))
+    assert (box.state(), box.rule()) == (State.STALLED, "L13")

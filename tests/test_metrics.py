@@ -76,7 +76,9 @@ def test_the_selected_lines_give_the_same_sample_as_the_whole_page():
     page = SAMPLE.read_bytes()
     assert parse_vllm_page(page) == parse_vllm_metrics(page.decode())
     kept = select_lines(page).splitlines()
-    assert 10 <= len(kept) <= 20 and len(select_lines(page)) < len(page) // 10  # about 15 of 600 samples
+    # about 15 of 600 samples, and the prefill histogram's 22 buckets
+    assert 30 <= len(kept) <= 45 and len(select_lines(page)) < len(page) // 10
+    assert sum(1 for line in kept if line.startswith("vllm:request_prefill_time_seconds_bucket")) == 22
     assert not any(line.startswith("vllm:num_requests_waiting_by_reason") for line in kept)  # a longer name
 
 

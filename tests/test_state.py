@@ -152,10 +152,11 @@ def test_what_the_proxy_was_told_survives_a_restart_and_a_file_from_before_the_p
 
 def test_history_of_replicas_no_longer_configured_is_dropped():
     d = {"restarts": {"a": [1.0], "gone": [2.0]}, "pauses": {"gone": {"until": None}}, "resumed_at": {"gone": 3.0},
-         "canary_latencies": {"a": [0.5], "gone": [0.25]}, "fraction_bases": {"a": 0.78, "gone": 0.9}}
+         "canary_latencies": {"a": [0.5], "gone": [0.25]}, "step_seconds": {"a": [60.0], "gone": [5.0]},
+         "fraction_bases": {"a": 0.78, "gone": 0.9}}
     forget_unconfigured(d, {"a"})
     assert d == {"restarts": {"a": [1.0]}, "pauses": {}, "resumed_at": {}, "canary_latencies": {"a": [0.5]},
-                 "fraction_bases": {"a": 0.78}}
+                 "step_seconds": {"a": [60.0]}, "fraction_bases": {"a": 0.78}}
 
 
 @pytest.mark.parametrize("planted", [".lock", ".lock/state.lock"])
@@ -597,3 +598,17 @@ def test_a_request_whose_no_drain_is_not_a_boolean_is_corrupt(tmp_path):
         "r1": {"replica": "a", "at": at, "no_drain": "yes"}}}))
     with pytest.raises(CorruptState):
         store_at(tmp_path).read()
+
+
+
+def test_a_replicas_longest_steps_survive_a_restart_and_garbage_is_corrupt(tmp_path):
+    """Issue 35 item 8: what the stall rules learned of a replica's long prefills outlives guardian."""
+    from guardian.act.state import record_steps
+
+    store = store_at(tmp_path)
+    store.update(lambda d: record_steps(d, (("a", (120.0, 60.0, float("nan"))),)))
+    assert view(store_at(tmp_path).read(), NOW).step_seconds == {"a": (120.0, 60.0)}
+    for bad in ([0], [-1.0], ["60"], [True], 60.0, [1e9]):
+        (tmp_path / "state.json").write_text(json.dumps({"version": 1, "step_seconds": {"a": bad}}))
+        with pytest.raises(CorruptState):
+            store_at(tmp_path).read()

@@ -85,3 +85,35 @@ def test_a_planned_restart_while_its_peer_answers_late_drains_and_no_client_requ
     assert failed == [], failed[:5]
     assert world.restarts_of(b) == []
     print(f"slow peer: {len(reqs)} requests, {len(failed)} failed, a's drain rules {rules}")
+
+
+WAITER = ("import json,urllib.request\n"
+          "req=urllib.request.Request('{url}/v1/completions',data=json.dumps({{'model':'sim-model','prompt':'x',"
+          "'max_tokens':2}}).encode(),headers={{'Content-Type':'application/json'}})\n"
+          "code=urllib.request.urlopen(req,timeout=300).status\n"
+          "open('/run/waiter.txt','w').write(str(code))\n")
+
+
+def test_a_single_long_prefill_step_is_never_restarted_when_the_replica_has_taken_such_steps(world):
+    """Issue 35 item 8: a 7k-token prompt prefilled in one step (vLLM's default scheduler) stood
+    67 s with nothing moving, a client waiting and a stall canary queued behind it; guardian
+    restarted it 13 s in. Here: one step of 60 s, the client waiting on it, stall_window_s 30 s,
+    and the replica's longest recent step (60 s) in the state file, as guardian learned it from
+    vllm:request_prefill_time_seconds before it was restarted. Nothing may end that step."""
+    world.watchdog = {**world.watchdog, "stall_window_s": 30}
+    world.setup(start_guardian=False)
+    a = world.replicas[0]
+    world.box.run("install -d -o guardian -g guardian -m 0755 /var/lib/guardian")
+    world.box.write("/var/lib/guardian/state.json", json.dumps({"version": 1, "step_seconds": {"a": [60.0]}}))
+    world.box.run(["chown", "guardian:guardian", "/var/lib/guardian/state.json"])
+    world.start_guardian()
+    old = world.box.identity(a.unit)
+    world.sim(a, "prefill", json.dumps({"prompt_tokens": 7185, "chunk_tokens": 7185, "chunk_s": 60}))
+    world.box.run(["systemd-run", "--unit=waiter", "--collect", "/usr/bin/python3", "-c", WAITER.format(url=a.url)])
+    done = wait_for(lambda: world.box.run(["cat", "/run/waiter.txt"], check=False).stdout.strip(), 150,
+                    "the waiting client's answer, after the long step")
+    assert done == "200"
+    assert world.sim_state(a)["prefill"] is None  # the step ended by itself
+    assert world.box.identity(a.unit) == old and world.restarts_of(a) == []
+    assert not world.guardian_lines("GUARDIAN_REPLICA=a", "GUARDIAN_STATE=stalled")
+    world.box.run(["rm", "-f", "/run/waiter.txt"], check=False)

@@ -264,6 +264,9 @@ class World:
     def sim(self, r: Replica, *args: str) -> str:
         return self.box.run(["vllm-sim-ctl", r.url, *args]).stdout
 
+    def sim_state(self, r: Replica) -> dict:
+        return json.loads(self.sim(r, "state"))
+
     def fault(self, r: Replica, name: str, **params) -> None:
         self.sim(r, "fault", name, json.dumps(params))
 

@@ -4,6 +4,7 @@
     python3 -m vllm_sim.ctl URL fault slow-health '{"delay_s": 4}'
     python3 -m vllm_sim.ctl URL fault stall-endpoints '{"stall_s": 20}'
     python3 -m vllm_sim.ctl URL load 4
+    python3 -m vllm_sim.ctl URL prefill '{"prompt_tokens": 7185, "chunk_tokens": 7185, "chunk_s": 60}'
     python3 -m vllm_sim.ctl URL clear | state
 """
 
@@ -29,6 +30,8 @@ def main(argv: list[str]) -> int:
     elif verb == "load":
         extra = json.loads(rest[1]) if len(rest) > 1 else {}
         out = call(url, "/_sim/load", {"streams": int(rest[0]), **extra})
+    elif verb == "prefill":
+        out = call(url, "/_sim/prefill", json.loads(rest[0]) if rest else {})
     elif verb == "clear":
         out = call(url, "/_sim/clear", {})
     elif verb == "state":

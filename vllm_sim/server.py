@@ -118,17 +118,22 @@ class Metrics:
                                lab + ["finished_reason"], registry=r)
         self.iteration = Histogram("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.", lab,
                                    buckets=[1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384], registry=r)
+        # vLLM 0.32's own buckets (vllm/v1/metrics/loggers.py, request_latency_buckets)
+        self.prefill_time = Histogram("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase "
+                                      "for request.", lab, buckets=PREFILL_BUCKETS_S, registry=r)
         # The real server's label set (36 labels, a 1 KiB line), with this replica's fraction.
         info = dict(REAL_PAGE.cache_config_labels, engine="0", gpu_memory_utilization=str(gpu_util))
         cfg = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", sorted(info), registry=r)
         cfg.labels(**info).set(1)
         for reason in ("stop", "length", "abort", "error", "repetition"):
             self.success.labels(finished_reason=reason, **self.labels)
-        for m in (self.running, self.waiting, self.kv, self.prompt, self.gen, self.iteration):
+        for m in (self.running, self.waiting, self.kv, self.prompt, self.gen, self.iteration, self.prefill_time):
             m.labels(**self.labels)
 
 
 SAMPLE_PAGE = Path(__file__).resolve().parent / "data" / "vllm-0.32-metrics-sample.txt"
+PREFILL_BUCKETS_S = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                     480.0, 960.0, 1920.0, 7680.0]
 
 
 class RealPage:
@@ -234,6 +239,7 @@ class Engine:
                 if not r.prefilled:
                     r.prefilled = True
                     self.m.prompt.labels(**self.m.labels).inc(r.prompt_tokens)
+                    self.m.prefill_time.labels(**self.m.labels).observe(1.0 / self.args.tokens_per_s)
                     computed += r.prompt_tokens
                 r.generated += 1
                 computed += 1
@@ -262,7 +268,8 @@ class Engine:
     def start_prefill(self, prompt_tokens: int, chunk_tokens: int, chunk_s: float, coschedule: bool) -> None:
         with self.lock:
             self.prefill = {"left": prompt_tokens, "total": prompt_tokens, "chunk": chunk_tokens,
-                            "chunk_s": chunk_s, "next_at": time.monotonic() + chunk_s, "done_tokens": 0}
+                            "chunk_s": chunk_s, "next_at": time.monotonic() + chunk_s, "done_tokens": 0,
+                            "began": time.monotonic()}
             self.prefill_coschedule = coschedule
             self.m.running.labels(**self.m.labels).set(len(self.running) + 1)
 
@@ -284,6 +291,7 @@ class Engine:
             return True
         # prefill complete: vLLM counts the prompt's tokens now, and the request ends (max_tokens 1)
         self.m.prompt.labels(**self.m.labels).inc(p["total"])
+        self.m.prefill_time.labels(**self.m.labels).observe(now - p["began"])
         self.m.gen.labels(**self.m.labels).inc(1)
         self.m.success.labels(finished_reason="length", **self.m.labels).inc()
         self.prefill = None
@@ -441,6 +449,7 @@ def make_handler(sim: Sim):
                 return self._send(200, page, "text/plain; version=0.0.4; charset=utf-8")
             if path == "/_sim/state":
                 return self._json(200, {"fault": sim.fault, "running": len(sim.engine.running),
+                                        "prefill": None if sim.engine.prefill is None else sim.engine.prefill["left"],
                                         "waiting": len(sim.engine.waiting), "pid": os.getpid(),
                                         "gpu_memory_utilization": sim.args.gpu_memory_utilization,
                                         "model": sim.model})

@@ -57,6 +57,7 @@ from .state import (
     record_answer,
     record_canary_latencies,
     record_fraction_base,
+    record_steps,
     record_waiting,
 )
 
@@ -174,7 +175,12 @@ class Executor:
     def _record_canary_latencies(self, action: RecordCanaryLatencies) -> None:
         """Kept in the state file, so that a guardian restarted or reloaded need not learn the
         canary deadlines anew. Not kept: said, and the deadlines still hold in memory."""
-        self._write_state(lambda d: record_canary_latencies(d, action.latencies), "canary latencies")
+
+        def both(d: StateDoc) -> None:
+            record_canary_latencies(d, action.latencies)
+            record_steps(d, action.steps)
+
+        self._write_state(both, "canary latencies and steps")
 
     async def _canary(self, name: str, timeout_s: float) -> None:
         r = self.cfg.replica(name)

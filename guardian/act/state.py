@@ -29,6 +29,11 @@ last), from which the core learns its canary deadline (core/liveness.py): a guar
 reloaded starts from them instead of learning anew. Each is a number in (0, MAX_LATENCY_S]; any
 other value makes the file corrupt, and of a longer list the newest CANARY_LATENCIES_KEPT are read.
 
+"step_seconds" keeps, per replica, the longest steps it was seen to take (a long prompt's prefill,
+seconds, longest first; core/liveness.py learn_step): the stall rules never end a step shorter
+than its own, across guardian's restarts too. Each is a number in (0, MAX_STEP_S]; any other value
+makes the file corrupt, and of a longer list the first STEPS_KEPT are read.
+
 "fraction_bases" keeps, per replica, its base fraction: the one it had before guardian's memory
 guard first lowered it (the highest it lowered it from, if the operator raised it in between).
 The memory guard raises a lowered fraction back toward it and never above it; a replica with no
@@ -57,7 +62,7 @@ from typing import Any, NoReturn
 
 from ..config import MAX_WINDOW_S, MIN_FRACTION, Config
 from ..core.actions import AnswerRequest
-from ..core.liveness import CANARY_LATENCIES_KEPT
+from ..core.liveness import CANARY_LATENCIES_KEPT, STEPS_KEPT
 from ..core.observations import Pause, PersistentView, RestartRequest
 from ..observe.clock import Now, boot_id
 from ..observe.clock import now as clock_now
@@ -74,6 +79,7 @@ MAX_TIME_S = 1e11
 # is not guardian's, and is moved aside rather than read.
 STATE_MAX_BYTES = 8 * 2**20
 MAX_LATENCY_S = 3600.0  # a canary latency kept in the file: within (0, this]
+MAX_STEP_S = 7680.0  # a step kept in the file: within (0, vLLM's largest finite prefill bucket]
 
 
 def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
@@ -142,6 +148,7 @@ def _empty() -> StateDoc:
         "answers": {},
         "proxy_down": [],
         "canary_latencies": {},
+        "step_seconds": {},
         "fraction_bases": {},
     }
 
@@ -165,6 +172,12 @@ def _latency(value: Any) -> float:
     # Compared before float(), as _number: an int too large for a float, NaN and inf all fail.
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= MAX_LATENCY_S:
         raise ValueError(f"{value!r:.40} is not a canary latency (a number of seconds in (0, {MAX_LATENCY_S:g}])")
+    return float(value)
+
+
+def _step(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= MAX_STEP_S:
+        raise ValueError(f"{value!r:.40} is not a step (a number of seconds in (0, {MAX_STEP_S:g}])")
     return float(value)
 
 
@@ -276,6 +289,10 @@ def _validate(data: Any, latest: Now) -> StateDoc:
         if not isinstance(latencies, list):
             raise ValueError(f"canary_latencies of {name!r} is not a list")
         out["canary_latencies"][name] = [_latency(x) for x in latencies][-CANARY_LATENCIES_KEPT:]
+    for name, steps in _table(data.get("step_seconds", {})).items():
+        if not isinstance(steps, list):
+            raise ValueError(f"step_seconds of {name!r} is not a list")
+        out["step_seconds"][name] = [_step(x) for x in steps][:STEPS_KEPT]
     for name, base in _table(data.get("fraction_bases", {})).items():
         out["fraction_bases"][name] = _fraction(base)
     down = data.get("proxy_down", [])
@@ -318,7 +335,7 @@ def _adopt_boot(data: StateDoc, this_boot: str) -> None:
 
 def forget_unconfigured(data: StateDoc, replicas: set[str]) -> None:
     """Drop the history, pauses, canary latencies and base fractions of replicas that are no longer in the config."""
-    for section in ("restarts", "pauses", "resumed_at", "canary_latencies", "fraction_bases"):
+    for section in ("restarts", "pauses", "resumed_at", "canary_latencies", "step_seconds", "fraction_bases"):
         data[section] = {k: v for k, v in data[section].items() if k in replicas}
 
 
@@ -466,6 +483,7 @@ def view(data: StateDoc, at: Now, this_boot: str | None = None) -> PersistentVie
         ),
         proxy_down=tuple(data["proxy_down"]),
         canary_latencies={k: tuple(v) for k, v in data["canary_latencies"].items()},
+        step_seconds={k: tuple(v) for k, v in data["step_seconds"].items()},
         fraction_bases=dict(data["fraction_bases"]),
     )
 
@@ -481,6 +499,13 @@ def record_canary_latencies(data: StateDoc, latencies: tuple[tuple[str, tuple[fl
     for name, values in latencies:
         kept = [min(max(x, 1e-6), MAX_LATENCY_S) for x in values if math.isfinite(x)]
         data["canary_latencies"][name] = kept[-CANARY_LATENCIES_KEPT:]
+
+
+def record_steps(data: StateDoc, steps: tuple[tuple[str, tuple[float, ...]], ...]) -> None:
+    """Keep each replica's longest steps (longest first), within (0, MAX_STEP_S]."""
+    for name, values in steps:
+        kept = [min(max(x, 1e-6), MAX_STEP_S) for x in values if math.isfinite(x)]
+        data["step_seconds"][name] = kept[:STEPS_KEPT]
 
 
 def record_fraction_base(data: StateDoc, replica: str, lowered_from: float) -> None:

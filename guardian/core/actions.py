@@ -62,6 +62,7 @@ class RecordCanaryLatencies:
     created later (guardian restarted or reloaded) starts from them. At most one a tick."""
 
     latencies: tuple[tuple[str, tuple[float, ...]], ...]  # (replica, latencies), for those that changed
+    steps: tuple[tuple[str, tuple[float, ...]], ...] = ()  # (replica, its longest steps), for those that changed
 
 
 @dataclass(frozen=True)

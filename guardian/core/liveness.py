@@ -124,6 +124,11 @@ class _Facts:
         return max(at for at in (self.track.last_progress_at, self.track.work_since) if at is not None)
 
     @property
+    def step_bound_s(self) -> float | None:
+        """STEP_MARGIN x the longest step this replica was seen to take recently, or None: none learned."""
+        return longest_step_s(self.track, self.now)
+
+    @property
     def health_said(self) -> str:
         return "200" if self.obs.health.ok else str(self.obs.health.error)
 
@@ -201,7 +206,10 @@ def _healthy_progressing(facts: _Facts) -> str:
 
 def _stall_proven(facts: _Facts) -> bool:
     proof_at = facts.track.stall_proof_at
-    return facts.work_queued and proof_at is not None and proof_at >= facts.quiet_since
+    if not facts.work_queued or proof_at is None or proof_at < facts.quiet_since:
+        return False
+    bound_s = facts.step_bound_s
+    return facts.now - facts.quiet_since >= (bound_s if bound_s is not None else facts.wcfg.stall_window_s)
 
 
 def _stall_proof(facts: _Facts) -> str:
@@ -372,9 +380,10 @@ ROWS: tuple[Row[_Facts, str], ...] = (
             "L13",
             State.STALLED,
             "/metrics readable AND queued work (running + waiting > 0, or clients waiting >= W.client_wait_s) "
-            "AND now - max(last progress, work first queued) >= W.stall_window_s",
+            "AND now - max(last progress, work first queued) >= max(W.stall_window_s, STEP_MARGIN x the "
+            "replica's longest recent step)",
         ),
-        lambda f: f.work_queued and f.now - f.quiet_since >= f.wcfg.stall_window_s,
+        lambda f: f.work_queued and f.now - f.quiet_since >= max(f.wcfg.stall_window_s, f.step_bound_s or 0.0),
         lambda f: f"{f.work_said} and no counter progress for {f.now - f.quiet_since:.0f} s (/health {f.health_said})",
     ),
     Row(
@@ -382,7 +391,9 @@ ROWS: tuple[Row[_Facts, str], ...] = (
             "L14",
             State.STALLED,
             "/metrics readable AND queued work (as L13) AND a canary sent after the last progress (and "
-            "after work was first queued) failed with no progress while it ran",
+            "after work was first queued) failed with no progress while it ran (C4) AND now - max(last "
+            "progress, work first queued) >= STEP_MARGIN x the replica's longest recent step (W.stall_window_s "
+            "while none is learned): a stall canary never ends a step shorter than the replica's own",
         ),
         _stall_proven,
         _stall_proof,
@@ -461,6 +472,8 @@ class Track:
     last_notice: tuple[str, ...] | None = None  # stable key of the last refusal or notice logged
     metrics_error: str | None = None
     served_at: float | None = None  # the last tick with evidence that it serves (see serves())
+    said_state: State | None = None  # the verdict the journal last said (core/tick.py: a quiet journal)
+    steps: tuple[tuple[float, float], ...] = ()  # (a long step's bound in s, when learned): see longest_step_s
 
 
 def _progressed(prev: VllmSample | None, cur: VllmSample | None) -> bool:
@@ -588,6 +601,50 @@ CANARY_ROWS: tuple[Row[_CanaryBack, str], ...] = (
 CANARY_RULES = tuple(row.rule for row in CANARY_ROWS)
 _SLOW_CANARY, _FAILED_CANARY = CANARY_RULES[1].id, CANARY_RULES[3].id
 
+# A replica's longest recent step (issue 35 item 8): a long prompt's prefill is one step in which
+# nothing moves (measured on a real vLLM 0.32 with default scheduler settings: 67-69 s for a
+# 7k-token prompt). It is learned from vllm:request_prefill_time_seconds (the bucket bound that
+# covers every prefill that ended since the last look) and kept: the STEPS_KEPT longest within
+# STEP_MEMORY_S, in the state file too, so a guardian restart learns nothing anew. A stall canary
+# (L14) and the stall window (L13) never end a replica's work sooner than STEP_MARGIN x it.
+STEPS_KEPT = 8
+STEP_MEMORY_S = 24 * 3600.0
+STEP_MARGIN = 1.5
+
+
+def longest_new_prefill(prev: VllmSample | None, cur: VllmSample | None) -> float | None:
+    """An upper bound of the longest prefill that ended between PREV and CUR: the smallest bucket
+    bound whose count rose as much as the whole histogram's (the largest finite bound if only +Inf
+    did); None when none ended, or the counts went down (a new engine)."""
+    if prev is None or cur is None or not cur.prefill_buckets or not prev.prefill_buckets:
+        return None
+    before = dict(prev.prefill_buckets)
+    rises = [(bound, count - before.get(bound, 0.0)) for bound, count in cur.prefill_buckets]
+    total = rises[-1][1]
+    if total <= 0 or any(rise < 0 for _, rise in rises):
+        return None
+    finite = [bound for bound, _ in rises if bound != float("inf")]
+    for bound, rise in rises:
+        if rise >= total:
+            return bound if bound != float("inf") else (max(finite) if finite else None)
+    return None
+
+
+def learn_step(track: Track, step_s: float | None, now: float) -> Track:
+    """TRACK with STEP_S learned at NOW: the STEPS_KEPT longest of the last STEP_MEMORY_S."""
+    recent = [s for s in track.steps if now - s[1] < STEP_MEMORY_S]
+    if step_s is not None:
+        recent.append((step_s, now))
+    kept = tuple(sorted(recent, key=lambda s: (-s[0], -s[1]))[:STEPS_KEPT])
+    return track if kept == track.steps else replace(track, steps=kept)
+
+
+def longest_step_s(track: Track, now: float) -> float | None:
+    """STEP_MARGIN x the longest step learned in the last STEP_MEMORY_S, or None: none learned."""
+    recent = [bound for bound, at in track.steps if now - at < STEP_MEMORY_S]
+    return STEP_MARGIN * max(recent) if recent else None
+
+
 CANARY_LATENCIES_KEPT = 8
 CANARY_LATENCIES_NEEDED = 3
 LEARNING_CANARIES = 3  # canaries sent at once, one a tick, to a replica with nothing learned
@@ -643,6 +700,8 @@ def _fresh_start(track: Track, start_ts: float | None) -> Track:
         last_notice=None,
         canary_latencies=track.canary_latencies,  # the same model on the same box: still a fair guide
         learning_canaries=track.learning_canaries,  # at most LEARNING_CANARIES per guardian run
+        said_state=track.said_state,
+        steps=track.steps,  # the same model on the same box: its steps are still as long
     )
 
 
@@ -736,6 +795,7 @@ def _fold(
     came back, answers and 503s."""
     sample = obs.metrics
     counters_moved = _progressed(track.last_sample, sample)  # a counter that went down (new engine) counts too
+    track = learn_step(track, longest_new_prefill(track.last_sample, sample), now)
     waiting_clients, waiting_since = _waits(track, obs, now, wcfg)
     queued = _queued(sample, waiting_clients)
     ours = track.canary_in_flight_since is not None or obs.canary is not None  # a canary's token is not traffic

@@ -46,6 +46,9 @@ class VllmSample:
     gpu_memory_utilization: float | None = None
     model_names: tuple[str, ...] = ()
     process_start_time_s: float | None = None  # the serving process's start (wall time): who answered
+    # vllm:request_prefill_time_seconds' cumulative buckets (upper bound, count), inf last: how long
+    # the prefills that ended took, to a bucket (liveness learns a replica's longest step from them)
+    prefill_buckets: tuple[tuple[float, float], ...] = ()
 
     @property
     def queued(self) -> float:
@@ -216,6 +219,8 @@ class PersistentView:
     resumed_at: dict[str, float] = field(default_factory=dict)  # budget counts restarts after this only
     requests: tuple[RestartRequest, ...] = ()  # operators' restart requests not answered yet
     proxy_down: tuple[str, ...] = ()  # replicas guardian last marked down at the proxy
+    # replica -> the longest steps it was seen to take (s, longest first): a Track starts from them
+    step_seconds: dict[str, tuple[float, ...]] = field(default_factory=dict)
     # replica -> its last successful canaries' latencies (s), newest last: a Track starts from them
     canary_latencies: dict[str, tuple[float, ...]] = field(default_factory=dict)
     # replica -> its base fraction: the one it had before the memory guard first lowered it (act/state.py);

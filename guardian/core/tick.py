@@ -191,8 +191,9 @@ class Tick:
         new, canary_timeout_s = liveness.step(old, seen, self.now, replica, self.cfg.watchdog, pause)
         if new.state not in RESTART_STATES:
             new = replace(new, last_notice=None)
-        if new.state != old.state or not old.observed:
+        if _to_say(old, new, self.now):
             self._say(_state_change(replica, old, new, self.now))
+            new = replace(new, said_state=new.state)
         # Garbage on /metrics is bad input: say so once, and base no restart on it.
         error = seen.metrics_probe.error if seen.metrics_probe.answered and seen.metrics is None else None
         if error != new.metrics_error:
@@ -235,8 +236,14 @@ class Tick:
             for name, track in self.tracks.items()
             if track.canary_latencies != (before[name].canary_latencies if name in before else _kept(name, self.obs))
         )
-        if changed:
-            self.actions.append(RecordCanaryLatencies(changed))
+        steps = tuple(
+            (name, _bounds(track))
+            for name, track in self.tracks.items()
+            if _bounds(track)
+            != (_bounds(before[name]) if name in before else self.obs.persistent.step_seconds.get(name, ()))
+        )
+        if changed or steps:
+            self.actions.append(RecordCanaryLatencies(changed, steps))
 
     # --- 2. drains in progress ----------------------------------------------------------------
 
@@ -1019,16 +1026,42 @@ def _kept(name: str, obs: TickObservation) -> tuple[float, ...]:
     return obs.persistent.canary_latencies.get(name, ())[-liveness.CANARY_LATENCIES_KEPT :]
 
 
+def _bounds(track: Track) -> tuple[float, ...]:
+    """TRACK's learned steps as the state file keeps them (longest first)."""
+    return tuple(bound for bound, _at in track.steps)
+
+
 def _new_track(name: str, obs: TickObservation, now: float) -> Track:
     """A replica guardian has no track of yet (guardian started, or the replica was added by a
     reload) starts from the canary latencies the state file kept: with 3 or more, its learned
     deadline holds from its first canary, and it gets no learning canaries."""
-    return Track(state_since=now, canary_latencies=_kept(name, obs))
+    steps = tuple((bound, now) for bound in obs.persistent.step_seconds.get(name, ())[: liveness.STEPS_KEPT])
+    return Track(state_since=now, canary_latencies=_kept(name, obs), steps=steps)
+
+
+# A quiet journal (issue 35 item 6): a change between these verdicts is said only once it has held
+# SAY_AFTER_S; one that returns within it (a /metrics answer late by a second, a /health timeout
+# while counters advance) is in `guardian status` and the metrics, not in the journal. A change to
+# or from any other verdict (starting, stopped, a hang that is restarted, an error) is said at once.
+QUIET_STATES = frozenset({State.HEALTHY, State.BUSY, State.DEGRADED})
+SAY_AFTER_S = 10.0
+
+
+def _to_say(old: Track, new: Track, now: float) -> bool:
+    """NEW's verdict is to be said now: the first, one the journal has not said, at once or once held."""
+    if not old.observed or new.said_state is None:
+        return True
+    if new.state == new.said_state:
+        return False
+    quiet = new.state in QUIET_STATES and new.said_state in QUIET_STATES
+    return not quiet or now - new.state_since >= SAY_AFTER_S
 
 
 def _state_change(replica: ReplicaConfig, old: Track, new: Track, now: float) -> LogLine:
-    """The line for a replica's new verdict (or its first)."""
-    text = f"replica {replica.name}: {old.state} -> {new.state} ({new.evidence})"
+    """The line for a replica's new verdict (or its first), from the one the journal last said."""
+    said = old.said_state if old.said_state is not None else old.state
+    held = f", for {now - new.state_since:.0f} s" if new.state in QUIET_STATES and now > new.state_since else ""
+    text = f"replica {replica.name}: {said} -> {new.state} ({new.evidence}{held})"
     if new.state is State.HEALTHY and old.restart_issued_at is not None:
         text += f"; serving again {now - old.restart_issued_at:.1f} s after guardian's restart"
     if new.state is State.WRONG_MODEL:

@@ -51,7 +51,9 @@ MAX_LINE_BYTES = 16 * 2**10
 # About 15 lines on a real page (a few engines or finished reasons more on a big server).
 MAX_SELECTED_BYTES = 256 * 2**10
 
-_WANTED = (*_SUMMED, "process_start_time_seconds", "vllm:cache_config_info")
+PREFILL_BUCKET = "vllm:request_prefill_time_seconds_bucket"  # each request's prefill time (its longest step)
+MAX_BUCKETS = 64
+_WANTED = (*_SUMMED, "process_start_time_seconds", "vllm:cache_config_info", PREFILL_BUCKET)
 _WANTED_NAMES = frozenset(n.encode() for n in _WANTED)
 _WANTED_PREFIXES = tuple(_WANTED_NAMES)
 
@@ -99,6 +101,7 @@ def parse_vllm_page(page: bytes) -> VllmSample:
 
 def parse_vllm_metrics(text: str) -> VllmSample:
     values: dict[str, float] = {}
+    buckets: dict[float, float] = {}
     models: set[str] = set()
     gpu_util: float | None = None
     started: float | None = None
@@ -118,6 +121,8 @@ def parse_vllm_metrics(text: str) -> VllmSample:
                         models.add(sample.labels["model_name"][:256])
                 elif sample.name == "process_start_time_seconds" and math.isfinite(sample.value):
                     started = sample.value if started is None else min(started, sample.value)
+                elif sample.name == PREFILL_BUCKET:
+                    _bucket(buckets, sample.labels.get("le", ""), sample.value)
                 elif sample.name == "vllm:cache_config_info":
                     # Anything but a finite number in (0, 1] is no fraction (never written to an env file).
                     gpu_util = parse_fraction(sample.labels.get("gpu_memory_utilization"))
@@ -144,4 +149,19 @@ def parse_vllm_metrics(text: str) -> VllmSample:
         gpu_memory_utilization=gpu_util,
         model_names=tuple(sorted(models)),
         process_start_time_s=started,
+        prefill_buckets=tuple(sorted(buckets.items())),
     )
+
+
+def _bucket(buckets: dict[float, float], le: str, count: float) -> None:
+    """One bucket line of the prefill histogram, summed over engines; a bound or count that is not
+    a number, or more than MAX_BUCKETS bounds, makes the page unreadable."""
+    try:
+        bound = float(le)
+    except ValueError:
+        raise MetricsError(f"{PREFILL_BUCKET} has a bound {le[:32]!r} that is not a number") from None
+    if math.isnan(bound) or not math.isfinite(count) or count < 0:
+        raise MetricsError(f"{PREFILL_BUCKET} has an impossible bucket {le[:32]!r} = {count!r}")
+    if bound not in buckets and len(buckets) >= MAX_BUCKETS:
+        raise MetricsError(f"{PREFILL_BUCKET} has more than {MAX_BUCKETS} buckets")
+    buckets[bound] = buckets.get(bound, 0.0) + count
