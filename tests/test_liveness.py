@@ -742,7 +742,7 @@ def test_a_sigstopped_server_is_unresponsive_in_the_usual_window_with_its_kernel
 
 def frozen_between_steps(oldest_wait_s_at: callable, until: float, canary=None):  # noqa: ANN001
     """Healthy and idle at 100 (3 canaries learned), frozen counters from 110; clients waiting as told."""
-    box = Box(cfg(1, stall_canary_after_s=10, client_wait_s=3), LEARNED)
+    box = Box(cfg(1, stall_canary_after_s=10, client_wait_s=3, canary_interval_s=30), LEARNED)
     healthy_start(box)
     frozen = sample()  # the counters as they stood at 100: nothing moves from here on
     box.tick(101, a=obs(t=101, s=frozen, canary=CanaryResult(True, 100.0, 0.1)))  # the idle canary at 100
@@ -923,7 +923,8 @@ def test_a_canary_in_flight_and_a_stall_canary_falling_due_are_deadlines_of_thei
     healthy_start(box)
     # the canary sent at 100: late at its learned deadline (the floor), failed only at canary_timeout_s
     assert (box.tracks["a"].canary_late_at, box.tracks["a"].canary_due_at) == (103.0, 115.0)
-    assert tick.liveness.next_deadline(box.tracks["a"], box.cfg.watchdog) == 115.0 + 0.25
+    # the first moment its verdict may change: the late mark, where a closer look may be due
+    assert tick.liveness.next_deadline(box.tracks["a"], box.cfg.watchdog) == 103.0
     box.tick(101, a=obs(t=101, canary=CanaryResult(True, 100.0, 0.1)))
     assert tick.liveness.next_deadline(box.tracks["a"], box.cfg.watchdog) is None
     box.tick(104, a=replace(obs(t=104), conns=conns(waiting=4, oldest_wait_s=3.0)))  # queued since 101
@@ -1253,3 +1254,49 @@ def test_a_long_step_is_learned_from_the_histogram_kept_in_the_state_file_and_bo
     assert box.state() is not State.STALLED
     box.tick(284.0, a=obs(t=284.0, s=flat))
     assert (box.state(), box.rule()) == (State.STALLED, "L13")
+
+
+# --- a closer look: idle-dead within the late mark + canary_timeout_s (issue 35 item 7) ----------
+
+def idle_frozen(box: Box, sent: float, until: float, results: dict[float, CanaryResult] | None = None) -> list:
+    """An idle replica whose canary goes out at SENT; ticks every second until UNTIL, canary results
+    arriving as RESULTS says (tick time -> result)."""
+    results = results or {}
+    asked = []
+    t = sent
+    while t <= until:
+        box.actions.clear()
+        box.tick(t, a=obs(t=t, canary=results.get(t)))
+        asked += [(t, a.timeout_s) for a in canaries(box.actions)]
+        t += 1.0
+    return asked
+
+
+def test_an_idle_canary_past_its_late_mark_gets_a_closer_look_and_two_failures_make_idle_dead():
+    box = Box(cfg(1, canary_interval_s=10), LEARNED)  # learned 0.1 s: late mark at the 3 s floor
+    healthy_start(box)  # its canary sent at 100
+    results = {115.0: CanaryResult(False, 100.0, 15.0, "timeout"), 118.0: CanaryResult(False, 103.0, 15.0, "timeout")}
+    asked = idle_frozen(box, 101.0, 118.0, results)
+    assert asked == [(103.0, 15.0)]  # the closer look at the late mark, with the hard bound
+    verdicts = [(a.state, a.rule) for a in said(box.actions) if a.decision is Decision.STATE]
+    assert (State.IDLE_DEAD, "L15") in verdicts and restarts(box.actions)
+
+
+def test_a_late_canary_that_answers_ends_the_closer_look_without_a_failure():
+    box = Box(cfg(1, canary_interval_s=10), LEARNED)
+    healthy_start(box)
+    results = {108.0: CanaryResult(True, 100.0, 7.5), 109.0: CanaryResult(True, 103.0, 5.5)}
+    asked = idle_frozen(box, 101.0, 110.0, results)
+    assert asked == [(103.0, 15.0)]
+    t = box.tracks["a"]
+    assert t.canary_failures == 0 and t.canary_in_flight_since is None and t.closer_since is None
+    assert box.state() is State.HEALTHY and restarts(box.actions) == []
+
+
+def test_no_closer_look_while_work_is_queued_or_something_moved():
+    box = Box(cfg(1, canary_interval_s=10), LEARNED)
+    healthy_start(box)
+    for t in (101.0, 102.0, 103.0, 104.0, 105.0):  # work queued and tokens flowing: a canary waits its turn
+        box.actions.clear()
+        box.tick(t, a=obs(t=t, s=sample(gen=10 * t, running=3)))
+        assert canaries(box.actions) == []

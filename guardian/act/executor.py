@@ -78,7 +78,9 @@ class Executor:
         self.counter = counter
         self.tasks: set[asyncio.Task[None]] = set()
         # What the tasks brought back, until the observer takes it.
-        self._canaries: dict[str, CanaryResult] = {}
+        # A replica may have two canaries in flight (liveness: a closer look): their results are
+        # handed over one a tick, oldest first.
+        self._canaries: dict[str, list[CanaryResult]] = {}
         self._outcomes: dict[str, RestartOutcome] = {}
 
     @property
@@ -126,8 +128,10 @@ class Executor:
 
     def take_results(self) -> Results:
         """What the tasks brought back since the last call, handed over once."""
-        results = Results(self._canaries, self._outcomes)
-        self._canaries, self._outcomes = {}, {}
+        canaries = {name: got.pop(0) for name, got in self._canaries.items() if got}
+        self._canaries = {name: got for name, got in self._canaries.items() if got}
+        results = Results(canaries, self._outcomes)
+        self._outcomes = {}
         return results
 
     def reload(self, cfg: Config) -> None:
@@ -185,7 +189,8 @@ class Executor:
     async def _canary(self, name: str, timeout_s: float) -> None:
         r = self.cfg.replica(name)
         if r is not None:
-            self._canaries[name] = await probes.canary(self.client, r, self.tools.clock().mono, timeout_s)
+            result = await probes.canary(self.client, r, self.tools.clock().mono, timeout_s)
+            self._canaries.setdefault(name, []).append(result)
 
     async def _guarded(self, order: RestartOrder, what: str) -> RestartOutcome:
         """The checked restart; an exception out of it is said and is the outcome."""

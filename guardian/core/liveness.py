@@ -245,7 +245,14 @@ def _not_its_answers(track: Track, obs: ReplicaObservation) -> tuple[Track, Repl
     counters, a model, a canary) is the replica's progress or its start's end (issue 34 row 13)."""
     none = Probe(False, None, 0.0, "answered by another's listener")
     if obs.canary is not None:
-        track = replace(track, canary_in_flight_since=None, canary_due_at=None, canary_late_at=None)
+        track = replace(
+            track,
+            canary_in_flight_since=None,
+            canary_due_at=None,
+            canary_late_at=None,
+            closer_since=None,
+            closer_due_at=None,
+        )
     blind = replace(
         obs,
         health=none,
@@ -457,6 +464,8 @@ class Track:
         None  # when the canary in flight has failed if it has not answered (R.canary_timeout_s)
     )
     canary_late_at: float | None = None  # when it is past its learned deadline (late, not failed: C2)
+    closer_since: float | None = None  # a second canary sent while the first was late (a closer look)
+    closer_due_at: float | None = None
     slow_spell: bool = False  # the last canary was late (C2): the next late one is not said again
     slow_said: str | None = None  # this tick's C2 line, for the tick to say (None: nothing to say)
     last_canary_ok_at: float | None = None  # when the last successful canary was sent
@@ -680,6 +689,10 @@ def next_deadline(track: Track, wcfg: WatchdogConfig) -> float | None:
     ]
     if track.canary_due_at is not None:
         ends.append(track.canary_due_at + CANARY_JUDGE_MARGIN_S)
+        if track.canary_late_at is not None and track.closer_since is None:
+            ends.append(track.canary_late_at)  # a closer look may be due then (_closer_look_due)
+    if track.closer_due_at is not None:
+        ends.append(track.closer_due_at + CANARY_JUDGE_MARGIN_S)
     elif track.work_since is not None:
         quiet_ref = max(x for x in (track.last_progress_at, track.work_since) if x is not None)
         if track.last_canary_at is None or track.last_canary_at < quiet_ref:
@@ -782,7 +795,14 @@ def _carry_over(track: Track, obs: ReplicaObservation, now: float) -> Track:
         track = replace(track, restart_in_flight=False)
     if obs.canary is None and track.canary_due_at is not None and now > track.canary_due_at + CANARY_LOST_AFTER_S:
         # its result never came (the executor lost it): no canary would ever be sent again
-        track = replace(track, canary_in_flight_since=None, canary_due_at=None, canary_late_at=None)
+        track = replace(
+            track,
+            canary_in_flight_since=None,
+            canary_due_at=None,
+            canary_late_at=None,
+            closer_since=None,
+            closer_due_at=None,
+        )
     if track.first_seen_at is None:
         track = replace(track, first_seen_at=now)
     return track
@@ -832,24 +852,36 @@ def _fold(
     return track, seen
 
 
+def _canary_back(track: Track, closer: bool, ended_at: float) -> Track:
+    """TRACK with the canary that came back out of flight: the closer look's own slot, or the first's,
+    the closer look (if one runs) taking its place."""
+    if closer:
+        return replace(track, closer_since=None, closer_due_at=None, last_canary_at=ended_at)
+    return replace(
+        track,
+        canary_in_flight_since=track.closer_since,
+        canary_due_at=track.closer_due_at,
+        canary_late_at=None,
+        closer_since=None,
+        closer_due_at=None,
+        last_canary_at=ended_at,
+    )
+
+
 def _fold_canary(track: Track, obs: ReplicaObservation, queued: float, moving_now: bool) -> tuple[Track, bool, bool]:
     """The canary that came back this tick, if any: (track, it answered, it failed and counts)."""
     canary = obs.canary
     if canary is None:
         return track, False, False
-    late_after_s = track.canary_late_at - canary.started_at if track.canary_late_at is not None else None
+    closer = track.closer_since is not None and canary.started_at == track.closer_since
+    late_at = None if closer else track.canary_late_at
+    late_after_s = late_at - canary.started_at if late_at is not None else None
     life = moving_now or (track.last_progress_at is not None and track.last_progress_at > canary.started_at)
     back = _CanaryBack(canary, late_after_s, life)
     found = first_match(CANARY_ROWS, back)
     assert found is not None, "the last canary row always holds"
     rule, said = found
-    track = replace(
-        track,
-        canary_in_flight_since=None,
-        canary_due_at=None,
-        canary_late_at=None,
-        last_canary_at=canary.started_at + canary.latency_s,
-    )
+    track = _canary_back(track, closer, canary.started_at + canary.latency_s)
     if canary.ok:
         kept = (*track.canary_latencies, canary.latency_s)[-CANARY_LATENCIES_KEPT:]
         slow = rule.id == _SLOW_CANARY
@@ -873,12 +905,12 @@ def _fold_canary(track: Track, obs: ReplicaObservation, queued: float, moving_no
 def _schedule_canary(facts: _Facts, state: State) -> tuple[Track, float | None]:
     """A canary to send now, and its deadline (the module docstring's canary rules), or None."""
     track, obs = facts.track, facts.obs
-    if (
-        state not in (State.HEALTHY, State.DEGRADED, State.BUSY)
-        or obs.metrics is None
-        or not obs.health.answered
-        or track.canary_in_flight_since is not None
-    ):
+    if state not in (State.HEALTHY, State.DEGRADED, State.BUSY) or obs.metrics is None or not obs.health.answered:
+        return track, None
+    if _closer_look_due(facts):
+        timeout_s = facts.rcfg.canary_timeout_s
+        return replace(track, closer_since=facts.now, closer_due_at=facts.now + timeout_s), timeout_s
+    if track.canary_in_flight_since is not None:
         return track, None
     # Under load too: a replica that is never idle must still learn its deadline (its canaries
     # then wait their turn, and the learned deadline is the longer for it).
@@ -899,6 +931,23 @@ def _schedule_canary(facts: _Facts, state: State) -> tuple[Track, float | None]:
         track, canary_in_flight_since=facts.now, canary_due_at=facts.now + timeout_s, canary_late_at=facts.now + late_s
     )
     return track, timeout_s
+
+
+def _closer_look_due(facts: _Facts) -> bool:
+    """A closer look (issue 35 item 7): an idle replica's canary past its learned deadline, with no
+    sign of life since it was sent, gets a second canary at once. Each fails only at
+    R.canary_timeout_s (C4), so W.canary_failures (2) in a row come within the late mark +
+    R.canary_timeout_s of the first's send, not twice R.canary_timeout_s plus a retry."""
+    track = facts.track
+    sent, late_at = track.canary_in_flight_since, track.canary_late_at
+    return (
+        sent is not None
+        and late_at is not None
+        and facts.now >= late_at
+        and track.closer_since is None
+        and facts.seen.queued == 0
+        and (track.last_progress_at is None or track.last_progress_at <= sent)
+    )
 
 
 def _canary_due(facts: _Facts) -> bool:
