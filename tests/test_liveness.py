@@ -1300,3 +1300,54 @@ def test_no_closer_look_while_work_is_queued_or_something_moved():
         box.actions.clear()
         box.tick(t, a=obs(t=t, s=sample(gen=10 * t, running=3)))
         assert canaries(box.actions) == []
+
+
+def test_canary_results_from_before_the_units_restart_count_for_nothing():
+    """Review of issue 35: a canary and its closer look in flight when the unit restarted; both fail
+    (connection reset). They were sent to the engine before this start: no failure counts."""
+    box = Box(cfg(1, canary_interval_s=10), LEARNED)
+    healthy_start(box)
+    idle_frozen(box, 101.0, 103.0)  # the closer look at 103
+    restarted = unit(inactive_exit_mono=104.5)
+    for t, result in ((105.0, CanaryResult(False, 100.0, 4.9, "reset")), (106.0, CanaryResult(False, 103.0, 2.9, "reset"))):
+        box.tick(t, a=obs(t=t, u=restarted, canary=result))
+    assert box.tracks["a"].canary_failures == 0
+    box.tick(140.0, a=obs(t=140.0, u=restarted))
+    assert box.state() is State.HEALTHY and restarts(box.actions) == []
+
+
+def test_a_closer_look_that_comes_back_first_is_its_own_and_is_sent_once():
+    box = Box(cfg(1, canary_interval_s=10), LEARNED)
+    healthy_start(box)  # A sent at 100
+    asked = idle_frozen(box, 101.0, 110.0, {104.0: CanaryResult(False, 103.0, 0.5, "HTTP 500")})  # B fails fast
+    assert asked == [(103.0, 15.0)]  # one closer look for A, not one a tick after B's failure
+    t = box.tracks["a"]
+    assert (t.canary_in_flight_since, t.canary_due_at, t.closer_since) == (100.0, 115.0, None)
+    assert t.canary_failures == 1
+    assert not [a for a in said(box.actions) if a.rule == "C2"]  # B was not taken for A
+
+
+def test_a_late_mark_already_past_hides_no_later_deadline():
+    """A frozen server with its canary in flight: the late mark has passed with no closer look
+    possible (no answer: no canary can go); L8's moment is still the next deadline."""
+    box = Box(cfg(1, unresponsive_after_s=10), LEARNED)
+    healthy_start(box)  # canary at 100, late at 103
+    box.tick(101.0, a=obs(t=101.0, health=TIMEOUT))
+    assert tick.liveness.next_deadline(box.tracks["a"], box.cfg.watchdog, after=104.0) == 110.0
+
+
+def test_serving_again_after_guardians_restart_is_said_even_when_the_quiet_journal_holds_it():
+    box = Box(cfg(1, stall_window_s=60), LEARNED)
+    healthy_start(box)
+    box.tick(110.0, a=obs(t=110.0, s=sample(gen=5, running=2)))
+    box.tick(171.0, a=obs(t=171.0, s=sample(gen=5, running=2)))  # stalled: guardian restarts it
+    assert restarts(box.actions)
+    started = unit(inactive_exit_mono=172.0)
+    box.tick(173.0, a=obs(t=173.0, u=started, outcome=RestartOutcome("vllm-a.service", "done", True, True),
+                          health=TIMEOUT))
+    late = replace(obs(t=0, u=started), metrics_probe=replace(TIMEOUT, error="timeout"), metrics=None)
+    box.tick(175.0, a=replace(late, at=175.0))  # degraded first (said: from starting)
+    for t in (177.0, 182.0, 188.0):
+        box.tick(t, a=obs(t=t, u=started))
+    back = [m for m in state_lines(box) if "-> healthy" in m]
+    assert back and "serving again" in back[-1], state_lines(box)

@@ -103,7 +103,7 @@ class Executor:
             case LogLine():
                 self.tools.journal.line(action)
             case StartCanary():
-                self._spawn(self._canary(action.replica, action.timeout_s))
+                self._spawn(self._canary(action.replica, action.timeout_s, action.sent_at))
             case RestartUnit():
                 self._spawn(self._restart(action))
             case SetFraction():
@@ -186,10 +186,11 @@ class Executor:
 
         self._write_state(both, "canary latencies and steps")
 
-    async def _canary(self, name: str, timeout_s: float) -> None:
+    async def _canary(self, name: str, timeout_s: float, sent_at: float | None) -> None:
         r = self.cfg.replica(name)
         if r is not None:
-            result = await probes.canary(self.client, r, self.tools.clock().mono, timeout_s)
+            started = sent_at if sent_at is not None else self.tools.clock().mono
+            result = await probes.canary(self.client, r, started, timeout_s)
             self._canaries.setdefault(name, []).append(result)
 
     async def _guarded(self, order: RestartOrder, what: str) -> RestartOutcome:

@@ -53,7 +53,8 @@ class RestartUnit:
 @dataclass(frozen=True)
 class StartCanary:
     replica: str
-    timeout_s: float  # the canary's deadline (liveness.canary_deadline)
+    timeout_s: float  # its bound (R.canary_timeout_s: a late answer is an answer)
+    sent_at: float | None = None  # the tick's now: its result carries it, so liveness knows which canary it is
 
 
 @dataclass(frozen=True)

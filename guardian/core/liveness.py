@@ -466,6 +466,7 @@ class Track:
     canary_late_at: float | None = None  # when it is past its learned deadline (late, not failed: C2)
     closer_since: float | None = None  # a second canary sent while the first was late (a closer look)
     closer_due_at: float | None = None
+    closer_for: float | None = None  # the send time of the canary a closer look was sent for (one each)
     slow_spell: bool = False  # the last canary was late (C2): the next late one is not said again
     slow_said: str | None = None  # this tick's C2 line, for the tick to say (None: nothing to say)
     last_canary_ok_at: float | None = None  # when the last successful canary was sent
@@ -672,13 +673,14 @@ CANARY_JUDGE_MARGIN_S = 0.25
 CANARY_LOST_AFTER_S = 30.0  # past its deadline with no result: forgotten, as if never sent
 
 
-def next_deadline(track: Track, wcfg: WatchdogConfig) -> float | None:
+def next_deadline(track: Track, wcfg: WatchdogConfig, after: float | None = None) -> float | None:
     """The next moment at which T's verdict may change with no news, or None: its unresponsive
     window ends (L8, L9) if no answer and no progress comes before it; the canary in flight has
     failed (its deadline); a stall canary falls due (queued work, nothing moving for
     W.stall_canary_after_s). The daemon judges at that moment instead of at the next tick mark:
     a frozen server is then found U seconds after its last answer, and a frozen engine with work
-    queued as soon as its canary's deadline passes, not up to a tick later."""
+    queued as soon as its canary's deadline passes, not up to a tick later. AFTER: only moments
+    after it (the daemon's now)."""
     if track.state not in (State.HEALTHY, State.BUSY, State.DEGRADED):
         return None
     quiet_from = track.last_progress_at if track.last_progress_at is not None else float("-inf")
@@ -689,15 +691,16 @@ def next_deadline(track: Track, wcfg: WatchdogConfig) -> float | None:
     ]
     if track.canary_due_at is not None:
         ends.append(track.canary_due_at + CANARY_JUDGE_MARGIN_S)
-        if track.canary_late_at is not None and track.closer_since is None:
+        if _closer_look_possible(track) and track.canary_late_at is not None:
             ends.append(track.canary_late_at)  # a closer look may be due then (_closer_look_due)
-    if track.closer_due_at is not None:
-        ends.append(track.closer_due_at + CANARY_JUDGE_MARGIN_S)
+        if track.closer_due_at is not None:
+            ends.append(track.closer_due_at + CANARY_JUDGE_MARGIN_S)
     elif track.work_since is not None:
         quiet_ref = max(x for x in (track.last_progress_at, track.work_since) if x is not None)
         if track.last_canary_at is None or track.last_canary_at < quiet_ref:
             ends.append(quiet_ref + wcfg.stall_canary_after_s)
-    return min(ends) if ends else None
+    ahead = [at for at in ends if after is None or at > after]  # one already past hides none to come
+    return min(ahead) if ahead else None
 
 
 def _fresh_start(track: Track, start_ts: float | None) -> Track:
@@ -871,8 +874,8 @@ def _canary_back(track: Track, closer: bool, ended_at: float) -> Track:
 def _fold_canary(track: Track, obs: ReplicaObservation, queued: float, moving_now: bool) -> tuple[Track, bool, bool]:
     """The canary that came back this tick, if any: (track, it answered, it failed and counts)."""
     canary = obs.canary
-    if canary is None:
-        return track, False, False
+    if canary is None or (track.start_ts is not None and canary.started_at < track.start_ts):
+        return track, False, False  # none, or one sent to the engine before this start: not this one's
     closer = track.closer_since is not None and canary.started_at == track.closer_since
     late_at = None if closer else track.canary_late_at
     late_after_s = late_at - canary.started_at if late_at is not None else None
@@ -909,7 +912,10 @@ def _schedule_canary(facts: _Facts, state: State) -> tuple[Track, float | None]:
         return track, None
     if _closer_look_due(facts):
         timeout_s = facts.rcfg.canary_timeout_s
-        return replace(track, closer_since=facts.now, closer_due_at=facts.now + timeout_s), timeout_s
+        track = replace(
+            track, closer_since=facts.now, closer_due_at=facts.now + timeout_s, closer_for=track.canary_in_flight_since
+        )
+        return track, timeout_s
     if track.canary_in_flight_since is not None:
         return track, None
     # Under load too: a replica that is never idle must still learn its deadline (its canaries
@@ -933,21 +939,27 @@ def _schedule_canary(facts: _Facts, state: State) -> tuple[Track, float | None]:
     return track, timeout_s
 
 
+def _closer_look_possible(track: Track) -> bool:
+    """No closer look has been sent for the canary in flight, and nothing since its send says the
+    replica works (idle, no progress): one is due at its late mark."""
+    sent = track.canary_in_flight_since
+    return (
+        sent is not None
+        and track.closer_since is None
+        and track.closer_for != sent
+        and track.work_since is None
+        and (track.last_progress_at is None or track.last_progress_at <= sent)
+    )
+
+
 def _closer_look_due(facts: _Facts) -> bool:
     """A closer look (issue 35 item 7): an idle replica's canary past its learned deadline, with no
     sign of life since it was sent, gets a second canary at once. Each fails only at
     R.canary_timeout_s (C4), so W.canary_failures (2) in a row come within the late mark +
     R.canary_timeout_s of the first's send, not twice R.canary_timeout_s plus a retry."""
     track = facts.track
-    sent, late_at = track.canary_in_flight_since, track.canary_late_at
-    return (
-        sent is not None
-        and late_at is not None
-        and facts.now >= late_at
-        and track.closer_since is None
-        and facts.seen.queued == 0
-        and (track.last_progress_at is None or track.last_progress_at <= sent)
-    )
+    late_at = track.canary_late_at
+    return _closer_look_possible(track) and late_at is not None and facts.now >= late_at and facts.seen.queued == 0
 
 
 def _canary_due(facts: _Facts) -> bool:

@@ -209,7 +209,8 @@ class Tick:
                     )
                 )
             new = replace(new, metrics_error=error)
-        if new.state is State.HEALTHY and new.restart_issued_at is not None:
+        # once "serving again N s after guardian's restart" is said (a quiet journal may hold it back)
+        if new.state is State.HEALTHY and new.said_state is State.HEALTHY and new.restart_issued_at is not None:
             new = replace(new, restart_issued_at=None)
         if new.slow_said is not None:
             self._say(
@@ -224,7 +225,7 @@ class Tick:
                 )
             )
         if canary_timeout_s is not None:
-            self.actions.append(StartCanary(replica.name, canary_timeout_s))
+            self.actions.append(StartCanary(replica.name, canary_timeout_s, self.now))
         self.tracks[replica.name] = new
 
     def _record_canary_latencies(self) -> None:
@@ -666,7 +667,13 @@ class Tick:
             f"no other replica of {replica.model} serves now ({others}), and draining it would leave none",
             "it is drained once one serves; `guardian restart --no-drain` restarts it at once, undrained",
             Priority.INFO,
-            key=tuple(sorted(f"{n}:{t.state}" for n, t in self.tracks.items() if n != replica.name)),
+            key=tuple(
+                sorted(
+                    f"{o.name}:{self.tracks[o.name].state}"
+                    for o in self.cfg.replicas
+                    if o.name != replica.name and o.model == replica.model and o.name in self.tracks
+                )
+            ),
         )
 
     def _wait_for_peer(self, replica: ReplicaConfig, request: RestartRequest, head: str, no_peer: Refusal) -> bool:
@@ -976,8 +983,8 @@ def next_tick_at(state: TickState, last_started: float, now: float, cfg: Config)
     most critical_headroom_bytes between two looks before the box is out of memory."""
     at = last_started + _interval_s(state, cfg)
     for track in state.tracks.values():
-        deadline = liveness.next_deadline(track, cfg.watchdog)
-        if deadline is None or deadline <= now:
+        deadline = liveness.next_deadline(track, cfg.watchdog, after=now)
+        if deadline is None:
             continue
         early = deadline - cfg.probe_wait_s
         at = min(at, early if early > now else deadline)
@@ -994,8 +1001,9 @@ def probe_wait_s(state: TickState, now: float, cfg: Config) -> float:
     watched, at most half the start guard's interval: a probe still out is carried to the next tick."""
     wait = min(cfg.probe_wait_s, _interval_s(state, cfg) / 2)
     for track in state.tracks.values():
-        deadline = liveness.next_deadline(track, cfg.watchdog)
-        if deadline is not None and deadline >= now:  # one already past must not shorten every tick
+        # one already past must not shorten every tick; one due now gets the floor
+        deadline = liveness.next_deadline(track, cfg.watchdog, after=now - 1e-6)
+        if deadline is not None:
             wait = min(wait, max(deadline - now, PROBE_WAIT_FLOOR_S))
     return wait
 
