@@ -259,10 +259,13 @@ class SystemdBox:
         self.write("/usr/local/bin/vllm-sim", WRAPPER.format(module="vllm_sim"), mode=0o755)
         self.write("/usr/local/bin/vllm-sim-ctl", WRAPPER.format(module="vllm_sim.ctl"), mode=0o755)
 
-    def install_deb(self, deb: Path) -> subprocess.CompletedProcess:
+    def install_deb(self, deb: Path, keep_conffiles: bool = False) -> subprocess.CompletedProcess:
+        """KEEP_CONFFILES: as an unattended upgrade does, a config file the operator edited is kept
+        when the package ships a new one (dpkg would otherwise ask)."""
         if deb.parent != self.dist:
             shutil.copy(deb, self.dist / deb.name)
-        return self.run(["apt-get", "install", "-y", "-q", f"/opt/guardian/dist/{deb.name}"],
+        keep = ["-o", "Dpkg::Options::=--force-confdef", "-o", "Dpkg::Options::=--force-confold"] if keep_conffiles else []
+        return self.run(["apt-get", "install", "-y", "-q", *keep, f"/opt/guardian/dist/{deb.name}"],
                         timeout=120)
 
     def halt(self) -> None:

@@ -158,7 +158,9 @@ def test_upgrade_from_the_previous_release_keeps_state_then_remove_and_purge_lea
     state_before = json.loads(box.run(["cat", "/var/lib/guardian/state.json"]).stdout)
     pid = box.prop("guardian.service", "MainPID")
 
-    box.install_deb(box.deb)  # the upgrade: 0.1.0 -> this tree's version
+    # the upgrade: 0.1.0 -> this tree's version, whose guardian.toml changed (canary_interval_s): the
+    # operator's edited one is kept, as unattended-upgrades keeps it
+    box.install_deb(box.deb, keep_conffiles=True)
     assert _installed_version(box) == guardian.__version__ != "0.1.0"
     assert box.run(["cat", "/etc/guardian/guardian.toml"]).stdout == edited
     assert box.run(["cat", "/var/lib/guardian/replicas/a.env"]).stdout == LOWERED

@@ -333,12 +333,17 @@ def test_port_held_by_another_unit_is_refused_by_name(world):
     wait_for(lambda: world.box.http("http://127.0.0.1:8001/health")[0] == 200, 20, "impostor to serve")
     world.write_config(world.config_text([Replica("a", 8001), world.replicas[1]]))
     world.box.systemctl("start", "guardian.service")
-    world.wait_states({"a": "healthy", "b": "healthy"}, timeout_s=30)
+    # The impostor's answers are not a's (issue 34 row 13): a is port-taken (L4), said at error.
+    world.wait_states({"a": "port-taken", "b": "healthy"}, timeout_s=30)
+    taken = wait_line(world, "GUARDIAN_REPLICA=a", "GUARDIAN_STATE=port-taken", contains="impostor.service")
+    assert taken["PRIORITY"] == "3" and taken["GUARDIAN_RULE"] == "L4", taken
     before = world.identities(["vllm-a.service", "impostor.service", "vllm-b.service", "db.service"])
-    world.kill("impostor.service", "STOP")
+    world.kill("impostor.service", "STOP")  # the impostor hangs: still nothing of a's to judge
+    asked = world.box.run(["guardian", "restart", "a"], check=False, timeout=60)
+    assert asked.returncode != 0 and "impostor.service" in asked.stdout + asked.stderr, asked.stdout + asked.stderr
     line = wait_line(world, "GUARDIAN_REPLICA=a", "GUARDIAN_DECISION=refused", contains="impostor.service")
     assert line["GUARDIAN_GATE"] == "port-owner" and line["PRIORITY"] == "3"
-    assert world.restarts_of(world.replicas[0]) == []
+    assert world.restarts_of(world.replicas[0]) == [] and world.states()["a"] == "port-taken"
     untouched(world, before)
     world.kill("impostor.service", "CONT")
 
