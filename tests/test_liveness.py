@@ -27,7 +27,7 @@ from harness import (
 # canaries start from it: with nothing learned, a replica first gets its learning canaries).
 # And a short prefill learned (the 0.3 s bucket), as every replica that served a request has: the
 # stall canary's shortcut (L14) then waits no longer than 1.5 x that (issue 35 item 8).
-SHORT_STEPS = {"a": (0.3,)}
+SHORT_STEPS = {"a": ((0.3, 0.0),)}  # (seconds, when learned)
 LEARNED = PersistentView(canary_latencies={"a": (0.1, 0.1, 0.1)}, step_seconds=SHORT_STEPS)
 
 
@@ -1229,9 +1229,10 @@ def one_long_step(steps, until: float = 100.0 + LONG_PROMPT_WAIT - 1) -> Box:
 
 
 @pytest.mark.parametrize("steps, stalled", [
-    ({"a": (60.0,)}, False),  # it has taken 60 s steps before: 1.5 x 60 = 90 s before any stall verdict
+    ({"a": ((60.0, 50.0),)}, False),  # it took a 60 s step before: 1.5 x 60 = 90 s before any stall verdict
     ({}, False),  # nothing learned: the stall window (300 s here) is the bound
-    ({"a": (0.3,)}, True),  # only short prefills seen: a failed stall canary proves a stall (L14)
+    ({"a": ((0.3, 50.0),)}, True),  # only short prefills seen: a failed stall canary proves a stall (L14)
+    ({"a": ((60.0, 100.0 - 24 * 3600), (0.3, 50.0))}, True),  # the 60 s step was learned a day ago: forgotten
 ])
 def test_a_stall_canary_never_ends_a_step_shorter_than_the_replicas_own_longest(steps, stalled):
     box = one_long_step(steps)
@@ -1245,7 +1246,7 @@ def test_a_long_step_is_learned_from_the_histogram_kept_in_the_state_file_and_bo
     box.tick(100.0, a=obs(t=100.0, s=buckets(5, 5, 5, 5, 5, 5)))
     acts = box.tick(102.0, a=obs(t=102.0, s=replace(buckets(5, 5, 5, 5, 6, 6), generation_tokens=1.0)))
     (record,) = [a for a in acts if isinstance(a, RecordCanaryLatencies)]
-    assert record.steps == (("a", (120.0, 0.3)),)  # longest first, the 0.3 s one kept from the state file
+    assert record.steps == (("a", ((120.0, 102.0), (0.3, 0.0))),)  # longest first, the 0.3 s one from the state file
     assert tick.liveness.longest_step_s(box.tracks["a"], 103.0) == STEP_MARGIN * 120.0
     # L13 waits max(stall_window_s, 1.5 x 120 s) = 180 s of nothing moving with work queued
     flat = replace(buckets(5, 5, 5, 5, 6, 6), generation_tokens=1.0, running=2)

@@ -152,7 +152,7 @@ def test_what_the_proxy_was_told_survives_a_restart_and_a_file_from_before_the_p
 
 def test_history_of_replicas_no_longer_configured_is_dropped():
     d = {"restarts": {"a": [1.0], "gone": [2.0]}, "pauses": {"gone": {"until": None}}, "resumed_at": {"gone": 3.0},
-         "canary_latencies": {"a": [0.5], "gone": [0.25]}, "step_seconds": {"a": [60.0], "gone": [5.0]},
+         "canary_latencies": {"a": [0.5], "gone": [0.25]}, "step_seconds": {"a": [60.0], "gone": [5.0]},  # shapes aside
          "fraction_bases": {"a": 0.78, "gone": 0.9}}
     forget_unconfigured(d, {"a"})
     assert d == {"restarts": {"a": [1.0]}, "pauses": {}, "resumed_at": {}, "canary_latencies": {"a": [0.5]},
@@ -606,9 +606,13 @@ def test_a_replicas_longest_steps_survive_a_restart_and_garbage_is_corrupt(tmp_p
     from guardian.act.state import record_steps
 
     store = store_at(tmp_path)
-    store.update(lambda d: record_steps(d, (("a", (120.0, 60.0, float("nan"))),)))
-    assert view(store_at(tmp_path).read(), NOW).step_seconds == {"a": (120.0, 60.0)}
-    for bad in ([0], [-1.0], ["60"], [True], 60.0, [1e9]):
+    learned = ((120.0, NOW.mono - 50), (60.0, NOW.mono - 5), (float("nan"), NOW.mono))
+    store.update(lambda d: record_steps(d, (("a", learned),), NOW))
+    got = view(store_at(tmp_path).read(), NOW).step_seconds
+    assert got == {"a": ((120.0, NOW.mono - 50), (60.0, NOW.mono - 5))}  # when learned, not when read
+    at = {"wall": NOW.wall, "mono": NOW.mono}
+    for bad in ([0], [{"s": 0, "at": at}], [{"s": -1.0, "at": at}], [{"s": "60", "at": at}], [{"s": True, "at": at}],
+                [{"s": 1e9, "at": at}], [{"s": 60.0}], [{"s": 60.0, "at": "noon"}], 60.0):
         (tmp_path / "state.json").write_text(json.dumps({"version": 1, "step_seconds": {"a": bad}}))
         with pytest.raises(CorruptState):
             store_at(tmp_path).read()

@@ -105,7 +105,8 @@ def test_a_single_long_prefill_step_is_never_restarted_when_the_replica_has_take
     world.setup(start_guardian=False)
     a = world.replicas[0]
     world.box.run("install -d -o guardian -g guardian -m 0755 /var/lib/guardian")
-    world.box.write("/var/lib/guardian/state.json", json.dumps({"version": 1, "step_seconds": {"a": [60.0]}}))
+    learned = {"s": 60.0, "at": {"wall": float(world.box.run(["date", "+%s"]).stdout), "mono": None}}
+    world.box.write("/var/lib/guardian/state.json", json.dumps({"version": 1, "step_seconds": {"a": [learned]}}))
     world.box.run(["chown", "guardian:guardian", "/var/lib/guardian/state.json"])
     world.start_guardian()
     old = world.box.identity(a.unit)

@@ -182,7 +182,7 @@ class Executor:
 
         def both(d: StateDoc) -> None:
             record_canary_latencies(d, action.latencies)
-            record_steps(d, action.steps)
+            record_steps(d, action.steps, self.tools.clock())
 
         self._write_state(both, "canary latencies and steps")
 

@@ -29,10 +29,12 @@ last), from which the core learns its canary deadline (core/liveness.py): a guar
 reloaded starts from them instead of learning anew. Each is a number in (0, MAX_LATENCY_S]; any
 other value makes the file corrupt, and of a longer list the newest CANARY_LATENCIES_KEPT are read.
 
-"step_seconds" keeps, per replica, the longest steps it was seen to take (a long prompt's prefill,
-seconds, longest first; core/liveness.py learn_step): the stall rules never end a step shorter
-than its own, across guardian's restarts too. Each is a number in (0, MAX_STEP_S]; any other value
-makes the file corrupt, and of a longer list the first STEPS_KEPT are read.
+"step_seconds" keeps, per replica, the longest steps it was seen to take (a long prompt's prefill;
+core/liveness.py learn_step), longest first, each {"s": seconds, "at": a stamp of when it was
+learned}: the stall rules never end a step shorter than its own, across guardian's restarts too,
+and a step is forgotten STEP_MEMORY_S after it was learned, restarts or not. Each "s" is a number
+in (0, MAX_STEP_S]; any other value makes the file corrupt, and of a longer list the first
+STEPS_KEPT are read.
 
 "fraction_bases" keeps, per replica, its base fraction: the one it had before guardian's memory
 guard first lowered it (the highest it lowered it from, if the operator raised it in between).
@@ -181,6 +183,12 @@ def _step(value: Any) -> float:
     return float(value)
 
 
+def _step_entry(value: Any, latest: Now) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ValueError(f"{value!r:.40} is not a learned step ({{'s': seconds, 'at': a time}})")
+    return {"s": _step(value.get("s")), "at": _time(value.get("at"), latest)}
+
+
 def _fraction(value: Any) -> float:
     # Compared before float(), as _number.
     if isinstance(value, bool) or not isinstance(value, int | float) or not MIN_FRACTION <= value <= 1:
@@ -292,7 +300,7 @@ def _validate(data: Any, latest: Now) -> StateDoc:
     for name, steps in _table(data.get("step_seconds", {})).items():
         if not isinstance(steps, list):
             raise ValueError(f"step_seconds of {name!r} is not a list")
-        out["step_seconds"][name] = [_step(x) for x in steps][:STEPS_KEPT]
+        out["step_seconds"][name] = [_step_entry(x, latest) for x in steps][:STEPS_KEPT]
     for name, base in _table(data.get("fraction_bases", {})).items():
         out["fraction_bases"][name] = _fraction(base)
     down = data.get("proxy_down", [])
@@ -483,7 +491,7 @@ def view(data: StateDoc, at: Now, this_boot: str | None = None) -> PersistentVie
         ),
         proxy_down=tuple(data["proxy_down"]),
         canary_latencies={k: tuple(v) for k, v in data["canary_latencies"].items()},
-        step_seconds={k: tuple(v) for k, v in data["step_seconds"].items()},
+        step_seconds={k: tuple((e["s"], mono(e["at"])) for e in v) for k, v in data["step_seconds"].items()},
         fraction_bases=dict(data["fraction_bases"]),
     )
 
@@ -501,11 +509,16 @@ def record_canary_latencies(data: StateDoc, latencies: tuple[tuple[str, tuple[fl
         data["canary_latencies"][name] = kept[-CANARY_LATENCIES_KEPT:]
 
 
-def record_steps(data: StateDoc, steps: tuple[tuple[str, tuple[float, ...]], ...]) -> None:
-    """Keep each replica's longest steps (longest first), within (0, MAX_STEP_S]."""
+def record_steps(data: StateDoc, steps: tuple[tuple[str, tuple[tuple[float, float], ...]], ...], at: Now) -> None:
+    """Keep each replica's longest steps (longest first): (seconds within (0, MAX_STEP_S], when
+    learned on AT's monotonic clock), the time stamped on both clocks so that it reads back after a
+    reboot too."""
     for name, values in steps:
-        kept = [min(max(x, 1e-6), MAX_STEP_S) for x in values if math.isfinite(x)]
-        data["step_seconds"][name] = kept[:STEPS_KEPT]
+        data["step_seconds"][name] = [
+            {"s": min(max(s, 1e-6), MAX_STEP_S), "at": stamp(Now(learned, at.wall - (at.mono - learned)))}
+            for s, learned in values
+            if math.isfinite(s) and math.isfinite(learned)
+        ][:STEPS_KEPT]
 
 
 def record_fraction_base(data: StateDoc, replica: str, lowered_from: float) -> None:

@@ -63,7 +63,8 @@ class RecordCanaryLatencies:
     created later (guardian restarted or reloaded) starts from them. At most one a tick."""
 
     latencies: tuple[tuple[str, tuple[float, ...]], ...]  # (replica, latencies), for those that changed
-    steps: tuple[tuple[str, tuple[float, ...]], ...] = ()  # (replica, its longest steps), for those that changed
+    # (replica, its longest steps as (s, when learned)), for those that changed
+    steps: tuple[tuple[str, tuple[tuple[float, float], ...]], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -219,8 +219,8 @@ class PersistentView:
     resumed_at: dict[str, float] = field(default_factory=dict)  # budget counts restarts after this only
     requests: tuple[RestartRequest, ...] = ()  # operators' restart requests not answered yet
     proxy_down: tuple[str, ...] = ()  # replicas guardian last marked down at the proxy
-    # replica -> the longest steps it was seen to take (s, longest first): a Track starts from them
-    step_seconds: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    # replica -> the longest steps it was seen to take, (s, when learned), longest first: a Track starts from them
+    step_seconds: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
     # replica -> its last successful canaries' latencies (s), newest last: a Track starts from them
     canary_latencies: dict[str, tuple[float, ...]] = field(default_factory=dict)
     # replica -> its base fraction: the one it had before the memory guard first lowered it (act/state.py);

@@ -238,10 +238,9 @@ class Tick:
             if track.canary_latencies != (before[name].canary_latencies if name in before else _kept(name, self.obs))
         )
         steps = tuple(
-            (name, _bounds(track))
+            (name, track.steps)
             for name, track in self.tracks.items()
-            if _bounds(track)
-            != (_bounds(before[name]) if name in before else self.obs.persistent.step_seconds.get(name, ()))
+            if track.steps != (before[name].steps if name in before else self.obs.persistent.step_seconds.get(name, ()))
         )
         if changed or steps:
             self.actions.append(RecordCanaryLatencies(changed, steps))
@@ -1034,16 +1033,11 @@ def _kept(name: str, obs: TickObservation) -> tuple[float, ...]:
     return obs.persistent.canary_latencies.get(name, ())[-liveness.CANARY_LATENCIES_KEPT :]
 
 
-def _bounds(track: Track) -> tuple[float, ...]:
-    """TRACK's learned steps as the state file keeps them (longest first)."""
-    return tuple(bound for bound, _at in track.steps)
-
-
 def _new_track(name: str, obs: TickObservation, now: float) -> Track:
     """A replica guardian has no track of yet (guardian started, or the replica was added by a
     reload) starts from the canary latencies the state file kept: with 3 or more, its learned
     deadline holds from its first canary, and it gets no learning canaries."""
-    steps = tuple((bound, now) for bound in obs.persistent.step_seconds.get(name, ())[: liveness.STEPS_KEPT])
+    steps = obs.persistent.step_seconds.get(name, ())[: liveness.STEPS_KEPT]
     return Track(state_since=now, canary_latencies=_kept(name, obs), steps=steps)
 
 
