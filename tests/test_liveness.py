@@ -1352,3 +1352,12 @@ def test_serving_again_after_guardians_restart_is_said_even_when_the_quiet_journ
         box.tick(t, a=obs(t=t, u=started))
     back = [m for m in state_lines(box) if "-> healthy" in m]
     assert back and "serving again" in back[-1], state_lines(box)
+
+
+def test_a_paused_replica_serves_by_its_own_answers():
+    """guardian does not judge a paused replica, but one that answers with its model carries load."""
+    box = Box(cfg(1), PersistentView(pauses={"a": Pause(None)}))
+    box.tick(100.0, a=obs(t=100.0))
+    assert box.state() is State.PAUSED and serves(box.tracks["a"], 100.0)
+    box.tick(102.0, a=obs(t=102.0, health=DEAD_503))
+    assert not serves(box.tracks["a"], 102.0)

@@ -739,7 +739,7 @@ def step(
     track, want_canary = _schedule_canary(facts, state)
     if state != track.state:
         track = replace(track, state=state, state_since=now)
-    if rule != _NO_NEWS_RULE and _serving_now(state, track, seen, obs):
+    if rule != _NO_NEWS_RULE and _serving_now(state, track, seen, obs, rcfg):
         track = replace(track, served_at=now)
     return replace(track, rule=rule, evidence=evidence, observed=True), want_canary
 
@@ -747,18 +747,22 @@ def step(
 # "Another replica serves" (issue 35 item 3), the one definition for every rule that asks it: the
 # drain (D1-D5), the memory guard's peers (M14, the raise), the fleet's counts. A replica serves
 # when, at its last tick with evidence, it was healthy or busy, or degraded only by a probe that
-# was late or unreadable while /health answered 200 or its work progressed; and that tick was
+# was late or unreadable while /health answered 200 or its work progressed, or paused (not judged)
+# while its /health answered 200 with its model listed; and that tick was
 # at most SERVED_RECENTLY_S ago (a /health 200 counts however late it came: a late answer is an
 # answer), with nothing since that says it stopped (a verdict other than
 # healthy, busy or degraded, a restart in flight, a /health 503, a failed canary). A /metrics
 # answer late by a second on a loaded box is not the end of serving.
 SERVED_RECENTLY_S = 10.0
-_MAY_SERVE = frozenset({State.HEALTHY, State.BUSY, State.DEGRADED})
+_MAY_SERVE = frozenset({State.HEALTHY, State.BUSY, State.DEGRADED, State.PAUSED})
 
 
-def _serving_now(state: State, track: Track, seen: _Seen, obs: ReplicaObservation) -> bool:
+def _serving_now(state: State, track: Track, seen: _Seen, obs: ReplicaObservation, rcfg: ReplicaConfig) -> bool:
     if state in SERVING_STATES:
         return True
+    if state is State.PAUSED:  # not judged, but it may well serve: by its own answers
+        models_ok = obs.models is None or rcfg.model in obs.models
+        return obs.health.ok and models_ok and track.dead_503_since is None
     return (
         state is State.DEGRADED
         and (obs.health.ok or seen.progressed)
