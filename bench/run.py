@@ -33,8 +33,8 @@ from world import PROXY, Replica, World  # noqa: E402
 from guardian.observe.meminfo import sample_memory  # noqa: E402  (the one MemAvailable reader)
 
 GiB = 2**30
-PARTS = ("detection", "false", "prefill", "stall", "cost", "many", "conns", "memory", "memloop", "scrape", "clients",
-         "fleet", "containers")
+PARTS = ("detection", "false", "prefill", "stall", "starved", "slowpeer", "cost", "many", "conns", "memory", "memloop",
+         "scrape", "clients", "fleet", "containers")
 # between-steps-fresh: between-steps with guardian started 20 s before the fault with nothing learned
 FAULTS = ("frozen", "dead-200", "stalled", "between-steps", "between-steps-fresh", "idle-dead")
 BASELINE = "baseline-prober"
@@ -293,6 +293,86 @@ class Bench:
         self.box.systemctl("stop", f"{BASELINE}.service", check=False)
         self.box.systemctl("reset-failed", f"{BASELINE}.service", check=False)
         return len(self.restart_lines_after("guardian", t0)), len(self.restart_lines_after("baseline", t0))
+
+    def starved(self, duration_s: float) -> dict:
+        """Issue 35's busy box: a carries 16 streams while b, idle, is starved (every answer of b
+        late by a random 1-8 s, its canaries too). Restarts of b by guardian and by the baseline
+        (which probes b's /health), b's slow canaries (C2), and guardian's journal lines per replica
+        per hour over the window."""
+        w, a, b = self.world, self.a, self.b
+        self.clean(both=True)
+        self.box.run(["guardian", "resume", b.name])
+        wait_for(lambda: w.states().get(b.name) == "healthy", 120, "guardian to see b healthy")
+        t0 = time.time()
+        self.baseline(True, b)
+        w.sim(a, "load", "16", json.dumps({"max_tokens": 100000}))
+        w.fault(b, "starved", min_s=1, max_s=8, seed=11)
+        end = time.monotonic() + duration_s
+        while time.monotonic() < end:
+            code, body = self.box.http(b.url + "/_sim/state", timeout_s=5)  # the simulator's own: never held
+            if code == 200 and json.loads(body).get("fault", {}).get("fault") != "starved":
+                w.fault(b, "starved", min_s=1, max_s=8)  # a restart (the baseline's) cleared it: put it back
+            time.sleep(2)  # a measurement window, not a wait for a condition
+        self.baseline(False, b)
+        took_s = time.time() - t0
+
+        def lines(*match: str) -> list[dict]:
+            return self.box.journal("SYSLOG_IDENTIFIER=guardian", *match, since=t0)
+
+        out = {
+            "duration_s": round(took_s),
+            "guardian": len(lines(f"GUARDIAN_REPLICA={b.name}", "GUARDIAN_DECISION=restart")),
+            "baseline": len(self.restart_lines_after("baseline", t0)),
+            "slow_canaries_said": len(lines(f"GUARDIAN_REPLICA={b.name}", "GUARDIAN_RULE=C2")),
+            "lines_per_hour": {r.name: round(len(lines(f"GUARDIAN_REPLICA={r.name}")) * 3600 / took_s) for r in (a, b)},
+            "states_said": {r.name: len(lines(f"GUARDIAN_REPLICA={r.name}", "GUARDIAN_DECISION=state")) for r in (a, b)},
+        }
+        w.sim(a, "load", "0")
+        w.sim(b, "clear")
+        return out
+
+    def slow_peer(self, trials: int) -> dict:
+        """`guardian restart a` through a real nginx with 8 clients while b answers late (every answer
+        1-4 s late: b is often degraded by a probe past its timeout): how a's restart went (D1
+        drained, or D2 undrained) and the clients' failed requests."""
+        w, a, b = self.world, self.a, self.b
+        w.proxy = dict(PROXY)
+        w.write_config()
+        self.box.run("rm -rf /var/lib/guardian/nginx", check=False)
+        self.box.systemctl("restart", "guardian.service")
+        for r in w.replicas:
+            self.box.run(["guardian", "resume", r.name])
+        w.wait_states({r.name: "healthy" for r in w.replicas}, timeout_s=60)
+        if not w.nginx_on:
+            w.start_nginx()
+        else:
+            self.box.systemctl("reload", "nginx.service")
+        out: dict = {"trials": [], "requests": 0, "failed": 0}
+        for i in range(trials):
+            w.wait_states({r.name: "healthy" for r in w.replicas}, timeout_s=120)
+            w.start_load()
+            w.wait_requests(30)
+            w.fault(b, "starved", min_s=1, max_s=4, seed=i)
+            t0 = time.time()
+            asked = self.box.run(["guardian", "restart", a.name, "--wait", "120s"], check=False, timeout=400)
+            w.wait_states({a.name: "healthy"}, timeout_s=120)
+            wait_for(lambda: " down;" not in w.upstream_file(), 60, "a marked up")
+            back = time.time()
+            w.wait_requests(20, after=back)
+            reqs = w.stop_load()
+            w.sim(b, "clear")
+            rules = [e.get("GUARDIAN_RULE", "") for e in self.box.journal(
+                "SYSLOG_IDENTIFIER=guardian", f"GUARDIAN_REPLICA={a.name}", "GUARDIAN_DECISION=proxy", since=t0)]
+            failed = [q for q in reqs if q["failed"]]
+            res = {"exit": asked.returncode, "rules": rules, "requests": len(reqs), "failed": len(failed)}
+            out["trials"].append(res)
+            out["requests"] += len(reqs)
+            out["failed"] += len(failed)
+            self.say(f"  slow peer trial {i + 1}: {res}")
+        w.proxy = {}
+        w.write_config()
+        self.box.systemctl("restart", "guardian.service")
+        return out
 
     def false_stall(self, trials: int, stall_s: float = 30.0) -> dict:
         """8 real clients stream tokens from replica a while every endpoint of its API server stalls
@@ -810,6 +890,10 @@ def main() -> int:
                                           b.false_prefill(True, chunks=4 if args.quick else 34))),
                                 ("stall", "false restarts: every endpoint stalls while streams flow",
                                  lambda: b.false_stall(1 if args.quick else 3)),
+                                ("starved", "the starved box: an idle replica beside a saturated one",
+                                 lambda: b.starved(60 if args.quick else 600)),
+                                ("slowpeer", "a planned restart while its peer answers late",
+                                 lambda: b.slow_peer(1 if args.quick else 3)),
                                 ("cost", "cost at 2 replicas", lambda: b.cost(cost_s)),
                                 ("conns", "the kernel's view: cost of one look", lambda: b.conns_cost()),
                                 ("many", "32 replicas", lambda: b.many_replicas(32, many_s)),
