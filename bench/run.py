@@ -338,15 +338,7 @@ class Bench:
         w, a, b = self.world, self.a, self.b
         w.proxy = dict(PROXY)
         w.write_config()
-        self.box.run("rm -rf /var/lib/guardian/nginx", check=False)
-        self.box.systemctl("restart", "guardian.service")
-        for r in w.replicas:
-            self.box.run(["guardian", "resume", r.name])
-        w.wait_states({r.name: "healthy" for r in w.replicas}, timeout_s=60)
-        if not w.nginx_on:
-            w.start_nginx()
-        else:
-            self.box.systemctl("reload", "nginx.service")
+        self._behind_nginx(True)
         out: dict = {"trials": [], "requests": 0, "failed": 0}
         for i in range(trials):
             w.wait_states({r.name: "healthy" for r in w.replicas}, timeout_s=120)
@@ -583,18 +575,7 @@ class Bench:
         for on in (True, False):
             w.proxy = dict(PROXY) if on else {}
             w.write_config()
-            self.box.run("rm -rf /var/lib/guardian/nginx", check=False)
-            if not on:  # nginx's file as an operator would keep it by hand: both replicas, never changed
-                self.box.write("/var/lib/guardian/nginx/llm.conf", "".join(
-                    f"server 127.0.0.1:{r.port} max_fails=3 fail_timeout=30s;\n" for r in w.replicas))
-            self.box.systemctl("restart", "guardian.service")
-            for r in w.replicas:
-                self.box.run(["guardian", "resume", r.name])
-            w.wait_states({r.name: "healthy" for r in w.replicas}, timeout_s=60)
-            if not w.nginx_on:
-                w.start_nginx()
-            else:
-                self.box.systemctl("reload", "nginx.service")
+            self._behind_nginx(on)
             for scenario in ("guardian restart", "hung (SIGSTOP)"):
                 for i in range(trials):
                     key = f"{scenario}|{'on' if on else 'off'}"
@@ -605,6 +586,22 @@ class Bench:
         w.write_config()
         self.box.systemctl("restart", "guardian.service")
         return out
+
+    def _behind_nginx(self, on: bool) -> None:
+        """nginx in front of both replicas, guardian's [proxy] on (or the file kept by hand), both judged."""
+        w = self.world
+        self.box.run("rm -rf /var/lib/guardian/nginx", check=False)
+        if not on:  # nginx's file as an operator would keep it by hand: both replicas, never changed
+            self.box.write("/var/lib/guardian/nginx/llm.conf", "".join(
+                f"server 127.0.0.1:{r.port} max_fails=3 fail_timeout=30s;\n" for r in w.replicas))
+        self.box.systemctl("restart", "guardian.service")
+        for r in w.replicas:
+            self.box.run(["guardian", "resume", r.name])
+        w.wait_states({r.name: "healthy" for r in w.replicas}, timeout_s=60)
+        if not w.nginx_on:
+            w.start_nginx()
+        else:
+            self.box.systemctl("reload", "nginx.service")
 
     def _clients_trial(self, scenario: str, on: bool) -> dict:
         w, a = self.world, self.a

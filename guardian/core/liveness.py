@@ -240,19 +240,24 @@ def _port_taken(facts: _Facts) -> str:
     )
 
 
+def _no_canary_in_flight(track: Track) -> Track:
+    """TRACK with no canary in flight (none, nor a closer look): forgotten, never judged."""
+    return replace(
+        track,
+        canary_in_flight_since=None,
+        canary_due_at=None,
+        canary_late_at=None,
+        closer_since=None,
+        closer_due_at=None,
+    )
+
+
 def _not_its_answers(track: Track, obs: ReplicaObservation) -> tuple[Track, ReplicaObservation]:
     """OBS without the answers of a listener that is not the replica's: nothing they say (health,
     counters, a model, a canary) is the replica's progress or its start's end (issue 34 row 13)."""
     none = Probe(False, None, 0.0, "answered by another's listener")
     if obs.canary is not None:
-        track = replace(
-            track,
-            canary_in_flight_since=None,
-            canary_due_at=None,
-            canary_late_at=None,
-            closer_since=None,
-            closer_due_at=None,
-        )
+        track = _no_canary_in_flight(track)
     blind = replace(
         obs,
         health=none,
@@ -802,14 +807,7 @@ def _carry_over(track: Track, obs: ReplicaObservation, now: float) -> Track:
         track = replace(track, restart_in_flight=False)
     if obs.canary is None and track.canary_due_at is not None and now > track.canary_due_at + CANARY_LOST_AFTER_S:
         # its result never came (the executor lost it): no canary would ever be sent again
-        track = replace(
-            track,
-            canary_in_flight_since=None,
-            canary_due_at=None,
-            canary_late_at=None,
-            closer_since=None,
-            closer_due_at=None,
-        )
+        track = _no_canary_in_flight(track)
     if track.first_seen_at is None:
         track = replace(track, first_seen_at=now)
     return track
