@@ -356,7 +356,8 @@ class Bench:
             rules = [e.get("GUARDIAN_RULE", "") for e in self.box.journal(
                 "SYSLOG_IDENTIFIER=guardian", f"GUARDIAN_REPLICA={a.name}", "GUARDIAN_DECISION=proxy", since=t0)]
             failed = [q for q in reqs if q["failed"]]
-            res = {"exit": asked.returncode, "rules": rules, "requests": len(reqs), "failed": len(failed)}
+            res = {"exit": asked.returncode, "rules": rules, "requests": len(reqs), "failed": len(failed),
+                   "how": sorted({f"{q['failed']} from {q.get('upstream')} at {q['t0'] - t0:+.0f} s" for q in failed})[:8]}
             out["trials"].append(res)
             out["requests"] += len(reqs)
             out["failed"] += len(failed)

@@ -37,6 +37,8 @@ and none is in flight, and one of:
   at every tick, at most LEARNING_CANARIES (3) times per replica per guardian run (a restart of the
   replica does not give it more), so that its deadline is learned within seconds of it first
   serving; a failed one counts as any failed canary.
+- a closer look: idle, the canary in flight past its learned deadline (its late mark) with no
+  progress since it was sent, and none sent for it yet: a second one beside it (_closer_look_due).
 It is sent with the hard bound R.canary_timeout_s. Its learned deadline, canary_deadline(), only
 marks it late: R.canary_timeout_s until 3 canaries have succeeded, then
 W.canary_deadline_factor x the slowest of the last 8 successful ones, within
