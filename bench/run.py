@@ -966,7 +966,7 @@ def write_report(path: Path, r: dict, quick: bool, took_s: float, date: str | No
         "",
         f"Run on {date or time.strftime('%Y-%m-%d')}, {platform.machine()}, {_cpus()} cores, Linux {platform.release()}, "
         f"with `bench/run.py{' --quick' if quick else ''}` (took {took_s / 60:.0f} min). guardian at its default "
-        "settings (interval 2 s, stall window 60 s, unresponsive after 10 s, canary every 30 s when idle, "
+        "settings (interval 2 s, stall window 60 s, unresponsive after 10 s, canary every 10 s when idle (a closer look when one is late), "
         "15 s canary timeout, 2 canary failures); the baseline probes `/health` every 10 s with a 1 s timeout "
         "and restarts after 3 consecutive failures (Kubernetes' defaults). Replicas are the simulator in a "
         "real systemd (systemd-nspawn, Debian 12), guardian installed from its .deb.",
