@@ -20,7 +20,7 @@ from guardian.core.observations import (
 )
 from guardian.core.vocab import Decision, HeldBy, Hidden, Nobody, State
 from harness import (
-    DEAD_503, SLOW, SLOW_FAIL, TIMEOUT, Box, canaries, cfg, checked, conns, logs, obs, restarts, said, sample, unit,
+    DEAD_503, OK, SLOW, SLOW_FAIL, TIMEOUT, Box, canaries, cfg, checked, conns, logs, obs, restarts, said, sample, unit,
 )
 
 # Three canaries of 0.1 s learned, as the state file keeps them (the tests that count idle
@@ -1361,3 +1361,28 @@ def test_a_paused_replica_serves_by_its_own_answers():
     assert box.state() is State.PAUSED and serves(box.tracks["a"], 100.0)
     box.tick(102.0, a=obs(t=102.0, health=DEAD_503))
     assert not serves(box.tracks["a"], 102.0)
+
+
+def test_on_a_starved_box_a_canary_goes_out_while_this_ticks_probes_are_still_in_flight():
+    """Issue 35: every answer 1-8 s late, so a tick with /health and /metrics both answered is rare;
+    a canary due goes out while they are in flight (the last look's /metrics was readable)."""
+    box = Box(cfg(1, canary_interval_s=10), LEARNED)
+    healthy_start(box)
+    box.tick(100.5, a=obs(t=100.5, canary=CanaryResult(True, 100.0, 0.1)))
+    box.actions.clear()
+    flight = Probe(False, None, 1.0, "no answer yet (in flight for 1.0 s)", pending=True)
+    t = 101.0
+    while t <= 111.0:
+        o = replace(obs(t=t), health=flight, metrics_probe=flight, metrics=None, models_probe=OK)
+        box.tick(t, a=o)
+        t += 0.5
+    assert [c.timeout_s for c in canaries(box.actions)] == [15.0]
+    # a /metrics that answered garbage is not readable: no canary on it
+    garbage = Box(cfg(1, canary_interval_s=10), LEARNED)
+    healthy_start(garbage)
+    bad = replace(obs(t=101.0), metrics_probe=Probe(False, 200, 0.1, "unreadable: x"), metrics=None)
+    garbage.tick(101.0, a=bad)
+    garbage.actions.clear()
+    for t in (105.0, 111.0, 112.0):
+        garbage.tick(t, a=replace(obs(t=t), health=flight, metrics_probe=flight, metrics=None))
+    assert canaries(garbage.actions) == []

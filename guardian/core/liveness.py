@@ -24,8 +24,8 @@ Traffic means: queued work, or a counter moved, at a tick with no canary of guar
 in flight or just folded in (a canary's own token is not traffic); with one, running + waiting > 1,
 or generation_tokens_total or request_success_total up by more than 1 (more than the canary).
 
-A canary (a 1-token completion) is asked for only when /metrics is readable, /health answered
-and none is in flight, and one of:
+A canary (a 1-token completion) is asked for only when /metrics is readable (or this tick's is in
+flight and the last look's was), /health answered or is in flight, and none is in flight, and one of:
 - idle (running + waiting == 0) and no canary since the last traffic and
   now - last traffic >= W.canary_after_traffic_s (an engine that froze between two steps shows
   0 running, 0 waiting and frozen counters while clients' requests wait: this finds it);
@@ -490,6 +490,7 @@ class Track:
     metrics_error: str | None = None
     served_at: float | None = None  # the last tick with evidence that it serves (see serves())
     said_state: State | None = None  # the verdict the journal last said (core/tick.py: a quiet journal)
+    metrics_readable: bool = False  # /metrics was readable at its last answer (a probe in flight keeps it)
     steps: tuple[tuple[float, float], ...] = ()  # (a long step's bound in s, when learned): see longest_step_s
 
 
@@ -834,6 +835,8 @@ def _fold(
     progressed = counters_moved or canary_ok or _flowing(obs)
     if progressed:
         track = replace(track, last_progress_at=_progress_at(track, obs, now, counters_moved or canary_ok))
+    if not obs.metrics_probe.pending:
+        track = replace(track, metrics_readable=sample is not None)
     if sample is not None:
         if queued > 0 and track.work_since is None:
             # clients waiting were queued from the moment the longest-waiting one spoke
@@ -912,7 +915,7 @@ def _fold_canary(track: Track, obs: ReplicaObservation, queued: float, moving_no
 def _schedule_canary(facts: _Facts, state: State) -> tuple[Track, float | None]:
     """A canary to send now, and its deadline (the module docstring's canary rules), or None."""
     track, obs = facts.track, facts.obs
-    if state not in (State.HEALTHY, State.DEGRADED, State.BUSY) or obs.metrics is None or not obs.health.answered:
+    if state not in (State.HEALTHY, State.DEGRADED, State.BUSY) or not _may_send_canary(track, obs):
         return track, None
     if _closer_look_due(facts):
         timeout_s = facts.rcfg.canary_timeout_s
@@ -941,6 +944,14 @@ def _schedule_canary(facts: _Facts, state: State) -> tuple[Track, float | None]:
         track, canary_in_flight_since=facts.now, canary_due_at=facts.now + timeout_s, canary_late_at=facts.now + late_s
     )
     return track, timeout_s
+
+
+def _may_send_canary(track: Track, obs: ReplicaObservation) -> bool:
+    """/metrics readable (this tick, or at the last look while this tick's is still in flight) and
+    /health answered or still in flight: on a starved box (every answer 1-8 s late) a tick with
+    both answered at once is rare, and no canary would go out (issue 35)."""
+    metrics = obs.metrics is not None or (obs.metrics_probe.pending and track.metrics_readable)
+    return metrics and (obs.health.answered or obs.health.pending)
 
 
 def _closer_look_possible(track: Track) -> bool:

@@ -24,6 +24,7 @@ class Probe:
     status: int | None = None  # HTTP status, None when no answer
     latency_s: float = 0.0
     error: str | None = None  # "timeout", "connection refused", "HTTP 503", "unparseable: ..."
+    pending: bool = False  # no answer yet: the probe is still in flight, carried to a later tick
 
     @property
     def answered(self) -> bool:

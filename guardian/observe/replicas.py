@@ -221,7 +221,9 @@ class ProbeCarry:
                 del slots[endpoint]
                 continue
             running_s.append(mono - sent)
-            waiting = Probe(False, None, mono - sent, f"no answer yet (in flight for {mono - sent:.1f} s)")
+            waiting = Probe(
+                False, None, mono - sent, f"no answer yet (in flight for {mono - sent:.1f} s)", pending=True
+            )
             got[endpoint] = waiting if endpoint == "health" else (waiting, None)
         results: ProbeResults = (got["health"], got["metrics"], got["models"])
         answered = results[0].answered or results[1][0].answered or results[2][0].answered
