@@ -467,9 +467,7 @@ class Track:
     failing_since: float | None = None  # no answer since then (the last answer, else the first failure)
     dead_503_since: float | None = None
     canary_in_flight_since: float | None = None
-    canary_due_at: float | None = (
-        None  # when the canary in flight has failed if it has not answered (R.canary_timeout_s)
-    )
+    canary_due_at: float | None = None  # when the canary in flight has failed unanswered (R.canary_timeout_s)
     canary_late_at: float | None = None  # when it is past its learned deadline (late, not failed: C2)
     closer_since: float | None = None  # a second canary sent while the first was late (a closer look)
     closer_due_at: float | None = None
@@ -747,7 +745,7 @@ def step(
     track, want_canary = _schedule_canary(facts, state)
     if state != track.state:
         track = replace(track, state=state, state_since=now)
-    if rule != _NO_NEWS_RULE and _serving_now(state, track, seen, obs, rcfg):
+    if rule != _NO_NEWS_RULE and _serving_now(state, seen, obs, rcfg):
         track = replace(track, served_at=now)
     return replace(track, rule=rule, evidence=evidence, observed=True), want_canary
 
@@ -765,18 +763,13 @@ SERVED_RECENTLY_S = 10.0
 _MAY_SERVE = frozenset({State.HEALTHY, State.BUSY, State.DEGRADED, State.PAUSED})
 
 
-def _serving_now(state: State, track: Track, seen: _Seen, obs: ReplicaObservation, rcfg: ReplicaConfig) -> bool:
+def _serving_now(state: State, seen: _Seen, obs: ReplicaObservation, rcfg: ReplicaConfig) -> bool:
     if state in SERVING_STATES:
         return True
     if state is State.PAUSED:  # not judged, but it may well serve: by its own answers
-        models_ok = obs.models is None or rcfg.model in obs.models
-        return obs.health.ok and models_ok and track.dead_503_since is None
-    return (
-        state is State.DEGRADED
-        and (obs.health.ok or seen.progressed)
-        and track.canary_failures == 0
-        and track.dead_503_since is None
-    )
+        return obs.health.ok and (obs.models is None or rcfg.model in obs.models)
+    # (a 503 or a failed canary since is serves()'s to weigh, at the moment it is asked)
+    return state is State.DEGRADED and (obs.health.ok or seen.progressed)
 
 
 def serves(track: Track, now: float) -> bool:

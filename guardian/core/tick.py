@@ -106,7 +106,6 @@ class RestartAsk:
     head: str  # how its journal lines start: "replica a: stalled (...)"
     evidence: str  # what the restart is recorded with
     request_id: str | None = None  # an operator's request: answered when the job ends, its refusals said every time
-    stop_timeout_s: float | None = None  # drained first: its processes are killed if the stop takes longer
 
 
 def decide(state: TickState, obs: TickObservation, now: float, cfg: Config) -> tuple[TickState, list[Action]]:
@@ -331,7 +330,6 @@ class Tick:
             f"replica {replica.name}: {why}",
             f"requested by an operator; {why}",
             down.request_id,
-            stop_timeout_s=self.cfg.proxy.stop_timeout_s,
         )
         refusal = self._restart(replica, ask, self.restart_under_way)
         if refusal is not None:
@@ -427,7 +425,7 @@ class Tick:
         # systemd's TimeoutStopSec. Its processes are killed once its stop has run HUNG_STOP_GRACE_S.
         kill = ask.kind is RestartKind.HANG
         # Every planned stop is bounded, drained or not: a loaded vLLM's graceful stop took 196.5 s.
-        stop_timeout_s = None if kill else (ask.stop_timeout_s or self.cfg.proxy.stop_timeout_s)
+        stop_timeout_s = None if kill else self.cfg.proxy.stop_timeout_s
         how = f", its processes killed if its stop lasts {HUNG_STOP_GRACE_S:g} s (hung)" if kill else ""
         if stop_timeout_s is not None:
             how = f", its processes killed if the stop takes over {stop_timeout_s:g} s"
@@ -654,7 +652,7 @@ class Tick:
     def _no_peer(self, replica: ReplicaConfig, request: RestartRequest) -> Refusal | None:
         """D3: why an admitted planned restart waits for another replica of its model to serve, or None
         (one serves: D1; or it goes undrained on purpose: D2)."""
-        if request.no_drain or not drain.peers_configured(replica.name, self.obs, self.cfg):
+        if self._undrained_why(replica, request) is not None:
             return None
         peers = drain.serving_peer_count(self.obs, self.cfg, replica.model)
         if drain.others_serving(replica.name, self.cfg, self.tracks, self.drains, peers, self.now) > 0:
@@ -675,6 +673,14 @@ class Tick:
             ),
         )
 
+    def _undrained_why(self, replica: ReplicaConfig, request: RestartRequest) -> str | None:
+        """D2: why REQUEST restarts REPLICA undrained on purpose, or None (it is drained, or waits: D1, D3)."""
+        if request.no_drain:
+            return "asked with --no-drain"
+        if not drain.peers_configured(replica.name, self.obs, self.cfg):
+            return f"no other replica of {replica.model} is configured (on this box, at peer_urls or in the fleet)"
+        return None
+
     def _wait_for_peer(self, replica: ReplicaConfig, request: RestartRequest, head: str, no_peer: Refusal) -> bool:
         """D3: the request waits for a serving peer while its `--wait` lasts, then (or at once without
         one) is refused; True once answered."""
@@ -692,12 +698,8 @@ class Tick:
         """D1: mark REPLICA down at the proxy instead of restarting it now; True if so. D2 says why not:
         asked with --no-drain, or no other replica of its model is configured."""
         request_id = request.id
-        if request.no_drain or not drain.peers_configured(replica.name, self.obs, self.cfg):
-            why = (
-                "asked with --no-drain"
-                if request.no_drain
-                else f"no other replica of {replica.model} is configured (on this box, at peer_urls or in the fleet)"
-            )
+        why = self._undrained_why(replica, request)
+        if why is not None:
             self._say(
                 LogLine(
                     Priority.WARNING,
@@ -851,7 +853,7 @@ class Tick:
             verb = "raises" if lowering.new > lowering.old else "lowers"
             text = f"replica {name}: {why}; the memory guard {verb} it now (D8)"
             self._say(LogLine(Priority.INFO, text, Decision.PROXY, name, unit, rule="D8"))
-            return replace(lowering, stop_timeout_s=self.cfg.proxy.stop_timeout_s)
+            return lowering
         if down is None:
             self.drains[name] = Drain(Phase.AWAY, self.now, "a critical lowering")
             text = f"replica {name}: marked down at the proxy while the memory guard restarts it (D10)"
