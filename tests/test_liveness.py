@@ -1386,3 +1386,15 @@ def test_on_a_starved_box_a_canary_goes_out_while_this_ticks_probes_are_still_in
     for t in (105.0, 111.0, 112.0):
         garbage.tick(t, a=replace(obs(t=t), health=flight, metrics_probe=flight, metrics=None))
     assert canaries(garbage.actions) == []
+
+
+@pytest.mark.parametrize("unit, taken", [
+    ("app-squat.scope", True),  # a user's scope: no engine holds a container's port from there
+    ("nginx.service", True),
+    ("docker.service", False),  # docker-proxy, not named yet: may be the replica's own
+    ("docker-" + "a" * 64 + ".scope", False),  # a container's own scope, not named yet
+])
+def test_a_container_replicas_port_held_by_a_unit_no_engine_uses_is_taken(unit, taken):
+    box = Box(container_cfg())
+    box.tick(100.0, a=obs(t=100.0, port=HeldBy(8001, 4242, unit)))
+    assert (box.state() is State.PORT_TAKEN) is taken

@@ -33,6 +33,12 @@ def helper_unit(verb: str, replica: str) -> str:
     return f"guardian-container@{verb}:{replica}.service"
 
 
+def engine_holder(unit: str) -> bool:
+    """UNIT is where an engine holds a container's port: docker.service (docker-proxy) or a
+    container's own scope. Any other unit holding it holds it for itself, not for a container."""
+    return unit == "docker.service" or container_id_of_cgroup(unit.removesuffix(".scope")) is not None
+
+
 def container_id_of_cgroup(component: str) -> str | None:
     """The container id in a cgroup path component named by an engine, or None."""
     match = _SCOPE.match(component)

@@ -58,6 +58,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..config import ReplicaConfig, WatchdogConfig
+from .container import engine_holder
 from .observations import CanaryResult, Pause, Probe, ReplicaObservation, UnitInfo, VllmSample
 from .rules import UNCHANGED, Row, Rule, first_match
 from .vocab import SERVING_STATES, ActiveState, HeldBy, PortOwner, State
@@ -229,7 +230,10 @@ def port_taken_by(owner: PortOwner | None, rcfg: ReplicaConfig) -> HeldBy | None
     restart while it is unknown."""
     if not isinstance(owner, HeldBy) or owner.own_container or owner.unit is None or owner.unit == rcfg.unit:
         return None
-    return owner if rcfg.container is None or owner.stray else None
+    if rcfg.container is None or owner.stray:
+        return owner
+    # a container replica's port held by a unit no engine holds ports from (seen as no container)
+    return owner if not owner.via and owner.container is None and not engine_holder(owner.unit) else None
 
 
 def _port_taken(facts: _Facts) -> str:

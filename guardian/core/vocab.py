@@ -254,8 +254,8 @@ class HeldBy:
     own_container: bool = False
     via: str = ""  # how the container was recognised, for the journal
     # Known not to be the replica's: a container its engine names that is another, a holder of
-    # the other engine, a forged engine scope, or (set by observe/containers.py) a unit that no
-    # engine uses. A holder that may still be the replica's own leaves this False.
+    # the other engine, a forged engine scope (observe/containers.py resolve). A holder that may
+    # still be the replica's own leaves this False; liveness.port_taken_by judges the rest.
     stray: bool = False
 
     def holder_text(self) -> str:

@@ -320,9 +320,6 @@ class ContainerWatch:
             seen = seen_holder(owner)
             if seen is not None:
                 todo.append((r, owner, seen))
-            elif owner.unit is not None and owner.unit != "docker.service":
-                # no engine holds a port from there (a user's scope, another service): not the container's
-                out[r.port] = replace(owner, stray=True)
         fresh = await asyncio.gather(
             *(self._report_for(r, seen) for r, _owner, seen in todo),
         )
