@@ -26,12 +26,12 @@ import httpx
 import psutil
 
 from . import __version__, engine_helper, polkit
-from .act import proxy
+from .act import fit, proxy
 from .act.journal import Journal
 from .act.restart import RestartOrder, Tools, checked_restart
 from .act.state import STATUS_FILE, CorruptState, StateDoc, StateStore, atomic_write, stamp, view
 from .config import MAX_WINDOW_S, Config, ConfigError, ReplicaConfig, config_path, load_config
-from .core import gates, hazards, thresholds, tick
+from .core import gates, hazards, startfit, thresholds, tick
 from .core.actions import Action, AnswerRequest, LogLine, RequestWaits, RestartUnit
 from .core.container import KEEPING_POLICIES, helper_unit, parse_run_line, unit_problems
 from .core.observations import Probe, RestartRequest, TickObservation, UnitInfo, VllmSample
@@ -288,7 +288,25 @@ async def _check_units(cfg: Config, sd: Systemd, report: Report) -> _Bus:
         report.problem(h.message, "hazard")
     if cfg.memory.enabled:
         await _check_wiring(cfg, sd, report)
+    await _check_fit(cfg, sd, units, report)
     return _Bus(sd, watch, units)
+
+
+async def _check_fit(cfg: Config, sd: Systemd, units: dict[str, UnitInfo | None], report: Report) -> None:
+    """Each replica's next start as the fit step would judge it now (core/startfit.py)."""
+    if not fit.unified(cfg):
+        report.say("start fit: not judged on this box (U1: the GPU's memory is not the box's, or no GPU)")
+        return
+    step = fit.FitStep(sd, Journal(), cfg)
+    for r in cfg.replicas:
+        m = await asyncio.to_thread(fit.measure, cfg, r, units.get(r.unit), await step.details(r), None)
+        verdict = startfit.judge(m.fit)
+        line = f"start fit: replica {r.name}: {verdict.rule.id} ({verdict.rule.outcome}): {startfit.figures(m.fit)}"
+        would = fit.would_release(m, verdict)
+        if verdict.start:
+            report.say(f"{line}; its next start would release {would}")
+        else:
+            report.problem(f"{line}; its next start would be refused: {startfit.remedy(m.fit)}")
 
 
 async def _check_wiring(cfg: Config, sd: Systemd, report: Report) -> None:

@@ -306,6 +306,14 @@ class MemoryConfig(_Strict):
     restore: bool = True
     restore_after_s: float = Field(default=600.0, gt=0, le=MAX_WINDOW_S)  # headroom clear this long first
     restore_cooldown_s: float = Field(default=600.0, ge=0, le=MAX_WINDOW_S)  # since the last change of fraction
+    # A start that fits (docs/rules.md "A start that fits"): before every start guardian causes on a
+    # unified-memory box, the replica's own model files' page cache is released where that makes it fit
+    # (no privilege); the whole cache only when drop_caches is set (the root helper, off by default: it
+    # costs every other program its warm cache). These apply whether or not the memory guard is enabled.
+    release_cache: bool = True
+    drop_caches: bool = False
+    # Whether the GPU's memory is the box's (GB10): "auto" asks NVML (NOT_SUPPORTED for the device's memory).
+    unified: bool | Literal["auto"] = "auto"
 
     @model_validator(mode="after")
     def _consistent(self) -> MemoryConfig:

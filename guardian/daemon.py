@@ -72,7 +72,9 @@ class Daemon:
         self.proxy = ProxySync(cfg, self.sd, StateStore(cfg.state_dir), self.journal, clock)
         self.fleet = Fleet(cfg, self.journal, clock)
         self.exports = Exports(cfg, self.journal, __version__)
-        tools = Tools(self.sd, StateStore(cfg.state_dir), self.journal, cfg, clock, self.observer.containers)
+        store = StateStore(cfg.state_dir)
+        released = self.exports.metrics.released
+        tools = Tools(self.sd, store, self.journal, cfg, clock, self.observer.containers, released)
         self.executor = Executor(tools, self.client, self.proxy, self.fleet, self.exports.metrics)
         # Stopped in order: the restarts under way, the proxy's change (so that the state file says
         # what the proxy has), the fleet (its lease revoked), the exports.

@@ -12,6 +12,8 @@ For each replica in a container, start of its container helper, one unit per ver
 (guardian-container@VERB:REPLICA.service: inspect, kill; and restart for a unit-less Docker
 container, which has no unit of its own to restart). The helper runs as root and reads the
 container's name from the config, not from the unit name.
+With memory.drop_caches set, start of guardian-drop-caches.service (root: `echo 1 >
+/proc/sys/vm/drop_caches`, before a start that fits only once the page cache is released).
 With [proxy] nginx_upstream_dir set, two more grants, each for one unit:
 - start of the nginx check unit (guardian-nginx-check.service runs `nginx -t` as root);
 - reload of nginx's unit, to apply the upstream file guardian wrote.
@@ -24,6 +26,7 @@ from pathlib import Path
 
 from .config import Config
 from .core.container import helper_unit
+from .core.startfit import DROP_CACHES_UNIT
 
 RULE_PATH = Path("/etc/polkit-1/rules.d/50-guardian.rules")
 SERVICE_USER = "guardian"
@@ -41,6 +44,13 @@ def render(cfg: Config, source: str, user: str = SERVICE_USER) -> str:
             f"    if (action.id == {json.dumps(MANAGE_UNITS)} && subject.user == {json.dumps(user)} &&\n"
             f'        {json.dumps(helpers)}.indexOf(action.lookup("unit")) >= 0 &&\n'
             '        action.lookup("verb") == "start") {\n'
+            "        return polkit.Result.YES;\n"
+            "    }\n"
+        )
+    if cfg.memory.drop_caches:
+        extra += (
+            f"    if (action.id == {json.dumps(MANAGE_UNITS)} && subject.user == {json.dumps(user)} &&\n"
+            f'        action.lookup("unit") == {json.dumps(DROP_CACHES_UNIT)} && action.lookup("verb") == "start") {{\n'
             "        return polkit.Result.YES;\n"
             "    }\n"
         )
@@ -63,6 +73,7 @@ def render(cfg: Config, source: str, user: str = SERVICE_USER) -> str:
             if cfg.proxy.nginx_upstream_dir is not None
             else ""
         )
+        + (f"// memory.drop_caches: also start of {DROP_CACHES_UNIT}.\n" if cfg.memory.drop_caches else "")
         + (
             "// Containers: also start of each container replica's helper units (root; see the unit).\n"
             if helpers

@@ -7,7 +7,7 @@ README keeps a short account and links there); a test checks docs/rules.md again
 
 from __future__ import annotations
 
-from .core import admission, bypass, drain, fleet, gates, liveness, memguard, startguard
+from .core import admission, bypass, drain, fleet, gates, liveness, memguard, startfit, startguard
 from .core.rules import markdown_table
 
 # Where the tables live, relative to the repository root.
@@ -23,6 +23,7 @@ def tables() -> dict[str, str]:
         "gates": markdown_table(gates.RULES, "refusal"),
         "memory": markdown_table(memguard.RULES, "verdict"),
         "start": markdown_table(startguard.RULES, "verdict"),
+        "fit": markdown_table(startfit.RULES, "verdict"),
         "drain": markdown_table(drain.RULES, "outcome"),
         "fleet": markdown_table(fleet.RULES, "outcome"),
         "bypass": markdown_table(bypass.RULES, "outcome"),

@@ -204,6 +204,7 @@ def lay_out(t: Target, root: Path) -> None:
         f"{unit_dir}/guardian.service": (REPO / "units/guardian.service").read_text(),
         f"{unit_dir}/guardian-nginx-check.service": (REPO / "units/guardian-nginx-check.service").read_text(),
         f"{unit_dir}/guardian-container@.service": (REPO / "units/guardian-container@.service").read_text(),
+        f"{unit_dir}/guardian-drop-caches.service": (REPO / "units/guardian-drop-caches.service").read_text(),
         "etc/guardian/guardian.toml": (HERE / "guardian.toml").read_text(),
         "usr/share/guardian/prometheus/guardian-rules.yml": (HERE / "prometheus/guardian-rules.yml").read_text(),
         "usr/share/guardian/grafana/guardian-dashboard.json": (HERE / "grafana/guardian-dashboard.json").read_text(),

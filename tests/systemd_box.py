@@ -28,6 +28,7 @@ from typing import Callable, Iterable
 
 REPO = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("GUARDIAN_TEST_CACHE", "/var/cache/guardian-test"))
+DISK_DIR = "/srv/disk"  # in every box: a directory on the host's disk (SystemdBox.disk)
 SUITE = "bookworm"
 PACKAGES = ["systemd", "systemd-sysv", "dbus", "python3", "libpam-systemd", "polkitd", "procps", "faketime",
             "prometheus", "prometheus-node-exporter", "nginx-light", "etcd-server",
@@ -181,6 +182,11 @@ class SystemdBox:
         self.rootfs = rootfs
         self.deps = deps
         self.dist = Path(tempfile.mkdtemp(prefix="guardian-dist-"))
+        # DISK_DIR in the box: a directory on the host's disk (the box's own root is an overlay on a
+        # tmpfs, whose files are memory, never page cache): for a test of the real page cache.
+        CACHE.mkdir(parents=True, exist_ok=True)
+        self.disk = Path(tempfile.mkdtemp(prefix="disk-", dir=CACHE))
+        self.disk.chmod(0o755)  # as /srv is: readable by every user of the box (mkdtemp makes it 0700)
         self.deb = build_deb(self.dist)
         self.name = name or f"gtest{os.getpid()}"
         self.proc: subprocess.Popen | None = None
@@ -209,7 +215,7 @@ class SystemdBox:
         cmd = [nspawn, "--register=no", "--keep-unit", "-D", str(self.rootfs), "-M", self.name, "--boot",
                "--console=pipe", "--volatile=overlay", "--private-network",
                f"--bind-ro={REPO}:/opt/guardian/src", f"--bind-ro={self.deps}:/opt/guardian/deps",
-               f"--bind-ro={self.dist}:/opt/guardian/dist",
+               f"--bind-ro={self.dist}:/opt/guardian/dist", f"--bind={self.disk}:{DISK_DIR}",
                # dockerd and podman inside (tests/engines.py): the keyring calls and BPF_CGROUP_DEVICE programs
                # they make are filtered out by nspawn's default seccomp list.
                "--system-call-filter=add_key keyctl bpf @keyring"]
@@ -270,6 +276,7 @@ class SystemdBox:
 
     def halt(self) -> None:
         shutil.rmtree(self.dist, ignore_errors=True)
+        shutil.rmtree(self.disk, ignore_errors=True)
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:

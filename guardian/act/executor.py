@@ -264,6 +264,7 @@ class Executor:
             kill_first=action.kill_first,
             stop_timeout_s=action.stop_timeout_s,
             before_restart=write,
+            fraction=action.new,
             killed_what="starting",  # only the start guard kills first here (a start it stops)
         )
         what = "raise restart" if action.new > action.old else "lowering restart"

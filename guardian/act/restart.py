@@ -26,6 +26,7 @@ from ..observe.clock import now as clock_now
 from ..observe.containers import ContainerWatch, run_helper
 from ..observe.replicas import port_owners, unit_or_error
 from ..observe.systemd import JOB_DONE, Systemd, SystemdError
+from .fit import FitStep, Released
 from .journal import Journal
 from .state import CorruptState, StateStore, atomic_write, record_restart
 
@@ -44,6 +45,7 @@ class Tools:
     clock: Callable[[], Now] = clock_now
     # The observer's, so that there is one set of container reports; None: a fresh one per restart.
     containers: ContainerWatch | None = None
+    released: Released | None = None  # the page cache a start's fit released: the metric's hook
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,7 @@ class RestartOrder:
     # The core's line that says the restart ("...; restarting vllm-a.service (restart 2 of 3 ...)"):
     # journaled once the re-check passes, so that a restart refused there is never said as taken
     announce: LogLine | None = None
+    fraction: float | None = None  # the fraction the start will run with (a change of fraction); None: as now
 
 
 async def checked_restart(tools: Tools, order: RestartOrder) -> RestartOutcome:
@@ -73,6 +76,10 @@ async def checked_restart(tools: Tools, order: RestartOrder) -> RestartOutcome:
     unit, refusal = await _fresh_look(tools.sd, r, containers, order.allow_failed)
     if refusal is not None:
         return _refused(tools, order, refusal)
+    step = FitStep(tools.sd, tools.journal, tools.cfg, tools.released)
+    no_fit = await step.run(r, unit, order.fraction)
+    if no_fit is not None:
+        return RestartOutcome(r.unit, f"refused: {no_fit}")
     if order.announce is not None:
         tools.journal.line(order.announce)
     if order.before_restart is not None:

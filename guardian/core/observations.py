@@ -235,9 +235,12 @@ class MemorySample:
 
     total_bytes: int
     available_bytes: int  # MemAvailable: what everything else on the box can still get
-    free_bytes: int
+    free_bytes: int  # MemFree: about what a unified-memory GPU sees as free (cudaMemGetInfo on GB10)
     psi_some_avg10: float | None  # percent of time some task stalled on memory, last 10 s
     psi_full_avg10: float | None
+    # The reclaimable file cache, Active(file) + Inactive(file): counted in MemAvailable, NOT in MemFree,
+    # and on GB10 not free to the GPU (core/startfit.py)
+    file_cache_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ def describe(cfg: Config) -> list[str]:
         f"doubling per restart, job result awaited for {watchdog.restart_job_timeout_s:g} s; one at a time per box",
         _memory(cfg),
         _start_guard(cfg),
+        _start_fit(cfg),
         "metrics: "
         + "; ".join(
             [
@@ -102,6 +103,27 @@ def _start_guard(cfg: Config) -> str:
         "the one growing (its growth since the start began, by NVML, else its cgroup, > 0 and >= half of "
         "MemAvailable's fall; with neither, MemAvailable fell), within the restart budget; it keeps up with a fall "
         f"of up to {gib(int(memory.critical_headroom_bytes / memory.start_guard_interval_s))}/s"
+    )
+
+
+def _start_fit(cfg: Config) -> str:
+    memory = cfg.memory
+    if memory.unified is False:
+        return "start fit: off (memory.unified = false: the GPU has memory of its own)"
+    which = (
+        "on"
+        if memory.unified is True
+        else 'on where NVML answers NOT_SUPPORTED for the device\'s memory (unified = "auto")'
+    )
+    releases = [
+        "its own model files' page cache (posix_fadvise)" if memory.release_cache else "",
+        "the whole page cache (drop_caches, by the root helper)" if memory.drop_caches else "",
+    ]
+    released = " then ".join(r for r in releases if r) or "nothing (release_cache and drop_caches off)"
+    return (
+        f"start fit: {which}; before every start guardian causes, need = fraction x total against MemFree + what "
+        f"its processes return; released first where that makes it fit: {released}; refused when it cannot fit "
+        "even if what its fraction reserves comes back (U6)"
     )
 
 

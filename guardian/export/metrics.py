@@ -45,6 +45,7 @@ RESTART_REASONS: tuple[str, ...] = (
     *sorted(str(s) for s in RESTART_STATES),
 )
 REFUSAL_GATES: tuple[str, ...] = tuple(str(g) for g in Gate)
+RELEASE_HOWS = ("own", "all")
 
 
 def restart_reason(kind: RestartKind, state: State | None) -> str:
@@ -205,6 +206,17 @@ class Metrics:
         )
         self.mem_floor = gauge("guardian_memory_floor_ratio", "the memory guard's floor: no fraction goes below it")
         self.lowerings = counter("guardian_memory_lowerings", "fractions the memory guard lowered", "replica")
+        self.cache_released = counter(
+            "guardian_cache_released_bytes",
+            "page cache released before a start guardian caused (core/startfit.py), by how: own (its model "
+            "files, posix_fadvise) or all (drop_caches)",
+            "replica",
+            "how",
+        )
+        self.mem_free = gauge("guardian_memory_free_bytes", "MemFree: about what a unified-memory GPU sees as free")
+        self.file_cache = gauge(
+            "guardian_memory_file_cache_bytes", "the reclaimable file cache, Active(file) + Inactive(file)"
+        )
         self.hazards = gauge("guardian_hazards", "1 for each hazard present now", "kind", "unit")
         self.tick = histogram("guardian_tick_duration_seconds", "one tick, observe to act", TICK_BUCKETS_S)
         self.last_tick = gauge("guardian_last_tick_timestamp_seconds", "wall time the last tick completed")
@@ -226,6 +238,7 @@ class Metrics:
             _PerReplica(self.refusals, REFUSAL_GATES),
             _PerReplica(self.canary_failures),
             _PerReplica(self.lowerings),
+            _PerReplica(self.cache_released, RELEASE_HOWS),
             _PerReplica(self.detection),
             _PerReplica(self.to_serving),
         )
@@ -263,6 +276,10 @@ class Metrics:
         elif isinstance(action, LogLine) and action.decision is Decision.REFUSED and action.replica and action.gate:
             self.refusals.labels(action.replica, str(action.gate)).inc()
 
+    def released(self, replica: str, how: str, freed_bytes: int) -> None:
+        """The page cache a start's fit released (act/fit.py)."""
+        self.cache_released.labels(replica, how).inc(freed_bytes)
+
     # --- the state after a tick ----------------------------------------------------------------
     def gauges(self, cfg: Config, state: TickState, obs: TickObservation, persistent: PersistentView, at: Now) -> None:
         """The replicas' and the box's gauges after the tick that observed OBS and left STATE, AT."""
@@ -292,6 +309,8 @@ class Metrics:
         self.mem_floor.set(cfg.memory.floor if cfg.memory.enabled else float("nan"))
         if obs.memory is not None:
             self.mem_available.set(obs.memory.sample.available_bytes)
+            self.mem_free.set(obs.memory.sample.free_bytes)
+            self.file_cache.set(obs.memory.sample.file_cache_bytes)
             if obs.memory.sample.psi_some_avg10 is not None:
                 self.psi_some.set(obs.memory.sample.psi_some_avg10 / 100)
 

@@ -35,4 +35,11 @@ def read_psi(path: Path = Path("/proc/pressure/memory")) -> tuple[float | None, 
 def sample_memory() -> MemorySample:
     info = read_meminfo()
     some, full = read_psi()
-    return MemorySample(info["MemTotal"], info.get("MemAvailable", info["MemFree"]), info["MemFree"], some, full)
+    return MemorySample(
+        info["MemTotal"],
+        info.get("MemAvailable", info["MemFree"]),
+        info["MemFree"],
+        some,
+        full,
+        info.get("Active(file)", 0) + info.get("Inactive(file)", 0),
+    )

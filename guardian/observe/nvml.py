@@ -3,6 +3,8 @@ is NOT_SUPPORTED for device memory on GB10 (per-process memory still works there
 
 from __future__ import annotations
 
+import functools
+
 
 class Nvml:
     def __init__(self) -> None:
@@ -42,3 +44,19 @@ class Nvml:
         except Exception:  # noqa: BLE001 - NVMLError_NotSupported (GB10) and its siblings: NVML cannot say
             return None
         return out
+
+
+@functools.cache
+def unified_memory_gpu() -> bool:
+    """Device 0's memory is the box's own: NVML answers NOT_SUPPORTED for it, as on GB10. False for a
+    GPU with memory of its own, and where there is no NVML or no GPU."""
+    n = Nvml()
+    if not n.available or not n.count:
+        return False
+    try:
+        n._n.nvmlDeviceGetMemoryInfo(n._n.nvmlDeviceGetHandleByIndex(0))
+    except n._n.NVMLError_NotSupported:
+        return True
+    except Exception:  # noqa: BLE001 - any other NVML failure says nothing about the memory
+        return False
+    return False

@@ -81,6 +81,8 @@ class ServiceDetails:
 
     environment_files: tuple[str, ...]  # in the unit's order: a later file overrides an earlier one
     exec_start: tuple[str, ...]  # argv of the first ExecStart=
+    environment: tuple[str, ...] = ()  # Environment= as "KEY=VALUE"
+    user: str = ""  # User= ("": root)
 
 
 class Systemd:
@@ -298,11 +300,12 @@ class Systemd:
 
     async def service_details(self, name: str) -> ServiceDetails:
         path = await self.unit_path(name)
-        svc = await self._some_props(path, SERVICE_IFACE, ("EnvironmentFiles", "ExecStart"))
+        svc = await self._some_props(path, SERVICE_IFACE, ("EnvironmentFiles", "ExecStart", "Environment", "User"))
         env_files = tuple(str(p) for p, _optional in svc.get("EnvironmentFiles", []))
         exec_start = svc.get("ExecStart", [])
         argv = tuple(str(a) for a in exec_start[0][1]) if exec_start else ()
-        return ServiceDetails(env_files, argv)
+        env = tuple(str(e) for e in svc.get("Environment", []))
+        return ServiceDetails(env_files, argv, env, str(svc.get("User", "")))
 
     async def exec_lines(self, name: str) -> dict[str, tuple[tuple[str, ...], ...]]:
         """ExecStartPre, ExecStart, ExecStop and ExecStopPost of a service: the argv of each line."""

@@ -1,0 +1,267 @@
+"""A start that fits (core/startfit.py), as a restart performs it right before its job: the figures
+measured afresh, the releases the verdict asks for done and measured, and the start refused where
+it cannot fit. Nothing here decides: `startfit.judge` does."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..config import Config, ReplicaConfig
+from ..core import startfit
+from ..core.actions import LogLine
+from ..core.observations import UnitInfo, gib
+from ..core.startfit import DROP_CACHES_UNIT, Release, StartFit, Verdict
+from ..core.vocab import ActiveState, Decision, Gate, Priority
+from ..core.wiring import cmdline_fraction
+from ..observe import modelfiles
+from ..observe.meminfo import sample_memory
+from ..observe.memory import cmdline_of, env_path, read_env_file, read_env_fraction
+from ..observe.nvml import unified_memory_gpu
+from ..observe.sockets import CGROUP_ROOT, cgroup_of_pid
+from ..observe.systemd import ServiceDetails, Systemd, SystemdError
+from .journal import Journal
+
+VLLM_DEFAULT_FRACTION = 0.9  # vLLM's --gpu-memory-utilization when none is given
+DROP_CACHES_TIMEOUT_S = 60.0
+
+# replica, how ("own", "all"), bytes: the metric's hook (export/metrics.py)
+Released = Callable[[str, str, int], None]
+
+
+@dataclass(frozen=True)
+class Measured:
+    fit: StartFit
+    files: modelfiles.ModelFiles
+
+
+def cgroup_anon_bytes(pid: int) -> int:
+    """The anonymous memory of PID's cgroup (memory.stat anon): what its processes give back on exit."""
+    path = cgroup_of_pid(pid) if pid else None
+    if path is None:
+        return 0
+    try:
+        with open(f"{CGROUP_ROOT}{path}/memory.stat") as f:
+            for line in f:
+                key, _, value = line.partition(" ")
+                if key == "anon":
+                    return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def unified(cfg: Config) -> bool:
+    """M.unified, with "auto" asked of NVML (once)."""
+    return unified_memory_gpu() if cfg.memory.unified == "auto" else cfg.memory.unified
+
+
+def _fraction(cfg: Config, r: ReplicaConfig, argv: tuple[str, ...], new: float | None) -> float:
+    """What the next start runs with: the change being made, guardian's env file, the command line."""
+    if new is not None:
+        return new
+    found = read_env_fraction(env_path(cfg, r.name))
+    if found is not None:
+        return found
+    found = cmdline_fraction(argv)
+    if found is not None:
+        return found
+    return VLLM_DEFAULT_FRACTION
+
+
+def measure(
+    cfg: Config,
+    r: ReplicaConfig,
+    unit: UnitInfo | None,
+    details: ServiceDetails | None,
+    new: float | None,
+    own_released: bool = False,
+) -> Measured:
+    """The figures of R's next start, right now (blocking: run in a thread). OWN_RELEASED: its files'
+    cache was just released, so what the kernel would not measure counts as 0."""
+    sample = sample_memory()
+    total = cfg.memory.device_total_bytes or sample.total_bytes
+    pid = unit.main_pid if unit is not None else 0
+    live = cmdline_of(pid) if pid else ()
+    argv = live or (details.exec_start if details is not None else ())
+    env_texts = tuple(read_env_file(p).text for p in details.environment_files) if details is not None else ()
+    env = modelfiles.unit_env(details.environment if details is not None else (), env_texts)
+    files = modelfiles.find(argv, env, modelfiles.home_of(details.user if details is not None else None))
+    returned = cgroup_anon_bytes(pid)
+    held = returned
+    running = cmdline_fraction(live) if live else None
+    if unit is not None and unit.active_state in (ActiveState.ACTIVE, ActiveState.RELOADING) and running is not None:
+        held = max(returned, int(running * total))
+    cached = modelfiles.cached_bytes(files.paths)
+    own = cached.bytes if cached.measured else 0 if own_released else min(cached.bytes, sample.file_cache_bytes)
+    fit = StartFit(
+        replica=r.name,
+        unit=r.unit,
+        fraction=_fraction(cfg, r, argv, new),
+        total_bytes=total,
+        free_bytes=sample.free_bytes,
+        returned_bytes=returned,
+        held_bytes=held,
+        own_cached_bytes=own,
+        own_measured=cached.measured,
+        own_files=len(files.paths),
+        cache_bytes=sample.file_cache_bytes,
+        release_own=cfg.memory.release_cache,
+        drop_caches=cfg.memory.drop_caches,
+        unified=unified(cfg),
+    )
+    return Measured(fit, files)
+
+
+@dataclass(frozen=True)
+class Freed:
+    """One release done: how ("own", "all"), what it freed, how long it took."""
+
+    how: str
+    bytes: int
+    took_s: float
+
+
+def would_release(m: Measured, verdict: Verdict) -> str:
+    """What a start judged VERDICT would release first, for `guardian check`."""
+    own = f"its model files' page cache ({len(m.files.paths)} files, {m.files.source})" if m.files.paths else ""
+    if verdict.release is Release.OWN and own:
+        return own
+    if verdict.release is Release.ALL:
+        return f"{own + ', then ' if own else ''}the whole page cache (drop_caches)"
+    return "nothing"
+
+
+@dataclass
+class FitStep:
+    """One restart's fit step: measure, judge, release, measure again."""
+
+    sd: Systemd
+    journal: Journal
+    cfg: Config
+    released: Released | None = None
+
+    async def details(self, r: ReplicaConfig) -> ServiceDetails | None:
+        if r.unitless:
+            return None
+        try:
+            return await self.sd.service_details(r.unit)
+        except SystemdError:
+            return None
+
+    async def run(self, r: ReplicaConfig, unit: UnitInfo | None, new: float | None) -> str | None:
+        """None: start; else why it is refused (said here, at error)."""
+        if not unified(self.cfg):
+            return None  # U1, without measuring anything
+        details = await self.details(r)
+        m = await asyncio.to_thread(measure, self.cfg, r, unit, details, new)
+        verdict = startfit.judge(m.fit)
+        if verdict.release is not Release.NOTHING:
+            m = await self._release(r, unit, details, new, m, verdict)
+            verdict = startfit.judge(m.fit)  # on what the releases left: a fit now, or a refusal after all
+        return self._say(r, m, verdict)
+
+    async def _release(
+        self,
+        r: ReplicaConfig,
+        unit: UnitInfo | None,
+        details: ServiceDetails | None,
+        new: float | None,
+        m: Measured,
+        verdict: Verdict,
+    ) -> Measured:
+        before = m.fit
+        if before.release_own and m.files.paths:
+            began = time.monotonic()
+            await asyncio.to_thread(modelfiles.release, m.files.paths)
+            after = await asyncio.to_thread(measure, self.cfg, r, unit, details, new, True)
+            freed = max(0, before.cache_bytes - after.fit.cache_bytes)
+            self._said_release(r, Freed("own", freed, time.monotonic() - began), m, verdict, after.fit)
+            m, before = after, after.fit
+        if verdict.release is Release.ALL and startfit.judge(before).rule.id != "U2":
+            began = time.monotonic()
+            result = await self._drop_caches()
+            after = await asyncio.to_thread(measure, self.cfg, r, unit, details, new, True)
+            freed = max(0, before.cache_bytes - after.fit.cache_bytes)
+            if result is None:
+                self._said_release(r, Freed("all", freed, time.monotonic() - began), m, verdict, after.fit)
+            else:
+                self.journal.line(
+                    LogLine(
+                        Priority.ERROR,
+                        f"replica {r.name}: could not drop the page cache before starting {r.unit}: {result}",
+                        Decision.CACHE,
+                        r.name,
+                        r.unit,
+                        rule=verdict.rule.id,
+                    )
+                )
+            m = after
+        return m
+
+    async def _drop_caches(self) -> str | None:
+        """The whole page cache, through the root helper's one unit; None when done, else why not."""
+        try:
+            result = await self.sd.run_job("StartUnit", DROP_CACHES_UNIT, DROP_CACHES_TIMEOUT_S)
+        except SystemdError as e:
+            return f"{DROP_CACHES_UNIT} could not be started: {e}"
+        if result == "done":
+            return None
+        return f"{DROP_CACHES_UNIT} ended with '{result}' (journalctl -u {DROP_CACHES_UNIT})"
+
+    def _said_release(self, r: ReplicaConfig, freed: Freed, m: Measured, verdict: Verdict, after: StartFit) -> None:
+        what = (
+            f"its model files' page cache ({len(m.files.paths)} files, {m.files.source}): the file cache fell by "
+            f"{gib(freed.bytes)}"
+            if freed.how == "own"
+            else f"the page cache (drop_caches, by {DROP_CACHES_UNIT}): the file cache fell by {gib(freed.bytes)}"
+        )
+        self.journal.line(
+            LogLine(
+                Priority.WARNING,
+                f"replica {r.name}: released {what} in {freed.took_s:.2f} s before starting {r.unit} "
+                f"({verdict.rule.id}: {verdict.rule.outcome}); now {startfit.figures(after)}",
+                Decision.CACHE,
+                r.name,
+                r.unit,
+                rule=verdict.rule.id,
+            )
+        )
+        if self.released is not None:
+            self.released(r.name, freed.how, freed.bytes)
+
+    def _say(self, r: ReplicaConfig, m: Measured, verdict: Verdict) -> str | None:
+        f = m.fit
+        rule = verdict.rule.id
+        if rule == "U6":
+            why = f"it cannot fit: {startfit.figures(f)}"
+            self.journal.line(
+                LogLine(
+                    Priority.ERROR,
+                    f"replica {r.name}: not starting {r.unit}: {why}; vLLM's start would fail its free-memory check "
+                    f"(U6); {startfit.remedy(f)}",
+                    Decision.REFUSED,
+                    r.name,
+                    r.unit,
+                    gate=Gate.NO_FIT,
+                    rule=rule,
+                )
+            )
+            return why
+        if rule == "U5" and f.need_bytes > f.sure_bytes:
+            off = " (memory.release_cache is off)" if not f.release_own and f.own_cached_bytes else ""
+            self.journal.line(
+                LogLine(
+                    Priority.WARNING,
+                    f"replica {r.name}: starting {r.unit} though it may not fit (U5: {verdict.rule.outcome}): "
+                    f"{startfit.figures(f)}{off}; vLLM's start fails its free-memory check unless memory its "
+                    f"processes hold comes back; {startfit.remedy(f)}",
+                    Decision.CACHE,
+                    r.name,
+                    r.unit,
+                    rule=rule,
+                )
+            )
+        return None

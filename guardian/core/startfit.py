@@ -1,0 +1,184 @@
+"""A start that fits: before every start guardian causes, its need against what the device will see
+as free, and the page cache released first where that makes it fit. Pure.
+
+Why: on a unified-memory box (GB10) vLLM's first check at start compares the device's free memory
+(cudaMemGetInfo: there about the kernel's MemFree, the page cache NOT counted as free) with
+gpu_memory_utilization x total, and exits when it is less ("Free memory on device ... is less than
+desired GPU memory utilization"). Lowering the fraction does not cure that; releasing the cache
+does. A warm cache is common there: a model download, a weights sync, a backup, a build.
+
+Terms, all in bytes (F = one StartFit, M = the memory config):
+
+- need = F.fraction x F.total (what vLLM computes; total is M.device_total_bytes, else MemTotal);
+- free = MemFree now;
+- returned = what the replica's processes now hold that is measured and comes back when they
+  exit (its cgroup's anonymous memory, NVML's per-process memory where the driver answers);
+- held = returned, or, while its unit is active, at least its running fraction x total: on GB10
+  vLLM's reservation is not charged to any cgroup and NVML does not report it, so this is the
+  most the stop can give back;
+- own = the page cache of the replica's own model files (observe/modelfiles.py): measured where
+  the kernel tells guardian (cachestat(2) and mincore(2) answer only a file's owner or a writer),
+  else at most their size and the whole cache; once released, what is measured, or 0;
+- cache = the kernel's reclaimable file cache, Active(file) + Inactive(file).
+
+Rules: ROWS below (ids U1-U6), first match, rendered into docs/rules.md. U1: only a unified-memory
+box is judged: on a GPU with memory of its own the page cache is not the device's memory. U2-U4 are sure
+fits, cheapest first: nothing to release, the replica's own files (M.release_cache, on by
+default: posix_fadvise DONTNEED, no privilege), the whole cache (M.drop_caches, off by default:
+the root helper). U5: a fit that depends on memory no one measured coming back (held > returned)
+is started after every release allowed, and said at warning. U6: a start that cannot fit even so
+is refused at error with the numbers and the remedy: guardian does not start into a certain
+failure.
+
+The shell re-measures right before the restart (act/restart.py), releases what the verdict
+says, and measures again after a release before the job is issued.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import StrEnum
+
+from .observations import gib
+from .rules import Row, Rule, first_match
+
+# The root helper's one unit for U4 (units/guardian-drop-caches.service), allowed by polkit only
+# with M.drop_caches (guardian/polkit.py).
+DROP_CACHES_UNIT = "guardian-drop-caches.service"
+
+
+class Release(StrEnum):
+    """What a verdict releases before the start."""
+
+    NOTHING = "nothing"
+    OWN = "own"  # the replica's own model files' cache (posix_fadvise)
+    ALL = "all"  # the whole page cache (the root helper: drop_caches), after its own files
+
+
+@dataclass(frozen=True)
+class StartFit:
+    """One start's figures, measured right before it."""
+
+    replica: str
+    unit: str
+    fraction: float
+    total_bytes: int
+    free_bytes: int
+    returned_bytes: int
+    held_bytes: int
+    own_cached_bytes: int  # measured; else at most its files' size and the whole cache (OWN_MEASURED false)
+    own_files: int
+    cache_bytes: int
+    release_own: bool  # M.release_cache
+    drop_caches: bool  # M.drop_caches
+    own_measured: bool = True  # the kernel tells a file's cache only to its owner or a writer
+    unified: bool = True  # the GPU's memory is the box's (M.unified; "auto": NVML says NOT_SUPPORTED for it)
+
+    @property
+    def need_bytes(self) -> int:
+        return math.ceil(self.fraction * self.total_bytes)
+
+    @property
+    def sure_bytes(self) -> int:
+        """What the device sees as free once the old processes are gone, by what was measured."""
+        return self.free_bytes + self.returned_bytes
+
+    @property
+    def own_release_bytes(self) -> int:
+        return self.own_cached_bytes if self.release_own else 0
+
+    @property
+    def all_release_bytes(self) -> int:
+        """What every allowed release could give: the whole cache includes the replica's own files."""
+        return max(self.cache_bytes, self.own_release_bytes) if self.drop_caches else self.own_release_bytes
+
+
+@dataclass(frozen=True)
+class Verdict:
+    rule: Rule
+    release: Release
+    start: bool
+
+
+def _fits(f: StartFit, extra: int) -> bool:
+    return f.need_bytes <= f.sure_bytes + extra
+
+
+ROWS: tuple[Row[StartFit, Release], ...] = (
+    Row(
+        Rule(
+            "U1",
+            "not judged",
+            'NOT unified: M.unified is false, or "auto" (the default) and NVML does not answer NOT_SUPPORTED for '
+            "device 0's memory (a GPU with memory of its own, or no GPU)",
+        ),
+        lambda f: not f.unified,
+        lambda f: Release.NOTHING,
+    ),
+    Row(
+        Rule("U2", "fits", "need <= free + returned"),
+        lambda f: _fits(f, 0),
+        lambda f: Release.NOTHING,
+    ),
+    Row(
+        Rule("U3", "fits once its files are released", "M.release_cache AND need <= free + returned + own"),
+        lambda f: f.release_own and _fits(f, f.own_cached_bytes),
+        lambda f: Release.OWN,
+    ),
+    Row(
+        Rule(
+            "U4",
+            "fits once the cache is dropped",
+            "M.drop_caches AND need <= free + returned + max(cache, own if M.release_cache)",
+        ),
+        lambda f: f.drop_caches and _fits(f, f.all_release_bytes),
+        lambda f: Release.ALL,
+    ),
+    Row(
+        Rule(
+            "U5",
+            "may fit",
+            "need <= free + held + the releases allowed (own if M.release_cache; cache if M.drop_caches): "
+            "started after those releases, said at warning",
+        ),
+        lambda f: f.need_bytes <= f.free_bytes + f.held_bytes + f.all_release_bytes,
+        lambda f: Release.ALL if f.drop_caches else Release.OWN if f.release_own else Release.NOTHING,
+    ),
+    Row(
+        Rule("U6", "does not fit", "otherwise: refused"),
+        lambda f: True,
+        lambda f: Release.NOTHING,
+    ),
+)
+RULES = tuple(row.rule for row in ROWS)
+
+
+def judge(f: StartFit) -> Verdict:
+    found = first_match(ROWS, f)
+    assert found is not None  # U6 always holds
+    rule, release = found
+    return Verdict(rule, release, start=rule.id != "U6")
+
+
+def figures(f: StartFit) -> str:
+    """The numbers a line about this start gives, as an operator checks them."""
+    own = gib(f.own_cached_bytes) if f.own_measured else f"at most {gib(f.own_cached_bytes)}"
+    held = ""
+    if f.held_bytes > f.returned_bytes:
+        held = f"; up to {gib(f.held_bytes)} if what its fraction reserves comes back"
+    return (
+        f"it needs {gib(f.need_bytes)} ({f.fraction:g} x {gib(f.total_bytes)}), the device would see "
+        f"{gib(f.sure_bytes)} free (MemFree {gib(f.free_bytes)} + {gib(f.returned_bytes)} its processes "
+        f"return{held}); the page cache holds {gib(f.cache_bytes)}, {own} of it its own model files ({f.own_files})"
+    )
+
+
+def remedy(f: StartFit) -> str:
+    """What an operator can do about a start that does not fit."""
+    steps = ["free memory on the box", f"lower its gpu_memory_utilization below {f.sure_bytes / f.total_bytes:.2f}"]
+    if not f.release_own and f.own_cached_bytes:
+        steps.append("set memory.release_cache = true")
+    if not f.drop_caches and f.cache_bytes > f.own_cached_bytes:
+        steps.append("set memory.drop_caches = true (or run `sync; echo 1 > /proc/sys/vm/drop_caches` as root)")
+    return ", or ".join(steps)

@@ -1,0 +1,164 @@
+"""A start that fits (core/startfit.py): the rows U1-U6 at their boundaries, and the model files a
+replica's command line names (observe/modelfiles.py) with their real page cache."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+import pytest
+
+from guardian.core import startfit
+from guardian.core.startfit import Release, StartFit
+from guardian.observe import modelfiles
+
+GiB = 2**30
+
+
+def fit(**kw: object) -> StartFit:
+    """A 10 GiB need (0.5 x 20 GiB) on a box whose MemFree is 6 GiB, 1 GiB coming back, 5 GiB of
+    the cache its own files', 12 GiB cached in all; release of its own files on, drop off."""
+    base = StartFit(
+        replica="a",
+        unit="vllm-a.service",
+        fraction=0.5,
+        total_bytes=20 * GiB,
+        free_bytes=6 * GiB,
+        returned_bytes=1 * GiB,
+        held_bytes=1 * GiB,
+        own_cached_bytes=5 * GiB,
+        own_files=3,
+        cache_bytes=12 * GiB,
+        release_own=True,
+        drop_caches=False,
+    )
+    return replace(base, **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "changes, rule, release, start",
+    [
+        ({"unified": False, "free_bytes": 0}, "U1", Release.NOTHING, True),
+        ({"free_bytes": 9 * GiB}, "U2", Release.NOTHING, True),  # 9 + 1 = 10: <= need
+        ({"free_bytes": 9 * GiB - 1}, "U3", Release.OWN, True),
+        ({"free_bytes": 4 * GiB}, "U3", Release.OWN, True),  # 4 + 1 + 5 = 10
+        ({"free_bytes": 4 * GiB - 1}, "U6", Release.NOTHING, False),
+        ({"free_bytes": 2 * GiB, "drop_caches": True}, "U4", Release.ALL, True),  # 2 + 1 + 12 > 10
+        ({"free_bytes": 2 * GiB, "release_own": False}, "U6", Release.NOTHING, False),
+        # what its fraction reserves may come back: started after the releases allowed, said
+        ({"free_bytes": 2 * GiB, "held_bytes": 3 * GiB}, "U5", Release.OWN, True),  # 2 + 3 + 5 = 10
+        ({"free_bytes": 2 * GiB, "held_bytes": 3 * GiB - 1}, "U6", Release.NOTHING, False),
+        ({"free_bytes": 2 * GiB, "held_bytes": 10 * GiB, "release_own": False}, "U5", Release.NOTHING, True),
+        (
+            {"free_bytes": 0, "held_bytes": 1 * GiB, "drop_caches": True, "cache_bytes": 8 * GiB},
+            "U6",
+            Release.NOTHING,
+            False,
+        ),
+    ],
+)
+def test_rows(changes: dict[str, object], rule: str, release: Release, start: bool) -> None:
+    v = startfit.judge(fit(**changes))
+    assert (v.rule.id, v.release, v.start) == (rule, release, start)
+
+
+def test_the_whole_cache_counts_its_own_files_once() -> None:
+    # drop_caches frees the whole cache, which holds its own files: 4 + 1 + 5 (own, within 5 cached) = 10
+    f = fit(free_bytes=4 * GiB - 1, cache_bytes=5 * GiB, release_own=False, drop_caches=True)
+    assert startfit.judge(f).rule.id == "U6"
+    assert startfit.judge(replace(f, free_bytes=4 * GiB)).rule.id == "U4"
+
+
+def test_every_row_is_reachable_and_ids_are_its_own() -> None:
+    assert [r.id for r in startfit.RULES] == ["U1", "U2", "U3", "U4", "U5", "U6"]
+
+
+def test_the_remedy_names_the_switches_that_are_off() -> None:
+    text = startfit.remedy(fit(release_own=False, drop_caches=False))
+    assert "memory.release_cache = true" in text and "memory.drop_caches = true" in text
+    assert "lower its gpu_memory_utilization below 0.35" in text  # (6 + 1) / 20
+    assert "release_cache" not in startfit.remedy(fit())
+
+
+# --- the model files, on a real file system and its page cache ---------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv, model",
+    [
+        (("vllm", "serve", "/m/qwen", "--port", "8000"), "/m/qwen"),
+        (("vllm", "serve", "--port", "8000"), None),
+        (("python3", "-m", "vllm.entrypoints.openai.api_server", "--model", "Qwen/Qwen3-8B"), "Qwen/Qwen3-8B"),
+        (("vllm-sim", "--model=/m/x.gguf"), "/m/x.gguf"),
+        ((), None),
+    ],
+)
+def test_model_of(argv: tuple[str, ...], model: str | None) -> None:
+    assert modelfiles.model_of(argv) == model
+
+
+def _write(path: str, n: int) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(b"\x01" * n)
+        f.flush()
+        os.fsync(f.fileno())  # clean pages: DONTNEED drops only those
+
+
+def test_a_hub_repo_in_download_dir_is_found_once_per_blob(tmp_path) -> None:
+    hub = tmp_path / "hub"
+    blob = hub / "models--Org--Name" / "blobs" / "abc"
+    _write(str(blob), 4096)
+    snap = hub / "models--Org--Name" / "snapshots" / "c0ffee"
+    snap.mkdir(parents=True)
+    (snap / "model.safetensors").symlink_to(blob)
+    os.mkfifo(hub / "models--Org--Name" / "a-fifo")  # never opened: it would block
+    found = modelfiles.find(("vllm", "serve", "Org/Name", "--download-dir", str(hub)), {})
+    assert found.paths == (str(blob),)
+    assert "Org/Name in" in found.source
+
+
+def test_the_hub_cache_from_the_unit_environment(tmp_path) -> None:
+    _write(str(tmp_path / "hf" / "hub" / "models--Org--Name" / "blobs" / "x"), 10)
+    env = modelfiles.unit_env(("HF_HOME=/nowhere",), (f"HF_HOME={tmp_path / 'hf'}\n",))
+    assert env["HF_HOME"] == str(tmp_path / "hf")  # a file's value overrides Environment=
+    assert len(modelfiles.find(("vllm", "serve", "Org/Name"), env).paths) == 1
+    assert modelfiles.find(("vllm", "serve", "Org/Other"), env).paths == ()
+
+
+def test_release_drops_the_files_clean_pages(tmp_path) -> None:
+    path = str(tmp_path / "models" / "big.safetensors")
+    _write(path, 8 * 2**20)
+    with open(path, "rb") as f:
+        while f.read(2**20):
+            pass
+    found = modelfiles.find(("vllm-sim", "--model", str(tmp_path / "models")), {})
+    assert found.paths == (path,)
+    assert modelfiles.cached_bytes(found.paths).bytes > 4 * 2**20
+    assert modelfiles.release(found.paths) == 1
+    assert modelfiles.cached_bytes(found.paths).bytes < 2**20
+
+
+def test_mincore_where_cachestat_is_missing(tmp_path, monkeypatch) -> None:
+    path = str(tmp_path / "w.bin")
+    _write(path, 2 * 2**20)
+    with open(path, "rb") as f:
+        f.read()
+    with_cachestat = modelfiles.cached_bytes((path,))
+    monkeypatch.setattr(modelfiles, "CACHESTAT_NR", 100_000)  # no such syscall: ENOSYS, as before Linux 6.5
+    assert modelfiles.cached_bytes((path,)) == with_cachestat
+    assert with_cachestat.measured and with_cachestat.bytes > 0
+
+
+def test_a_file_the_kernel_will_not_measure_counts_at_its_size(tmp_path, monkeypatch) -> None:
+    # mincore(2) reports every page resident to a process that neither owns nor may write the file,
+    # and cachestat(2) refuses it: such a file is at most its size, and said to be unmeasured
+    path = str(tmp_path / "w.bin")
+    _write(path, 3 * 4096)
+    monkeypatch.setattr(modelfiles, "CACHESTAT_NR", 100_000)
+    monkeypatch.setattr(modelfiles, "_may_measure", lambda fd, p: False)
+    assert modelfiles.cached_bytes((path,)) == modelfiles.Cached(3 * 4096, measured=False)
+
+
+def test_an_unmeasured_own_cache_is_said_as_at_most() -> None:
+    assert "at most 5.0 GiB of it its own model files (3)" in startfit.figures(fit(own_measured=False))
