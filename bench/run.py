@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -27,14 +28,14 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO))
 
-from systemd_box import SystemdBox, ensure_deps, ensure_rootfs, wait_for  # noqa: E402
+from systemd_box import DISK_DIR, SystemdBox, ensure_deps, ensure_rootfs, wait_for  # noqa: E402
 from world import PROXY, Replica, World  # noqa: E402
 
 from guardian.observe.meminfo import sample_memory  # noqa: E402  (the one MemAvailable reader)
 
 GiB = 2**30
 PARTS = ("detection", "false", "prefill", "stall", "starved", "slowpeer", "cost", "many", "conns", "memory", "memloop",
-         "scrape", "clients", "fleet", "containers")
+         "scrape", "clients", "fleet", "containers", "cachefit")
 # between-steps-fresh: between-steps with guardian started 20 s before the fault with nothing learned
 FAULTS = ("frozen", "dead-200", "stalled", "between-steps", "between-steps-fresh", "idle-dead")
 BASELINE = "baseline-prober"
@@ -814,6 +815,85 @@ class Bench:
                  f"from the critical line; stopped: {stopped}")
         return {"lowest_vs_critical_gib": (lowest - critical) / GiB, "stopped": stopped, "served_after_s": time.time() - t0}
 
+    # --- a start into a full page cache (issue 31) -----------------------------------------------
+    def cachefit(self, trials: int, model_gib: int = 4) -> dict:
+        """Replica a frozen while its own 4 GiB model file fills the page cache until MemFree is 2 GiB
+        under what its start needs (its simulator checks MemFree at start, as vLLM on GB10): with
+        memory.release_cache (the default) and without. Per trial: fault -> restart decision,
+        decision -> serving (or vLLM's refusal), the release's bytes and seconds."""
+        out: dict = {}
+        for release in (True, False):
+            trials_out = []
+            for _ in range(trials):
+                trials_out.append(self._cachefit_trial(release, model_gib))
+                self.say(f"  cachefit release={release}: {trials_out[-1]}")
+            out["release" if release else "no_release"] = trials_out
+        self._cachefit_reset()
+        return out
+
+    def _cachefit_trial(self, release: bool, model_gib: int) -> dict:
+        w, a = self.world, self.a
+        model_dir, size = f"{DISK_DIR}/models/a", model_gib * GiB
+        self.box.systemctl("stop", "guardian.service")
+        self.box.run(["mkdir", "-p", model_dir])
+        if self.box.run(["test", "-f", f"{model_dir}/model.safetensors"], check=False).returncode != 0:
+            self.box.run(["dd", "if=/dev/zero", f"of={model_dir}/model.safetensors", "bs=16M",
+                          f"count={size // (16 * 2**20)}", "conv=fsync", "status=none"], timeout=300)
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("1")  # the host's: this part runs as root, alone
+        need = sample_memory().free_bytes - size // 2
+        total = int(need / 0.9)
+        a.model, a.fraction = model_dir, 0.9
+        a.sim_args = f"--check-memory --sim-free-source memfree --sim-total-memory-bytes {total} --hang-on-sigterm"
+        w.install_replica(a)
+        w.memory = {"device_total_bytes": total, "unified": True, "release_cache": release}
+        w.write_config()
+        self.box.daemon_reload()
+        self.box.systemctl("restart", a.unit)
+        w.wait_serving(a, 60)
+        self.box.systemctl("start", "guardian.service")
+        self.box.run(["guardian", "pause", self.b.name])
+        w.wait_states({a.name: "healthy"}, timeout_s=60)
+        self.box.run(f"cat {model_dir}/model.safetensors > /dev/null", timeout=300)
+        free = sample_memory().free_bytes
+        t0 = time.time()
+        w.kill(a.unit, "STOP")
+        decided = self._line_at("restarting vllm-a.service", t0, 90)
+        result: dict = {"need_gib": round(need / GiB, 1), "free_gib_before": round(free / GiB, 1),
+                        "to_decision_s": round(decided - t0, 1)}
+        if release:
+            line = wait_for(lambda: next((e for e in self.box.journal("SYSLOG_IDENTIFIER=guardian", "GUARDIAN_DECISION=cache",
+                                                                        since=t0)
+                                          if "released" in e["MESSAGE"]), None), 60, "the release line")
+            msg = line["MESSAGE"]
+            result["released_gib"] = float(msg.split("the file cache fell by ")[1].split(" GiB")[0])
+            result["release_s"] = float(msg.split(" in ")[1].split(" s before")[0])
+            served = self._line_at("-> healthy", decided, 120)
+            result["decision_to_serving_s"] = round(served - decided, 1)
+        else:
+            refused = wait_for(lambda: next((e for e in self.box.journal(since=t0, unit=a.unit)
+                                             if "Free memory on device" in e["MESSAGE"]), None), 60,
+                               "vLLM's refusal to start")
+            result["decision_to_refusal_s"] = round(int(refused["__REALTIME_TIMESTAMP"]) / 1e6 - decided, 1)
+            time.sleep(30)  # a measurement window: does it serve on its own (Restart=always) within it?
+            result["served_within_30s"] = self.serving(a)
+        return result
+
+    def _cachefit_reset(self) -> None:
+        w, a = self.world, self.a
+        self.box.systemctl("stop", "guardian.service")
+        self.box.run(["rm", "-rf", f"{DISK_DIR}/models"], check=False)
+        a.model, a.fraction, a.sim_args = Replica(a.name, a.port).model, Replica(a.name, a.port).fraction, ""
+        w.install_replica(a)
+        w.memory = {}
+        w.write_config()
+        self.box.daemon_reload()
+        self.box.systemctl("reset-failed", a.unit, check=False)
+        self.box.systemctl("restart", a.unit)
+        w.wait_serving(a, 60)
+        self.box.systemctl("start", "guardian.service")
+        self.box.run(["guardian", "resume", self.b.name])
+
     def _memory_reset(self) -> None:
         """The replicas back as the other parts expect them (no memory held, fraction 0.9, no env
         file), and guardian with the world's config."""
@@ -901,7 +981,9 @@ def main() -> int:
                                 ("scrape", "metrics endpoint", lambda: b.scrape(cost_s / 5)),
                                 ("clients", "what clients see through nginx", lambda: b.clients(1 if args.quick else 3)),
                                 ("fleet", "a fleet of 8 boxes on etcd", lambda: b.fleet(20 if args.quick else 120)),
-                                ("containers", "replicas in containers", lambda: b.containers(max(1, min(trials, 5))))):
+                                ("containers", "replicas in containers", lambda: b.containers(max(1, min(trials, 5)))),
+                                ("cachefit", "a hung replica restarted into a full page cache",
+                                 lambda: b.cachefit(max(1, min(trials, 3))))):
             if part in parts:
                 b.say(what)
                 results[part] = run()

@@ -9,6 +9,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import psutil
+
 from ..config import Config, ReplicaConfig
 from ..core import startfit
 from ..core.actions import LogLine
@@ -16,10 +18,9 @@ from ..core.observations import UnitInfo, gib
 from ..core.startfit import DROP_CACHES_UNIT, Release, StartFit, Verdict
 from ..core.vocab import ActiveState, Decision, Gate, Priority
 from ..core.wiring import cmdline_fraction
-from ..observe import modelfiles
+from ..observe import modelfiles, nvml
 from ..observe.meminfo import sample_memory
 from ..observe.memory import cmdline_of, env_path, read_env_file, read_env_fraction
-from ..observe.nvml import unified_memory_gpu
 from ..observe.sockets import CGROUP_ROOT, cgroup_of_pid
 from ..observe.systemd import ServiceDetails, Systemd, SystemdError
 from .journal import Journal
@@ -35,6 +36,18 @@ Released = Callable[[str, str, int], None]
 class Measured:
     fit: StartFit
     files: modelfiles.ModelFiles
+
+
+def nvml_bytes(pid: int) -> int:
+    """NVML's per-process memory of PID's process tree (GB10 reports it), 0 where NVML cannot say."""
+    by_pid = nvml.shared().process_memory() if pid else None
+    if not by_pid:
+        return 0
+    try:
+        tree = [pid] + [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        tree = [pid]
+    return sum(by_pid.get(p, 0) for p in tree)
 
 
 def cgroup_anon_bytes(pid: int) -> int:
@@ -55,7 +68,7 @@ def cgroup_anon_bytes(pid: int) -> int:
 
 def unified(cfg: Config) -> bool:
     """M.unified, with "auto" asked of NVML (once)."""
-    return unified_memory_gpu() if cfg.memory.unified == "auto" else cfg.memory.unified
+    return nvml.unified_memory_gpu() if cfg.memory.unified == "auto" else cfg.memory.unified
 
 
 def _fraction(cfg: Config, r: ReplicaConfig, argv: tuple[str, ...], new: float | None) -> float:
@@ -89,7 +102,7 @@ def measure(
     env_texts = tuple(read_env_file(p).text for p in details.environment_files) if details is not None else ()
     env = modelfiles.unit_env(details.environment if details is not None else (), env_texts)
     files = modelfiles.find(argv, env, modelfiles.home_of(details.user if details is not None else None))
-    returned = cgroup_anon_bytes(pid)
+    returned = max(cgroup_anon_bytes(pid), nvml_bytes(pid))
     held = returned
     running = cmdline_fraction(live) if live else None
     if unit is not None and unit.active_state in (ActiveState.ACTIVE, ActiveState.RELOADING) and running is not None:

@@ -46,17 +46,53 @@ class Nvml:
         return out
 
 
+# Devices whose memory is the box's: NVML answers NOT_SUPPORTED for their memory on most drivers
+# (nvidia-smi "Not Supported"), but not on every one (a GB10 driver was seen answering it): the name
+# decides too. Per-process memory (usedGpuMemory) is reported on GB10 (nvidia-smi
+# --query-compute-apps=used_memory returns real values there).
+UNIFIED_NAMES = ("GB10",)
+
+
+@functools.cache
+def shared() -> Nvml:
+    """One NVML handle for the process (nvmlInit once)."""
+    return Nvml()
+
+
 @functools.cache
 def unified_memory_gpu() -> bool:
-    """Device 0's memory is the box's own: NVML answers NOT_SUPPORTED for it, as on GB10. False for a
-    GPU with memory of its own, and where there is no NVML or no GPU."""
-    n = Nvml()
+    """Device 0's memory is the box's own: NVML answers NOT_SUPPORTED for it, or it is a device known
+    to share the box's memory (UNIFIED_NAMES). False for a GPU with memory of its own, and where
+    there is no NVML or no GPU."""
+    n = shared()
     if not n.available or not n.count:
         return False
     try:
-        n._n.nvmlDeviceGetMemoryInfo(n._n.nvmlDeviceGetHandleByIndex(0))
+        handle = n._n.nvmlDeviceGetHandleByIndex(0)
+        name = n._n.nvmlDeviceGetName(handle)
+        if any(u in (name.decode() if isinstance(name, bytes) else str(name)) for u in UNIFIED_NAMES):
+            return True
+        n._n.nvmlDeviceGetMemoryInfo(handle)
     except n._n.NVMLError_NotSupported:
         return True
     except Exception:  # noqa: BLE001 - any other NVML failure says nothing about the memory
         return False
     return False
+
+
+def describe(unified: bool | str) -> str:
+    """Which source guardian's memory figures come from on this box, for the journal at start."""
+    n = shared()
+    if unified is True or unified is False:
+        setting = f"memory.unified = {'true' if unified else 'false'}"
+        what = "the GPU's memory is the box's" if unified else "the GPU has memory of its own"
+        return f"{n.note}; {what} ({setting}): MemFree, MemAvailable and the page cache from /proc/meminfo"
+    if unified_memory_gpu():
+        return (
+            f"{n.note}; device 0's memory is the box's (unified: NVML does not report it): MemFree, MemAvailable and "
+            "the page cache from /proc/meminfo, each process's memory from NVML where the driver reports it; a "
+            "start's fit is judged (U2-U6)"
+        )
+    if n.device_total_bytes() is not None:
+        return f"{n.note}; device 0 has memory of its own: a start's fit is not judged (U1)"
+    return f"{n.note}; no GPU seen: a start's fit is not judged (U1; memory.unified = true to judge it)"

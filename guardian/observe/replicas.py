@@ -27,7 +27,7 @@ from ..core.observations import (
     VllmSample,
 )
 from ..core.vocab import HeldBy, Hidden, Nobody, PortOwner, Unreadable
-from . import probes
+from . import nvml, probes
 from .clock import Now
 from .conns import ConnObserver
 from .containers import ContainerWatch
@@ -320,8 +320,10 @@ class WorldObserver:
             return {}
 
     def start(self, cfg: Config) -> list[str]:
-        """Open what CFG needs (NVML, once, for the memory guard); what to say about it."""
-        return [f"memory guard: {self.memory.start()}"] if cfg.memory.enabled else []
+        """Open what CFG needs (NVML, once, for the memory guard); what to say about it, once: which
+        source the memory figures come from (never an error per tick where NVML cannot say)."""
+        said = [f"memory guard: {self.memory.start()}"] if cfg.memory.enabled else []
+        return [*said, f"memory: {nvml.describe(cfg.memory.unified)}"]
 
     def invalidate(self) -> None:
         """systemd reloaded, unit files changed, or the bus dropped: no cached unit view is trusted."""
