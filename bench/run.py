@@ -835,6 +835,8 @@ class Bench:
         w, a = self.world, self.a
         model_dir, size = f"{DISK_DIR}/models/a", model_gib * GiB
         self.box.systemctl("stop", "guardian.service")
+        # each trial's restart from a fresh budget and back-off (the last trial's restart is in the state file)
+        self.box.run(["rm", "-f", "/var/lib/guardian/state.json"])
         self.box.run(["mkdir", "-p", model_dir])
         if self.box.run(["test", "-f", f"{model_dir}/model.safetensors"], check=False).returncode != 0:
             self.box.run(["dd", "if=/dev/zero", f"of={model_dir}/model.safetensors", "bs=16M",

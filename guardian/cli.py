@@ -298,6 +298,16 @@ async def _check_fit(cfg: Config, sd: Systemd, units: dict[str, UnitInfo | None]
         report.say("start fit: not judged on this box (U1: the GPU's memory is not the box's, or no GPU)")
         return
     step = fit.FitStep(sd, Journal(), cfg)
+    try:
+        left = json.loads((cfg.runtime_dir / STATUS_FILE).read_text()).get("not_returned", {})
+    except (OSError, ValueError):
+        left = {}  # no daemon running, or its status unreadable: nothing it found to repeat
+    for name, found in sorted(left.items()):
+        report.problem(
+            f"hazard: replica {name}: {found['bytes'] / 2**30:.1f} GiB its processes held did not come back when they "
+            "exited (U7, found by the running guardian): the driver, or a file in /dev/shm, still holds it; a reboot "
+            "frees it"
+        )
     for r in cfg.replicas:
         m = await asyncio.to_thread(fit.measure, cfg, r, units.get(r.unit), await step.details(r), None)
         verdict = startfit.judge(m.fit)
@@ -643,6 +653,11 @@ def cmd_status(args: argparse.Namespace) -> int:
         _print_memory(data["memory"])
     for text in data.get("bypassing", []):
         print(f"hazard: {text}")
+    for name, left in sorted(data.get("not_returned", {}).items()):
+        print(
+            f"hazard: replica {name}: {left['bytes'] / 2**30:.1f} GiB its processes held did not come back when "
+            "they exited (U7): the driver, or a file in /dev/shm, still holds it; a reboot frees it"
+        )
     for name, r in data.get("replicas", {}).items():
         extra = " GAVE UP (restart budget spent)" if r.get("gave_up") else ""
         frac_text = _fraction_text(r.get("gpu_memory_utilization"), r.get("gpu_memory_utilization_base"))

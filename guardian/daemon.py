@@ -196,9 +196,16 @@ class Daemon:
         return status_line(self.cfg, self.state, self.persistent.view(at), self.memory, at.mono)
 
     def write_status(self, at: Now) -> None:
+        leftovers = {n: (x.bytes, x.at_wall) for n, x in self.executor.tools.leftovers.items()}
         snapshot = Snapshot(
-            self.state, self.persistent.view(at), self.last_observation, self.memory, self.observer.memory.wiring
+            self.state,
+            self.persistent.view(at),
+            self.last_observation,
+            self.memory,
+            self.observer.memory.wiring,
+            leftovers,
         )
+        self.exports.metrics.set_not_returned({n: b for n, (b, _at) in leftovers.items()})
         data = status_dict(self.cfg, str(self.config_path), snapshot, self.stats, self.sd.connected, at)
         try:
             atomic_write_json(self.cfg.runtime_dir / STATUS_FILE, data)

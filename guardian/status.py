@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,6 +83,8 @@ class Snapshot:
     observation: TickObservation | None
     memory: MemorySample | None
     wiring: dict[str, str | None]  # replica -> why the memory guard cannot lower it (None: wired)
+    # replica -> (bytes, when) of memory its processes held that did not come back (startfit U7)
+    not_returned: Mapping[str, tuple[int, float]] = field(default_factory=dict)
 
 
 def status_dict(
@@ -105,6 +108,7 @@ def status_dict(
         "config": config_path,
         "status": status_line(cfg, snapshot.state, snapshot.persistent, snapshot.memory, now.mono),
         "bypassing": [b.hazard(cfg, now.mono).message for b in snapshot.state.bypassing],
+        "not_returned": {name: {"bytes": n, "at": at} for name, (n, at) in snapshot.not_returned.items()},
         "replicas": {r.name: _replica_status(cfg, r, snapshot, now) for r in cfg.replicas},
         "memory": _memory_status(cfg, snapshot, now),
     }

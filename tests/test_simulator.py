@@ -384,3 +384,18 @@ def test_sim_load_memory_takes_its_fraction_of_the_device_in_steps_before_the_po
     assert grown[-1] - grown[0] >= 0.5 * want  # it grew while connections were refused
     assert proc.memory_info().rss - base >= 0.9 * want  # and holds it all once serving
     assert s.get("/health").status_code == 200 and any("holding 0.10 GiB" in line for line in lines)
+
+
+def test_leak_keeps_the_reservation_after_the_process_exits(sim):
+    """The leak fault: the --sim-allocate reservation moves into a /dev/shm file that outlives the
+    process, as GB10's driver keeps a killed engine's memory."""
+    s = sim("--sim-allocate", "--sim-total-memory-bytes", str(64 * 2**20), "--gpu-memory-utilization", "0.5").wait_up()
+    held = Path(f"/dev/shm/vllm-sim-held-{s.port}")
+    try:
+        assert s.post("/_sim/fault", {"fault": "leak"}).status_code == 200
+        assert held.stat().st_size == 32 * 2**20
+        assert s.get("/health").status_code == 200  # it keeps serving
+        s.stop()
+        assert held.stat().st_size == 32 * 2**20  # and the memory stays held once it is gone
+    finally:
+        held.unlink(missing_ok=True)

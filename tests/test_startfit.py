@@ -70,7 +70,7 @@ def test_the_whole_cache_counts_its_own_files_once() -> None:
 
 
 def test_every_row_is_reachable_and_ids_are_its_own() -> None:
-    assert [r.id for r in startfit.RULES] == ["U1", "U2", "U3", "U4", "U5", "U6"]
+    assert [r.id for r in startfit.RULES] == ["U1", "U2", "U3", "U4", "U5", "U6", "U7"]
 
 
 def test_the_remedy_names_the_switches_that_are_off() -> None:
@@ -162,3 +162,20 @@ def test_a_file_the_kernel_will_not_measure_counts_at_its_size(tmp_path, monkeyp
 
 def test_an_unmeasured_own_cache_is_said_as_at_most() -> None:
     assert "at most 5.0 GiB of it its own model files (3)" in startfit.figures(fit(own_measured=False))
+
+
+@pytest.mark.parametrize(
+    "returned_gib, rise_gib, missing_gib",
+    [
+        (0.99, 0.0, None),  # under 1 GiB held: not told from the box's own noise
+        (1.0, 0.0, 1.0),
+        (1.0, 0.5, None),  # missing 0.5 GiB: not more than max(0.5 GiB, a quarter)
+        (1.0, 0.49, 0.51),
+        (8.0, 6.0, None),  # a quarter of 8 GiB is 2 GiB
+        (8.0, 5.9, 2.1),
+        (8.0, -1.0, 8.0),  # MemFree fell meanwhile: nothing came back
+    ],
+)
+def test_memory_not_returned(returned_gib: float, rise_gib: float, missing_gib: float | None) -> None:
+    got = startfit.not_returned_bytes(int(returned_gib * GiB), int(rise_gib * GiB))
+    assert (None if got is None else round(got / GiB, 2)) == missing_gib

@@ -140,3 +140,28 @@ def test_the_drop_caches_helper_is_guardians_to_start_only_with_drop_caches_set(
         assert r.returncode != 0 and re.search(r"authentication required|Access denied", r.stderr), (verb, other, r)
     own = _as_guardian(world, "sh", "-c", "echo 1 > /proc/sys/vm/drop_caches")
     assert own.returncode != 0, own
+
+
+def test_memory_a_replicas_processes_leave_held_is_said_at_critical(world):
+    """Replica a really holds its 2 GiB (0.5 x 4 GiB); the leak fault moves them where its exit does
+    not free them (a /dev/shm file, as GB10's driver keeps a killed engine's memory); a is frozen and
+    guardian restarts it: the 2 GiB measured before the stop did not come back (U7)."""
+    a = world.replicas[0]
+    a.fraction = 0.5
+    a.sim_args = f"--sim-allocate --sim-total-memory-bytes {4 * GiB} --hang-on-sigterm"
+    world.memory = dict(device_total_bytes=4 * GiB, unified=True)
+    world.setup()
+    try:
+        world.fault(a, "leak")
+        world.fault(a, "frozen")
+        line = line_with(world, "not returned after", "GUARDIAN_REPLICA=a", "GUARDIAN_DECISION=hazard", timeout_s=90)
+        assert line["GUARDIAN_RULE"] == "U7" and line["PRIORITY"] == "2", line
+        missing_gib = float(line["MESSAGE"].split("replica a: ")[1].split(" GiB")[0])
+        assert 1.5 <= missing_gib <= 2.1, line["MESSAGE"]
+        assert "a reboot frees it" in line["MESSAGE"]
+        wait_for(lambda: "did not come back" in world.box.run(["guardian", "status"]).stdout, 20,
+                 "guardian status to show what was not returned")
+        check = world.box.run(["guardian", "check"], check=False)
+        assert "replica a: " in check.stdout + check.stderr and "did not come back" in check.stdout + check.stderr
+    finally:
+        world.box.run("rm -f /dev/shm/vllm-sim-held-*", check=False)

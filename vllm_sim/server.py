@@ -42,6 +42,10 @@ Faults, at start (``--fault NAME``, with ``--fault-after-s``) or at run time
                    for a repeatable draw) before it is begun, while the engine keeps iterating and
                    streams already running keep their pace
   wrong-model      /v1/models lists ``model`` (default "other-model") instead
+  leak             memory that outlives the process, as GB10's driver keeps a killed engine's
+                   (NVIDIA/open-gpu-kernel-modules #1358): the reservation (``--sim-allocate``), or
+                   ``bytes``, moves into a file in /dev/shm (``/dev/shm/vllm-sim-held-PORT``), charged
+                   to the same cgroup and never freed when the process exits; it keeps serving
   frozen           the whole process stops itself with SIGSTOP (what ``kill -STOP`` does)
   fail-startup     exit 1 before serving, with an error (start-time only)
 
@@ -350,8 +354,22 @@ class Sim:
             timer.start()
         elif name == "starved":
             self.starve_rng = random.Random(spec.get("seed"))
+        elif name == "leak":
+            self._leak(spec.get("bytes"))
         elif name not in ("slow-health", "wrong-model"):
             raise ValueError(f"unknown fault {name!r}")
+
+    def _leak(self, n: int | None) -> None:
+        """The reservation (or N bytes) moved into a /dev/shm file that no exit frees."""
+        n = int(n) if n is not None else sum(map(len, HELD))
+        path = f"/dev/shm/vllm-sim-held-{self.args.port}"
+        with open(path, "wb") as f:
+            chunk = b"\x01" * 2**20
+            for _ in range(n // len(chunk)):
+                f.write(chunk)
+            f.write(b"\x01" * (n % len(chunk)))
+        HELD.clear()  # the process's own copy goes: the memory is now the file's
+        log(f"SIM leak: {n / 2**30:.2f} GiB held in {path}, beyond this process")
 
     def _stall_over(self, fault: dict[str, object]) -> None:
         """stall-endpoints clears itself (unless cleared, or another fault injected, meanwhile)."""
@@ -576,6 +594,8 @@ def allocate(n: int) -> bytearray:
     return buf
 
 
+HELD: list[bytearray] = []  # --sim-allocate's reservation (the leak fault moves it out)
+
 LOAD_STEP_S = 0.1  # --sim-load-memory takes its memory in a step this often
 
 
@@ -659,12 +679,12 @@ def main(argv=None) -> int:
     want = int(args.gpu_memory_utilization * (args.sim_total_memory_bytes or _meminfo_bytes("MemTotal")))
     if args.sim_load_memory:  # loading: the port is not bound yet (connection refused), the memory grows
         log(f"loading: taking {want / 2**30:.2f} GiB (gpu_memory_utilization x total) over {args.load_time_s:g} s")
-        held = load_memory(want, args.load_time_s)
-        log(f"holding {sum(map(len, held)) / 2**30:.2f} GiB (gpu_memory_utilization x total)")
+        HELD.extend(load_memory(want, args.load_time_s))
+        log(f"holding {sum(map(len, HELD)) / 2**30:.2f} GiB (gpu_memory_utilization x total)")
     else:
         time.sleep(args.load_time_s)  # loading weights: the port is not bound yet (connection refused)
     if args.sim_allocate and not args.sim_load_memory:
-        held = [allocate(want)]
+        HELD.append(allocate(want))
         log(f"holding {want / 2**30:.2f} GiB (gpu_memory_utilization x total)")
     sim = Sim(args)
     server = ThreadingHTTPServer((args.host, args.port), make_handler(sim))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import psutil
 
@@ -50,20 +50,18 @@ def nvml_bytes(pid: int) -> int:
     return sum(by_pid.get(p, 0) for p in tree)
 
 
-def cgroup_anon_bytes(pid: int) -> int:
-    """The anonymous memory of PID's cgroup (memory.stat anon): what its processes give back on exit."""
+def cgroup_held_bytes(pid: int) -> int:
+    """The anonymous and shared memory of PID's cgroup (memory.stat anon + shmem): what its processes
+    should give back on exit (shared memory only if they remove its files: U7 checks)."""
     path = cgroup_of_pid(pid) if pid else None
     if path is None:
         return 0
     try:
         with open(f"{CGROUP_ROOT}{path}/memory.stat") as f:
-            for line in f:
-                key, _, value = line.partition(" ")
-                if key == "anon":
-                    return int(value)
+            stat = dict(line.split(" ", 1) for line in f if " " in line)
+        return int(stat.get("anon", 0)) + int(stat.get("shmem", 0))
     except (OSError, ValueError):
-        pass
-    return 0
+        return 0
 
 
 def unified(cfg: Config) -> bool:
@@ -102,7 +100,7 @@ def measure(
     env_texts = tuple(read_env_file(p).text for p in details.environment_files) if details is not None else ()
     env = modelfiles.unit_env(details.environment if details is not None else (), env_texts)
     files = modelfiles.find(argv, env, modelfiles.home_of(details.user if details is not None else None))
-    returned = max(cgroup_anon_bytes(pid), nvml_bytes(pid))
+    returned = max(cgroup_held_bytes(pid), nvml_bytes(pid))
     held = returned
     running = cmdline_fraction(live) if live else None
     if unit is not None and unit.active_state in (ActiveState.ACTIVE, ActiveState.RELOADING) and running is not None:
@@ -147,6 +145,15 @@ def would_release(m: Measured, verdict: Verdict) -> str:
     return "nothing"
 
 
+@dataclass(frozen=True)
+class NotReturned:
+    """Memory a replica's processes held that did not come back when they exited (U7)."""
+
+    bytes: int
+    held_bytes: int
+    at_wall: float
+
+
 @dataclass
 class FitStep:
     """One restart's fit step: measure, judge, release, measure again."""
@@ -155,6 +162,7 @@ class FitStep:
     journal: Journal
     cfg: Config
     released: Released | None = None
+    leftovers: dict[str, NotReturned] = field(default_factory=dict)  # U7's findings, by replica (shared)
 
     async def details(self, r: ReplicaConfig) -> ServiceDetails | None:
         if r.unitless:
@@ -164,17 +172,50 @@ class FitStep:
         except SystemdError:
             return None
 
-    async def run(self, r: ReplicaConfig, unit: UnitInfo | None, new: float | None) -> str | None:
-        """None: start; else why it is refused (said here, at error)."""
+    async def run(
+        self, r: ReplicaConfig, unit: UnitInfo | None, new: float | None
+    ) -> tuple[str | None, Measured | None]:
+        """(None: start, else why it is refused (said here, at error); the figures, None if not judged)."""
         if not unified(self.cfg):
-            return None  # U1, without measuring anything
+            return None, None  # U1, without measuring anything
         details = await self.details(r)
         m = await asyncio.to_thread(measure, self.cfg, r, unit, details, new)
         verdict = startfit.judge(m.fit)
         if verdict.release is not Release.NOTHING:
             m = await self._release(r, unit, details, new, m, verdict)
             verdict = startfit.judge(m.fit)  # on what the releases left: a fit now, or a refusal after all
-        return self._say(r, m, verdict)
+        return self._say(r, m, verdict), m
+
+    async def check_returned(self, r: ReplicaConfig, before: Measured) -> None:
+        """U7, after the restart job: did what the old processes held come back to MemFree?"""
+        held = before.fit.returned_bytes
+        if held < startfit.RETURN_CHECK_MIN_BYTES:
+            return
+        began, best = time.monotonic(), 0
+        while True:
+            best = max(best, (await asyncio.to_thread(sample_memory)).free_bytes - before.fit.free_bytes)
+            if startfit.not_returned_bytes(held, best) is None or time.monotonic() - began >= startfit.RETURN_WAIT_S:
+                break
+            await asyncio.sleep(0.1)
+        missing = startfit.not_returned_bytes(held, best)
+        if missing is None:
+            self.leftovers.pop(r.name, None)
+            return
+        self.leftovers[r.name] = NotReturned(missing, held, time.time())
+        self.journal.line(
+            LogLine(
+                Priority.CRITICAL,
+                f"replica {r.name}: {gib(missing)} not returned after {r.unit}'s processes exited (they "
+                f"held {gib(held)}; MemFree rose by {gib(max(0, best))} within {startfit.RETURN_WAIT_S:g} s): the "
+                "driver, or a file they left in /dev/shm, still holds it; a reboot frees it (U7); its next start "
+                "is judged on what is left",
+                Decision.HAZARD,
+                r.name,
+                r.unit,
+                rule=startfit.NOT_RETURNED.id,
+                hazard=f"memory-not-returned:{r.name}",
+            )
+        )
 
     async def _release(
         self,

@@ -12,7 +12,7 @@ import functools
 import json
 import os
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..config import Config, ReplicaConfig
 from ..core import gates
@@ -26,7 +26,7 @@ from ..observe.clock import now as clock_now
 from ..observe.containers import ContainerWatch, run_helper
 from ..observe.replicas import port_owners, unit_or_error
 from ..observe.systemd import JOB_DONE, Systemd, SystemdError
-from .fit import FitStep, Released
+from .fit import FitStep, NotReturned, Released
 from .journal import Journal
 from .state import CorruptState, StateStore, atomic_write, record_restart
 
@@ -46,6 +46,7 @@ class Tools:
     # The observer's, so that there is one set of container reports; None: a fresh one per restart.
     containers: ContainerWatch | None = None
     released: Released | None = None  # the page cache a start's fit released: the metric's hook
+    leftovers: dict[str, NotReturned] = field(default_factory=dict)  # U7: memory not returned, by replica
 
 
 @dataclass(frozen=True)
@@ -76,8 +77,8 @@ async def checked_restart(tools: Tools, order: RestartOrder) -> RestartOutcome:
     unit, refusal = await _fresh_look(tools.sd, r, containers, order.allow_failed)
     if refusal is not None:
         return _refused(tools, order, refusal)
-    step = FitStep(tools.sd, tools.journal, tools.cfg, tools.released)
-    no_fit = await step.run(r, unit, order.fraction)
+    step = FitStep(tools.sd, tools.journal, tools.cfg, tools.released, tools.leftovers)
+    no_fit, measured = await step.run(r, unit, order.fraction)
     if no_fit is not None:
         return RestartOutcome(r.unit, f"refused: {no_fit}")
     if order.announce is not None:
@@ -103,9 +104,10 @@ async def checked_restart(tools: Tools, order: RestartOrder) -> RestartOutcome:
     except CorruptState as e:
         tools.journal.send(Priority.ERROR, str(e))
     stop = Stop(tools, r, issued, unit.inactive_exit_mono if unit is not None else None)
-    if r.unitless:
-        return await stop.restart_unitless(order.why)
-    return await _issue(tools, order, stop)
+    outcome = await stop.restart_unitless(order.why) if r.unitless else await _issue(tools, order, stop)
+    if measured is not None and outcome.issued:
+        await step.check_returned(r, measured)
+    return outcome
 
 
 async def _fresh_look(

@@ -12,7 +12,8 @@ Terms, all in bytes (F = one StartFit, M = the memory config):
 - need = F.fraction x F.total (what vLLM computes; total is M.device_total_bytes, else MemTotal);
 - free = MemFree now;
 - returned = what the replica's processes now hold that is measured and comes back when they
-  exit (its cgroup's anonymous memory, NVML's per-process memory where the driver answers);
+  exit (its cgroup's anonymous and shared memory, NVML's per-process memory where the driver
+  answers); U7 checks after the restart job that it did come back;
 - held = returned, or, while its unit is active, at least its running fraction x total: on GB10
   vLLM's reservation is not charged to any cgroup and NVML does not report it, so this is the
   most the stop can give back;
@@ -151,7 +152,27 @@ ROWS: tuple[Row[StartFit, Release], ...] = (
         lambda f: Release.NOTHING,
     ),
 )
-RULES = tuple(row.rule for row in ROWS)
+# Checked after a restart's job, not first-match with the rows above (act/fit.py).
+NOT_RETURNED = Rule(
+    "U7",
+    "not returned",
+    "returned (measured before the stop) >= 1 GiB AND within 3 s of the restart job's end MemFree rose by less "
+    "than returned - max(0.5 GiB, returned / 4): the rest is said at critical as memory the driver (or a "
+    "file its processes left in /dev/shm) still holds; a reboot frees it; the next start is judged on what is left",
+)
+RULES = (*(row.rule for row in ROWS), NOT_RETURNED)
+RETURN_CHECK_MIN_BYTES = 2**30  # less than this held: too little to tell from the box's own noise
+RETURN_SLACK_BYTES = 2**29
+RETURN_WAIT_S = 3.0  # after the restart job: how long the memory may take to come back
+
+
+def not_returned_bytes(returned_bytes: int, rise_bytes: int) -> int | None:
+    """What of RETURNED_BYTES (held by the old processes, measured before the stop) did not come back,
+    when MemFree rose by RISE_BYTES once they were gone (U7); None: it came back."""
+    if returned_bytes < RETURN_CHECK_MIN_BYTES:
+        return None
+    missing = returned_bytes - max(0, rise_bytes)
+    return missing if missing > max(RETURN_SLACK_BYTES, returned_bytes // 4) else None
 
 
 def judge(f: StartFit) -> Verdict:

@@ -213,6 +213,11 @@ class Metrics:
             "replica",
             "how",
         )
+        self.not_returned = gauge(
+            "guardian_memory_not_returned_bytes",
+            "memory a replica's processes held that did not come back when they exited (startfit U7)",
+            "replica",
+        )
         self.mem_free = gauge("guardian_memory_free_bytes", "MemFree: about what a unified-memory GPU sees as free")
         self.file_cache = gauge(
             "guardian_memory_file_cache_bytes", "the reclaimable file cache, Active(file) + Inactive(file)"
@@ -275,6 +280,11 @@ class Metrics:
                 self._decided_at[action.replica] = at.mono
         elif isinstance(action, LogLine) and action.decision is Decision.REFUSED and action.replica and action.gate:
             self.refusals.labels(action.replica, str(action.gate)).inc()
+
+    def set_not_returned(self, found: Mapping[str, int]) -> None:
+        self.not_returned.clear()
+        for replica, n in found.items():
+            self.not_returned.labels(replica).set(n)
 
     def released(self, replica: str, how: str, freed_bytes: int) -> None:
         """The page cache a start's fit released (act/fit.py)."""
