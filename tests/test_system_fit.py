@@ -142,26 +142,42 @@ def test_the_drop_caches_helper_is_guardians_to_start_only_with_drop_caches_set(
     assert own.returncode != 0, own
 
 
-def test_memory_a_replicas_processes_leave_held_is_said_at_critical(world):
-    """Replica a really holds its 2 GiB (0.5 x 4 GiB); the leak fault moves them where its exit does
-    not free them (a /dev/shm file, as GB10's driver keeps a killed engine's memory); a is frozen and
-    guardian restarts it: the 2 GiB measured before the stop did not come back (U7)."""
+def test_memory_a_killed_replica_leaves_held_is_said_and_no_start_into_it_is_attempted(world):
+    """The driver keeps 3 GiB after replica a's processes exit (the simulator's leak fault: a /dev/shm
+    file its process maps, as a driver allocation; it outlives the process). a's need is set 1.5 GiB
+    under MemFree at its first start, so once the 3 GiB stay held its start cannot fit. a is frozen
+    and guardian restarts it: the 3 GiB measured before the stop did not come back (U7, critical,
+    in status and check); a's own start then fails with vLLM's message, and guardian's next start of
+    it (an operator's restart) is refused on the memory that is left (U6), not attempted."""
     a = world.replicas[0]
-    a.fraction = 0.5
-    a.sim_args = f"--sim-allocate --sim-total-memory-bytes {4 * GiB} --hang-on-sigterm"
-    world.memory = dict(device_total_bytes=4 * GiB, unified=True)
+    leak = 3 * GiB
+    drop_host_cache()
+    need = mem_free() - leak + MARGIN_BYTES * 3 // 4  # 1.5 GiB above what the leak leaves
+    total = int(need / FRACTION)
+    a.fraction = FRACTION
+    a.restart_sec = 10  # its crash loop stays activating between attempts, where a restart is asked for
+    a.sim_args = f"--check-memory --sim-free-source memfree --sim-total-memory-bytes {total} --hang-on-sigterm"
+    world.memory = dict(device_total_bytes=total, unified=True)
     world.setup()
     try:
-        world.fault(a, "leak")
+        world.fault(a, "leak", bytes=leak)
         world.fault(a, "frozen")
         line = line_with(world, "not returned after", "GUARDIAN_REPLICA=a", "GUARDIAN_DECISION=hazard", timeout_s=90)
         assert line["GUARDIAN_RULE"] == "U7" and line["PRIORITY"] == "2", line
         missing_gib = float(line["MESSAGE"].split("replica a: ")[1].split(" GiB")[0])
-        assert 1.5 <= missing_gib <= 2.1, line["MESSAGE"]
+        assert 2.4 <= missing_gib <= 3.1, line["MESSAGE"]
         assert "a reboot frees it" in line["MESSAGE"]
+        wait_for(lambda: any("Free memory on device" in m for m in world.box.messages(since=world.since, unit=a.unit)),
+                 60, "a's start to fail with vLLM's free-memory message in what the driver left")
         wait_for(lambda: "did not come back" in world.box.run(["guardian", "status"]).stdout, 20,
                  "guardian status to show what was not returned")
         check = world.box.run(["guardian", "check"], check=False)
-        assert "replica a: " in check.stdout + check.stderr and "did not come back" in check.stdout + check.stderr
+        assert "replica a: 3.0 GiB its processes held did not come back" in check.stdout + check.stderr, check
+        wait_for(lambda: world.box.prop(a.unit, "ActiveState") == "activating", 30, "a between two failed starts")
+        asked = world.box.run(["guardian", "restart", a.name], check=False, timeout=120)
+        assert asked.returncode != 0, asked
+        refusal = line_with(world, "not starting vllm-a.service", "GUARDIAN_REPLICA=a", "GUARDIAN_GATE=no-fit")
+        assert refusal["GUARDIAN_RULE"] == "U6" and refusal["PRIORITY"] == "3", refusal
+        assert f"it needs {need / GiB:.1f} GiB" in refusal["MESSAGE"]
     finally:
         world.box.run("rm -f /dev/shm/vllm-sim-held-*", check=False)

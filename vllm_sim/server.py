@@ -360,14 +360,22 @@ class Sim:
             raise ValueError(f"unknown fault {name!r}")
 
     def _leak(self, n: int | None) -> None:
-        """The reservation (or N bytes) moved into a /dev/shm file that no exit frees."""
+        """The reservation (or N bytes) moved into a /dev/shm file that no exit frees, mapped into
+        this process as a driver's allocation is (RssShmem shows it while the process lives)."""
+        import mmap
+
         n = int(n) if n is not None else sum(map(len, HELD))
         path = f"/dev/shm/vllm-sim-held-{self.args.port}"
-        with open(path, "wb") as f:
-            chunk = b"\x01" * 2**20
-            for _ in range(n // len(chunk)):
-                f.write(chunk)
-            f.write(b"\x01" * (n % len(chunk)))
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.ftruncate(fd, n)
+            if n:
+                held = mmap.mmap(fd, n, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                for at in range(0, n, 4096):
+                    held[at] = 1  # every page really taken
+                LEAKED.append(held)
+        finally:
+            os.close(fd)
         HELD.clear()  # the process's own copy goes: the memory is now the file's
         log(f"SIM leak: {n / 2**30:.2f} GiB held in {path}, beyond this process")
 
@@ -595,6 +603,7 @@ def allocate(n: int) -> bytearray:
 
 
 HELD: list[bytearray] = []  # --sim-allocate's reservation (the leak fault moves it out)
+LEAKED: list = []  # the leak fault's mappings of its /dev/shm file (mmap.mmap)
 
 LOAD_STEP_S = 0.1  # --sim-load-memory takes its memory in a step this often
 

@@ -43,11 +43,28 @@ def nvml_bytes(pid: int) -> int:
     by_pid = nvml.shared().process_memory() if pid else None
     if not by_pid:
         return 0
+    return sum(by_pid.get(p, 0) for p in _tree(pid))
+
+
+def _tree(pid: int) -> list[int]:
     try:
-        tree = [pid] + [c.pid for c in psutil.Process(pid).children(recursive=True)]
+        return [pid] + [c.pid for c in psutil.Process(pid).children(recursive=True)]
     except psutil.Error:
-        tree = [pid]
-    return sum(by_pid.get(p, 0) for p in tree)
+        return [pid]
+
+
+def process_held_bytes(pid: int) -> int:
+    """RssAnon + RssShmem of PID's process tree (/proc/PID/status): what they hold that their exit
+    should give back, where no memory controller counts it (shared memory only if its files go: U7)."""
+    total = 0
+    for p in _tree(pid) if pid else ():
+        try:
+            with open(f"/proc/{p}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+            total += sum(int(fields[k].split()[0]) * 1024 for k in ("RssAnon", "RssShmem") if k in fields)
+        except (OSError, ValueError):
+            continue
+    return total
 
 
 def cgroup_held_bytes(pid: int) -> int:
@@ -100,7 +117,7 @@ def measure(
     env_texts = tuple(read_env_file(p).text for p in details.environment_files) if details is not None else ()
     env = modelfiles.unit_env(details.environment if details is not None else (), env_texts)
     files = modelfiles.find(argv, env, modelfiles.home_of(details.user if details is not None else None))
-    returned = max(cgroup_held_bytes(pid), nvml_bytes(pid))
+    returned = max(cgroup_held_bytes(pid), process_held_bytes(pid), nvml_bytes(pid))
     held = returned
     running = cmdline_fraction(live) if live else None
     if unit is not None and unit.active_state in (ActiveState.ACTIVE, ActiveState.RELOADING) and running is not None:

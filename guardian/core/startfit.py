@@ -12,8 +12,8 @@ Terms, all in bytes (F = one StartFit, M = the memory config):
 - need = F.fraction x F.total (what vLLM computes; total is M.device_total_bytes, else MemTotal);
 - free = MemFree now;
 - returned = what the replica's processes now hold that is measured and comes back when they
-  exit (its cgroup's anonymous and shared memory, NVML's per-process memory where the driver
-  answers); U7 checks after the restart job that it did come back;
+  exit (its cgroup's or its processes' anonymous and shared memory, NVML's per-process memory
+  where the driver answers); U7 checks after the restart job that it did come back;
 - held = returned, or, while its unit is active, at least its running fraction x total: on GB10
   vLLM's reservation is not charged to any cgroup and NVML does not report it, so this is the
   most the stop can give back;
