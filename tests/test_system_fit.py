@@ -160,7 +160,8 @@ def test_memory_a_killed_replica_leaves_held_is_said_and_no_start_into_it_is_att
     world.memory = dict(device_total_bytes=total, unified=True)
     world.setup()
     try:
-        world.fault(a, "leak", bytes=leak)
+        # on the box's root, an overlay on a tmpfs as large as the host allows (its /dev/shm is small)
+        world.fault(a, "leak", bytes=leak, dir="/var/tmp")
         world.fault(a, "frozen")
         line = line_with(world, "not returned after", "GUARDIAN_REPLICA=a", "GUARDIAN_DECISION=hazard", timeout_s=90)
         assert line["GUARDIAN_RULE"] == "U7" and line["PRIORITY"] == "2", line
@@ -180,4 +181,4 @@ def test_memory_a_killed_replica_leaves_held_is_said_and_no_start_into_it_is_att
         assert refusal["GUARDIAN_RULE"] == "U6" and refusal["PRIORITY"] == "3", refusal
         assert f"it needs {need / GiB:.1f} GiB" in refusal["MESSAGE"]
     finally:
-        world.box.run("rm -f /dev/shm/vllm-sim-held-*", check=False)
+        world.box.run("rm -f /var/tmp/vllm-sim-held-*", check=False)

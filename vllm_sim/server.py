@@ -44,8 +44,9 @@ Faults, at start (``--fault NAME``, with ``--fault-after-s``) or at run time
   wrong-model      /v1/models lists ``model`` (default "other-model") instead
   leak             memory that outlives the process, as GB10's driver keeps a killed engine's
                    (NVIDIA/open-gpu-kernel-modules #1358): the reservation (``--sim-allocate``), or
-                   ``bytes``, moves into a file in /dev/shm (``/dev/shm/vllm-sim-held-PORT``), charged
-                   to the same cgroup and never freed when the process exits; it keeps serving
+                   ``bytes``, moves into a file on a tmpfs (``dir``, default /dev/shm:
+                   ``DIR/vllm-sim-held-PORT``), mapped into the process, charged to the same cgroup
+                   and never freed when the process exits; it keeps serving
   frozen           the whole process stops itself with SIGSTOP (what ``kill -STOP`` does)
   fail-startup     exit 1 before serving, with an error (start-time only)
 
@@ -355,17 +356,17 @@ class Sim:
         elif name == "starved":
             self.starve_rng = random.Random(spec.get("seed"))
         elif name == "leak":
-            self._leak(spec.get("bytes"))
+            self._leak(spec.get("bytes"), str(spec.get("dir", "/dev/shm")))
         elif name not in ("slow-health", "wrong-model"):
             raise ValueError(f"unknown fault {name!r}")
 
-    def _leak(self, n: int | None) -> None:
+    def _leak(self, n: int | None, where: str) -> None:
         """The reservation (or N bytes) moved into a /dev/shm file that no exit frees, mapped into
         this process as a driver's allocation is (RssShmem shows it while the process lives)."""
         import mmap
 
         n = int(n) if n is not None else sum(map(len, HELD))
-        path = f"/dev/shm/vllm-sim-held-{self.args.port}"
+        path = f"{where}/vllm-sim-held-{self.args.port}"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             os.ftruncate(fd, n)
