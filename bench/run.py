@@ -1118,6 +1118,7 @@ def write_report(path: Path, r: dict, quick: bool, took_s: float, date: str | No
         *_clients_lines(r.get("clients")),
         *_fleet_lines(r.get("fleet")),
         *_containers_lines(r.get("containers")),
+        *_cachefit_lines(r.get("cachefit")),
         "## Recovery",
         "",
         "replica serving again (its 'Application startup complete.') -> guardian reports it healthy, after "
@@ -1128,6 +1129,26 @@ def write_report(path: Path, r: dict, quick: bool, took_s: float, date: str | No
     ]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines))
+
+
+def _cachefit_lines(c: dict | None) -> list[str]:
+    if not c:
+        return []
+    rel, off = c.get("release", ()), c.get("no_release", ())
+    served = " / ".join(f"{t['decision_to_serving_s']:.1f} s" for t in rel)
+    freed = " / ".join(f"{t['released_gib']:.1f} GiB in {t['release_s']:.2f} s" for t in rel)
+    never = sum(1 for t in off if not t["served_within_30s"])
+    return [
+        "## A start into a full page cache",
+        "",
+        "Replica a frozen while its own 4 GiB model file fills the page cache until MemFree is 2 GiB under its "
+        "start's need (its simulator checks MemFree at start, as vLLM on GB10):",
+        "",
+        f"- with `release_cache = true`: restart decision -> serving {served}; released {freed}",
+        f"- with `release_cache = false`: refused by vLLM's free-memory check and not serving within 30 s in "
+        f"{never} of {len(off)}",
+        "",
+    ]
 
 
 def _memloop_lines(m: dict | None) -> list[str]:
