@@ -179,3 +179,30 @@ def test_an_unmeasured_own_cache_is_said_as_at_most() -> None:
 def test_memory_not_returned(returned_gib: float, rise_gib: float, missing_gib: float | None) -> None:
     got = startfit.not_returned_bytes(int(returned_gib * GiB), int(rise_gib * GiB))
     assert (None if got is None else round(got / GiB, 2)) == missing_gib
+
+
+def test_a_containers_model_is_found_on_the_host_through_its_binds(tmp_path) -> None:
+    _write(str(tmp_path / "srv" / "qwen" / "model.safetensors"), 10)
+    _write(str(tmp_path / "hf" / "hub" / "models--Org--Name" / "blobs" / "b"), 10)
+    run = ("/usr/bin/docker", "run", "--rm", "--name", "vllm-a", "-v", f"{tmp_path / 'srv'}:/models:ro",
+           "--mount", f"type=bind,source={tmp_path / 'hf'},target=/root/.cache/huggingface",
+           "-e", "HF_TOKEN=x", "vllm/vllm-openai:latest", "--model")
+    by_path = modelfiles.find((*run[:-1], "serve", "/models/qwen"), {})
+    assert by_path.paths == (str(tmp_path / "srv" / "qwen" / "model.safetensors"),)
+    assert "in its container" in by_path.source and "on the host" in by_path.source
+    by_repo = modelfiles.find((*run, "Org/Name"), {})
+    assert by_repo.paths == (str(tmp_path / "hf" / "hub" / "models--Org--Name" / "blobs" / "b"),)
+    assert modelfiles.find((*run[:-1], "serve", "/opt/elsewhere"), {}).paths == ()  # under no mount
+
+
+@pytest.mark.parametrize(
+    "mounts, path, host",
+    [
+        ((("/srv/m", "/models"),), "/models/q/a.bin", "/srv/m/q/a.bin"),
+        ((("/srv/m", "/models"),), "/modelsx/a.bin", None),  # a prefix of the name is not a mount
+        ((("/a", "/m"), ("/b", "/m/inner")), "/m/inner/x", "/b/x"),  # the longest mount wins
+        ((("/a", "/"),), "/x/y", "/a/x/y"),
+    ],
+)
+def test_on_host(mounts, path, host) -> None:
+    assert modelfiles.on_host(path, mounts) == host

@@ -59,6 +59,31 @@ class RunLine:
     cidfile: str | None = None
     publishes: tuple[str, ...] = ()
     passes_fraction: bool = False  # --gpu-memory-utilization ${GPU_MEMORY_UTILIZATION} or -e GPU_MEMORY_UTILIZATION
+    mounts: tuple[tuple[str, str], ...] = ()  # (host path, path in the container) of -v / --mount binds and volumes
+    envs: tuple[str, ...] = ()  # -e / --env, as written
+    command: tuple[str, ...] = ()  # what follows the image: the engine's own arguments
+
+
+def _mounts(engine: str, opts: dict[str, list[str]]) -> tuple[tuple[str, str], ...]:
+    """(host path, container path) of each -v/--volume and --mount bind or named volume (a named
+    volume is the engine's own directory for it, as root runs it)."""
+    store = "/var/lib/docker/volumes" if engine == "docker" else "/var/lib/containers/storage/volumes"
+
+    def host(src: str) -> str:
+        return src if src.startswith("/") else f"{store}/{src}/_data"
+
+    found = []
+    for v in opts.get("-v", []) + opts.get("--volume", []):
+        parts = v.split(":")
+        if len(parts) >= 2 and parts[0] and parts[1].startswith("/"):
+            found.append((host(parts[0]), parts[1]))
+    for m in opts.get("--mount", []):
+        kv = dict(p.split("=", 1) for p in m.split(",") if "=" in p)
+        src = kv.get("source") or kv.get("src")
+        dst = kv.get("target") or kv.get("dst") or kv.get("destination")
+        if src and dst and kv.get("type", "volume") in ("bind", "volume"):
+            found.append((host(src), dst))
+    return tuple(found)
 
 
 # Options of `docker run` / `podman run` that take a value as the next word (when not written
@@ -127,6 +152,9 @@ def parse_run_line(argv: tuple[str, ...]) -> RunLine | None:
         cidfile=opts["--cidfile"][-1] if "--cidfile" in opts else None,
         publishes=tuple(opts.get("-p", []) + opts.get("--publish", [])),
         passes_fraction=fraction_arg or any(e.split("=", 1)[0] == "GPU_MEMORY_UTILIZATION" for e in envs),
+        mounts=_mounts(engine, opts),
+        envs=tuple(envs),
+        command=tuple(after_image),
     )
 
 

@@ -7,7 +7,10 @@ Where vLLM reads its weights from (its command line and its unit's environment):
   `models--ORG--NAME/` (blobs, with snapshots linking to them);
 - the hub cache is `--download-dir`, else `HF_HUB_CACHE`, else `HF_HOME/hub`, else
   `~/.cache/huggingface/hub` of the unit's user (root: /root);
-- a container's bind mounts are not followed (its paths are the container's, not the host's).
+- in a container (the unit runs `docker run` / `podman run`), MODEL, `--download-dir` and the
+  hub cache (its `-e HF_HOME`/`HF_HUB_CACHE`, else `/root/.cache/huggingface/hub`) are the
+  container's paths: each is found on the host through the container's `-v`/`--mount` binds and
+  named volumes, the longest mount first; one under no mount is not on the host.
 
 Only regular files are counted, each once (a snapshot's links and their blobs are one file), at
 most MAX_FILES of them, never through a FIFO or a device (os.stat first, then O_NONBLOCK and
@@ -25,6 +28,8 @@ import os
 import stat
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+
+from ..core.container import RunLine, parse_run_line
 
 MAX_FILES = 20_000
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
@@ -107,20 +112,53 @@ def _walk(top: str) -> Iterator[str]:
             yield os.path.join(root, name)
 
 
+def on_host(path: str, mounts: tuple[tuple[str, str], ...]) -> str | None:
+    """A container's PATH on the host, through the mount whose target holds it (the longest)."""
+    for host, target in sorted(mounts, key=lambda m: -len(m[1])):
+        t = target.rstrip("/") or "/"
+        if path == t or path.startswith(t.rstrip("/") + "/"):
+            return host.rstrip("/") + path[len(t.rstrip("/")) :]
+    return None
+
+
 def find(argv: tuple[str, ...], env: Mapping[str, str], home: str = "/root") -> ModelFiles:
     """The model files of a replica whose main process runs ARGV with ENV."""
+    run = parse_run_line(argv)
+    if run is not None:
+        return _in_container(run)
+    return _find(argv, env, home, None)
+
+
+def _in_container(run: RunLine) -> ModelFiles:
+    env = dict(e.split("=", 1) for e in run.envs if "=" in e)
+    return _find(run.command, env, "/root", run.mounts)
+
+
+def _find(
+    argv: tuple[str, ...], env: Mapping[str, str], home: str, mounts: tuple[tuple[str, str], ...] | None
+) -> ModelFiles:
+    """MOUNTS: the container's, whose paths ARGV and ENV name (None: the host's own)."""
+
+    def host(path: str) -> str | None:
+        return path if mounts is None else on_host(path, mounts)
+
     model = model_of(argv)
     if not model:
         return ModelFiles("", ())
-    if model.startswith(("/", "./", "~")) or os.path.isdir(model):
-        top, source = os.path.expanduser(model), f"{model} (its model path)"
+    where = "" if mounts is None else " in its container"
+    if model.startswith(("/", "./", "~")) or (mounts is None and os.path.isdir(model)):
+        found = host(os.path.expanduser(model))
+        if found is None:
+            return ModelFiles("", ())
+        top, source = found, f"{model}{where} (its model path{'' if found == model else ', ' + found + ' on the host'})"
     else:
         org, _, name = model.rpartition("/")
         folder = "models--" + "--".join(p for p in (org, name) if p)
         top, source = "", ""
         for hub in hub_dirs(argv, env, home):
-            if os.path.isdir(os.path.join(hub, folder)):
-                top, source = os.path.join(hub, folder), f"{model} in {hub}"
+            at = host(os.path.join(hub, folder))
+            if at is not None and os.path.isdir(at):
+                top, source = at, f"{model} in {hub}{where}" + ("" if at.startswith(hub) else f" ({at} on the host)")
                 break
         if not top:
             return ModelFiles("", ())
