@@ -180,6 +180,7 @@ class FitStep:
     cfg: Config
     released: Released | None = None
     leftovers: dict[str, NotReturned] = field(default_factory=dict)  # U7's findings, by replica (shared)
+    said: dict[str, str] = field(default_factory=dict)  # replica -> the U6 episode said (shared: once each)
 
     async def details(self, r: ReplicaConfig) -> ServiceDetails | None:
         if r.unitless:
@@ -306,8 +307,14 @@ class FitStep:
     def _say(self, r: ReplicaConfig, m: Measured, verdict: Verdict) -> str | None:
         f = m.fit
         rule = verdict.rule.id
+        episode = f"{rule}:{f.need_bytes >> 30}"  # the same refusal of the same need: said once
+        if rule != "U6":
+            self.said.pop(r.name, None)
         if rule == "U6":
             why = f"it cannot fit: {startfit.figures(f)}"
+            if self.said.get(r.name) == episode:
+                return why  # a watchdog asking again every tick: said when it began
+            self.said[r.name] = episode
             self.journal.line(
                 LogLine(
                     Priority.ERROR,

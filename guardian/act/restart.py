@@ -47,6 +47,7 @@ class Tools:
     containers: ContainerWatch | None = None
     released: Released | None = None  # the page cache a start's fit released: the metric's hook
     leftovers: dict[str, NotReturned] = field(default_factory=dict)  # U7: memory not returned, by replica
+    fit_said: dict[str, str] = field(default_factory=dict)  # U6 refusals said, by replica: once per episode
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ async def checked_restart(tools: Tools, order: RestartOrder) -> RestartOutcome:
     unit, refusal = await _fresh_look(tools.sd, r, containers, order.allow_failed)
     if refusal is not None:
         return _refused(tools, order, refusal)
-    step = FitStep(tools.sd, tools.journal, tools.cfg, tools.released, tools.leftovers)
+    step = FitStep(tools.sd, tools.journal, tools.cfg, tools.released, tools.leftovers, tools.fit_said)
     no_fit, measured = await step.run(r, unit, order.fraction)
     if no_fit is not None:
         return RestartOutcome(r.unit, f"refused: {no_fit}")
