@@ -252,7 +252,9 @@ class FitStep:
             freed = max(0, before.cache_bytes - after.fit.cache_bytes)
             self._said_release(r, Freed("own", freed, time.monotonic() - began), m, verdict, after.fit)
             m, before = after, after.fit
-        if verdict.release is Release.ALL and startfit.judge(before).rule.id != "U2":
+        # the first verdict, or the one after its own files were released (an unmeasured "own" was only a bound)
+        wants_all = verdict.release is Release.ALL or startfit.judge(before).release is Release.ALL
+        if wants_all and startfit.judge(before).rule.id != "U2":
             began = time.monotonic()
             result = await self._drop_caches()
             after = await asyncio.to_thread(measure, self.cfg, r, unit, details, new, True)

@@ -79,7 +79,20 @@ async def checked_restart(tools: Tools, order: RestartOrder) -> RestartOutcome:
     if refusal is not None:
         return _refused(tools, order, refusal)
     step = FitStep(tools.sd, tools.journal, tools.cfg, tools.released, tools.leftovers, tools.fit_said)
-    no_fit, measured = await step.run(r, unit, order.fraction)
+    try:
+        no_fit, measured = await step.run(r, unit, order.fraction)
+    except Exception as e:  # noqa: BLE001 - a fit step that fails (hostile model paths, /proc gone) never stops a restart
+        tools.journal.line(
+            LogLine(
+                Priority.ERROR,
+                f"replica {r.name}: the start's fit could not be judged ({type(e).__name__}: "
+                f"{e}); restarting {r.unit} without it",
+                Decision.CACHE,
+                r.name,
+                r.unit,
+            )
+        )
+        no_fit, measured = None, None
     if no_fit is not None:
         return RestartOutcome(r.unit, f"refused: {no_fit}")
     if order.announce is not None:
