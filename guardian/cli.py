@@ -297,7 +297,6 @@ async def _check_fit(cfg: Config, sd: Systemd, units: dict[str, UnitInfo | None]
     if not fit.unified(cfg):
         report.say("start fit: not judged on this box (U1: the GPU's memory is not the box's, or no GPU)")
         return
-    step = fit.FitStep(sd, Journal(), cfg)
     try:
         left = json.loads((cfg.runtime_dir / STATUS_FILE).read_text()).get("not_returned", {})
     except (OSError, ValueError):
@@ -309,7 +308,7 @@ async def _check_fit(cfg: Config, sd: Systemd, units: dict[str, UnitInfo | None]
             "frees it"
         )
     for r in cfg.replicas:
-        m = await asyncio.to_thread(fit.measure, cfg, r, units.get(r.unit), await step.details(r), None)
+        m = await asyncio.to_thread(fit.measure, cfg, r, units.get(r.unit), await fit.service_details(sd, r), None)
         verdict = startfit.judge(m.fit)
         line = f"start fit: replica {r.name}: {verdict.rule.id} ({verdict.rule.outcome}): {startfit.figures(m.fit)}"
         would = fit.would_release(m, verdict)

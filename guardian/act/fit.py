@@ -9,8 +9,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import psutil
-
 from ..config import Config, ReplicaConfig
 from ..core import startfit
 from ..core.actions import LogLine
@@ -20,7 +18,7 @@ from ..core.vocab import ActiveState, Decision, Gate, Priority
 from ..core.wiring import cmdline_fraction
 from ..observe import modelfiles, nvml
 from ..observe.meminfo import sample_memory
-from ..observe.memory import cmdline_of, env_path, read_env_file, read_env_fraction
+from ..observe.memory import cmdline_of, env_path, process_tree, read_env_file, read_env_fraction
 from ..observe.sockets import CGROUP_ROOT, cgroup_of_pid
 from ..observe.systemd import ServiceDetails, Systemd, SystemdError
 from .journal import Journal
@@ -43,21 +41,14 @@ def nvml_bytes(pid: int) -> int:
     by_pid = nvml.shared().process_memory() if pid else None
     if not by_pid:
         return 0
-    return sum(by_pid.get(p, 0) for p in _tree(pid))
-
-
-def _tree(pid: int) -> list[int]:
-    try:
-        return [pid] + [c.pid for c in psutil.Process(pid).children(recursive=True)]
-    except psutil.Error:
-        return [pid]
+    return sum(by_pid.get(p, 0) for p in process_tree(pid))
 
 
 def process_held_bytes(pid: int) -> int:
     """RssAnon + RssShmem of PID's process tree (/proc/PID/status): what they hold that their exit
     should give back, where no memory controller counts it (shared memory only if its files go: U7)."""
     total = 0
-    for p in _tree(pid) if pid else ():
+    for p in process_tree(pid) if pid else ():
         try:
             with open(f"/proc/{p}/status") as f:
                 fields = dict(line.split(":", 1) for line in f if ":" in line)
@@ -162,6 +153,16 @@ def would_release(m: Measured, verdict: Verdict) -> str:
     return "nothing"
 
 
+async def service_details(sd: Systemd, r: ReplicaConfig) -> ServiceDetails | None:
+    """R's unit's ExecStart=, environment and user, or None (a unit-less container, or no answer)."""
+    if r.unitless:
+        return None
+    try:
+        return await sd.service_details(r.unit)
+    except SystemdError:
+        return None
+
+
 @dataclass(frozen=True)
 class NotReturned:
     """Memory a replica's processes held that did not come back when they exited (U7)."""
@@ -182,21 +183,13 @@ class FitStep:
     leftovers: dict[str, NotReturned] = field(default_factory=dict)  # U7's findings, by replica (shared)
     said: dict[str, str] = field(default_factory=dict)  # replica -> the U6 episode said (shared: once each)
 
-    async def details(self, r: ReplicaConfig) -> ServiceDetails | None:
-        if r.unitless:
-            return None
-        try:
-            return await self.sd.service_details(r.unit)
-        except SystemdError:
-            return None
-
     async def run(
         self, r: ReplicaConfig, unit: UnitInfo | None, new: float | None
     ) -> tuple[str | None, Measured | None]:
         """(None: start, else why it is refused (said here, at error); the figures, None if not judged)."""
         if not unified(self.cfg):
             return None, None  # U1, without measuring anything
-        details = await self.details(r)
+        details = await service_details(self.sd, r)
         m = await asyncio.to_thread(measure, self.cfg, r, unit, details, new)
         verdict = startfit.judge(m.fit)
         if verdict.release is not Release.NOTHING:
@@ -252,9 +245,9 @@ class FitStep:
             freed = max(0, before.cache_bytes - after.fit.cache_bytes)
             self._said_release(r, Freed("own", freed, time.monotonic() - began), m, verdict, after.fit)
             m, before = after, after.fit
-        # the first verdict, or the one after its own files were released (an unmeasured "own" was only a bound)
-        wants_all = verdict.release is Release.ALL or startfit.judge(before).release is Release.ALL
-        if wants_all and startfit.judge(before).rule.id != "U2":
+        # judged again on what its own files' release left (an unmeasured "own" was only a bound): the
+        # policy says whether the whole cache is still wanted (U4, U5), or it fits now (U2)
+        if startfit.judge(before).release is Release.ALL:
             began = time.monotonic()
             result = await self._drop_caches()
             after = await asyncio.to_thread(measure, self.cfg, r, unit, details, new, True)

@@ -80,7 +80,8 @@ async def wiring_of(sd: Systemd, cfg: Config, r: ReplicaConfig) -> str | None:
     return wiring_problem(r.unit, files, d.exec_start, str(env_path(cfg, r.name)))
 
 
-def _process_tree(pid: int) -> list[int]:
+def process_tree(pid: int) -> list[int]:
+    """PID and its descendants (PID alone when it is gone)."""
     try:
         return [pid] + [c.pid for c in psutil.Process(pid).children(recursive=True)]
     except psutil.Error:
@@ -167,7 +168,7 @@ class MemoryObserver:
             usage = None
             argv: tuple[str, ...] = ()
             if pid:
-                tree = await asyncio.to_thread(_process_tree, pid)
+                tree = await asyncio.to_thread(process_tree, pid)
                 if gpu_by_pid:
                     usage = sum(gpu_by_pid.get(p, 0) for p in tree) or None
                 argv = await asyncio.to_thread(cmdline_of, pid)
