@@ -316,6 +316,26 @@ def test_starved_delays_every_answer_while_streams_keep_their_pace(sim):
     s.post("/_sim/clear", {})
 
 
+def test_starved_with_a_seed_gives_each_path_its_own_sequence_whatever_comes_beside_it(sim):
+    """A test's canaries must come late by a known draw: with one shared sequence, which delay the
+    canary got depended on how many probes the box's timing let in before it."""
+    s = sim().wait_up()
+    canary = {"model": "m", "prompt": "x", "max_tokens": 1}
+    drawn = []
+    for probes_first in (0, 3):
+        assert s.post("/_sim/fault", {"fault": "starved", "min_s": 0.01, "max_s": 0.05, "seed": 11}).status_code == 200
+        for _ in range(probes_first):
+            assert s.get("/health", timeout=10).status_code == 200
+        for _ in range(2):
+            assert s.post("/v1/completions", canary, timeout=10).status_code == 200
+        delays = s.get("/_sim/state", timeout=5).json()["starved_delays_s"]
+        assert len(delays.get("/health", [])) == probes_first
+        drawn.append(delays["/v1/completions"])
+    assert len(drawn[0]) == 2 and drawn[0] == drawn[1]
+    assert drawn[0][0] != drawn[0][1]  # a sequence, not one value
+    s.post("/_sim/clear", {})
+
+
 @pytest.mark.parametrize("coschedule", [False, True])
 def test_a_long_chunked_prefill_moves_only_the_kv_cache_and_blocks_others_unless_coscheduled(sim, coschedule):
     s = sim().wait_up()

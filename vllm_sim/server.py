@@ -38,9 +38,10 @@ Faults, at start (``--fault NAME``, with ``--fault-after-s``) or at run time
                    are served as usual, the engine keeps iterating. The fault then clears itself
   starved          a saturated box (measured: a real vLLM 0.32 on 2 cores beside 16 streams of its
                    peer): every answer (/health /ping /version /v1/models /metrics, completions and
-                   canaries too) is delayed by a random ``min_s``-``max_s`` (default 1-8 s, ``seed``
-                   for a repeatable draw) before it is begun, while the engine keeps iterating and
-                   streams already running keep their pace
+                   canaries too) is delayed by a random ``min_s``-``max_s`` (default 1-8 s) before
+                   it is begun, while the engine keeps iterating and streams already running keep
+                   their pace; with ``seed`` each path draws from its own repeatable sequence, so
+                   the Nth completion's delay is the same whenever the probes beside it come
   wrong-model      /v1/models lists ``model`` (default "other-model") instead
   leak             memory that outlives the process, as GB10's driver keeps a killed engine's
                    (NVIDIA/open-gpu-kernel-modules #1358): the reservation (``--sim-allocate``), or
@@ -326,7 +327,9 @@ class Sim:
         self.started_at = time.time()
         self.stall_until = 0.0  # stall-endpoints: time.monotonic() at which the held requests go on
         self.stall_cond = threading.Condition()
-        self.starve_rng = random.Random()
+        self.starve_rngs: dict[str, random.Random] = {}
+        self.starve_seed: object = None
+        self.starve_drawn: dict[str, list[float]] = {}  # each path's delays so far, for /_sim/state
 
     def set_fault(self, spec: dict) -> None:
         name = spec.get("fault")
@@ -354,7 +357,8 @@ class Sim:
             timer.daemon = True
             timer.start()
         elif name == "starved":
-            self.starve_rng = random.Random(spec.get("seed"))
+            self.starve_rngs, self.starve_drawn = {}, {}
+            self.starve_seed = spec.get("seed")
         elif name == "leak":
             self._leak(spec.get("bytes"), str(spec.get("dir", "/dev/shm")))
         elif name not in ("slow-health", "wrong-model"):
@@ -386,14 +390,20 @@ class Sim:
             self.fault = {}
             log("SIM fault over: stall-endpoints")
 
-    def starve(self) -> None:
-        """starved: hold this answer for a random while, as a saturated box's scheduler does."""
+    def starve(self, path: str) -> None:
+        """starved: hold this answer for a random while, as a saturated box's scheduler does. One
+        sequence per path: a shared one would hand the canary whichever draw the probes' timing left
+        it, and a test could not say which of its canaries come late."""
         fault = self.fault
         if fault.get("fault") != "starved":
             return
         lo, hi = float(fault.get("min_s", 1.0)), float(fault.get("max_s", 8.0))
         with self.stall_cond:
-            delay_s = self.starve_rng.uniform(lo, hi)
+            if path not in self.starve_rngs:
+                seed = self.starve_seed
+                self.starve_rngs[path] = random.Random(None if seed is None else f"{seed}:{path}")
+            delay_s = self.starve_rngs[path].uniform(lo, hi)
+            self.starve_drawn.setdefault(path, []).append(round(delay_s, 6))
         time.sleep(delay_s)
 
     def wait_stall(self) -> None:
@@ -441,7 +451,7 @@ def make_handler(sim: Sim):
             if self.path.split("?")[0] in STALLED_PATHS:
                 sim.wait_stall()  # stall-endpoints: the starved API server has not got to it yet
             if not self.path.startswith("/_sim/"):
-                sim.starve()
+                sim.starve(self.path.split("?")[0])
             self._get()
 
         def _json(self, code: int, obj) -> None:
@@ -479,7 +489,7 @@ def make_handler(sim: Sim):
                                         "prefill": None if sim.engine.prefill is None else sim.engine.prefill["left"],
                                         "waiting": len(sim.engine.waiting), "pid": os.getpid(),
                                         "gpu_memory_utilization": sim.args.gpu_memory_utilization,
-                                        "model": sim.model})
+                                        "model": sim.model, "starved_delays_s": sim.starve_drawn})
             self._json(404, {"detail": "Not Found"})
 
         def do_POST(self):
@@ -506,7 +516,7 @@ def make_handler(sim: Sim):
                                          float(body.get("chunk_s", 2.7)), bool(body.get("coschedule", False)))
                 return self._json(200, {"prefill": True})
             if path in ("/v1/completions", "/v1/chat/completions"):
-                sim.starve()
+                sim.starve(path)
                 return self._complete(path, body)
             self._json(404, {"detail": "Not Found"})
 
