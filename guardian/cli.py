@@ -304,7 +304,7 @@ async def _check_fit(cfg: Config, sd: Systemd, units: dict[str, UnitInfo | None]
     for name, found in sorted(left.items()):
         report.problem(
             f"hazard: replica {name}: {found['bytes'] / 2**30:.1f} GiB its processes held did not come back when they "
-            "exited (U7, found by the running guardian): the driver, or a file in /dev/shm, still holds it; a reboot "
+            "exited (U8, found by the running guardian): the driver, or a file in /dev/shm, still holds it; a reboot "
             "frees it"
         )
     for r in cfg.replicas:
@@ -312,7 +312,9 @@ async def _check_fit(cfg: Config, sd: Systemd, units: dict[str, UnitInfo | None]
         verdict = startfit.judge(m.fit)
         line = f"start fit: replica {r.name}: {verdict.rule.id} ({verdict.rule.outcome}): {startfit.figures(m.fit)}"
         would = fit.would_release(m, verdict)
-        if verdict.start:
+        if verdict.fraction is not None:
+            report.say(f"{line}; its next start would be lowered to {verdict.fraction:g} and release {would}")
+        elif verdict.start:
             report.say(f"{line}; its next start would release {would}")
         else:
             report.problem(f"{line}; its next start would be refused: {startfit.remedy(m.fit)}")
@@ -655,7 +657,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     for name, left in sorted(data.get("not_returned", {}).items()):
         print(
             f"hazard: replica {name}: {left['bytes'] / 2**30:.1f} GiB its processes held did not come back when "
-            "they exited (U7): the driver, or a file in /dev/shm, still holds it; a reboot frees it"
+            "they exited (U8): the driver, or a file in /dev/shm, still holds it; a reboot frees it"
         )
     for name, r in data.get("replicas", {}).items():
         extra = " GAVE UP (restart budget spent)" if r.get("gave_up") else ""

@@ -83,7 +83,7 @@ class Snapshot:
     observation: TickObservation | None
     memory: MemorySample | None
     wiring: dict[str, str | None]  # replica -> why the memory guard cannot lower it (None: wired)
-    # replica -> (bytes, when) of memory its processes held that did not come back (startfit U7)
+    # replica -> (bytes, when) of memory its processes held that did not come back (startfit U8)
     not_returned: Mapping[str, tuple[int, float]] = field(default_factory=dict)
 
 

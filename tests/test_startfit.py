@@ -1,4 +1,4 @@
-"""A start that fits (core/startfit.py): the rows U1-U6 at their boundaries, and the model files a
+"""A start that fits (core/startfit.py): the rows U1-U7 at their boundaries, and the model files a
 replica's command line names (observe/modelfiles.py) with their real page cache."""
 
 from __future__ import annotations
@@ -35,24 +35,30 @@ def fit(**kw: object) -> StartFit:
     return replace(base, **kw)  # type: ignore[arg-type]
 
 
+LOWERABLE = {"lower_floor": 0.3, "reserve_bytes": 1 * GiB}
 ROW_CASES = [
     ({"unified": False, "free_bytes": 0}, "U1", Release.NOTHING, True),
     ({"free_bytes": 9 * GiB}, "U2", Release.NOTHING, True),  # 9 + 1 = 10: <= need
     ({"free_bytes": 9 * GiB - 1}, "U3", Release.OWN, True),
     ({"free_bytes": 4 * GiB}, "U3", Release.OWN, True),  # 4 + 1 + 5 = 10
-    ({"free_bytes": 4 * GiB - 1}, "U6", Release.NOTHING, False),
+    ({"free_bytes": 4 * GiB - 1}, "U7", Release.NOTHING, False),
     ({"free_bytes": 2 * GiB, "drop_caches": True}, "U4", Release.ALL, True),  # 2 + 1 + 12 > 10
-    ({"free_bytes": 2 * GiB, "release_own": False}, "U6", Release.NOTHING, False),
+    ({"free_bytes": 2 * GiB, "release_own": False}, "U7", Release.NOTHING, False),
     # what its fraction reserves may come back: started after the releases allowed, said
     ({"free_bytes": 2 * GiB, "held_bytes": 3 * GiB}, "U5", Release.OWN, True),  # 2 + 3 + 5 = 10
-    ({"free_bytes": 2 * GiB, "held_bytes": 3 * GiB - 1}, "U6", Release.NOTHING, False),
+    ({"free_bytes": 2 * GiB, "held_bytes": 3 * GiB - 1}, "U7", Release.NOTHING, False),
     ({"free_bytes": 2 * GiB, "held_bytes": 10 * GiB, "release_own": False}, "U5", Release.NOTHING, True),
     (
         {"free_bytes": 0, "held_bytes": 1 * GiB, "drop_caches": True, "cache_bytes": 8 * GiB},
-        "U6",
+        "U7",
         Release.NOTHING,
         False,
     ),
+    # the memory guard may lower it (lower_floor set): the highest fraction that fits, else refused
+    ({"free_bytes": 2 * GiB, **LOWERABLE}, "U6", Release.OWN, True),  # 2 + 1 + 5 - 1 = 7 of 20: 0.35
+    ({"free_bytes": 2 * GiB, **LOWERABLE, "lower_floor": 0.36}, "U7", Release.NOTHING, False),
+    ({"free_bytes": 9 * GiB, **LOWERABLE}, "U2", Release.NOTHING, True),  # a fit is never lowered
+    ({"free_bytes": 2 * GiB, "held_bytes": 3 * GiB, **LOWERABLE}, "U5", Release.OWN, True),
 ]
 
 
@@ -62,15 +68,40 @@ def test_rows(changes: dict[str, object], rule: str, release: Release, start: bo
     assert (v.rule.id, v.release, v.start) == (rule, release, start)
 
 
+@pytest.mark.parametrize(
+    "changes, fraction",
+    [
+        ({"free_bytes": 2 * GiB}, 0.35),
+        ({"free_bytes": 2 * GiB, "release_own": False}, None),  # 2 + 1 - 1 = 2 of 20: 0.1, below the floor
+        ({"free_bytes": 6 * GiB, "release_own": False}, 0.3),  # 6 + 1 - 1 = 6: the floor itself
+        ({"free_bytes": 2 * GiB, "reserve_bytes": 0}, 0.4),  # 8 of 20
+        ({"free_bytes": 7 * GiB, "own_cached_bytes": 0, "reserve_bytes": 0}, 0.4),  # 8 of 20: 0.4 < 0.5
+        ({"free_bytes": 2 * GiB, "drop_caches": True, "cache_bytes": 6 * GiB}, 0.4),  # 2 + 1 + 6 - 1 = 8
+        ({"free_bytes": 9 * GiB - 1, "fraction": 0.55, "own_cached_bytes": 0, "reserve_bytes": 0}, 0.49),  # 10 GiB - 1 B
+        ({"free_bytes": 2 * GiB, "lower_floor": None}, None),  # the memory guard off, or not wired
+    ],
+)
+def test_a_lowered_start_takes_the_highest_grid_fraction_that_fits_below_its_own(
+    changes: dict[str, object], fraction: float | None
+) -> None:
+    v = startfit.judge(fit(**{**LOWERABLE, **changes}))
+    assert v.fraction == fraction
+    assert v.rule.id == ("U6" if fraction is not None else "U7")
+    if fraction is not None:  # it fits, and the next step up would not
+        f = fit(**{**LOWERABLE, **changes})
+        room = f.free_bytes + f.held_bytes + f.all_release_bytes - f.reserve_bytes
+        assert fraction * f.total_bytes <= room < (fraction + 0.01) * f.total_bytes
+
+
 def test_the_whole_cache_counts_its_own_files_once() -> None:
     # drop_caches frees the whole cache, which holds its own files: 4 + 1 + 5 (own, within 5 cached) = 10
     f = fit(free_bytes=4 * GiB - 1, cache_bytes=5 * GiB, release_own=False, drop_caches=True)
-    assert startfit.judge(f).rule.id == "U6"
+    assert startfit.judge(f).rule.id == "U7"
     assert startfit.judge(replace(f, free_bytes=4 * GiB)).rule.id == "U4"
 
 
 def test_the_table_above_reaches_every_row() -> None:
-    # each first-match row is the verdict of some case of ROW_CASES; U7 is checked on its own (below)
+    # each first-match row is the verdict of some case of ROW_CASES; U8 is checked on its own (below)
     assert {case[1] for case in ROW_CASES} == {row.rule.id for row in startfit.ROWS}
     assert startfit.NOT_RETURNED.id not in {row.rule.id for row in startfit.ROWS}
 

@@ -13,6 +13,7 @@ The thresholds are set from the host's MemFree right after the host's page cache
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import time
@@ -152,9 +153,11 @@ def test_memory_a_killed_replica_leaves_held_is_said_and_no_start_into_it_is_att
     """The driver keeps 3 GiB after replica a's processes exit (the simulator's leak fault: a /dev/shm
     file its process maps, as a driver allocation; it outlives the process). a's need is set 1.5 GiB
     under MemFree at its first start, so once the 3 GiB stay held its start cannot fit. a is frozen
-    and guardian restarts it: the 3 GiB measured before the stop did not come back (U7, critical,
+    and guardian restarts it: the 3 GiB measured before the stop did not come back (U8, critical,
     in status and check); a's own start then fails with vLLM's message, and guardian's next start of
-    it (an operator's restart) is refused on the memory that is left (U6), not attempted."""
+    it (an operator's restart) is refused on the memory that is left (U7), not attempted. With the
+    memory guard on (a reload), the same restart starts a at the highest fraction that fits (U6),
+    written to guardian's env file with its base kept, and a serves."""
     a = world.replicas[0]
     leak = 3 * GiB
     drop_host_cache()
@@ -170,7 +173,7 @@ def test_memory_a_killed_replica_leaves_held_is_said_and_no_start_into_it_is_att
         world.fault(a, "leak", bytes=leak, dir="/var/tmp")
         world.fault(a, "frozen")
         line = line_with(world, "not returned after", "GUARDIAN_REPLICA=a", "GUARDIAN_DECISION=hazard", timeout_s=90)
-        assert line["GUARDIAN_RULE"] == "U7" and line["PRIORITY"] == "2", line
+        assert line["GUARDIAN_RULE"] == "U8" and line["PRIORITY"] == "2", line
         missing_gib = float(line["MESSAGE"].split("replica a: ")[1].split(" GiB")[0])
         assert 2.4 <= missing_gib <= 3.1, line["MESSAGE"]
         assert "a reboot frees it" in line["MESSAGE"]
@@ -184,7 +187,24 @@ def test_memory_a_killed_replica_leaves_held_is_said_and_no_start_into_it_is_att
         asked = world.box.run(["guardian", "restart", a.name], check=False, timeout=120)
         assert asked.returncode != 0, asked
         refusal = line_with(world, "not starting vllm-a.service", "GUARDIAN_REPLICA=a", "GUARDIAN_GATE=no-fit")
-        assert refusal["GUARDIAN_RULE"] == "U6" and refusal["PRIORITY"] == "3", refusal
+        assert refusal["GUARDIAN_RULE"] == "U7" and refusal["PRIORITY"] == "3", refusal
         assert f"it needs {need / GiB:.1f} GiB" in refusal["MESSAGE"]
+        # the memory guard on, never squeezed by the box's own headroom: only the start's fit lowers a
+        world.memory = dict(world.memory, enabled=True, min_headroom_bytes=0, critical_headroom_bytes=0)
+        world.write_config()
+        world.box.systemctl("reload", "guardian.service")
+        line_with(world, "configuration reloaded", "PRIORITY=6")
+        asked = world.box.run(["guardian", "restart", a.name], check=False, timeout=120)
+        assert asked.returncode == 0, asked
+        lowered = line_with(world, "lowered from 0.9", "GUARDIAN_REPLICA=a", "GUARDIAN_RULE=U6")
+        assert lowered["PRIORITY"] == "4" and "0.9 is kept as its base" in lowered["MESSAGE"], lowered
+        written = world.box.run(["cat", "/var/lib/guardian/replicas/a.env"]).stdout
+        fraction = float(re.search(r"^GPU_MEMORY_UTILIZATION=([0-9.]+)$", written, re.M).group(1))
+        assert 0.5 <= fraction < FRACTION, written
+        assert f"gpu_memory_utilization {fraction:g}, lowered from 0.9" in lowered["MESSAGE"]
+        world.wait_states({"a": "healthy"}, timeout_s=60)
+        assert world.sim_state(a)["gpu_memory_utilization"] == fraction  # what its start checked and serves with
+        kept = json.loads(world.box.run(["cat", "/var/lib/guardian/state.json"]).stdout)
+        assert kept["fraction_bases"] == {"a": 0.9}, kept  # restore raises it back from here
     finally:
         world.box.run("rm -f /var/tmp/vllm-sim-held-*", check=False)

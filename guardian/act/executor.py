@@ -48,7 +48,7 @@ from ..observe.memory import env_path
 from ..observe.replicas import Results
 from .part import Counter, SlotKeeper
 from .proxy import ProxySync
-from .restart import RestartOrder, Tools, checked_restart
+from .restart import RestartOrder, Tools, checked_restart, fraction_text
 from .state import (
     CorruptState,
     StateDoc,
@@ -251,8 +251,7 @@ class Executor:
 
         def write() -> None:
             self._record_base(action)  # only a fraction written has a base; recorded first (see the top)
-            text = f"# written by guardian's memory guard\nGPU_MEMORY_UTILIZATION={action.new:g}\n"
-            atomic_write(path, text.encode())
+            atomic_write(path, fraction_text(action.new))
 
         if not action.restart:
             self._write_fraction(r, action, write)

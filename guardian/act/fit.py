@@ -15,7 +15,7 @@ from ..core.actions import LogLine
 from ..core.observations import UnitInfo, gib
 from ..core.startfit import DROP_CACHES_UNIT, Release, StartFit, Verdict
 from ..core.vocab import ActiveState, Decision, Gate, Priority
-from ..core.wiring import cmdline_fraction
+from ..core.wiring import EnvFile, cmdline_fraction, wiring_problem
 from ..observe import modelfiles, nvml
 from ..observe.meminfo import sample_memory
 from ..observe.memory import cmdline_of, env_path, process_tree, read_env_file, read_env_fraction
@@ -46,7 +46,7 @@ def nvml_bytes(pid: int) -> int:
 
 def process_held_bytes(pid: int) -> int:
     """RssAnon + RssShmem of PID's process tree (/proc/PID/status): what they hold that their exit
-    should give back, where no memory controller counts it (shared memory only if its files go: U7)."""
+    should give back, where no memory controller counts it (shared memory only if its files go: U8)."""
     total = 0
     for p in process_tree(pid) if pid else ():
         try:
@@ -60,7 +60,7 @@ def process_held_bytes(pid: int) -> int:
 
 def cgroup_held_bytes(pid: int) -> int:
     """The anonymous and shared memory of PID's cgroup (memory.stat anon + shmem): what its processes
-    should give back on exit (shared memory only if they remove its files: U7 checks)."""
+    should give back on exit (shared memory only if they remove its files: U8 checks)."""
     path = cgroup_of_pid(pid) if pid else None
     if path is None:
         return 0
@@ -105,8 +105,8 @@ def measure(
     pid = unit.main_pid if unit is not None else 0
     live = cmdline_of(pid) if pid else ()
     argv = live or (details.exec_start if details is not None else ())
-    env_texts = tuple(read_env_file(p).text for p in details.environment_files) if details is not None else ()
-    env = modelfiles.unit_env(details.environment if details is not None else (), env_texts)
+    env_files = tuple(read_env_file(p) for p in details.environment_files) if details is not None else ()
+    env = modelfiles.unit_env(details.environment if details is not None else (), tuple(e.text for e in env_files))
     files = modelfiles.find(argv, env, modelfiles.home_of(details.user if details is not None else None))
     returned = max(cgroup_held_bytes(pid), process_held_bytes(pid), nvml_bytes(pid))
     held = returned
@@ -130,8 +130,22 @@ def measure(
         release_own=cfg.memory.release_cache,
         drop_caches=cfg.memory.drop_caches,
         unified=unified(cfg),
+        lower_floor=_lower_floor(cfg, r, details, env_files, new),
+        reserve_bytes=cfg.memory.reserve_bytes,
     )
     return Measured(fit, files)
+
+
+def _lower_floor(
+    cfg: Config, r: ReplicaConfig, details: ServiceDetails | None, env_files: tuple[EnvFile, ...], new: float | None
+) -> float | None:
+    """M.floor where U6 may lower this start: the memory guard is on, the start is at its own fraction,
+    and its unit reads guardian's env file (else a fraction written there would not be what it runs)."""
+    if not cfg.memory.enabled or new is not None or details is None:
+        return None
+    if wiring_problem(r.unit, env_files, details.exec_start, str(env_path(cfg, r.name))) is not None:
+        return None
+    return cfg.memory.floor
 
 
 @dataclass(frozen=True)
@@ -165,11 +179,21 @@ async def service_details(sd: Systemd, r: ReplicaConfig) -> ServiceDetails | Non
 
 @dataclass(frozen=True)
 class NotReturned:
-    """Memory a replica's processes held that did not come back when they exited (U7)."""
+    """Memory a replica's processes held that did not come back when they exited (U8)."""
 
     bytes: int
     held_bytes: int
     at_wall: float
+
+
+@dataclass(frozen=True)
+class Fitted:
+    """A fit step's answer: REFUSED (None: start; else why not, said at error), the figures it was
+    judged on (None: not judged, U1), and FRACTION, the lower one it starts at (U6) or None."""
+
+    refused: str | None
+    measured: Measured | None = None
+    fraction: float | None = None
 
 
 @dataclass
@@ -180,25 +204,22 @@ class FitStep:
     journal: Journal
     cfg: Config
     released: Released | None = None
-    leftovers: dict[str, NotReturned] = field(default_factory=dict)  # U7's findings, by replica (shared)
-    said: dict[str, str] = field(default_factory=dict)  # replica -> the U6 episode said (shared: once each)
+    leftovers: dict[str, NotReturned] = field(default_factory=dict)  # U8's findings, by replica (shared)
+    said: dict[str, str] = field(default_factory=dict)  # replica -> the U7 episode said (shared: once each)
 
-    async def run(
-        self, r: ReplicaConfig, unit: UnitInfo | None, new: float | None
-    ) -> tuple[str | None, Measured | None]:
-        """(None: start, else why it is refused (said here, at error); the figures, None if not judged)."""
+    async def run(self, r: ReplicaConfig, unit: UnitInfo | None, new: float | None) -> Fitted:
         if not unified(self.cfg):
-            return None, None  # U1, without measuring anything
+            return Fitted(None)  # U1, without measuring anything
         details = await service_details(self.sd, r)
         m = await asyncio.to_thread(measure, self.cfg, r, unit, details, new)
         verdict = startfit.judge(m.fit)
         if verdict.release is not Release.NOTHING:
             m = await self._release(r, unit, details, new, m, verdict)
             verdict = startfit.judge(m.fit)  # on what the releases left: a fit now, or a refusal after all
-        return self._say(r, m, verdict), m
+        return Fitted(self._say(r, m, verdict), m, verdict.fraction)
 
     async def check_returned(self, r: ReplicaConfig, before: Measured) -> None:
-        """U7, after the restart job: did what the old processes held come back to MemFree?"""
+        """U8, after the restart job: did what the old processes held come back to MemFree?"""
         held = before.fit.returned_bytes
         if held < startfit.RETURN_CHECK_MIN_BYTES:
             return
@@ -218,7 +239,7 @@ class FitStep:
                 Priority.CRITICAL,
                 f"replica {r.name}: {gib(missing)} not returned after {r.unit}'s processes exited (they "
                 f"held {gib(held)}; MemFree rose by {gib(max(0, best))} within {startfit.RETURN_WAIT_S:g} s): the "
-                "driver, or a file they left in /dev/shm, still holds it; a reboot frees it (U7); its next start "
+                "driver, or a file they left in /dev/shm, still holds it; a reboot frees it (U8); its next start "
                 "is judged on what is left",
                 Decision.HAZARD,
                 r.name,
@@ -303,9 +324,9 @@ class FitStep:
         f = m.fit
         rule = verdict.rule.id
         episode = f"{rule}:{f.need_bytes >> 30}"  # the same refusal of the same need: said once
-        if rule != "U6":
+        if rule != "U7":
             self.said.pop(r.name, None)
-        if rule == "U6":
+        if rule == "U7":
             why = f"it cannot fit: {startfit.figures(f)}"
             if self.said.get(r.name) == episode:
                 return why  # a watchdog asking again every tick: said when it began
@@ -314,7 +335,7 @@ class FitStep:
                 LogLine(
                     Priority.ERROR,
                     f"replica {r.name}: not starting {r.unit}: {why}; vLLM's start would fail its free-memory check "
-                    f"(U6); {startfit.remedy(f)}",
+                    f"(U7); {startfit.remedy(f)}",
                     Decision.REFUSED,
                     r.name,
                     r.unit,
@@ -323,6 +344,20 @@ class FitStep:
                 )
             )
             return why
+        if rule == "U6":
+            self.journal.line(
+                LogLine(
+                    Priority.WARNING,
+                    f"replica {r.name}: starting {r.unit} at gpu_memory_utilization {verdict.fraction:g}, lowered "
+                    f"from {f.fraction:g}: at its own it cannot fit: {startfit.figures(f)} (U6: "
+                    f"{verdict.rule.outcome}); {f.fraction:g} is kept as its base, and the memory guard raises it "
+                    "back once headroom allows",
+                    Decision.MEMORY,
+                    r.name,
+                    r.unit,
+                    rule=rule,
+                )
+            )
         if rule == "U5" and f.need_bytes > f.sure_bytes:
             off = " (memory.release_cache is off)" if not f.release_own and f.own_cached_bytes else ""
             self.journal.line(

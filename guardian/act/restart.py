@@ -24,11 +24,12 @@ from ..core.vocab import ActiveState, Decision, Gate, HeldBy, Priority
 from ..observe.clock import Now
 from ..observe.clock import now as clock_now
 from ..observe.containers import ContainerWatch, run_helper
+from ..observe.memory import env_path
 from ..observe.replicas import port_owners, unit_or_error
 from ..observe.systemd import JOB_DONE, Systemd, SystemdError
-from .fit import FitStep, NotReturned, Released
+from .fit import FitStep, Fitted, NotReturned, Released
 from .journal import Journal
-from .state import CorruptState, StateStore, atomic_write, record_restart
+from .state import CorruptState, StateStore, atomic_write, record_fraction_base, record_restart
 
 STOP_POLL_S = 0.2  # how often a bounded stop asks systemd whether the unit is still stopping
 ACT_HELPER_TIMEOUT_S = 30.0  # a kill or restart by the container helper (a task: the loop never waits for it)
@@ -46,8 +47,8 @@ class Tools:
     # The observer's, so that there is one set of container reports; None: a fresh one per restart.
     containers: ContainerWatch | None = None
     released: Released | None = None  # the page cache a start's fit released: the metric's hook
-    leftovers: dict[str, NotReturned] = field(default_factory=dict)  # U7: memory not returned, by replica
-    fit_said: dict[str, str] = field(default_factory=dict)  # U6 refusals said, by replica: once per episode
+    leftovers: dict[str, NotReturned] = field(default_factory=dict)  # U8: memory not returned, by replica
+    fit_said: dict[str, str] = field(default_factory=dict)  # U7 refusals said, by replica: once per episode
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,7 @@ async def checked_restart(tools: Tools, order: RestartOrder) -> RestartOutcome:
         return _refused(tools, order, refusal)
     step = FitStep(tools.sd, tools.journal, tools.cfg, tools.released, tools.leftovers, tools.fit_said)
     try:
-        no_fit, measured = await step.run(r, unit, order.fraction)
+        fitted = await step.run(r, unit, order.fraction)
     except Exception as e:  # noqa: BLE001 - a fit step that fails (hostile model paths, /proc gone) never stops a restart
         tools.journal.line(
             LogLine(
@@ -92,14 +93,18 @@ async def checked_restart(tools: Tools, order: RestartOrder) -> RestartOutcome:
                 r.unit,
             )
         )
-        no_fit, measured = None, None
-    if no_fit is not None:
-        return RestartOutcome(r.unit, f"refused: {no_fit}")
+        fitted = Fitted(None)
+    if fitted.refused is not None:
+        return RestartOutcome(r.unit, f"refused: {fitted.refused}")
+    measured = fitted.measured
     if order.announce is not None:
         tools.journal.line(order.announce)
-    if order.before_restart is not None:
+    before = order.before_restart
+    if fitted.fraction is not None and measured is not None:
+        before = functools.partial(write_fraction, tools, r, measured.fit.fraction, fitted.fraction)
+    if before is not None:
         try:
-            order.before_restart()
+            before()
         except OSError as e:
             tools.journal.line(
                 LogLine(
@@ -122,6 +127,30 @@ async def checked_restart(tools: Tools, order: RestartOrder) -> RestartOutcome:
     if measured is not None and outcome.issued:
         await step.check_returned(r, measured)
     return outcome
+
+
+def fraction_text(new: float) -> bytes:
+    """guardian's env file for a replica (core/wiring.py: what its unit must read)."""
+    return f"# written by guardian's memory guard\nGPU_MEMORY_UTILIZATION={new:g}\n".encode()
+
+
+def write_fraction(tools: Tools, r: ReplicaConfig, old: float, new: float) -> None:
+    """A start lowered to fit (U6): its base recorded first, as a lowering's is (act/executor.py),
+    then guardian's env file. A base that cannot be recorded is said: it is not raised back by itself."""
+    try:
+        tools.store.update(lambda d: record_fraction_base(d, r.name, old))
+    except (CorruptState, OSError) as e:
+        tools.journal.line(
+            LogLine(
+                Priority.ERROR,
+                f"replica {r.name}: cannot record its base fraction {old:g} in {tools.store.dir}: {e}; the memory "
+                "guard will not raise it back by itself",
+                Decision.MEMORY_NOTE,
+                r.name,
+                r.unit,
+            )
+        )
+    atomic_write(env_path(tools.cfg, r.name), fraction_text(new))
 
 
 async def _fresh_look(

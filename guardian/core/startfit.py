@@ -13,7 +13,7 @@ Terms, all in bytes (F = one StartFit, M = the memory config):
 - free = MemFree now;
 - returned = what the replica's processes now hold that is measured and comes back when they
   exit (its cgroup's or its processes' anonymous and shared memory, NVML's per-process memory
-  where the driver answers); U7 checks after the restart job that it did come back;
+  where the driver answers); U8 checks after the restart job that it did come back;
 - held = returned, or, while its unit is active, at least its running fraction x total: on GB10
   vLLM's reservation is not charged to any cgroup and NVML does not report it, so this is the
   most the stop can give back;
@@ -22,14 +22,17 @@ Terms, all in bytes (F = one StartFit, M = the memory config):
   else at most their size and the whole cache; once released, what is measured, or 0;
 - cache = the kernel's reclaimable file cache, Active(file) + Inactive(file).
 
-Rules: ROWS below (ids U1-U6), first match, rendered into docs/rules.md. U1: only a unified-memory
+Rules: ROWS below (ids U1-U7), first match, rendered into docs/rules.md. U1: only a unified-memory
 box is judged: on a GPU with memory of its own the page cache is not the device's memory. U2-U4 are sure
 fits, cheapest first: nothing to release, the replica's own files (M.release_cache, on by
 default: posix_fadvise DONTNEED, no privilege), the whole cache (M.drop_caches, off by default:
 the root helper). U5: a fit that depends on memory no one measured coming back (held > returned)
-is started after every release allowed, and said at warning. U6: a start that cannot fit even so
-is refused at error with the numbers and the remedy: guardian does not start into a certain
-failure.
+is started after every release allowed, and said at warning. U6: a start at its own fraction that
+cannot fit even so is started at a lower one where the memory guard may lower it (M.enabled, and
+its unit reads guardian's env file): the highest on the 0.01 grid, >= M.floor, that fits, written
+to that file with its base recorded (so that restore raises it back once headroom allows). U7:
+otherwise it is refused at error with the numbers and the remedy: guardian does not start into a
+certain failure.
 
 The shell re-measures right before the restart (act/restart.py), releases what the verdict
 says, and measures again after a release before the job is issued.
@@ -75,6 +78,10 @@ class StartFit:
     drop_caches: bool  # M.drop_caches
     own_measured: bool = True  # the kernel tells a file's cache only to its owner or a writer
     unified: bool = True  # the GPU's memory is the box's (M.unified; "auto": NVML says NOT_SUPPORTED for it)
+    # the lowest fraction U6 may start it at (M.floor): the memory guard is on, its unit reads guardian's
+    # env file, and this start is at its own fraction (not a change of fraction); None: no lowering
+    lower_floor: float | None = None
+    reserve_bytes: int = 0  # M.reserve_bytes: what a lowered start leaves free beside it
 
     @property
     def need_bytes(self) -> int:
@@ -100,6 +107,21 @@ class Verdict:
     rule: Rule
     release: Release
     start: bool
+    fraction: float | None = None  # U6: the lower fraction it starts at
+
+
+def lowered_fraction(f: StartFit) -> float | None:
+    """U6's fraction: the highest 0.01 grid fraction < F.fraction and >= F.lower_floor whose
+    fraction x total fits in free + held + the releases allowed - F.reserve_bytes; None if none does."""
+    if f.lower_floor is None or f.total_bytes <= 0:
+        return None
+    room = f.free_bytes + f.held_bytes + f.all_release_bytes - f.reserve_bytes
+    best = min(math.floor(room / f.total_bytes * 100 + 1e-6), math.ceil(f.fraction * 100 - 1e-6) - 1) / 100
+    while best >= f.lower_floor - 1e-9:
+        if math.ceil(best * f.total_bytes) <= room:
+            return best
+        best = round(best - 0.01, 2)
+    return None
 
 
 def _fits(f: StartFit, extra: int) -> bool:
@@ -147,14 +169,26 @@ ROWS: tuple[Row[StartFit, Release], ...] = (
         lambda f: Release.ALL if f.drop_caches else Release.OWN if f.release_own else Release.NOTHING,
     ),
     Row(
-        Rule("U6", "does not fit", "otherwise: refused"),
+        Rule(
+            "U6",
+            "lowered to fit",
+            "M.enabled AND its unit reads guardian's env file (M9) AND the start is at its own fraction (not a "
+            "change of fraction) AND a 0.01 grid fraction >= M.floor and < its own has fraction x total <= free + "
+            "held + the releases allowed - M.reserve_bytes: started at the highest such, after those releases, "
+            "written to guardian's env file with its base recorded (restore raises it back), said at warning",
+        ),
+        lambda f: lowered_fraction(f) is not None,
+        lambda f: Release.ALL if f.drop_caches else Release.OWN if f.release_own else Release.NOTHING,
+    ),
+    Row(
+        Rule("U7", "does not fit", "otherwise: refused"),
         lambda f: True,
         lambda f: Release.NOTHING,
     ),
 )
 # Checked after a restart's job, not first-match with the rows above (act/fit.py).
 NOT_RETURNED = Rule(
-    "U7",
+    "U8",
     "not returned",
     "returned (measured before the stop) >= 1 GiB AND within 3 s of the restart job's end MemFree rose by less "
     "than returned - max(0.5 GiB, returned / 4): the rest is said at critical as memory the driver (or a "
@@ -168,7 +202,7 @@ RETURN_WAIT_S = 3.0  # after the restart job: how long the memory may take to co
 
 def not_returned_bytes(returned_bytes: int, rise_bytes: int) -> int | None:
     """What of RETURNED_BYTES (held by the old processes, measured before the stop) did not come back,
-    when MemFree rose by RISE_BYTES once they were gone (U7); None: it came back."""
+    when MemFree rose by RISE_BYTES once they were gone (U8); None: it came back."""
     if returned_bytes < RETURN_CHECK_MIN_BYTES:
         return None
     missing = returned_bytes - max(0, rise_bytes)
@@ -177,9 +211,10 @@ def not_returned_bytes(returned_bytes: int, rise_bytes: int) -> int | None:
 
 def judge(f: StartFit) -> Verdict:
     found = first_match(ROWS, f)
-    assert found is not None  # U6 always holds
+    assert found is not None  # U7 always holds
     rule, release = found
-    return Verdict(rule, release, start=rule.id != "U6")
+    lowered = lowered_fraction(f) if rule.id == "U6" else None
+    return Verdict(rule, release, start=rule.id != "U7", fraction=lowered)
 
 
 def figures(f: StartFit) -> str:
@@ -198,6 +233,8 @@ def figures(f: StartFit) -> str:
 def remedy(f: StartFit) -> str:
     """What an operator can do about a start that does not fit."""
     steps = ["free memory on the box", f"lower its gpu_memory_utilization below {f.sure_bytes / f.total_bytes:.2f}"]
+    if f.lower_floor is not None:
+        steps[1] += f" (below memory.floor {f.lower_floor:g}: guardian lowers it no further)"
     if not f.release_own and f.own_cached_bytes:
         steps.append("set memory.release_cache = true")
     if not f.drop_caches and f.cache_bytes > f.own_cached_bytes:

@@ -120,10 +120,16 @@ def _start_fit(cfg: Config) -> str:
         "the whole page cache (drop_caches, by the root helper)" if memory.drop_caches else "",
     ]
     released = " then ".join(r for r in releases if r) or "nothing (release_cache and drop_caches off)"
+    lowered = (
+        f"lowered to the highest fraction >= {memory.floor:g} that fits, leaving {gib(memory.reserve_bytes)}, when "
+        "the unit reads guardian's env file (U6), else "
+        if memory.enabled
+        else ""
+    )
     return (
         f"start fit: {which}; before every start guardian causes, need = fraction x total against MemFree + what "
-        f"its processes return; released first where that makes it fit: {released}; refused when it cannot fit "
-        "even if what its fraction reserves comes back (U6)"
+        f"its processes return; released first where that makes it fit: {released}; {lowered}refused when it "
+        "cannot fit even if what its fraction reserves comes back (U7)"
     )
 
 

@@ -87,7 +87,7 @@ class Gate(StrEnum):
     ENV_FILE = "env-file"  # the memory guard could not write the replica's env file
     FLEET = "fleet"  # a planned restart waits for the fleet (core/fleet.py)
     NO_PEER = "no-peer"  # under a proxy, a planned restart waits for another replica of its model to serve
-    NO_FIT = "no-fit"  # the start cannot fit in the memory the device would see free (core/startfit.py U6)
+    NO_FIT = "no-fit"  # the start cannot fit in the memory the device would see free (core/startfit.py U7)
 
 
 class MemVerdict(StrEnum):

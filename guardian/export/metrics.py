@@ -215,7 +215,7 @@ class Metrics:
         )
         self.not_returned = gauge(
             "guardian_memory_not_returned_bytes",
-            "memory a replica's processes held that did not come back when they exited (startfit U7)",
+            "memory a replica's processes held that did not come back when they exited (startfit U8)",
             "replica",
         )
         self.mem_free = gauge("guardian_memory_free_bytes", "MemFree: about what a unified-memory GPU sees as free")

@@ -91,7 +91,7 @@ def describe(unified: bool | str) -> str:
         return (
             f"{n.note}; device 0's memory is the box's (unified: NVML does not report it): MemFree, MemAvailable and "
             "the page cache from /proc/meminfo, each process's memory from NVML where the driver reports it; a "
-            "start's fit is judged (U2-U6)"
+            "start's fit is judged (U2-U7)"
         )
     if n.device_total_bytes() is not None:
         return f"{n.note}; device 0 has memory of its own: a start's fit is not judged (U1)"
