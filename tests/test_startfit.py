@@ -4,6 +4,9 @@ replica's command line names (observe/modelfiles.py) with their real page cache.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 from dataclasses import replace
 
 import pytest
@@ -183,6 +186,34 @@ def test_mincore_where_cachestat_is_missing(tmp_path, monkeypatch) -> None:
     assert with_cachestat.measured and with_cachestat.bytes > 0
 
 
+def test_mincore_maps_a_chunk_at_a_time_and_a_sparse_giant_is_not_mapped(tmp_path, monkeypatch) -> None:
+    path = str(tmp_path / "w.bin")
+    _write(path, 5 * 2**20 + 4096)
+    with open(path, "rb") as f:
+        f.read()
+    monkeypatch.setattr(modelfiles, "CACHESTAT_NR", 100_000)
+    whole = modelfiles.cached_bytes((path,))
+    monkeypatch.setattr(modelfiles, "MINCORE_CHUNK_BYTES", 2**20)  # 6 chunks, the last one page
+    assert modelfiles.cached_bytes((path,)) == whole and whole.bytes > 0
+    # a sparse file claiming more than a measure may ask mincore about: counted at its size, unmeasured
+    giant = str(tmp_path / "sparse.bin")
+    with open(giant, "wb") as f:
+        f.truncate(modelfiles.MINCORE_MAX_BYTES + 4096)
+    assert modelfiles.cached_bytes((giant,)) == modelfiles.Cached(modelfiles.MINCORE_MAX_BYTES + 4096, measured=False)
+
+
+def test_a_search_stops_after_max_entries(tmp_path, monkeypatch) -> None:
+    top = tmp_path / "models"
+    for i in range(30):
+        (top / f"d{i}").mkdir(parents=True)
+    _write(str(top / "d29" / "w.bin"), 10)
+    monkeypatch.setattr(modelfiles, "MAX_ENTRIES", 10)  # 30 directories, no file among the first 10 entries
+    found = modelfiles.find(("vllm", "serve", str(top)), {})
+    assert found.truncated and found.paths == ()
+    monkeypatch.setattr(modelfiles, "MAX_ENTRIES", 1000)
+    assert len(modelfiles.find(("vllm", "serve", str(top)), {}).paths) == 1
+
+
 def test_a_file_the_kernel_will_not_measure_counts_at_its_size(tmp_path, monkeypatch) -> None:
     # mincore(2) reports every page resident to a process that neither owns nor may write the file,
     # and cachestat(2) refuses it: such a file is at most its size, and said to be unmeasured
@@ -251,3 +282,73 @@ def test_a_containers_model_is_found_on_the_host_through_its_binds(tmp_path) -> 
 )
 def test_on_host(mounts, path, host) -> None:
     assert modelfiles.on_host(path, mounts) == host
+
+
+# --- what a running replica holds, from its real process tree ----------------------------------
+
+
+def _tree(tmp_path, child_args: str) -> subprocess.Popen[bytes]:
+    """A wrapper shell (not exec'ing) whose child is given CHILD_ARGS, as a start script runs vLLM."""
+    ready = tmp_path / "ready"
+    code = f"import pathlib, time; pathlib.Path({str(ready)!r}).touch(); time.sleep(60)"
+    proc = subprocess.Popen(["sh", "-c", f'{sys.executable} -c "{code}" {child_args}; true'])
+    deadline = time.monotonic() + 20
+    while not ready.exists():
+        assert time.monotonic() < deadline and proc.poll() is None, "the wrapper's child did not start"
+        time.sleep(0.05)
+    return proc
+
+
+@pytest.mark.parametrize(
+    "child_args, held_fraction",
+    [
+        ("--gpu-memory-utilization 0.7", 0.7),  # the child's own, behind the wrapper
+        ("--port 8000", 0.9),  # hidden by the wrapper (docker -e, a script): vLLM's default, what it would start with
+    ],
+)
+def test_a_running_replica_behind_a_wrapper_is_taken_to_hold_its_fraction(tmp_path, child_args, held_fraction) -> None:
+    from guardian.act import fit as act_fit
+    from guardian.config import Config, ReplicaConfig
+    from guardian.core.observations import UnitInfo
+    from guardian.core.vocab import ActiveState, LoadState
+
+    r = ReplicaConfig(name="a", unit="vllm-a.service", url="http://127.0.0.1:8001", model="m")
+    cfg = Config(replicas=[r], state_dir=tmp_path / "state", memory={"device_total_bytes": 100 * GiB, "unified": True})
+    proc = _tree(tmp_path, child_args)
+    try:
+        unit = UnitInfo("vllm-a.service", LoadState.LOADED, ActiveState.ACTIVE, main_pid=proc.pid)
+        m = act_fit.measure(cfg, r, unit, None, None)
+        assert m.fit.held_bytes >= int(held_fraction * 100 * GiB) > m.fit.returned_bytes
+        assert m.fit.held_bytes < int((held_fraction + 0.01) * 100 * GiB)
+        inactive = act_fit.measure(cfg, r, replace(unit, active_state=ActiveState.INACTIVE), None, None).fit
+        assert inactive.held_bytes == inactive.returned_bytes < int(0.5 * 100 * GiB)  # nothing reserved once down
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_memory_back_when_the_stop_was_seen_over_counts_whatever_the_new_start_took_since(monkeypatch) -> None:
+    """U8 reads MemFree the moment the old processes are gone: a start that loads fast (or a unit
+    that is ready only once loaded) takes memory before the job ends, and must not read as a leak."""
+    import asyncio
+
+    from guardian.act import fit as act_fit
+    from guardian.act.journal import Journal
+    from guardian.config import Config, ReplicaConfig
+    from guardian.observe.meminfo import sample_memory
+
+    monkeypatch.setattr(startfit, "RETURN_WAIT_S", 0.3)
+    r = ReplicaConfig(name="a", unit="vllm-a.service", url="http://127.0.0.1:8001", model="m")
+    step = act_fit.FitStep(None, Journal(socket_path="/nonexistent"), Config(replicas=[r]))  # type: ignore[arg-type]
+    now = sample_memory()
+    # before the stop: 100 GiB more free than the box has now, as if the new start took it all at once
+    before = act_fit.Measured(
+        fit(free_bytes=now.free_bytes + 100 * GiB, returned_bytes=4 * GiB), modelfiles.ModelFiles("", ())
+    )
+    asyncio.run(step.check_returned(r, before))
+    assert step.leftovers["a"].bytes >= 4 * GiB  # read after the job only: all of it "not returned"
+    stopped = replace(now, free_bytes=before.fit.free_bytes + 4 * GiB - 2**20)  # back when the stop was over
+    asyncio.run(step.check_returned(r, before, stopped))
+    assert "a" not in step.leftovers
+    asyncio.run(step.check_returned(r, before, replace(stopped, free_bytes=before.fit.free_bytes + GiB)))
+    assert step.leftovers["a"].bytes == 3 * GiB  # 1 of 4 back even then: the rest held

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from ..config import Config, ReplicaConfig
 from ..core import startfit
 from ..core.actions import LogLine
-from ..core.observations import UnitInfo, gib
+from ..core.observations import MemorySample, UnitInfo, gib
 from ..core.startfit import DROP_CACHES_UNIT, Release, StartFit, Verdict
 from ..core.vocab import ActiveState, Decision, Gate, Priority
 from ..core.wiring import EnvFile, cmdline_fraction, wiring_problem
@@ -77,6 +77,15 @@ def unified(cfg: Config) -> bool:
     return nvml.unified_memory_gpu() if cfg.memory.unified == "auto" else cfg.memory.unified
 
 
+def _running_fraction(pid: int) -> float | None:
+    """--gpu-memory-utilization of the first process in PID's tree that was given one."""
+    for p in process_tree(pid) if pid else ():
+        found = cmdline_fraction(cmdline_of(p))
+        if found is not None:
+            return found
+    return None
+
+
 def _fraction(cfg: Config, r: ReplicaConfig, argv: tuple[str, ...], new: float | None) -> float:
     """What the next start runs with: the change being made, guardian's env file, the command line."""
     if new is not None:
@@ -110,9 +119,11 @@ def measure(
     files = modelfiles.find(argv, env, modelfiles.home_of(details.user if details is not None else None))
     returned = max(cgroup_held_bytes(pid), process_held_bytes(pid), nvml_bytes(pid))
     held = returned
-    running = cmdline_fraction(live) if live else None
-    if unit is not None and unit.active_state in (ActiveState.ACTIVE, ActiveState.RELOADING) and running is not None:
-        held = max(returned, int(running * total))
+    if unit is not None and unit.active_state in (ActiveState.ACTIVE, ActiveState.RELOADING):
+        # a wrapper (a shell, `docker run -e ...`) hides the fraction vLLM runs with: then what it
+        # would start with, as a refusal on too small a hold would leave a hung replica unrestarted
+        running = _running_fraction(pid)
+        held = max(returned, int((running if running is not None else _fraction(cfg, r, argv, None)) * total))
     cached = modelfiles.cached_bytes(files.paths)
     own = cached.bytes if cached.measured else 0 if own_released else min(cached.bytes, sample.file_cache_bytes)
     fit = StartFit(
@@ -218,12 +229,14 @@ class FitStep:
             verdict = startfit.judge(m.fit)  # on what the releases left: a fit now, or a refusal after all
         return Fitted(self._say(r, m, verdict), m, verdict.fraction)
 
-    async def check_returned(self, r: ReplicaConfig, before: Measured) -> None:
-        """U8, after the restart job: did what the old processes held come back to MemFree?"""
+    async def check_returned(self, r: ReplicaConfig, before: Measured, stopped: MemorySample | None = None) -> None:
+        """U8, after the restart job: did what the old processes held come back to MemFree? STOPPED:
+        the box's memory when their stop was seen over (Stop), the first of the samples."""
         held = before.fit.returned_bytes
         if held < startfit.RETURN_CHECK_MIN_BYTES:
             return
-        began, best = time.monotonic(), 0
+        began = time.monotonic()
+        best = stopped.free_bytes - before.fit.free_bytes if stopped is not None else 0
         while True:
             best = max(best, (await asyncio.to_thread(sample_memory)).free_bytes - before.fit.free_bytes)
             if startfit.not_returned_bytes(held, best) is None or time.monotonic() - began >= startfit.RETURN_WAIT_S:
@@ -238,7 +251,8 @@ class FitStep:
             LogLine(
                 Priority.CRITICAL,
                 f"replica {r.name}: {gib(missing)} not returned after {r.unit}'s processes exited (they "
-                f"held {gib(held)}; MemFree rose by {gib(max(0, best))} within {startfit.RETURN_WAIT_S:g} s): the "
+                f"held {gib(held)}; MemFree rose by at most {gib(max(0, best))}, once they were gone and within "
+                f"{startfit.RETURN_WAIT_S:g} s of the restart): the "
                 "driver, or a file they left in /dev/shm, still holds it; a reboot frees it (U8); its next start "
                 "is judged on what is left",
                 Decision.HAZARD,

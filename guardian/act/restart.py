@@ -18,12 +18,14 @@ from ..config import Config, ReplicaConfig
 from ..core import gates
 from ..core.actions import HUNG_STOP_GRACE_S, LogLine
 from ..core.container import helper_unit
-from ..core.observations import RestartOutcome, UnitInfo
+from ..core.observations import MemorySample, RestartOutcome, UnitInfo
 from ..core.rules import Refusal
+from ..core.startfit import RETURN_CHECK_MIN_BYTES
 from ..core.vocab import ActiveState, Decision, Gate, HeldBy, Priority
 from ..observe.clock import Now
 from ..observe.clock import now as clock_now
 from ..observe.containers import ContainerWatch, run_helper
+from ..observe.meminfo import sample_memory
 from ..observe.memory import env_path
 from ..observe.replicas import port_owners, unit_or_error
 from ..observe.systemd import JOB_DONE, Systemd, SystemdError
@@ -123,9 +125,10 @@ async def checked_restart(tools: Tools, order: RestartOrder) -> RestartOutcome:
     except CorruptState as e:
         tools.journal.send(Priority.ERROR, str(e))
     stop = Stop(tools, r, issued, unit.inactive_exit_mono if unit is not None else None)
+    stop.sample_stopped = measured is not None and measured.fit.returned_bytes >= RETURN_CHECK_MIN_BYTES
     outcome = await stop.restart_unitless(order.why) if r.unitless else await _issue(tools, order, stop)
     if measured is not None and outcome.issued:
-        await step.check_returned(r, measured)
+        await step.check_returned(r, measured, stop.stopped_sample)
     return outcome
 
 
@@ -250,14 +253,35 @@ class Stop:
         self.issued = issued
         self.started_before_mono = started_before_mono  # when the process being stopped started
         self.note = ""
+        # U8: the box's memory the moment the stop is seen over, before the new start has taken any
+        self.sample_stopped = False
+        self.stopped_sample: MemorySample | None = None
 
     def during(self, order: RestartOrder) -> Callable[[], Awaitable[None]] | None:
         """What runs once the restart job has begun (its stop is under way; Systemd.run_job)."""
+        helps = self._helps(order)
+        if not self.sample_stopped:
+            return helps
+
+        async def then_sample() -> None:
+            if helps is not None:
+                await helps()
+            await self._sample_once_stopped()
+
+        return then_sample
+
+    def _helps(self, order: RestartOrder) -> Callable[[], Awaitable[None]] | None:
         if order.kill_first:
             return functools.partial(self.kill_hung, order.killed_what)
         if order.stop_timeout_s is not None:
             return functools.partial(self.bounded, order.stop_timeout_s)
         return None
+
+    async def _sample_once_stopped(self) -> None:
+        """MemFree once the old processes are gone (the unit down, or starting anew): a new start that
+        loads fast, or a unit that is ready only once loaded, must not hide what came back."""
+        if await self._stop_ended_within(self.tools.cfg.watchdog.restart_job_timeout_s) is not None:
+            self.stopped_sample = await asyncio.to_thread(sample_memory)
 
     async def kill_hung(self, what: str = "hung") -> None:
         took_s = await self._stop_ended_within(HUNG_STOP_GRACE_S)

@@ -14,7 +14,8 @@ Terms, all in bytes (F = one StartFit, M = the memory config):
 - returned = what the replica's processes now hold that is measured and comes back when they
   exit (its cgroup's or its processes' anonymous and shared memory, NVML's per-process memory
   where the driver answers); U8 checks after the restart job that it did come back;
-- held = returned, or, while its unit is active, at least its running fraction x total: on GB10
+- held = returned, or, while its unit is active, at least its running fraction x total (the first
+  --gpu-memory-utilization in its process tree, else the fraction it would start with): on GB10
   vLLM's reservation is not charged to any cgroup and NVML does not report it, so this is the
   most the stop can give back;
 - own = the page cache of the replica's own model files (observe/modelfiles.py): measured where
@@ -190,8 +191,9 @@ ROWS: tuple[Row[StartFit, Release], ...] = (
 NOT_RETURNED = Rule(
     "U8",
     "not returned",
-    "returned (measured before the stop) >= 1 GiB AND within 3 s of the restart job's end MemFree rose by less "
-    "than returned - max(0.5 GiB, returned / 4): the rest is said at critical as memory the driver (or a "
+    "returned (measured before the stop) >= 1 GiB AND MemFree rose by less than returned - max(0.5 GiB, "
+    "returned / 4) by every sample: the moment its stop is seen over (polled every 0.2 s), and within 3 s of "
+    "the restart job's end: the rest is said at critical as memory the driver (or a "
     "file its processes left in /dev/shm) still holds; a reboot frees it; the next start is judged on what is left",
 )
 RULES = (*(row.rule for row in ROWS), NOT_RETURNED)

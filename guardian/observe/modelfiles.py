@@ -13,11 +13,13 @@ Where vLLM reads its weights from (its command line and its unit's environment):
   named volumes, the longest mount first; one under no mount is not on the host.
 
 Only regular files are counted, each once (a snapshot's links and their blobs are one file), at
-most MAX_FILES of them, never through a FIFO or a device (os.stat first, then O_NONBLOCK and
-fstat): a command line is the replica user's to write, and guardian must not block on it.
+most MAX_FILES of them among at most MAX_ENTRIES directory entries, never through a FIFO or a
+device (os.stat first, then O_NONBLOCK and fstat): a command line is the replica user's to write,
+and guardian must not block on it.
 
 How much of a file is cached: cachestat(2) (Linux >= 6.5) without mapping it, else mincore(2) on
-a read-only mapping.
+a read-only mapping, a chunk at a time, for at most MINCORE_MAX_BYTES of files per measure (the
+rest count at their size, unmeasured).
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ from dataclasses import dataclass
 from ..core.container import RunLine, parse_run_line
 
 MAX_FILES = 20_000
+MAX_ENTRIES = 200_000  # directory entries looked at in one search, files or not
+MINCORE_CHUNK_BYTES = 2**30  # mapped at a time: its residency vector is 256 KiB (4 KiB pages)
+MINCORE_MAX_BYTES = 256 * 2**30  # asked of mincore in one measure; beyond it files count at their size
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 CACHESTAT_NR = 451  # the same number on x86_64 and aarch64 (the generic syscall table)
 
@@ -103,11 +108,18 @@ def _regular(path: str) -> tuple[int, int] | None:
     return (st.st_dev, st.st_ino) if stat.S_ISREG(st.st_mode) else None
 
 
-def _walk(top: str) -> Iterator[str]:
+def _walk(top: str) -> Iterator[str | None]:
+    """The entries under TOP (TOP itself if it is a file), then None if MAX_ENTRIES ran out first: a
+    model path is the replica's to name, and "/" must not walk the whole box."""
     if _regular(top) is not None:
         yield top
         return
-    for root, _dirs, names in os.walk(top, followlinks=False):
+    left = MAX_ENTRIES
+    for root, dirs, names in os.walk(top, followlinks=False):
+        left -= len(dirs) + len(names)
+        if left < 0:
+            yield None
+            return
         for name in sorted(names):
             yield os.path.join(root, name)
 
@@ -165,6 +177,8 @@ def _find(
     seen: set[tuple[int, int]] = set()
     paths: list[str] = []
     for path in _walk(top):
+        if path is None:
+            return ModelFiles(source, tuple(paths), truncated=True)
         key = _regular(path)
         if key is None or key in seen:
             continue
@@ -196,25 +210,36 @@ def _may_measure(fd: int, path: str) -> bool:
     return os.geteuid() in (0, os.fstat(fd).st_uid) or os.access(path, os.W_OK)
 
 
-def _cached_pages(fd: int, path: str, size: int) -> int | None:
+def _cached_pages(fd: int, path: str, size: int, mincore_left: list[int]) -> int | None:
+    """FD's pages in the page cache, or None where the kernel will not say or MINCORE_LEFT (bytes
+    mincore may still be asked about in this measure) is spent: a sparse file may claim any size."""
     rng, out = _Range(0, 0), _Stat()
     if _libc.syscall(CACHESTAT_NR, fd, ctypes.byref(rng), ctypes.byref(out), 0) == 0:
         return int(out.nr_cache)
-    if not _may_measure(fd, path):
+    if not _may_measure(fd, path) or size > mincore_left[0]:
         return None
-    if size == 0:
-        return 0
-    addr = _libc.mmap(None, size, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED
+    mincore_left[0] -= size
+    pages = 0
+    for offset in range(0, size, MINCORE_CHUNK_BYTES):
+        found = _mincore(fd, offset, min(MINCORE_CHUNK_BYTES, size - offset))
+        if found is None:
+            return None
+        pages += found
+    return pages
+
+
+def _mincore(fd: int, offset: int, length: int) -> int | None:
+    """Resident pages of FD's LENGTH bytes from OFFSET (a multiple of the chunk: page-aligned)."""
+    addr = _libc.mmap(None, length, 1, 1, fd, offset)  # PROT_READ, MAP_SHARED
     if addr in (None, _MAP_FAILED):
         return None
     try:
-        pages = (size + PAGE_BYTES - 1) // PAGE_BYTES
-        vec = (ctypes.c_ubyte * pages)()
-        if _libc.mincore(addr, size, vec) != 0:
+        vec = (ctypes.c_ubyte * ((length + PAGE_BYTES - 1) // PAGE_BYTES))()
+        if _libc.mincore(addr, length, vec) != 0:
             return None
         return sum(b & 1 for b in vec)
     finally:
-        _libc.munmap(addr, size)
+        _libc.munmap(addr, length)
 
 
 @dataclass(frozen=True)
@@ -229,14 +254,14 @@ class Cached:
 def cached_bytes(paths: tuple[str, ...]) -> Cached:
     """How much of PATHS the page cache holds now: measured where the kernel tells, each file that it
     does not counted at its size (an upper bound)."""
-    total, measured = 0, True
+    total, measured, mincore_left = 0, True, [MINCORE_MAX_BYTES]
     for path in paths:
         fd = _open(path)
         if fd is None:
             continue
         try:
             size = os.fstat(fd).st_size
-            pages = _cached_pages(fd, path, size)
+            pages = _cached_pages(fd, path, size, mincore_left)
             if pages is None:
                 total, measured = total + size, False
             else:
