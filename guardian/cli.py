@@ -308,7 +308,8 @@ async def _check_fit(cfg: Config, sd: Systemd, units: dict[str, UnitInfo | None]
             "frees it"
         )
     for r in cfg.replicas:
-        m = await asyncio.to_thread(fit.measure, cfg, r, units.get(r.unit), await fit.service_details(sd, r), None)
+        details = await fit.service_details(sd, r)
+        m = await asyncio.to_thread(fit.measure, cfg, r, units.get(r.unit), details, fit.Start(may_lower=True))
         verdict = startfit.judge(m.fit)
         line = f"start fit: replica {r.name}: {verdict.rule.id} ({verdict.rule.outcome}): {startfit.figures(m.fit)}"
         would = fit.would_release(m, verdict)
@@ -346,6 +347,8 @@ def _check_proxy(cfg: Config, report: Report) -> None:
             report.problem(text)
         else:
             report.say(text)
+    for text in proxy.retry_warnings(cfg):
+        report.problem(text, "warning")
 
 
 @dataclass(frozen=True)
@@ -1021,7 +1024,7 @@ async def _act_alone(cfg: Config, sd: Systemd, store: StateStore, name: str, act
         elif isinstance(a, RestartUnit) and a.request_id == "cli":
             r = cfg.replica(a.replica)
             assert r is not None
-            order = RestartOrder(r, "requested by an operator", announce=a.said)
+            order = RestartOrder(r, "requested by an operator", announce=a.said, may_lower=True)
             outcome = await checked_restart(Tools(sd, store, journal, cfg), order)
             print(f"{r.unit}: {outcome.result}")
             return Exit.OK if outcome.ok else Exit.PROBLEM

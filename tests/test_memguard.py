@@ -816,3 +816,18 @@ def test_a_lowering_records_its_base_only_when_its_env_file_is_written(tmp_path,
     # a retry's file alone (systemd restarts the unit by itself) is always written, so its base recorded
     asyncio.run(perform(SetFraction("a", "vllm-a.service", 0.74, 0.70, restart=False, evidence="retry", retry=True)))
     assert store.read()["fraction_bases"] == {"a": 0.78 if gates_pass else 0.74}
+
+
+@pytest.mark.parametrize(
+    "track, settled",
+    [
+        (MemTrack(), True),
+        (MemTrack(pending=Pending("a", 0.78, 0.74, 1000.0)), False),  # a lowering of a followed
+        (MemTrack(pending=Pending("b", 0.78, 0.74, 1000.0)), True),  # another's
+        (MemTrack(unread={"a": 1000.0}), False),  # written, its restart given up or dropped: not read yet
+    ],
+)
+def test_a_start_is_lowered_to_fit_only_with_no_change_of_its_fraction_in_flight(track, settled):
+    from guardian.core.memguard import fraction_settled
+
+    assert fraction_settled(track, "a") is settled

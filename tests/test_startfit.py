@@ -317,10 +317,10 @@ def test_a_running_replica_behind_a_wrapper_is_taken_to_hold_its_fraction(tmp_pa
     proc = _tree(tmp_path, child_args)
     try:
         unit = UnitInfo("vllm-a.service", LoadState.LOADED, ActiveState.ACTIVE, main_pid=proc.pid)
-        m = act_fit.measure(cfg, r, unit, None, None)
+        m = act_fit.measure(cfg, r, unit, None)
         assert m.fit.held_bytes >= int(held_fraction * 100 * GiB) > m.fit.returned_bytes
         assert m.fit.held_bytes < int((held_fraction + 0.01) * 100 * GiB)
-        inactive = act_fit.measure(cfg, r, replace(unit, active_state=ActiveState.INACTIVE), None, None).fit
+        inactive = act_fit.measure(cfg, r, replace(unit, active_state=ActiveState.INACTIVE), None).fit
         assert inactive.held_bytes == inactive.returned_bytes < int(0.5 * 100 * GiB)  # nothing reserved once down
     finally:
         proc.kill()
@@ -352,3 +352,32 @@ def test_memory_back_when_the_stop_was_seen_over_counts_whatever_the_new_start_t
     assert "a" not in step.leftovers
     asyncio.run(step.check_returned(r, before, replace(stopped, free_bytes=before.fit.free_bytes + GiB)))
     assert step.leftovers["a"].bytes == 3 * GiB  # 1 of 4 back even then: the rest held
+
+
+@pytest.mark.parametrize(
+    "environment, own, lowers",
+    [
+        (("GPU_MEMORY_UTILIZATION=0.78",), 0.78, True),  # the default wiring.py tells operators to keep
+        ((), 0.9, False),  # nothing says: vLLM's default, and never lowered from a guess (it would be its base)
+    ],
+)
+def test_a_stopped_wired_units_fraction_is_its_environments_and_a_guess_is_never_lowered(
+    tmp_path, environment, own, lowers
+) -> None:
+    from guardian.act import fit as act_fit
+    from guardian.config import Config, ReplicaConfig
+    from guardian.observe.systemd import ServiceDetails
+
+    r = ReplicaConfig(name="a", unit="vllm-a.service", url="http://127.0.0.1:8001", model="m")
+    cfg = Config(replicas=[r], state_dir=tmp_path / "state",
+                 memory={"device_total_bytes": 100 * GiB, "unified": True, "enabled": True})
+    details = ServiceDetails(
+        environment_files=(str(cfg.env_dir / "a.env"),),
+        exec_start=("/usr/bin/vllm", "serve", "m", "--gpu-memory-utilization", "${GPU_MEMORY_UTILIZATION}"),
+        environment=environment,
+    )
+    m = act_fit.measure(cfg, r, None, details, act_fit.Start(may_lower=True))
+    assert m.fit.fraction == own
+    assert (m.fit.lower_floor is not None) == lowers
+    # the core's say: with a change of its fraction in flight it is never lowered here
+    assert act_fit.measure(cfg, r, None, details, act_fit.Start()).fit.lower_floor is None

@@ -220,6 +220,7 @@ class Executor:
             kill_first=action.kill_first,
             stop_timeout_s=action.stop_timeout_s,
             announce=action.said,
+            may_lower=action.may_lower,
         )
         outcome = await self._guarded(order, "restart")
         self._outcomes[action.replica] = outcome

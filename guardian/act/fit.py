@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 
 from ..config import Config, ReplicaConfig
 from ..core import startfit
@@ -15,7 +15,7 @@ from ..core.actions import LogLine
 from ..core.observations import MemorySample, UnitInfo, gib
 from ..core.startfit import DROP_CACHES_UNIT, Release, StartFit, Verdict
 from ..core.vocab import ActiveState, Decision, Gate, Priority
-from ..core.wiring import EnvFile, cmdline_fraction, wiring_problem
+from ..core.wiring import VAR, VAR_FORMS, EnvFile, cmdline_fraction, wiring_problem
 from ..observe import modelfiles, nvml
 from ..observe.meminfo import sample_memory
 from ..observe.memory import cmdline_of, env_path, process_tree, read_env_file, read_env_fraction
@@ -86,29 +86,35 @@ def _running_fraction(pid: int) -> float | None:
     return None
 
 
-def _fraction(cfg: Config, r: ReplicaConfig, argv: tuple[str, ...], new: float | None) -> float:
-    """What the next start runs with: the change being made, guardian's env file, the command line."""
+def _fraction(
+    cfg: Config, r: ReplicaConfig, argv: tuple[str, ...], env: Mapping[str, str], new: float | None
+) -> float | None:
+    """What the next start runs with: the change being made, guardian's env file, the command line
+    (its ${GPU_MEMORY_UTILIZATION} as the unit's environment sets it); None: nothing says (vLLM's default)."""
     if new is not None:
         return new
     found = read_env_fraction(env_path(cfg, r.name))
     if found is not None:
         return found
-    found = cmdline_fraction(argv)
-    if found is not None:
-        return found
-    return VLLM_DEFAULT_FRACTION
+    value = env.get(VAR)
+    return cmdline_fraction(tuple(value if a in VAR_FORMS and value is not None else a for a in argv))
+
+
+@dataclass(frozen=True)
+class Start:
+    """The start being judged. NEW: the fraction a change of fraction starts it at (None: its own);
+    MAY_LOWER: no change of its fraction is in flight (the core's say), so U6 may lower it;
+    OWN_RELEASED: its files' cache was just released, so what the kernel would not measure counts as 0."""
+
+    new: float | None = None
+    may_lower: bool = False
+    own_released: bool = False
 
 
 def measure(
-    cfg: Config,
-    r: ReplicaConfig,
-    unit: UnitInfo | None,
-    details: ServiceDetails | None,
-    new: float | None,
-    own_released: bool = False,
+    cfg: Config, r: ReplicaConfig, unit: UnitInfo | None, details: ServiceDetails | None, start: Start = Start()
 ) -> Measured:
-    """The figures of R's next start, right now (blocking: run in a thread). OWN_RELEASED: its files'
-    cache was just released, so what the kernel would not measure counts as 0."""
+    """The figures of R's next START, right now (blocking: run in a thread)."""
     sample = sample_memory()
     total = cfg.memory.device_total_bytes or sample.total_bytes
     pid = unit.main_pid if unit is not None else 0
@@ -118,18 +124,22 @@ def measure(
     env = modelfiles.unit_env(details.environment if details is not None else (), tuple(e.text for e in env_files))
     files = modelfiles.find(argv, env, modelfiles.home_of(details.user if details is not None else None))
     returned = max(cgroup_held_bytes(pid), process_held_bytes(pid), nvml_bytes(pid))
+    own_fraction = _fraction(cfg, r, argv, env, None)
+    fraction = _fraction(cfg, r, argv, env, start.new) or own_fraction or VLLM_DEFAULT_FRACTION
     held = returned
     if unit is not None and unit.active_state in (ActiveState.ACTIVE, ActiveState.RELOADING):
         # a wrapper (a shell, `docker run -e ...`) hides the fraction vLLM runs with: then what it
         # would start with, as a refusal on too small a hold would leave a hung replica unrestarted
-        running = _running_fraction(pid)
-        held = max(returned, int((running if running is not None else _fraction(cfg, r, argv, None)) * total))
+        running = _running_fraction(pid) or own_fraction or VLLM_DEFAULT_FRACTION
+        held = max(returned, int(running * total))
+    # lowered only from a fraction something says (never from vLLM's default: a guess made a base)
+    may_lower = start.may_lower and start.new is None and own_fraction is not None
     cached = modelfiles.cached_bytes(files.paths)
-    own = cached.bytes if cached.measured else 0 if own_released else min(cached.bytes, sample.file_cache_bytes)
+    own = cached.bytes if cached.measured else 0 if start.own_released else min(cached.bytes, sample.file_cache_bytes)
     fit = StartFit(
         replica=r.name,
         unit=r.unit,
-        fraction=_fraction(cfg, r, argv, new),
+        fraction=fraction,
         total_bytes=total,
         free_bytes=sample.free_bytes,
         returned_bytes=returned,
@@ -141,18 +151,18 @@ def measure(
         release_own=cfg.memory.release_cache,
         drop_caches=cfg.memory.drop_caches,
         unified=unified(cfg),
-        lower_floor=_lower_floor(cfg, r, details, env_files, new),
+        lower_floor=_lower_floor(cfg, r, details, env_files) if may_lower else None,
         reserve_bytes=cfg.memory.reserve_bytes,
     )
     return Measured(fit, files)
 
 
 def _lower_floor(
-    cfg: Config, r: ReplicaConfig, details: ServiceDetails | None, env_files: tuple[EnvFile, ...], new: float | None
+    cfg: Config, r: ReplicaConfig, details: ServiceDetails | None, env_files: tuple[EnvFile, ...]
 ) -> float | None:
-    """M.floor where U6 may lower this start: the memory guard is on, the start is at its own fraction,
-    and its unit reads guardian's env file (else a fraction written there would not be what it runs)."""
-    if not cfg.memory.enabled or new is not None or details is None:
+    """M.floor where U6 may lower a start at its own fraction: the memory guard is on, and its unit
+    reads guardian's env file (else a fraction written there would not be what it runs)."""
+    if not cfg.memory.enabled or details is None:
         return None
     if wiring_problem(r.unit, env_files, details.exec_start, str(env_path(cfg, r.name))) is not None:
         return None
@@ -218,14 +228,14 @@ class FitStep:
     leftovers: dict[str, NotReturned] = field(default_factory=dict)  # U8's findings, by replica (shared)
     said: dict[str, str] = field(default_factory=dict)  # replica -> the U7 episode said (shared: once each)
 
-    async def run(self, r: ReplicaConfig, unit: UnitInfo | None, new: float | None) -> Fitted:
+    async def run(self, r: ReplicaConfig, unit: UnitInfo | None, start: Start) -> Fitted:
         if not unified(self.cfg):
             return Fitted(None)  # U1, without measuring anything
         details = await service_details(self.sd, r)
-        m = await asyncio.to_thread(measure, self.cfg, r, unit, details, new)
+        m = await asyncio.to_thread(measure, self.cfg, r, unit, details, start)
         verdict = startfit.judge(m.fit)
         if verdict.release is not Release.NOTHING:
-            m = await self._release(r, unit, details, new, m, verdict)
+            m = await self._release(r, unit, details, replace(start, own_released=True), m, verdict)
             verdict = startfit.judge(m.fit)  # on what the releases left: a fit now, or a refusal after all
         return Fitted(self._say(r, m, verdict), m, verdict.fraction)
 
@@ -268,7 +278,7 @@ class FitStep:
         r: ReplicaConfig,
         unit: UnitInfo | None,
         details: ServiceDetails | None,
-        new: float | None,
+        start: Start,
         m: Measured,
         verdict: Verdict,
     ) -> Measured:
@@ -276,7 +286,7 @@ class FitStep:
         if before.release_own and m.files.paths:
             began = time.monotonic()
             await asyncio.to_thread(modelfiles.release, m.files.paths)
-            after = await asyncio.to_thread(measure, self.cfg, r, unit, details, new, True)
+            after = await asyncio.to_thread(measure, self.cfg, r, unit, details, start)
             freed = max(0, before.cache_bytes - after.fit.cache_bytes)
             self._said_release(r, Freed("own", freed, time.monotonic() - began), m, verdict, after.fit)
             m, before = after, after.fit
@@ -285,7 +295,7 @@ class FitStep:
         if startfit.judge(before).release is Release.ALL:
             began = time.monotonic()
             result = await self._drop_caches()
-            after = await asyncio.to_thread(measure, self.cfg, r, unit, details, new, True)
+            after = await asyncio.to_thread(measure, self.cfg, r, unit, details, start)
             freed = max(0, before.cache_bytes - after.fit.cache_bytes)
             if result is None:
                 self._said_release(r, Freed("all", freed, time.monotonic() - began), m, verdict, after.fit)
@@ -365,7 +375,12 @@ class FitStep:
                     f"replica {r.name}: starting {r.unit} at gpu_memory_utilization {verdict.fraction:g}, lowered "
                     f"from {f.fraction:g}: at its own it cannot fit: {startfit.figures(f)} (U6: "
                     f"{verdict.rule.outcome}); {f.fraction:g} is kept as its base, and the memory guard raises it "
-                    "back once headroom allows",
+                    "back once headroom allows"
+                    + (
+                        "; it may still not fit unless what its fraction reserves comes back"
+                        if f.held_bytes > f.returned_bytes
+                        else ""
+                    ),
                     Decision.MEMORY,
                     r.name,
                     r.unit,

@@ -27,14 +27,15 @@ import asyncio
 import contextlib
 import os
 import signal
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 
 from ..config import Config, ReplicaConfig
-from ..core.actions import LogLine
+from ..core import proxyretry
+from ..core.actions import HUNG_STOP_GRACE_S, LogLine
 from ..core.drain import Drain, Phase
 from ..core.observations import ProxyView
 from ..core.vocab import Decision, Priority
@@ -615,17 +616,21 @@ class ProxySync:
 NGINX_CONF_DIR = Path("/etc/nginx")
 
 
-def includers(path: Path, conf_dir: Path = NGINX_CONF_DIR) -> list[Path]:
-    """Files under CONF_DIR with an `include` of PATH (exactly that path: no glob is expanded).
-
-    A link is followed (Debian's sites-enabled/* are links), to a regular file of at most
-    NGINX_CONF_MAX_BYTES only: a FIFO, a device or a huge file is skipped, never read."""
-    found = []
+def nginx_texts(conf_dir: Path = NGINX_CONF_DIR) -> Iterator[tuple[Path, str]]:
+    """Each file under CONF_DIR with its text. A link is followed (Debian's sites-enabled/* are
+    links), to a regular file of at most NGINX_CONF_MAX_BYTES only: a FIFO, a device or a huge file
+    is skipped, never read."""
     for f in sorted(conf_dir.rglob("*")) if conf_dir.is_dir() else []:
         try:
-            text = read_back(f, NGINX_CONF_MAX_BYTES, follow_symlinks=True).decode(errors="replace")
+            yield f, read_back(f, NGINX_CONF_MAX_BYTES, follow_symlinks=True).decode(errors="replace")
         except OSError:
             continue
+
+
+def includers(path: Path, conf_dir: Path = NGINX_CONF_DIR) -> list[Path]:
+    """Files under CONF_DIR with an `include` of PATH (exactly that path: no glob is expanded)."""
+    found = []
+    for f, text in nginx_texts(conf_dir):
         for line in text.splitlines():
             words = line.split("#", 1)[0].replace(";", " ").split()
             if len(words) >= 2 and words[0] == "include" and words[1] == str(path):
@@ -671,4 +676,19 @@ def describe(cfg: Config, down: frozenset[str], conf_dir: Path = NGINX_CONF_DIR)
             diff = [f"- {ln}" for ln in sorted(old - new)] + [f"+ {ln}" for ln in sorted(new - old)]
             change = "guardian would rewrite it and reload nginx: " + ("; ".join(diff) or "comments only")
         out.append((not inc or planted is not None, f"proxy: upstream {upstream}: {path}, {where}; {change}"))
+    return out
+
+
+def retry_warnings(cfg: Config, conf_dir: Path = NGINX_CONF_DIR) -> list[str]:
+    """For `guardian check`: where a file that proxy_passes to one of guardian's upstreams would not
+    send a request with no byte yet to the other replica (core/proxyretry.py)."""
+    if cfg.proxy.nginx_upstream_dir is None:
+        return []
+    bound_s = cfg.watchdog.unresponsive_after_s + 2 * cfg.interval_s + HUNG_STOP_GRACE_S
+    out = []
+    texts = list(nginx_texts(conf_dir))
+    for upstream in upstreams(cfg):
+        for f, text in texts:
+            for finding in proxyretry.retry_findings(text, upstream, bound_s) or ():
+                out.append(f"proxy: upstream {upstream}: {f}: {finding} (README, Under a proxy)")
     return out

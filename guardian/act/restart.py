@@ -29,7 +29,7 @@ from ..observe.meminfo import sample_memory
 from ..observe.memory import env_path
 from ..observe.replicas import port_owners, unit_or_error
 from ..observe.systemd import JOB_DONE, Systemd, SystemdError
-from .fit import FitStep, Fitted, NotReturned, Released
+from .fit import FitStep, Fitted, NotReturned, Released, Start
 from .journal import Journal
 from .state import CorruptState, StateStore, atomic_write, record_fraction_base, record_restart
 
@@ -69,6 +69,9 @@ class RestartOrder:
     # journaled once the re-check passes, so that a restart refused there is never said as taken
     announce: LogLine | None = None
     fraction: float | None = None  # the fraction the start will run with (a change of fraction); None: as now
+    # no change of its fraction is in flight (the core's say: RestartUnit.may_lower), so a start that
+    # cannot fit at its own may be lowered to fit (startfit U6)
+    may_lower: bool = False
 
 
 async def checked_restart(tools: Tools, order: RestartOrder) -> RestartOutcome:
@@ -82,27 +85,15 @@ async def checked_restart(tools: Tools, order: RestartOrder) -> RestartOutcome:
     if refusal is not None:
         return _refused(tools, order, refusal)
     step = FitStep(tools.sd, tools.journal, tools.cfg, tools.released, tools.leftovers, tools.fit_said)
-    try:
-        fitted = await step.run(r, unit, order.fraction)
-    except Exception as e:  # noqa: BLE001 - a fit step that fails (hostile model paths, /proc gone) never stops a restart
-        tools.journal.line(
-            LogLine(
-                Priority.ERROR,
-                f"replica {r.name}: the start's fit could not be judged ({type(e).__name__}: "
-                f"{e}); restarting {r.unit} without it",
-                Decision.CACHE,
-                r.name,
-                r.unit,
-            )
-        )
-        fitted = Fitted(None)
+    fitted = await _fit(tools, step, order, unit)
     if fitted.refused is not None:
         return RestartOutcome(r.unit, f"refused: {fitted.refused}")
     measured = fitted.measured
     if order.announce is not None:
         tools.journal.line(order.announce)
-    before = order.before_restart
+    before, undo = order.before_restart, None
     if fitted.fraction is not None and measured is not None:
+        undo = _env_file_as_it_is(tools.cfg, r)
         before = functools.partial(write_fraction, tools, r, measured.fit.fraction, fitted.fraction)
     if before is not None:
         try:
@@ -127,6 +118,8 @@ async def checked_restart(tools: Tools, order: RestartOrder) -> RestartOutcome:
     stop = Stop(tools, r, issued, unit.inactive_exit_mono if unit is not None else None)
     stop.sample_stopped = measured is not None and measured.fit.returned_bytes >= RETURN_CHECK_MIN_BYTES
     outcome = await stop.restart_unitless(order.why) if r.unitless else await _issue(tools, order, stop)
+    if undo is not None and not outcome.issued:
+        undo()  # it still runs at its fraction: the file must say so, or the memory guard reads an override
     if measured is not None and outcome.issued:
         await step.check_returned(r, measured, stop.stopped_sample)
     return outcome
@@ -135,6 +128,44 @@ async def checked_restart(tools: Tools, order: RestartOrder) -> RestartOutcome:
 def fraction_text(new: float) -> bytes:
     """guardian's env file for a replica (core/wiring.py: what its unit must read)."""
     return f"# written by guardian's memory guard\nGPU_MEMORY_UTILIZATION={new:g}\n".encode()
+
+
+async def _fit(tools: Tools, step: FitStep, order: RestartOrder, unit: UnitInfo | None) -> Fitted:
+    r = order.replica
+    try:
+        return await step.run(r, unit, Start(order.fraction, order.may_lower))
+    except Exception as e:  # noqa: BLE001 - a fit step that fails (hostile model paths, /proc gone) never stops a restart
+        tools.journal.line(
+            LogLine(
+                Priority.ERROR,
+                f"replica {r.name}: the start's fit could not be judged ({type(e).__name__}: "
+                f"{e}); restarting {r.unit} without it",
+                Decision.CACHE,
+                r.name,
+                r.unit,
+            )
+        )
+        return Fitted(None)
+
+
+def _env_file_as_it_is(cfg: Config, r: ReplicaConfig) -> Callable[[], None]:
+    """What puts guardian's env file for R back as it is now (absent: removed)."""
+    path = env_path(cfg, r.name)
+    try:
+        kept: bytes | None = path.read_bytes()
+    except FileNotFoundError:
+        kept = None
+    except OSError:
+        return lambda: None  # unreadable: the write will fail the same way, and nothing was changed
+
+    def undo() -> None:
+        with contextlib.suppress(OSError):
+            if kept is None:
+                path.unlink()
+            else:
+                atomic_write(path, kept)
+
+    return undo
 
 
 def write_fraction(tools: Tools, r: ReplicaConfig, old: float, new: float) -> None:
@@ -280,8 +311,12 @@ class Stop:
     async def _sample_once_stopped(self) -> None:
         """MemFree once the old processes are gone (the unit down, or starting anew): a new start that
         loads fast, or a unit that is ready only once loaded, must not hide what came back."""
-        if await self._stop_ended_within(self.tools.cfg.watchdog.restart_job_timeout_s) is not None:
-            self.stopped_sample = await asyncio.to_thread(sample_memory)
+        left_s = self.tools.cfg.watchdog.restart_job_timeout_s - (self.tools.clock().mono - self.issued.mono)
+        if left_s > 0 and await self._stop_ended_within(left_s) is not None:
+            try:
+                self.stopped_sample = await asyncio.to_thread(sample_memory)
+            except (OSError, ValueError, KeyError):
+                self.stopped_sample = None  # U8 then reads after the job only; the restart goes on
 
     async def kill_hung(self, what: str = "hung") -> None:
         took_s = await self._stop_ended_within(HUNG_STOP_GRACE_S)

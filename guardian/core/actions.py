@@ -48,6 +48,9 @@ class RestartUnit:
     # written by the restart once the re-check right before acting passes, so that a restart refused
     # there is said only as refused (act/restart.py)
     said: LogLine | None = None
+    # no change of its fraction in flight (no lowering or raise pending, none written and unread): a
+    # start that cannot fit at its own fraction may be lowered to fit (core/startfit.py U6)
+    may_lower: bool = False
 
 
 @dataclass(frozen=True)

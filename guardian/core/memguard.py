@@ -707,6 +707,11 @@ def _read_since(track: MemTrack, view: MemoryView) -> MemTrack:
     return track if unread == track.unread else replace(track, unread=unread)
 
 
+def fraction_settled(track: MemTrack, replica: str) -> bool:
+    """No change of REPLICA's fraction in flight: none pending, none written and unread (M9)."""
+    return (track.pending is None or track.pending.replica != replica) and replica not in track.unread
+
+
 def not_read(started_at: float | None, written_at: float) -> bool:
     """A start at STARTED_AT (None: not known) has not read a fraction written at WRITTEN_AT (M9)."""
     return started_at is None or started_at < written_at

@@ -235,8 +235,11 @@ def figures(f: StartFit) -> str:
 def remedy(f: StartFit) -> str:
     """What an operator can do about a start that does not fit."""
     steps = ["free memory on the box", f"lower its gpu_memory_utilization below {f.sure_bytes / f.total_bytes:.2f}"]
-    if f.lower_floor is not None:
-        steps[1] += f" (below memory.floor {f.lower_floor:g}: guardian lowers it no further)"
+    if f.lower_floor is not None:  # the memory guard would have lowered it, had a fraction >= its floor fitted
+        steps[1] = (
+            f"lower memory.floor below {f.lower_floor:g} (no fraction at or above it fits with "
+            f"memory.reserve_bytes {gib(f.reserve_bytes)} left free beside it)"
+        )
     if not f.release_own and f.own_cached_bytes:
         steps.append("set memory.release_cache = true")
     if not f.drop_caches and f.cache_bytes > f.own_cached_bytes:

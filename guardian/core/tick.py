@@ -450,6 +450,7 @@ class Tick:
                 kill_first=kill,
                 stop_timeout_s=stop_timeout_s,
                 said=said,
+                may_lower=memguard.fraction_settled(self.mem, replica.name),
             )
         )
         self.tracks[replica.name] = replace(

@@ -109,19 +109,29 @@ def _regular(path: str) -> tuple[int, int] | None:
 
 
 def _walk(top: str) -> Iterator[str | None]:
-    """The entries under TOP (TOP itself if it is a file), then None if MAX_ENTRIES ran out first: a
-    model path is the replica's to name, and "/" must not walk the whole box."""
+    """The files under TOP (TOP itself if it is a file), then None if MAX_ENTRIES ran out first: a
+    model path is the replica's to name, and "/" (or one directory of millions) must not be read
+    through. Entries are counted as they are read; links to directories are not followed."""
     if _regular(top) is not None:
         yield top
         return
-    left = MAX_ENTRIES
-    for root, dirs, names in os.walk(top, followlinks=False):
-        left -= len(dirs) + len(names)
-        if left < 0:
-            yield None
-            return
-        for name in sorted(names):
-            yield os.path.join(root, name)
+    left, dirs = MAX_ENTRIES, [top]
+    while dirs:
+        try:
+            with os.scandir(dirs.pop()) as it:
+                found = []
+                for entry in it:
+                    left -= 1
+                    if left < 0:
+                        yield None
+                        return
+                    if entry.is_dir(follow_symlinks=False):
+                        dirs.append(entry.path)
+                    else:
+                        found.append(entry.path)
+        except OSError:
+            continue
+        yield from sorted(found)
 
 
 def on_host(path: str, mounts: tuple[tuple[str, str], ...]) -> str | None:
