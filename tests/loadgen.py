@@ -4,8 +4,9 @@
 
 Each client loops: a streaming completion, then a plain one, and so on (--mode stream or plain:
 only those), until the stop file exists. Every request is one JSON line in OUT: start and end (wall time), whether it failed, and
-how (HTTP status, "reset", "timeout", "truncated": a stream that ended without [DONE]), and which
-upstream nginx used (its X-Upstream header, when the test's nginx adds one).
+how (HTTP status, "reset", "timeout", "truncated": a stream that ended without [DONE]), the status
+it was answered with (None: no answer at all), and which upstreams nginx tried (its X-Upstream
+header, "A, B" when it retried on B).
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ LOCK = threading.Lock()
 def one(url: str, model: str, max_tokens: int, stream: bool, timeout_s: float) -> dict:
     parts = urlsplit(url)
     body = json.dumps({"model": model, "prompt": "hello there", "max_tokens": max_tokens, "stream": stream})
-    rec: dict = {"t0": time.time(), "stream": stream, "failed": None, "upstream": None}
+    rec: dict = {"t0": time.time(), "stream": stream, "failed": None, "upstream": None, "status": None}
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout_s)
     try:
         conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
         resp = conn.getresponse()
+        rec["status"] = resp.status  # a 200's headers: nginx had the replica's first bytes, and sent them on
         rec["upstream"] = resp.getheader("X-Upstream")
         data = resp.read()
         if resp.status != 200:

@@ -129,6 +129,26 @@ def test_check_says_who_includes_each_file_and_what_a_rewrite_would_change(tmp_p
     assert bad and "NOT included" in text and "absent" in text
 
 
+def test_check_warns_where_a_request_with_no_byte_yet_would_not_go_to_the_peer(tmp_path):
+    from guardian.act.proxy import retry_warnings
+
+    conf = tmp_path / "nginx"
+    (conf / "sites-enabled").mkdir(parents=True)
+    cfg = config(tmp_path, nginx_upstream_dir=str(tmp_path / "up"))
+    site = "server {{ location / {{ proxy_pass http://llm; {} }} }}\n"
+    (conf / "sites-enabled" / "llm").write_text(site.format("proxy_next_upstream error timeout;"))
+    (conf / "sites-enabled" / "other").write_text(site.format("").replace("llm", "elsewhere"))
+    (warning,) = retry_warnings(cfg, conf)
+    assert warning.startswith(f"proxy: upstream llm: {conf / 'sites-enabled' / 'llm'}: ") and "non_idempotent" in warning
+    (conf / "sites-enabled" / "llm").write_text(site.format(
+        "proxy_next_upstream error timeout non_idempotent; proxy_next_upstream_timeout 5s;"))
+    (warning,) = retry_warnings(cfg, conf)
+    # up to unresponsive_after_s (10) + 2 ticks (2 x 2) + 1 s from a freeze to guardian's kill
+    assert "shorter than guardian's time from a replica's freeze to its kill (up to 15.0 s)" in warning
+    (conf / "sites-enabled" / "llm").write_text(site.format("proxy_next_upstream error non_idempotent;"))
+    assert retry_warnings(cfg, conf) == []
+
+
 NGINX = [(10, "nginx: master process /usr/sbin/nginx -g daemon on; master_process on;")]
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from systemd_box import wait_for
-from world import PROXY, Replica, World
+from world import PROXY, Replica, World, no_byte
 
 pytestmark = pytest.mark.system
 
@@ -75,6 +75,8 @@ def test_a_hung_replica_is_marked_down_at_its_restart_and_no_new_request_goes_to
     a, _ = world.replicas
     world.start_load()
     world.wait_requests(30)
+    # a holds a client's plain completion when it freezes: no byte of its answer sent yet
+    wait_for(lambda: world.sim_state(a)["plain"] > 0, 30, "a plain completion in flight on a", interval_s=0.05)
     frozen_at = float(world.box.run(["date", "+%s.%N"]).stdout.strip())
     world.kill(a.unit, "STOP")
     wait_for(lambda: "D10" in proxy_rules(world, "a"), 30, "a marked down as hung")
@@ -109,6 +111,11 @@ def test_a_hung_replica_is_marked_down_at_its_restart_and_no_new_request_goes_to
                    and q["t0"] > marked[0] for q in reqs), failures(reqs)[:5]
     # only requests sent before guardian had nginx mark it down may fail
     assert all(q["t0"] < marked[0] for q in failures(reqs)), failures(reqs)[:5]
+    # the README's retry lines (issue 33): what had no byte yet when a hung went to b once guardian
+    # killed a; only streams broken mid-answer fail (nginx cannot send those again)
+    assert [q for q in failures(reqs) if no_byte(q)] == [], [q for q in failures(reqs) if no_byte(q)][:5]
+    retried = [q for q in reqs if (q["upstream"] or "").startswith("127.0.0.1:8001, ") and not q["failed"]]
+    assert any(q["t0"] < frozen_at and not q["stream"] for q in retried), [q for q in reqs if q["t0"] < frozen_at][-8:]
 
 
 def test_guardian_killed_in_the_middle_of_a_drain_marks_the_replica_up_once_it_serves(world):

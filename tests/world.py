@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 from dataclasses import dataclass, field
 
 from guardian.observe.meminfo import sample_memory
@@ -87,23 +88,30 @@ def toml_value(v) -> str:
 
 PROXY_URL = "http://127.0.0.1:8090"
 NGINX_SITE = "/etc/nginx/conf.d/llm.conf"
-NGINX_CONF = """upstream llm {
-    least_conn;
-    include /var/lib/guardian/nginx/llm.conf;
-}
-server {
-    listen 127.0.0.1:8090;
-    location / {
-        proxy_pass http://llm;
-        proxy_http_version 1.1;
-        proxy_set_header Connection "";
-        proxy_buffering off;
-        proxy_read_timeout 120s;
-        proxy_next_upstream error timeout http_502 http_503;
-        add_header X-Upstream $upstream_addr always;
-    }
-}
-"""
+def readme_nginx_site() -> str:
+    """The README's nginx snippet (Under a proxy) as it is: the tests run what an operator pastes,
+    listening where the tests' clients connect, and naming in each answer the upstreams nginx tried."""
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    site = text.split("\n### nginx\n", 1)[1].split("```nginx\n", 1)[1].split("```", 1)[0]
+    assert "listen 8080;" in site and "proxy_pass http://llm;" in site, "README's nginx snippet changed shape"
+    return site.replace("listen 8080;", "listen 127.0.0.1:8090;").replace(
+        "proxy_pass http://llm;", "proxy_pass http://llm;\n        add_header X-Upstream $upstream_addr always;")
+
+
+NGINX_CONF = readme_nginx_site()
+
+
+def without_retry(site: str) -> str:
+    lines = [ln.replace(" non_idempotent;", ";") for ln in site.splitlines(keepends=True)
+             if "proxy_next_upstream_" not in ln]
+    out = "".join(lines)
+    assert out != site and not any("non_idempotent" in ln.split("#")[0] for ln in lines), "no retry lines to take out"
+    return out
+
+
+def no_byte(q: dict) -> bool:
+    """A failed request that had received nothing of its answer (what a proxy may send again)."""
+    return bool(q["failed"]) and q.get("status") != 200
 PROXY = {"nginx_upstream_dir": "/var/lib/guardian/nginx", "drain_timeout_s": 60, "stop_timeout_s": 10}
 
 
@@ -197,11 +205,13 @@ class World:
 
     # --- nginx in front, and clients through it ----------------------------------------------
 
-    def start_nginx(self) -> None:
+    def start_nginx(self, retry: bool = True) -> None:
         """nginx from Debian's package, set up as in the field (least_conn, max_fails=3
-        fail_timeout=30s from guardian's server_params), in front of guardian's upstream file."""
+        fail_timeout=30s from guardian's server_params), in front of guardian's upstream file, with
+        the README's snippet; RETRY false: without its lines that send a request with no byte yet to
+        the peer (non_idempotent, tries, timeout), as before issue 33."""
         self.nginx_on = True
-        self.box.write(NGINX_SITE, NGINX_CONF)
+        self.box.write(NGINX_SITE, NGINX_CONF if retry else without_retry(NGINX_CONF))
         self.box.systemctl("start", "nginx.service")
         wait_for(lambda: self.box.http(PROXY_URL + "/v1/models", timeout_s=2)[0] == 200, 20, "nginx to serve")
 

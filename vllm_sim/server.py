@@ -102,6 +102,7 @@ class Req:
     prompt_tokens: int
     max_tokens: int
     synthetic: bool = False
+    stream: bool = False
     prefilled: bool = False
     generated: int = 0
     done: bool = False
@@ -489,7 +490,10 @@ def make_handler(sim: Sim):
                                         "prefill": None if sim.engine.prefill is None else sim.engine.prefill["left"],
                                         "waiting": len(sim.engine.waiting), "pid": os.getpid(),
                                         "gpu_memory_utilization": sim.args.gpu_memory_utilization,
-                                        "model": sim.model, "starved_delays_s": sim.starve_drawn})
+                                        "model": sim.model, "starved_delays_s": sim.starve_drawn,
+                                        # clients' plain completions in the engine: no byte of theirs sent yet
+                                        "plain": sum(1 for r in sim.engine.running + sim.engine.waiting
+                                                     if not r.synthetic and not r.stream)})
             self._json(404, {"detail": "Not Found"})
 
         def do_POST(self):
@@ -528,7 +532,8 @@ def make_handler(sim: Sim):
             if sim.engine.killed:
                 return self._json(500, {"error": {"message": "EngineCore encountered an issue.", "code": 500}})
             prompt = json.dumps(body.get("messages")) if chat else str(body.get("prompt", ""))
-            req = Req(prompt_tokens=max(1, len(prompt.split())), max_tokens=max(1, int(body.get("max_tokens") or 16)))
+            req = Req(prompt_tokens=max(1, len(prompt.split())), max_tokens=max(1, int(body.get("max_tokens") or 16)),
+                      stream=bool(body.get("stream")))
             sim.engine.submit(req)
             if body.get("stream"):
                 return self._stream(req, chat)
