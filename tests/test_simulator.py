@@ -336,6 +336,38 @@ def test_starved_with_a_seed_gives_each_path_its_own_sequence_whatever_comes_bes
     s.post("/_sim/clear", {})
 
 
+def _prefix_counters(s: Running) -> tuple[float, float, float]:
+    """vllm:prefix_cache_queries_total, _hits_total and the TTFT histogram's count, as the page says."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families(s.get("/metrics").text):
+        for sample in family.samples:
+            if sample.name in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+                               "vllm:time_to_first_token_seconds_count"):
+                found[sample.name] = sample.value
+    return (found["vllm:prefix_cache_queries_total"], found["vllm:prefix_cache_hits_total"],
+            found["vllm:time_to_first_token_seconds_count"])
+
+
+def test_a_shared_prefix_is_a_hit_in_whole_blocks_and_a_restart_empties_the_cache(sim):
+    """Issue 33 item 4: a prompt's leading blocks of 16 tokens already cached are hits; its uncached
+    tokens take --sim-prefill-s-per-token each (the figure the simulator computes, not a timing)."""
+    args = ("--sim-prefill-s-per-token", "0.001")
+    s = sim(*args).wait_up()
+    system = " ".join(f"s{i}" for i in range(40))  # 40 tokens: 2 whole blocks of 16, and 8 more
+    for prompt, queried, hit in ((system + " one", 41, 0), (system + " two", 41, 32), ("other " + system, 41, 0)):
+        before = _prefix_counters(s)
+        assert s.post("/v1/completions", {"model": "m", "prompt": prompt, "max_tokens": 1}).status_code == 200
+        after = _prefix_counters(s)
+        assert (after[0] - before[0], after[1] - before[1], after[2] - before[2]) == (queried, hit, 1), prompt
+        assert s.get("/_sim/state").json()["prefix_cache"]["last_prefill_s"] == pytest.approx((queried - hit) * 0.001)
+    s.stop()
+    again = sim(*args).wait_up()  # a restarted replica comes back cold
+    assert again.post("/v1/completions", {"model": "m", "prompt": system + " two", "max_tokens": 1}).status_code == 200
+    assert _prefix_counters(again)[:2] == (41, 0)
+
+
 @pytest.mark.parametrize("coschedule", [False, True])
 def test_a_long_chunked_prefill_moves_only_the_kv_cache_and_blocks_others_unless_coscheduled(sim, coschedule):
     s = sim().wait_up()

@@ -12,6 +12,12 @@ What it imitates (observed on a real vLLM 0.32 server, see shared/BRIEF.md):
 * an engine thread runs iterations: it admits waiting requests (up to ``--max-num-seqs``), counts
   a request's prompt tokens when its prefill completes, then emits one token per running request
   per iteration; the vllm: gauges are updated by the engine, so they freeze when it does.
+* a prefix cache, as vLLM's automatic prefix caching: a prompt's tokens (its words) in blocks of 16,
+  each block keyed by everything before it; a prompt's leading blocks already cached are hits, the
+  rest take ``--sim-prefill-s-per-token`` each before its first token (0, the default: one engine
+  step); least recently used blocks go past ``--sim-prefix-cache-blocks``; the cache is the
+  process's, so a restart empties it. Reported as vLLM does: ``vllm:prefix_cache_queries_total``
+  and ``vllm:prefix_cache_hits_total`` (tokens), ``vllm:time_to_first_token_seconds``.
 * ``/health`` ``/ping`` ``/version`` ``/v1/models`` ``/metrics`` ``/v1/completions``
   ``/v1/chat/completions`` (both streaming with ``"stream": true``).
 
@@ -79,6 +85,7 @@ import signal
 import sys
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -103,7 +110,10 @@ class Req:
     max_tokens: int
     synthetic: bool = False
     stream: bool = False
+    words: tuple[str, ...] = ()  # the prompt's tokens (its words), for the prefix cache
     prefilled: bool = False
+    ready_at: float | None = None  # its prefill of the uncached tokens ends (--sim-prefill-s-per-token)
+    submitted_at: float = field(default_factory=time.monotonic)
     generated: int = 0
     done: bool = False
     failed: str | None = None
@@ -128,17 +138,28 @@ class Metrics:
         # vLLM 0.32's own buckets (vllm/v1/metrics/loggers.py, request_latency_buckets)
         self.prefill_time = Histogram("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase "
                                       "for request.", lab, buckets=PREFILL_BUCKETS_S, registry=r)
+        self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of "
+                                      "queried tokens.", lab, registry=r)
+        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached "
+                                   "tokens.", lab, registry=r)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", lab,
+                              buckets=TTFT_BUCKETS_S, registry=r)
         # The real server's label set (36 labels, a 1 KiB line), with this replica's fraction.
         info = dict(REAL_PAGE.cache_config_labels, engine="0", gpu_memory_utilization=str(gpu_util))
         cfg = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", sorted(info), registry=r)
         cfg.labels(**info).set(1)
         for reason in ("stop", "length", "abort", "error", "repetition"):
             self.success.labels(finished_reason=reason, **self.labels)
-        for m in (self.running, self.waiting, self.kv, self.prompt, self.gen, self.iteration, self.prefill_time):
+        for m in (self.running, self.waiting, self.kv, self.prompt, self.gen, self.iteration, self.prefill_time,
+                  self.prefix_queries, self.prefix_hits, self.ttft):
             m.labels(**self.labels)
 
 
 SAMPLE_PAGE = Path(__file__).resolve().parent / "data" / "vllm-0.32-metrics-sample.txt"
+# vLLM 0.32's own (the real page's vllm:time_to_first_token_seconds)
+TTFT_BUCKETS_S = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                  80.0, 160.0, 640.0, 2560.0]
+PREFIX_BLOCK_TOKENS = 16  # vLLM's default block size: a prefix is cached, and hit, in whole blocks
 PREFILL_BUCKETS_S = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                      480.0, 960.0, 1920.0, 7680.0]
 
@@ -195,6 +216,34 @@ class Engine:
         self.synthetic_max_tokens = 64
         self.synthetic_prompt_tokens = 16
         self.kv_capacity_tokens = 16384
+        self.prefix: OrderedDict[int, None] = OrderedDict()  # cached blocks, least recently used first
+        self.prefix_hit_tokens = 0
+        self.prefix_query_tokens = 0
+        self.last_prefill_s = 0.0  # the last prompt's prefill as the simulator computed it (not measured)
+
+    def _cached_tokens(self, words: tuple[str, ...]) -> int:
+        """The prompt's leading tokens in whole cached blocks; its blocks then cached (LRU)."""
+        hit, chained, hitting = 0, 0, True
+        for at in range(0, len(words) - PREFIX_BLOCK_TOKENS + 1, PREFIX_BLOCK_TOKENS):
+            chained = hash((chained, words[at : at + PREFIX_BLOCK_TOKENS]))
+            if hitting and chained in self.prefix:
+                hit += PREFIX_BLOCK_TOKENS
+            else:
+                hitting = False
+            self.prefix[chained] = None
+            self.prefix.move_to_end(chained)
+        while len(self.prefix) > self.args.sim_prefix_cache_blocks:
+            self.prefix.popitem(last=False)
+        return hit
+
+    def _begin_prefill(self, r: Req, now: float) -> None:
+        hit = self._cached_tokens(r.words) if r.words else 0
+        self.m.prefix_queries.labels(**self.m.labels).inc(r.prompt_tokens)
+        self.m.prefix_hits.labels(**self.m.labels).inc(hit)
+        self.prefix_query_tokens += r.prompt_tokens
+        self.prefix_hit_tokens += hit
+        self.last_prefill_s = (r.prompt_tokens - hit) * self.args.sim_prefill_s_per_token
+        r.ready_at = now + self.last_prefill_s
 
     def submit(self, req: Req) -> None:
         with self.lock:
@@ -242,7 +291,14 @@ class Engine:
                 self.running.append(self.waiting.pop(0))
             computed = 0
             finished: list[Req] = []
+            now = time.monotonic()
             for r in self.running:
+                if not r.prefilled and not r.synthetic:
+                    if r.ready_at is None:
+                        self._begin_prefill(r, now)
+                    if r.ready_at is not None and now < r.ready_at:
+                        continue  # its uncached tokens are still being computed: no token yet
+                    self.m.ttft.labels(**self.m.labels).observe(now - r.submitted_at)
                 if not r.prefilled:
                     r.prefilled = True
                     self.m.prompt.labels(**self.m.labels).inc(r.prompt_tokens)
@@ -493,7 +549,11 @@ def make_handler(sim: Sim):
                                         "model": sim.model, "starved_delays_s": sim.starve_drawn,
                                         # clients' plain completions in the engine: no byte of theirs sent yet
                                         "plain": sum(1 for r in sim.engine.running + sim.engine.waiting
-                                                     if not r.synthetic and not r.stream)})
+                                                     if not r.synthetic and not r.stream),
+                                        "prefix_cache": {"blocks": len(sim.engine.prefix),
+                                                         "query_tokens": sim.engine.prefix_query_tokens,
+                                                         "hit_tokens": sim.engine.prefix_hit_tokens,
+                                                         "last_prefill_s": sim.engine.last_prefill_s}})
             self._json(404, {"detail": "Not Found"})
 
         def do_POST(self):
@@ -532,8 +592,9 @@ def make_handler(sim: Sim):
             if sim.engine.killed:
                 return self._json(500, {"error": {"message": "EngineCore encountered an issue.", "code": 500}})
             prompt = json.dumps(body.get("messages")) if chat else str(body.get("prompt", ""))
-            req = Req(prompt_tokens=max(1, len(prompt.split())), max_tokens=max(1, int(body.get("max_tokens") or 16)),
-                      stream=bool(body.get("stream")))
+            words = tuple(prompt.split())
+            req = Req(prompt_tokens=max(1, len(words)), max_tokens=max(1, int(body.get("max_tokens") or 16)),
+                      stream=bool(body.get("stream")), words=words)
             sim.engine.submit(req)
             if body.get("stream"):
                 return self._stream(req, chat)
@@ -655,6 +716,10 @@ def parse_args(argv=None):
     p.add_argument("--fault-after-s", type=float, default=0.0)
     p.add_argument("--fault-json", default="{}", help="extra fault parameters as JSON")
     p.add_argument("--check-memory", action="store_true", help="run vLLM's startup free-memory check")
+    p.add_argument("--sim-prefix-cache-blocks", type=int, default=4096,
+                   help="the prefix cache's size in blocks of 16 tokens (emptied by a restart: it is the process's)")
+    p.add_argument("--sim-prefill-s-per-token", type=float, default=0.0,
+                   help="seconds of prefill per prompt token not in the prefix cache (0: one engine step)")
     p.add_argument("--shutdown-timeout", type=float, default=0.0,
                    help="as vLLM >= 0.32: on SIGTERM, stop accepting and give running requests up to N s (0: abort them)")
     p.add_argument("--hang-on-sigterm", action="store_true",
