@@ -29,13 +29,13 @@ sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO))
 
 from systemd_box import DISK_DIR, SystemdBox, ensure_deps, ensure_rootfs, wait_for  # noqa: E402
-from world import PROXY, Replica, World  # noqa: E402
+from world import NGINX_CONF, NGINX_SITE, PROXY, Replica, World, no_byte, without_retry  # noqa: E402
 
 from guardian.observe.meminfo import sample_memory  # noqa: E402  (the one MemAvailable reader)
 
 GiB = 2**30
 PARTS = ("detection", "false", "prefill", "stall", "starved", "slowpeer", "cost", "many", "conns", "memory", "memloop",
-         "scrape", "clients", "fleet", "containers", "cachefit")
+         "scrape", "clients", "fleet", "containers", "cachefit", "warmup")
 # between-steps-fresh: between-steps with guardian started 20 s before the fault with nothing learned
 FAULTS = ("frozen", "dead-200", "stalled", "between-steps", "between-steps-fresh", "idle-dead")
 BASELINE = "baseline-prober"
@@ -574,13 +574,15 @@ class Bench:
         and seconds with a 502, for each scenario, with guardian's [proxy] on and off."""
         w = self.world
         out: dict = {}
-        for on in (True, False):
+        # the README's snippet (its retry lines: a request with no byte yet goes to the peer), and a
+        # hung replica without them (the snippet before issue 33)
+        for on, retry in ((True, True), (True, False), (False, True)):
             w.proxy = dict(PROXY) if on else {}
             w.write_config()
-            self._behind_nginx(on)
-            for scenario in ("guardian restart", "hung (SIGSTOP)"):
+            self._behind_nginx(on, retry)
+            for scenario in ("guardian restart", "hung (SIGSTOP)") if retry else ("hung (SIGSTOP)",):
                 for i in range(trials):
-                    key = f"{scenario}|{'on' if on else 'off'}"
+                    key = f"{scenario}|{'on' if on else 'off'}|{'retry' if retry else 'no retry lines'}"
                     res = self._clients_trial(scenario, on)
                     out.setdefault(key, []).append(res)
                     self.say(f"  clients {key} trial {i + 1}: {res}")
@@ -589,7 +591,7 @@ class Bench:
         self.box.systemctl("restart", "guardian.service")
         return out
 
-    def _behind_nginx(self, on: bool) -> None:
+    def _behind_nginx(self, on: bool, retry: bool = True) -> None:
         """nginx in front of both replicas, guardian's [proxy] on (or the file kept by hand), both judged."""
         w = self.world
         self.box.run("rm -rf /var/lib/guardian/nginx", check=False)
@@ -601,8 +603,9 @@ class Bench:
             self.box.run(["guardian", "resume", r.name])
         w.wait_states({r.name: "healthy" for r in w.replicas}, timeout_s=60)
         if not w.nginx_on:
-            w.start_nginx()
+            w.start_nginx(retry)
         else:
+            self.box.write(NGINX_SITE, NGINX_CONF if retry else without_retry(NGINX_CONF))
             self.box.systemctl("reload", "nginx.service")
 
     def _clients_trial(self, scenario: str, on: bool) -> dict:
@@ -628,7 +631,8 @@ class Bench:
             self.box.run(["guardian", "resume", r.name])  # a fresh budget and no back-off for the next trial
         return {"requests": len(reqs), "failed": len(failed),
                 "s502": len({int(q["t1"]) for q in failed if q["failed"].startswith("HTTP 502")}),
-                "kinds": sorted({q["failed"].split(":")[0] for q in failed})}
+                "kinds": sorted({q["failed"].split(":")[0] for q in failed}),
+                "no_byte": sum(1 for q in failed if no_byte(q)), "mid_answer": sum(1 for q in failed if not no_byte(q))}
 
     # --- a fleet on etcd ---------------------------------------------------------------------------
     def fleet(self, rest_s: float) -> dict:
@@ -815,6 +819,74 @@ class Bench:
                  f"from the critical line; stopped: {stopped}")
         return {"lowest_vs_critical_gib": (lowest - critical) / GiB, "stopped": stopped, "served_after_s": time.time() - t0}
 
+    # --- warm before traffic returns (issue 33) --------------------------------------------------
+    def warmup(self, trials: int, prefix_tokens: int = 1000, s_per_token: float = 0.001) -> dict:
+        """`guardian restart a` through a real nginx (the README's snippet, [proxy] on) while 4 clients
+        stream completions that share a PREFIX_TOKENS-token system prompt (prefilled at S_PER_TOKEN a
+        token when not cached: 1 s for the whole prefix); with and without a warm-up file holding that
+        prompt. Per trial, the first 20 requests nginx sent a after it was marked up: time to first
+        token (at the client), and a's prefix cache hit rate over them."""
+        w, a, b = self.world, self.a, self.b
+        shared = " ".join(f"sys{i}" for i in range(prefix_tokens))
+        self.box.write("/etc/vllm/warmup.jsonl", json.dumps({"prompt": shared}) + "\n")
+        out: dict = {}
+        for warm in (False, True):
+            for r in (a, b):
+                r.sim_args = f"--sim-prefill-s-per-token {s_per_token:g}"
+                r.config = {"warmup_file": "/etc/vllm/warmup.jsonl"} if warm else {}
+                w.install_replica(r)
+            w.proxy = dict(PROXY)
+            w.write_config()
+            self.box.daemon_reload()
+            self.box.systemctl("restart", a.unit, b.unit)
+            self._behind_nginx(True)
+            key = "warm-up" if warm else "no warm-up"
+            for i in range(trials):
+                out.setdefault(key, []).append(self._warmup_trial(shared))
+                self.say(f"  warmup {key} trial {i + 1}: {out[key][-1]}")
+        for r in (a, b):
+            r.sim_args, r.config = "", {}
+            w.install_replica(r)
+        w.proxy = {}
+        w.write_config()
+        self.box.daemon_reload()
+        self.box.systemctl("restart", a.unit, b.unit, "guardian.service")
+        return out
+
+    def _warmup_trial(self, shared: str, first_n: int = 20) -> dict:
+        w, a = self.world, self.a
+        w.wait_states({r.name: "healthy" for r in w.replicas}, timeout_s=120)
+        w.start_load(4, 8, "--mode", "stream", "--prefix", shared)
+        w.wait_requests(10)
+        t0 = time.time()
+        self.box.run(["guardian", "restart", a.name, "--wait", "120s"], check=False, timeout=300)
+
+        def marked_up() -> list[float]:
+            return [int(e["__REALTIME_TIMESTAMP"]) / 1e6 for e in self.box.journal(
+                "SYSLOG_IDENTIFIER=guardian", "GUARDIAN_DECISION=proxy", since=t0)
+                if "marked down: none" in e["MESSAGE"] and int(e["__REALTIME_TIMESTAMP"]) / 1e6 > t0]
+
+        up = wait_for(marked_up, 120, "a marked up again")[0]
+        before = w.sim_state(a)["prefix_cache"]
+        addr = f"127.0.0.1:{a.port}"
+
+        def first() -> list[dict]:
+            got = [q for q in w.requests() if q["t0"] > up and (q["upstream"] or "").startswith(addr)
+                   and not q["failed"] and q["ttft_s"] is not None]
+            return got if len(got) >= first_n else []
+
+        reqs = sorted(wait_for(first, 120, f"{first_n} requests served by a after its mark-up"), key=lambda q: q["t0"])
+        after = w.sim_state(a)["prefix_cache"]
+        w.stop_load()
+        ttft = sorted(q["ttft_s"] for q in reqs[:first_n])
+        queried = after["query_tokens"] - before["query_tokens"]
+        for r in w.replicas:
+            self.box.run(["guardian", "resume", r.name])  # a fresh budget for the next trial
+        return {"ttft_median_s": round(statistics.median(ttft), 3),
+                "ttft_p95_s": round(ttft[min(len(ttft) - 1, int(0.95 * len(ttft)))], 3),
+                "hit_rate": round((after["hit_tokens"] - before["hit_tokens"]) / queried, 3) if queried else None,
+                "requests": len(ttft)}
+
     # --- a start into a full page cache (issue 31) -----------------------------------------------
     def cachefit(self, trials: int, model_gib: int = 4) -> dict:
         """Replica a frozen while its own 4 GiB model file fills the page cache until MemFree is 2 GiB
@@ -985,7 +1057,9 @@ def main() -> int:
                                 ("fleet", "a fleet of 8 boxes on etcd", lambda: b.fleet(20 if args.quick else 120)),
                                 ("containers", "replicas in containers", lambda: b.containers(max(1, min(trials, 5)))),
                                 ("cachefit", "a hung replica restarted into a full page cache",
-                                 lambda: b.cachefit(max(1, min(trials, 3))))):
+                                 lambda: b.cachefit(max(1, min(trials, 3)))),
+                                ("warmup", "a planned restart's first requests, warmed or not",
+                                 lambda: b.warmup(1 if args.quick else 3))):
             if part in parts:
                 b.say(what)
                 results[part] = run()
@@ -1119,6 +1193,7 @@ def write_report(path: Path, r: dict, quick: bool, took_s: float, date: str | No
         *_fleet_lines(r.get("fleet")),
         *_containers_lines(r.get("containers")),
         *_cachefit_lines(r.get("cachefit")),
+        *_warmup_lines(r.get("warmup")),
         "## Recovery",
         "",
         "replica serving again (its 'Application startup complete.') -> guardian reports it healthy, after "
@@ -1129,6 +1204,33 @@ def write_report(path: Path, r: dict, quick: bool, took_s: float, date: str | No
     ]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines))
+
+
+def _warmup_lines(c: dict | None) -> list[str]:
+    if not c:
+        return []
+    rows = []
+    for key, trials in c.items():
+        med = ", ".join(f"{t['ttft_median_s']:.2f}" for t in trials)
+        p95 = ", ".join(f"{t['ttft_p95_s']:.2f}" for t in trials)
+        hits = ", ".join("-" if t["hit_rate"] is None else f"{100 * t['hit_rate']:.0f}%" for t in trials)
+        rows.append(f"| {key} | {statistics.median(t['ttft_median_s'] for t in trials):.2f} s ({med}) "
+                    f"| {statistics.median(t['ttft_p95_s'] for t in trials):.2f} s ({p95}) | {hits} |")
+    return [
+        "## Warm before traffic returns",
+        "",
+        "`guardian restart a` through a real nginx (the README's snippet, `[proxy]` on) while 4 clients stream "
+        "completions (8 tokens) that share a 1,000-token system prompt, each with its own tail; the simulator "
+        "prefills a token not in its prefix cache in 1 ms (the whole prompt: 1 s) and a restart empties the "
+        "cache. With `warmup_file` (that prompt, one request) and without. Per trial, the first 20 requests nginx "
+        "sent a after guardian marked it up: time to first token at the client, and a's prefix cache hit rate "
+        "over them (tokens hit / tokens queried). Median of the trials, each trial in brackets.",
+        "",
+        "| a's restart | time to first token, median | p95 | prefix cache hit rate |",
+        "|---|---|---|---|",
+        *rows,
+        "",
+    ]
 
 
 def _cachefit_lines(c: dict | None) -> list[str]:
@@ -1268,23 +1370,32 @@ def _clients_lines(c: dict | None) -> list[str]:
         return []
     rows = []
     for key, trials in c.items():
-        scenario, on = key.split("|")
+        scenario, on, *retry = key.split("|")
         failed = [t["failed"] for t in trials]
         s502 = [t["s502"] for t in trials]
         kinds = sorted({k for t in trials for k in t["kinds"]}) or ["-"]
-        rows.append(f"| {scenario} | {on} | {sum(t['requests'] for t in trials)} | {sum(failed)} ({', '.join(map(str, failed))}) "
-                    f"| {sum(s502)} ({', '.join(map(str, s502))}) | {', '.join(kinds)} |")
+        split = "-"
+        if all("no_byte" in t for t in trials):
+            split = f"{sum(t['no_byte'] for t in trials)} / {sum(t['mid_answer'] for t in trials)}"
+        nginx = {"retry": "README's", "no retry lines": "without its retry lines"}.get(retry[0] if retry else "", "before issue 33")
+        rows.append(f"| {scenario} | {on} | {nginx} | {sum(t['requests'] for t in trials)} | {sum(failed)} "
+                    f"({', '.join(map(str, failed))}) | {split} | {sum(s502)} ({', '.join(map(str, s502))}) "
+                    f"| {', '.join(kinds)} |")
     return [
         "## What clients see",
         "",
         "8 clients (streaming and plain completions, 40 tokens each) through a real nginx (Debian's nginx-light; "
-        "`least_conn`, `max_fails=3 fail_timeout=30s`, `proxy_next_upstream error timeout http_502 http_503`) in "
-        "front of the two replicas, from before the event until 20 s after the replica serves again. `[proxy]` "
-        "on: guardian drains planned restarts and marks a hung replica down (README, Under a proxy); off: nginx's "
-        "server lines are static. Per trial in brackets.",
+        "`least_conn`, `max_fails=3 fail_timeout=30s`) in front of the two replicas, from before the event until "
+        "20 s after the replica serves again. nginx runs the README's snippet (its retry lines: `proxy_next_upstream "
+        "error timeout http_502 http_503 non_idempotent`, 2 tries, 60 s), or that snippet without them "
+        "(`proxy_next_upstream error timeout http_502 http_503`, as before issue 33). `[proxy]` on: guardian "
+        "drains planned restarts and marks a hung replica down (README, Under a proxy); off: nginx's server lines "
+        "are static. Failed requests are split into those that had no byte of their answer yet (what a proxy may "
+        "send again) and streams broken mid-answer. Per trial in brackets.",
         "",
-        "| scenario | guardian's [proxy] | requests | failed | seconds with a 502 | how they failed |",
-        "|---|---|---|---|---|---|",
+        "| scenario | guardian's [proxy] | nginx | requests | failed | no byte yet / mid-answer | seconds with a 502 "
+        "| how they failed |",
+        "|---|---|---|---|---|---|---|---|",
         *rows,
         "",
     ]

@@ -36,7 +36,7 @@ from .core.actions import Action, AnswerRequest, LogLine, RequestWaits, RestartU
 from .core.container import KEEPING_POLICIES, helper_unit, parse_run_line, unit_problems
 from .core.observations import Probe, RestartRequest, TickObservation, UnitInfo, VllmSample
 from .core.vocab import ActiveState, Decision, HeldBy, Hidden, Nobody, PortOwner, Priority
-from .observe import askers, clock, probes
+from .observe import askers, clock, probes, warmup
 from .observe.containers import ContainerWatch
 from .observe.memory import env_path, wiring_of
 from .observe.nvml import Nvml
@@ -260,6 +260,7 @@ async def _check_live(cfg: Config, no_systemd: bool, report: Report) -> None:
         else:
             bus = await _check_units(cfg, sd, report)
     _check_proxy(cfg, report)
+    _check_warmup(cfg, report)
     if cfg.fleet.enabled:
         await _check_fleet(cfg, report)
     async with make_client() as client:
@@ -335,6 +336,30 @@ async def _check_wiring(cfg: Config, sd: Systemd, report: Report) -> None:
                 f"memory guard: replica {r.name}: wired ({env_path(cfg, r.name)} is the last "
                 "EnvironmentFile= that sets GPU_MEMORY_UTILIZATION)"
             )
+
+
+def _check_warmup(cfg: Config, report: Report) -> None:
+    """Each replica's warm-up file, read as the warm-up reads it (observe/warmup.py)."""
+    for r in cfg.replicas:
+        if r.warmup_file is None:
+            continue
+        try:
+            found = warmup.load(r.warmup_file)
+        except warmup.WarmupFileError as e:
+            report.problem(f"warm-up: replica {r.name}: {e}; it is marked up without a warm-up (D14 says why)")
+            continue
+        if not cfg.proxy.enabled:
+            report.problem(
+                f"warm-up: replica {r.name}: {r.warmup_file} is never sent: a warm-up comes before a replica is "
+                "marked up at the proxy, and no [proxy] is configured",
+                "warning",
+            )
+            continue
+        chats = sum(1 for q in found if q.path.endswith("chat/completions"))
+        report.say(
+            f"warm-up: replica {r.name}: {len(found)} requests in {r.warmup_file} ({chats} chat), one token each, "
+            f"within {r.warmup_timeout_s:g} s, before it is marked up after a restart or a drain"
+        )
 
 
 def _check_proxy(cfg: Config, report: Report) -> None:

@@ -159,6 +159,11 @@ class ReplicaConfig(_Strict):
     metrics_timeout_s: float = Field(default=3.0, gt=0, le=MAX_WINDOW_S)
     canary_timeout_s: float = Field(default=15.0, gt=0, le=MAX_WINDOW_S)
     upstream: str = Field(default="llm", pattern=r"^[A-Za-z0-9_-]+$", max_length=64)  # nginx upstream ([proxy])
+    # Warm-up requests (issue 33): a JSONL file of completion or chat requests (its clients' shared
+    # system prompts and tool definitions), served one token each before a replica that comes back
+    # from a restart or a drain is marked up at the proxy, within warmup_timeout_s in all.
+    warmup_file: Path | None = None
+    warmup_timeout_s: float = Field(default=30.0, gt=0, le=MAX_WINDOW_S)
 
     @model_validator(mode="before")
     @classmethod

@@ -1,4 +1,4 @@
-"""Draining through the proxy (core/drain.py, D1-D12) as the tick applies it: table rows before, at
+"""Draining through the proxy (core/drain.py, D1-D15) as the tick applies it: table rows before, at
 and after each threshold, with a fake clock. Assertions name rule ids, not wording."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ from dataclasses import replace
 
 import pytest
 
-from guardian.core.actions import LogLine, RequestWaits, SyncProxy
+from guardian.core.actions import LogLine, RequestWaits, SyncProxy, WarmUp
 from guardian.core.drain import Drain, Phase
-from guardian.core.observations import ProxyView, RestartOutcome, RestartRequest
-from guardian.core.vocab import Decision, RestartKind, State
+from guardian.core.observations import ProxyView, RestartOutcome, RestartRequest, WarmupResult
+from guardian.core.vocab import Decision, Priority, RestartKind, State
 from harness import (
     said,
     DRAIN_S, GiB, TIMEOUT, Box, answers, cfg, lowerings, memory, obs, restarts, rules, sample, unit, with_memory,
@@ -322,3 +322,63 @@ def test_a_request_with_a_wait_refused_by_a_passing_rule_when_its_drain_ends_is_
     assert [a.request_id for a in acts if isinstance(a, RequestWaits)] == ["q1"]
     acts = box.tick(106, a=obs("a", 106, s=sample(gen=3)))
     assert not answers(acts) and not restarts(acts) and "a" not in box.core.drains  # still waiting, not drained
+
+
+# --- warm before traffic returns (issue 33 item 2: D13-D15) ------------------------------------------
+
+def warm_box(timeout_s: float = 30.0) -> Box:
+    """a hung and restarted behind the proxy, with a warm-up file; back at t=116 (D13 sends it)."""
+    c = with_proxy(cfg(2, unresponsive_after_s=10))
+    reps = [r.model_copy(update={"warmup_file": "/etc/vllm/warmup.jsonl", "warmup_timeout_s": timeout_s})
+            if r.name == "a" else r for r in c.replicas]
+    box = Box(c.model_copy(update={"replicas": reps}))
+    box.tick(100)
+    box.tick(105, a=obs("a", 105, health=TIMEOUT))
+    box.tick(110, a=obs("a", 110, health=TIMEOUT))
+    new = unit(inactive_exit_mono=111.0)
+    box.tick(114, a=obs("a", 114, health=TIMEOUT, u=new, outcome=RestartOutcome("vllm-a.service", "done", True, True)))
+    acts = box.tick(116, a=obs("a", 116, u=new, s=sample(gen=1)))
+    assert box.state() is State.HEALTHY and proxy_rules(acts) == ["D13"] and "a" in box.core.drains
+    (warm,) = [x for x in acts if isinstance(x, WarmUp)]
+    assert (warm.replica, warm.started_at, warm.timeout_s) == ("a", 116, timeout_s)
+    return box
+
+
+NEW = unit(inactive_exit_mono=111.0)
+
+
+@pytest.mark.parametrize(
+    "result, rule, priority",
+    [
+        (WarmupResult(116, 3, 0, 0.4), "D14", Priority.INFO),
+        (WarmupResult(116, 2, 1, 0.4, "request 3: HTTP 400"), "D14", Priority.WARNING),
+        (WarmupResult(90, 3, 0, 0.4), None, None),  # an earlier warm-up's result: not this drain's
+    ],
+)
+def test_a_replica_with_a_warmup_is_marked_up_once_its_warmup_ended_d13_d14(result, rule, priority):
+    box = warm_box()
+    acts = box.tick(117, a=obs("a", 117, u=NEW, s=sample(gen=2)))
+    assert not proxy_rules(acts) and not [x for x in acts if isinstance(x, WarmUp)]  # sent once, waits
+    acts = box.tick(118, a=replace(obs("a", 118, u=NEW, s=sample(gen=3)), warmup=result))
+    assert proxy_rules(acts) == ([rule] if rule else [])
+    assert ("a" in box.core.drains) is (rule is None)
+    if rule:
+        (line,) = [x for x in said(acts) if x.decision is Decision.PROXY]
+        assert line.priority is priority
+
+
+@pytest.mark.parametrize("t, marked_up", [(116 + 30 + 2 - 0.1, False), (116 + 30 + 2, True)])
+def test_a_warmup_that_never_ends_is_marked_up_at_its_bound_d15(t, marked_up):
+    box = warm_box()
+    acts = box.tick(t, a=obs("a", t, u=NEW, s=sample(gen=2)))
+    assert proxy_rules(acts) == (["D15"] if marked_up else [])
+    if marked_up:
+        (line,) = [x for x in said(acts) if x.decision is Decision.PROXY]
+        assert line.priority is Priority.WARNING and "did not end within 30 s" in line.message
+
+
+def test_a_replica_without_a_warmup_file_is_marked_up_at_once_d11():
+    box = Box(with_proxy(cfg(2)))
+    box.core = replace(box.core, drains={"a": Drain(Phase.AWAY, 90.0, "restart")})
+    acts = box.tick(100)
+    assert proxy_rules(acts) == ["D11"] and not [x for x in acts if isinstance(x, WarmUp)]

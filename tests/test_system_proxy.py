@@ -4,10 +4,12 @@ counts the clients' failed requests."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from systemd_box import wait_for
-from world import PROXY, Replica, World, no_byte
+from world import PROXY, Replica, World, line_with, no_byte
 
 pytestmark = pytest.mark.system
 
@@ -211,3 +213,45 @@ def test_a_planned_restart_whose_stop_hangs_is_killed_after_stop_timeout_s_drain
     assert "the stop was still running after 3 s, so its processes were killed (SIGKILL)" in done, done
     assert not world.guardian_messages("GUARDIAN_REPLICA=a", "PRIORITY=3")
     world.box.systemctl("stop", "loadgen.service")  # its requests on b would run for minutes
+
+
+WARMUP = "/etc/vllm/warmup.jsonl"
+SHARED = " ".join(f"rule{i}" for i in range(48))  # the clients' shared system prompt: 3 blocks of 16 tokens
+
+
+def test_a_restarted_replica_serves_its_warmup_before_it_is_marked_up_and_one_past_its_bound_is_marked_up_anyway(world):
+    """Issue 33 item 2. a's warm-up (3 requests sharing a 48-token prefix) is served before nginx has
+    it up again (D13, then D14); b's prefill is slow (0.2 s a token: its first warm-up request needs
+    9.6 s), past its 3 s bound: it is marked up at the bound, said at warning."""
+    world.replicas = [
+        Replica("a", 8001, sim_args="--sim-prefill-s-per-token 0.001", config={"warmup_file": WARMUP}),
+        Replica("b", 8002, sim_args="--sim-prefill-s-per-token 0.2",
+                config={"warmup_file": WARMUP, "warmup_timeout_s": 3}),
+    ]
+    world.proxy = dict(PROXY)
+    world.setup(start_guardian=False)
+    world.box.write(WARMUP, "".join(json.dumps({"prompt": f"{SHARED} tool-{i}"}) + "\n" for i in range(3)))
+    world.start_guardian()
+    world.start_nginx()
+    a, b = world.replicas
+    for r, rule, priority, what in ((a, "D14", "6", "warm: 3 of 3 warm-up requests served"),
+                                    (b, "D14", "4", "its bound of 3 s passed")):
+        since = float(world.box.run(["date", "+%s.%N"]).stdout.strip())
+        asked = world.box.run(["guardian", "restart", r.name, "--wait", "60s"], check=False, timeout=240)
+        assert asked.returncode == 0, asked.stdout + asked.stderr
+        up = line_with(world, what, f"GUARDIAN_REPLICA={r.name}", f"GUARDIAN_RULE={rule}", timeout_s=60)
+        assert up["PRIORITY"] == priority, up
+        sent = [e for e in world.guardian_lines(f"GUARDIAN_REPLICA={r.name}", "GUARDIAN_RULE=D13")
+                if int(e["__REALTIME_TIMESTAMP"]) / 1e6 > since]
+        assert len(sent) == 1, sent
+        # nginx had it down from its drain until after the warm-up ended: no "marked down: none" between
+
+        def ups() -> list[float]:
+            return [int(e["__REALTIME_TIMESTAMP"]) / 1e6 for e in world.guardian_lines("GUARDIAN_DECISION=proxy")
+                    if "marked down: none" in e["MESSAGE"] and int(e["__REALTIME_TIMESTAMP"]) / 1e6 > since]
+
+        marked_up = wait_for(ups, 30, f"nginx reloaded with {r.name} up")
+        assert min(marked_up) >= int(up["__REALTIME_TIMESTAMP"]) / 1e6, (marked_up, up)
+        assert " down;" not in world.upstream_file()
+    cache = world.sim_state(a)["prefix_cache"]
+    assert cache["query_tokens"] >= 3 * 49 and cache["hit_tokens"] >= 2 * 48, cache  # the shared prefix is cached

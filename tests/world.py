@@ -66,6 +66,7 @@ class Replica:
     wired: bool = True  # reads guardian's env file and passes ${GPU_MEMORY_UTILIZATION}
     restart_sec: float = 1
     env_after: bool = False  # the unit also reads /etc/vllm/NAME.env, listed after guardian's file
+    config: dict = field(default_factory=dict)  # more of its [[replicas]] keys (warmup_file, ...)
 
     @property
     def unit(self) -> str:
@@ -146,6 +147,7 @@ class World:
             if not self.replica_defaults:
                 lines += [f"startup_grace_s = {r.startup_grace_s}", f"health_timeout_s = {r.health_timeout_s}",
                           "metrics_timeout_s = 1.0", "canary_timeout_s = 2.0"]
+            lines += [f"{k} = {toml_value(v)}" for k, v in r.config.items()]
         return "\n".join(lines) + "\n"
 
     def write_config(self, text: str | None = None, path: str = "/etc/guardian/guardian.toml") -> None:
@@ -215,11 +217,12 @@ class World:
         self.box.systemctl("start", "nginx.service")
         wait_for(lambda: self.box.http(PROXY_URL + "/v1/models", timeout_s=2)[0] == 200, 20, "nginx to serve")
 
-    def start_load(self, clients: int = 8, max_tokens: int = 40) -> None:
+    def start_load(self, clients: int = 8, max_tokens: int = 40, *more: str) -> None:
+        """MORE: loadgen's other options (--mode stream, --prefix TEXT)."""
         self.box.run(["rm", "-f", "/run/loadgen.stop", "/run/loadgen.jsonl"])
         self.box.run(["systemd-run", "--unit=loadgen", "-p", "Restart=no", "/usr/bin/python3",
                       "/opt/guardian/src/tests/loadgen.py", PROXY_URL, self.replicas[0].model, "/run/loadgen.jsonl",
-                      "--clients", str(clients), "--max-tokens", str(max_tokens)])
+                      "--clients", str(clients), "--max-tokens", str(max_tokens), *more])
 
     def requests(self) -> list[dict]:
         out = self.box.run(["cat", "/run/loadgen.jsonl"], check=False).stdout

@@ -13,11 +13,12 @@ What it imitates (observed on a real vLLM 0.32 server, see shared/BRIEF.md):
   a request's prompt tokens when its prefill completes, then emits one token per running request
   per iteration; the vllm: gauges are updated by the engine, so they freeze when it does.
 * a prefix cache, as vLLM's automatic prefix caching: a prompt's tokens (its words) in blocks of 16,
-  each block keyed by everything before it; a prompt's leading blocks already cached are hits, the
-  rest take ``--sim-prefill-s-per-token`` each before its first token (0, the default: one engine
-  step); least recently used blocks go past ``--sim-prefix-cache-blocks``; the cache is the
-  process's, so a restart empties it. Reported as vLLM does: ``vllm:prefix_cache_queries_total``
-  and ``vllm:prefix_cache_hits_total`` (tokens), ``vllm:time_to_first_token_seconds``.
+  each block keyed by everything before it and cached once its prefill is done; a prompt's leading
+  blocks already cached are hits, the rest take ``--sim-prefill-s-per-token`` each before its first
+  token (0, the default: one engine step); least recently used blocks go past
+  ``--sim-prefix-cache-blocks``; the cache is the process's, so a restart empties it. Reported as
+  vLLM does: ``vllm:prefix_cache_queries_total`` and ``vllm:prefix_cache_hits_total`` (tokens),
+  ``vllm:time_to_first_token_seconds``.
 * ``/health`` ``/ping`` ``/version`` ``/v1/models`` ``/metrics`` ``/v1/completions``
   ``/v1/chat/completions`` (both streaming with ``"stream": true``).
 
@@ -221,23 +222,26 @@ class Engine:
         self.prefix_query_tokens = 0
         self.last_prefill_s = 0.0  # the last prompt's prefill as the simulator computed it (not measured)
 
-    def _cached_tokens(self, words: tuple[str, ...]) -> int:
-        """The prompt's leading tokens in whole cached blocks; its blocks then cached (LRU)."""
+    def _cached_tokens(self, words: tuple[str, ...], insert: bool) -> int:
+        """The prompt's leading tokens in whole cached blocks; INSERT: its blocks cached now (LRU), as
+        once its prefill computed them (a request admitted beside it before then finds none)."""
         hit, chained, hitting = 0, 0, True
         for at in range(0, len(words) - PREFIX_BLOCK_TOKENS + 1, PREFIX_BLOCK_TOKENS):
             chained = hash((chained, words[at : at + PREFIX_BLOCK_TOKENS]))
             if hitting and chained in self.prefix:
                 hit += PREFIX_BLOCK_TOKENS
+                self.prefix.move_to_end(chained)
             else:
                 hitting = False
-            self.prefix[chained] = None
-            self.prefix.move_to_end(chained)
+            if insert:
+                self.prefix[chained] = None
+                self.prefix.move_to_end(chained)
         while len(self.prefix) > self.args.sim_prefix_cache_blocks:
             self.prefix.popitem(last=False)
         return hit
 
     def _begin_prefill(self, r: Req, now: float) -> None:
-        hit = self._cached_tokens(r.words) if r.words else 0
+        hit = self._cached_tokens(r.words, insert=False) if r.words else 0
         self.m.prefix_queries.labels(**self.m.labels).inc(r.prompt_tokens)
         self.m.prefix_hits.labels(**self.m.labels).inc(hit)
         self.prefix_query_tokens += r.prompt_tokens
@@ -298,6 +302,7 @@ class Engine:
                         self._begin_prefill(r, now)
                     if r.ready_at is not None and now < r.ready_at:
                         continue  # its uncached tokens are still being computed: no token yet
+                    self._cached_tokens(r.words, insert=True)
                     self.m.ttft.labels(**self.m.labels).observe(now - r.submitted_at)
                 if not r.prefilled:
                     r.prefilled = True

@@ -38,9 +38,10 @@ from ..core.actions import (
     SetFraction,
     StartCanary,
     SyncProxy,
+    WarmUp,
 )
 from ..core.liveness import Track
-from ..core.observations import CanaryResult, RestartOutcome
+from ..core.observations import CanaryResult, RestartOutcome, WarmupResult
 from ..core.vocab import Decision, Gate, Priority
 from ..observe import probes
 from ..observe.clock import Now
@@ -60,6 +61,7 @@ from .state import (
     record_steps,
     record_waiting,
 )
+from .warmup import warm_up
 
 
 class Executor:
@@ -82,6 +84,7 @@ class Executor:
         # handed over one a tick, oldest first.
         self._canaries: dict[str, list[CanaryResult]] = {}
         self._outcomes: dict[str, RestartOutcome] = {}
+        self._warmups: dict[str, WarmupResult] = {}
 
     @property
     def cfg(self) -> Config:
@@ -104,6 +107,8 @@ class Executor:
                 self.tools.journal.line(action)
             case StartCanary():
                 self._spawn(self._canary(action.replica, action.timeout_s, action.sent_at))
+            case WarmUp():
+                self._spawn(self._warm(action))
             case RestartUnit():
                 self._spawn(self._restart(action))
             case SetFraction():
@@ -130,8 +135,8 @@ class Executor:
         """What the tasks brought back since the last call, handed over once."""
         canaries = {name: got.pop(0) for name, got in self._canaries.items() if got}
         self._canaries = {name: got for name, got in self._canaries.items() if got}
-        results = Results(canaries, self._outcomes)
-        self._outcomes = {}
+        results = Results(canaries, self._outcomes, self._warmups)
+        self._outcomes, self._warmups = {}, {}
         return results
 
     def reload(self, cfg: Config) -> None:
@@ -192,6 +197,11 @@ class Executor:
             started = sent_at if sent_at is not None else self.tools.clock().mono
             result = await probes.canary(self.client, r, started, timeout_s)
             self._canaries.setdefault(name, []).append(result)
+
+    async def _warm(self, action: WarmUp) -> None:
+        r = self.cfg.replica(action.replica)
+        if r is not None and r.warmup_file is not None:
+            self._warmups[r.name] = await warm_up(self.client, r, action.started_at, action.timeout_s)
 
     async def _guarded(self, order: RestartOrder, what: str) -> RestartOutcome:
         """The checked restart; an exception out of it is said and is the outcome."""

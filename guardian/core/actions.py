@@ -145,10 +145,21 @@ class SyncProxy:
     down: frozenset[str]
 
 
+@dataclass(frozen=True)
+class WarmUp:
+    """Serve REPLICA's warm-up requests (R.warmup_file, one token each) within TIMEOUT_S; the result
+    comes back as a WarmupResult carrying STARTED_AT (core/drain.py D13)."""
+
+    replica: str
+    started_at: float
+    timeout_s: float
+
+
 Action = (
     LogLine
     | RestartUnit
     | StartCanary
+    | WarmUp
     | RecordCanaryLatencies
     | SetFraction
     | AnswerRequest

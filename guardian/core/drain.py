@@ -4,15 +4,18 @@ A replica of this box is up at the proxy (no entry) or marked down (a Drain entr
 - ``draining``: marked down for a planned restart; guardian waits for its queue to empty, then
   restarts it (gracefully, with a bounded stop);
 - ``away``: marked down while it restarts (a planned restart after its drain, or an unplanned one
-  because it hung), until it serves again.
+  because it hung), until it serves again, and, where it has warm-up requests (R.warmup_file),
+  until they were served or their bound passed (its prefix cache then holds what its clients
+  share when they come back).
 
 The set of replicas marked down is state of the core (TickState.drains). Every tick ends with
 SyncProxy(that set) when a proxy is configured, and the shell makes the proxy match it
 (act/proxy.py: nginx's upstream file or the command hooks) and reports what it applied
 (ProxyView); a drain waits for that report before it counts.
 
-Rules: RULES below (D1-D12), rendered into docs/rules.md; DRAINED_ROWS (D6, D7) are checked in
-order, the others are the steps of core/tick.py that name them. ``P`` = the [proxy] config.
+Rules: RULES below (D1-D15), rendered into docs/rules.md; DRAINED_ROWS (D6, D7) and BACK_ROWS
+(D11, D13-D15: an away replica marked up, or warmed first) are checked in order, the others are
+the steps of core/tick.py that name them. ``P`` = the [proxy] config.
 "Another replica of the model serves" means: a replica of this box with the same model that serves
 (liveness.serves: healthy or busy, or degraded only by a late probe, within the last
 SERVED_RECENTLY_S) and is not marked down; or a `memory.peer_urls` peer that answered with the model; or,
@@ -26,7 +29,7 @@ from enum import StrEnum
 
 from ..config import Config
 from .liveness import Track, serves
-from .observations import ProxyView, ReplicaObservation, TickObservation, VllmSample
+from .observations import ProxyView, ReplicaObservation, TickObservation, VllmSample, WarmupResult
 from .rules import Row, Rule, first_match
 from .vocab import SERVING_STATES
 
@@ -45,6 +48,7 @@ class Drain:
     confirmed_at: float | None = None  # the proxy reported it marked down (the drain timer starts)
     for_memory: bool = False  # the memory guard's lowering waits for it (M16), not an operator
     error_said: bool = False  # the proxy's refusal was logged (a memory drain waits for the proxy's retry)
+    warm_from: float | None = None  # away, back, and its warm-up requests sent at (D13); None: not warming
 
 
 @dataclass(frozen=True)
@@ -141,13 +145,83 @@ RULES = (
         "a hung replica's restart is issued (L8, L9, L13, L14, L15), or a critical lowering's (not drained): "
         "marked down at once; a proxy that cannot be told never holds that restart up",
     ),
-    Rule(
+    MARKED_UP := Rule(
         "D11",
         "marked up",
-        "away AND no restart by guardian in flight AND the replica is healthy or busy",
+        "away AND no restart by guardian in flight AND the replica is healthy or busy (back) AND it has no "
+        "R.warmup_file",
     ),
     Rule("D12", "forgotten", "the replica is no longer in the config: its server line goes with it"),
+    WARMING := Rule(
+        "D13",
+        "warming",
+        "away AND back AND R.warmup_file AND not warming yet: its warm-up requests are sent (one token each, "
+        "within R.warmup_timeout_s in all); still marked down",
+    ),
+    WARMED := Rule(
+        "D14",
+        "marked up (warm)",
+        "warming AND its warm-up ended: marked up, said with how many of its requests were served in how long "
+        "(at warning when some failed)",
+    ),
+    WARMUP_LATE := Rule(
+        "D15",
+        "marked up (warm-up past its bound)",
+        "warming AND now - the warm-up's start >= R.warmup_timeout_s + WARMUP_MARGIN_S with no end reported: "
+        "marked up anyway, said at warning",
+    ),
 )
+WARMUP_MARGIN_S = 2.0  # past the warm-up's own bound: the tick that brings its result
+
+
+class Back(StrEnum):
+    """What an away replica's tick does (BACK_ROWS)."""
+
+    MARK_UP = "mark up"
+    WARM = "warm"
+
+
+@dataclass(frozen=True)
+class _Away:
+    """An away replica as BACK_ROWS read it."""
+
+    back: bool  # back(): no restart by guardian in flight, healthy or busy
+    has_warmup: bool  # R.warmup_file
+    warm_from: float | None
+    ended: bool  # its warm-up's result came on this tick
+    waited_s: float  # since its warm-up was sent (0: not warming)
+    timeout_s: float  # R.warmup_timeout_s
+
+
+# An away replica, first match; none: it stays marked down (not back yet, or warming). The table's
+# order is not the ids': a warming replica is judged on its warm-up before anything else.
+BACK_ROWS: tuple[Row[_Away, Back], ...] = (
+    Row(WARMED, lambda a: a.warm_from is not None and a.ended, lambda a: Back.MARK_UP),
+    Row(
+        WARMUP_LATE,
+        lambda a: a.warm_from is not None and a.waited_s >= a.timeout_s + WARMUP_MARGIN_S,
+        lambda a: Back.MARK_UP,
+    ),
+    Row(WARMING, lambda a: a.back and a.has_warmup and a.warm_from is None, lambda a: Back.WARM),
+    Row(MARKED_UP, lambda a: a.back and not a.has_warmup, lambda a: Back.MARK_UP),
+)
+
+
+def away_verdict(
+    down: Drain, track: Track, warmup: WarmupResult | None, has_warmup: bool, timeout_s: float, now: float
+) -> tuple[Rule, Back] | None:
+    """What an away replica's tick does: the first of BACK_ROWS that holds, or None (it waits).
+    WARMUP: the warm-up result this tick brought, counted only if it is this drain's."""
+    warming = down.warm_from
+    away = _Away(
+        back=back(down, track),
+        has_warmup=has_warmup,
+        warm_from=warming,
+        ended=warmup is not None and warming is not None and warmup.started_at == warming,
+        waited_s=now - warming if warming is not None else 0.0,
+        timeout_s=timeout_s,
+    )
+    return first_match(BACK_ROWS, away)
 
 
 def peers_configured(name: str, obs: TickObservation, cfg: Config) -> bool:

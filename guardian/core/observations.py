@@ -102,6 +102,17 @@ class CanaryResult:
 
 
 @dataclass(frozen=True)
+class WarmupResult:
+    """A replica's warm-up requests (core/drain.py D13-D15), as they ended."""
+
+    started_at: float  # the WarmUp action's tick (the drain's warm_from): which warm-up it is
+    served: int
+    failed: int
+    took_s: float
+    error: str | None = None  # the file could not be read, or the first request's failure
+
+
+@dataclass(frozen=True)
 class RestartOutcome:
     """The end of a restart job guardian issued."""
 
@@ -175,6 +186,7 @@ class ReplicaObservation:
     port_owner: PortOwner | None = None
     canary: CanaryResult | None = None  # a canary that finished since the last tick
     restart_outcome: RestartOutcome | None = None
+    warmup: WarmupResult | None = None  # a warm-up that ended since the last tick
     unit_error: str | None = None
     # The probes sent earlier are still running (each bounded by its timeout): no news this
     # tick, and the three probes above are placeholders.

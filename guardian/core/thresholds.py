@@ -46,6 +46,12 @@ def describe(cfg: Config) -> list[str]:
             f"startup grace {replica.startup_grace_s:g} s; "
             f"timeouts /health {replica.health_timeout_s:g} s, /metrics {replica.metrics_timeout_s:g} s, "
             f"canary {replica.canary_timeout_s:g} s"
+            + (
+                f"; warm-up: {replica.warmup_file} served (one token each, within {replica.warmup_timeout_s:g} s) "
+                "before it is marked up at the proxy after a restart or a drain"
+                if replica.warmup_file is not None
+                else ""
+            )
         )
     if not cfg.replicas:
         lines.append("no replicas configured: guardian watches nothing")

@@ -60,11 +60,12 @@ from .actions import (
     SetFraction,
     StartCanary,
     SyncProxy,
+    WarmUp,
 )
 from .drain import Drain, Phase
 from .liveness import Track
 from .observations import MemoryObservation, ReplicaMemoryObservation, RestartRequest, TickObservation
-from .rules import Refusal
+from .rules import Refusal, Rule
 from .vocab import (
     LOADING_STATES,
     RESTART_STATES,
@@ -258,22 +259,57 @@ class Tick:
                 self._follow_drain(replica, down)
 
     def _mark_up_when_back(self, replica: ReplicaConfig, down: Drain) -> None:
-        """D11."""
+        """D11, D13-D15 (drain.BACK_ROWS): marked up once back, its warm-up served first where it has one."""
         track = self.tracks[replica.name]
-        if not drain.back(down, track):
+        warmup = self.obs.replicas[replica.name].warmup
+        found = drain.away_verdict(
+            down, track, warmup, replica.warmup_file is not None, replica.warmup_timeout_s, self.now
+        )
+        if found is None:
+            return
+        rule, verdict = found
+        if verdict is drain.Back.WARM:
+            self.drains[replica.name] = replace(down, warm_from=self.now)
+            self.actions.append(WarmUp(replica.name, self.now, replica.warmup_timeout_s))
+            self._say(
+                self._back_line(
+                    replica,
+                    track,
+                    rule,
+                    Priority.INFO,
+                    f"serving again ({track.evidence}); its "
+                    f"warm-up requests ({replica.warmup_file}) are sent before it is marked up",
+                )
+            )
             return
         del self.drains[replica.name]
+        priority, what = Priority.INFO, f"serving again ({track.evidence})"
+        if rule is drain.WARMED and warmup is not None:
+            priority = Priority.WARNING if warmup.failed else Priority.INFO
+            what = f"warm: {warmup.served} of {warmup.served + warmup.failed} warm-up requests served in "
+            what += f"{warmup.took_s:.1f} s" + (f" ({warmup.error})" if warmup.error else "")
+        elif rule is drain.WARMUP_LATE:
+            priority = Priority.WARNING
+            what = f"its warm-up requests did not end within {replica.warmup_timeout_s:g} s"
         self._say(
-            LogLine(
-                Priority.INFO,
-                f"replica {replica.name}: serving again ({track.evidence}); marked up at the proxy, which also "
-                "clears its count of failed attempts (D11)",
-                Decision.PROXY,
-                replica.name,
-                replica.unit,
-                state=track.state,
-                rule="D11",
+            self._back_line(
+                replica,
+                track,
+                rule,
+                priority,
+                f"{what}; marked up at the proxy, which also clears its count of failed attempts",
             )
+        )
+
+    def _back_line(self, replica: ReplicaConfig, track: Track, rule: Rule, priority: Priority, what: str) -> LogLine:
+        return LogLine(
+            priority,
+            f"replica {replica.name}: {what} ({rule.id})",
+            Decision.PROXY,
+            replica.name,
+            replica.unit,
+            state=track.state,
+            rule=rule.id,
         )
 
     def _follow_drain(self, replica: ReplicaConfig, down: Drain) -> None:

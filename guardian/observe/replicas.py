@@ -25,6 +25,7 @@ from ..core.observations import (
     TickObservation,
     UnitInfo,
     VllmSample,
+    WarmupResult,
 )
 from ..core.vocab import HeldBy, Hidden, Nobody, PortOwner, Unreadable
 from . import nvml, probes
@@ -250,6 +251,7 @@ class Results:
 
     canaries: Mapping[str, CanaryResult] = field(default_factory=dict)
     outcomes: Mapping[str, RestartOutcome] = field(default_factory=dict)
+    warmups: Mapping[str, WarmupResult] = field(default_factory=dict)
 
 
 def replica_observation(
@@ -278,6 +280,7 @@ def replica_observation(
         port_owner=owner,
         canary=results.canaries.get(r.name),
         restart_outcome=results.outcomes.get(r.name),
+        warmup=results.warmups.get(r.name),
         probes_pending_s=pending_s,
     )
 
