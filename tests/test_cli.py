@@ -356,3 +356,24 @@ def test_a_command_ended_by_sigterm_or_sighup_withdraws_its_request(tmp_path, si
         proc.kill()
     assert store.read()["requests"] == {}
     assert "request withdrawn" in err, err
+
+
+def test_check_reads_each_warmup_file_and_says_when_no_proxy_would_ever_send_it(tmp_path):
+    from guardian.config import Config, ProxyConfig
+
+    good, bad = tmp_path / "good.jsonl", tmp_path / "bad.jsonl"
+    good.write_text('{"prompt": "shared"}\n{"messages": [{"role": "system", "content": "s"}]}\n')
+    bad.write_text('{"prompt": "x"}\n{oops\n')
+    reps = [cli.ReplicaConfig(name=n, unit=f"vllm-{n}.service", url=f"http://127.0.0.1:800{i}", model="m",
+                              warmup_file=f) for i, (n, f) in enumerate((("a", good), ("b", bad)), 1)]
+    proxied = Config(replicas=reps, proxy=ProxyConfig(drain_command=["/bin/true"]))
+    report = cli.Report(json_out=True)
+    cli._check_warmup(proxied, report)
+    (ok,) = [t for k, t in report.lines if k == ""]
+    assert "replica a: 2 requests" in ok and "(1 chat)" in ok
+    (problem,) = report.of("problem")
+    assert "replica b:" in problem and "line 2: not JSON" in problem
+    report = cli.Report(json_out=True)
+    cli._check_warmup(Config(replicas=reps[:1]), report)
+    (warning,) = report.of("warning")
+    assert "is never sent" in warning and "no [proxy]" in warning
