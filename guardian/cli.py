@@ -32,11 +32,13 @@ from .act.restart import RestartOrder, Tools, checked_restart
 from .act.state import STATUS_FILE, CorruptState, StateDoc, StateStore, atomic_write, stamp, view
 from .config import MAX_WINDOW_S, Config, ConfigError, ReplicaConfig, config_path, load_config
 from .core import gates, hazards, startfit, thresholds, tick
+from .core import weights as core_weights
 from .core.actions import Action, AnswerRequest, LogLine, RequestWaits, RestartUnit
 from .core.container import KEEPING_POLICIES, helper_unit, parse_run_line, unit_problems
 from .core.observations import Probe, RestartRequest, TickObservation, UnitInfo, VllmSample
 from .core.vocab import ActiveState, Decision, HeldBy, Hidden, Nobody, PortOwner, Priority
 from .observe import askers, clock, probes, warmup
+from .observe import weights as observe_weights
 from .observe.containers import ContainerWatch
 from .observe.memory import env_path, wiring_of
 from .observe.nvml import Nvml
@@ -290,6 +292,7 @@ async def _check_units(cfg: Config, sd: Systemd, report: Report) -> _Bus:
     if cfg.memory.enabled:
         await _check_wiring(cfg, sd, report)
     await _check_fit(cfg, sd, units, report)
+    await _check_weights(cfg, sd, units, report)
     return _Bus(sd, watch, units)
 
 
@@ -336,6 +339,18 @@ async def _check_wiring(cfg: Config, sd: Systemd, report: Report) -> None:
                 f"memory guard: replica {r.name}: wired ({env_path(cfg, r.name)} is the last "
                 "EnvironmentFile= that sets GPU_MEMORY_UTILIZATION)"
             )
+
+
+async def _check_weights(cfg: Config, sd: Systemd, units: dict[str, UnitInfo | None], report: Report) -> None:
+    """Each replica's weights fingerprint (observe/weights.py), and W1 (core/weights.py)."""
+    found = {r.name: await observe_weights.of_replica(sd, r, units.get(r.unit)) for r in cfg.replicas}
+    for name, w in found.items():
+        if w is None:
+            report.say(f"weights: replica {name}: unknown (no model path or hub snapshot guardian can read)")
+        else:
+            report.say(f"weights: replica {name}: {w.digest} ({w.what})")
+    for h in core_weights.differing(cfg, found):
+        report.problem(h.message, "hazard")
 
 
 def _check_warmup(cfg: Config, report: Report) -> None:
@@ -687,8 +702,13 @@ def cmd_status(args: argparse.Namespace) -> int:
             f"hazard: replica {name}: {left['bytes'] / 2**30:.1f} GiB its processes held did not come back when "
             "they exited (U8): the driver, or a file in /dev/shm, still holds it; a reboot frees it"
         )
+    for text in data.get("weights_differ", []):
+        print(f"hazard: {text}")
+    weights = data.get("weights", {})
     for name, r in data.get("replicas", {}).items():
         extra = " GAVE UP (restart budget spent)" if r.get("gave_up") else ""
+        if isinstance(weights.get(name), dict):
+            extra += f"  weights {weights[name]['digest']}"
         frac_text = _fraction_text(r.get("gpu_memory_utilization"), r.get("gpu_memory_utilization_base"))
         print(
             f"  {name:<12} {r['state']:<13} {r['unit']:<28} {frac_text:<25} "

@@ -34,8 +34,10 @@ from .act.restart import Tools
 from .act.state import STATUS_FILE, StateCache, StateStore, atomic_write_json
 from .config import Config, ConfigError, load_config
 from .core import thresholds, tick
+from .core.hazards import Hazard
 from .core.observations import MemorySample, TickObservation
 from .core.vocab import Priority
+from .core.weights import Weights
 from .export.exports import Exports
 from .fleet.sync import Fleet
 from .observe.askers import askers_checked
@@ -45,6 +47,7 @@ from .observe.meminfo import sample_memory
 from .observe.probes import make_client
 from .observe.replicas import WorldObserver
 from .observe.systemd import Systemd, SystemdError, SystemdEvent
+from .observe.weights import WeightsWatch
 from .status import LoopStats, Snapshot, status_dict, status_line
 
 
@@ -65,6 +68,9 @@ class Daemon:
         self.journal = journal or Journal()
         self.notifier = notifier or Notifier()
         self.notices = Notices(self.journal)
+        self.weights = WeightsWatch()
+        self.weights_found: dict[str, Weights | None] = {}
+        self.weights_differ: list[Hazard] = []
         self.watchdog = Watchdog(self.notifier, self.journal)
         self.sd, self.client = Systemd(), make_client()
         self.persistent = StateCache(StateStore(cfg.state_dir))
@@ -189,6 +195,10 @@ class Daemon:
         self.notices.kernel_view(self.observer.conns.unavailable)
         self.last_observation = obs
         self.memory = obs.memory.sample if obs.memory else await asyncio.to_thread(sample_memory)
+        units = {name: seen.unit for name, seen in obs.replicas.items()}
+        self.weights_found = await self.weights.look(self.cfg, self.sd, units)
+        self.weights_differ = self.notices.weights(self.cfg, self.weights_found)
+        self.exports.metrics.set_weights(self.weights_found, self.weights_differ)
         self.write_status(at)
 
     def status_line(self) -> str:
@@ -204,6 +214,8 @@ class Daemon:
             self.memory,
             self.observer.memory.wiring,
             leftovers,
+            self.weights_found,
+            tuple(h.message for h in self.weights_differ),
         )
         self.exports.metrics.set_not_returned({n: b for n, (b, _at) in leftovers.items()})
         data = status_dict(self.cfg, str(self.config_path), snapshot, self.stats, self.sd.connected, at)

@@ -14,6 +14,7 @@ from .core.admission import budget
 from .core.liveness import Track
 from .core.observations import MemorySample, PersistentView, ReplicaObservation, TickObservation, gib
 from .core.tick import TickState
+from .core.weights import Weights
 from .observe.clock import Now
 
 
@@ -85,6 +86,8 @@ class Snapshot:
     wiring: dict[str, str | None]  # replica -> why the memory guard cannot lower it (None: wired)
     # replica -> (bytes, when) of memory its processes held that did not come back (startfit U8)
     not_returned: Mapping[str, tuple[int, float]] = field(default_factory=dict)
+    weights: Mapping[str, Weights | None] = field(default_factory=dict)  # replica -> its fingerprint (W1, W2)
+    weights_differ: tuple[str, ...] = ()  # W1's hazards, as said
 
 
 def status_dict(
@@ -109,6 +112,10 @@ def status_dict(
         "status": status_line(cfg, snapshot.state, snapshot.persistent, snapshot.memory, now.mono),
         "bypassing": [b.hazard(cfg, now.mono).message for b in snapshot.state.bypassing],
         "not_returned": {name: {"bytes": n, "at": at} for name, (n, at) in snapshot.not_returned.items()},
+        "weights": {
+            name: None if w is None else {"digest": w.digest, "what": w.what} for name, w in snapshot.weights.items()
+        },
+        "weights_differ": list(snapshot.weights_differ),
         "replicas": {r.name: _replica_status(cfg, r, snapshot, now) for r in cfg.replicas},
         "memory": _memory_status(cfg, snapshot, now),
     }

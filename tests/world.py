@@ -18,7 +18,7 @@ Description=simulated vLLM replica {name}
 Type=simple
 Environment=GPU_MEMORY_UTILIZATION={fraction}
 {env_file}
-ExecStart=/usr/local/bin/vllm-sim serve --model {model} --port {port} --gpu-memory-utilization {fraction_arg} --load-time-s {load_time_s} {sim_args}
+ExecStart=/usr/local/bin/vllm-sim serve --model {model_arg} --port {port} --gpu-memory-utilization {fraction_arg} --load-time-s {load_time_s} {sim_args}
 Restart={restart}
 RestartSec={restart_sec}
 {service_extra}
@@ -67,6 +67,7 @@ class Replica:
     restart_sec: float = 1
     env_after: bool = False  # the unit also reads /etc/vllm/NAME.env, listed after guardian's file
     config: dict = field(default_factory=dict)  # more of its [[replicas]] keys (warmup_file, ...)
+    model_path: str | None = None  # loads this path (--model), served as `model` (--served-model-name)
 
     @property
     def unit(self) -> str:
@@ -157,6 +158,7 @@ class World:
         # Where a package puts units, so that `systemctl mask` (a symlink in /etc) can override it.
         self.box.write(f"/usr/lib/systemd/system/{r.unit}", REPLICA_UNIT.format(
             name=r.name, model=r.model, port=r.port, fraction=r.fraction, load_time_s=r.load_time_s,
+            model_arg=r.model if r.model_path is None else f"{r.model_path} --served-model-name {r.model}",
             sim_args=r.sim_args, restart=r.restart, unit_extra=r.unit_extra, service_extra=r.service_extra,
             restart_sec=r.restart_sec,
             env_file=(f"EnvironmentFile=-/var/lib/guardian/replicas/{r.name}.env" if r.wired else "")

@@ -5,9 +5,11 @@ back, and the watchdog no longer pinged, are said by act/notify.Watchdog.)"""
 from __future__ import annotations
 
 from ..config import Config
+from ..core import weights
 from ..core.actions import LogLine
 from ..core.hazards import Hazard, find_hazards
 from ..core.vocab import Decision, Priority
+from ..core.weights import Weights
 from ..observe.replicas import UnitScan
 from .journal import Journal
 
@@ -17,6 +19,8 @@ class Notices:
         self.journal = journal
         self.hazards_said: set[str] = set()  # the keys of the hazards found by the last scan
         self.kernel_view_said: str | None = None  # why the kernel's view was last said to be missing
+        self.weights_seen: dict[str, Weights | None] = {}  # each replica's fingerprint, as last read
+        self.weights_said: set[str] = set()  # the keys of the weights hazards said (W1)
 
     def kernel_view(self, why_unavailable: str | None) -> None:
         """Once when the kernel's view of the replicas' connections is lost, once when it is back."""
@@ -47,3 +51,29 @@ class Notices:
                 )
         self.hazards_said = {h.key for h in found}
         return found
+
+    def weights(self, cfg: Config, found: dict[str, Weights | None]) -> list[Hazard]:
+        """W1 said once while it lasts (and when it ends), W2 at each change; the W1 hazards now."""
+        for name, was, now in weights.changed(self.weights_seen, found):
+            r = cfg.replica(name)
+            self.journal.line(
+                LogLine(
+                    Priority.INFO,
+                    f"replica {name}: its weights changed: {was.digest} -> {now.digest} ({now.what}): a model update",
+                    Decision.NOTE,
+                    name,
+                    r.unit if r is not None else None,
+                    rule="W2",
+                )
+            )
+        self.weights_seen = dict(found)
+        hazards = weights.differing(cfg, found)
+        for h in hazards:
+            if h.key not in self.weights_said:
+                self.journal.line(
+                    LogLine(Priority.ERROR, f"hazard: {h.message}", Decision.HAZARD, hazard=h.key, rule="W1")
+                )
+        for key in self.weights_said - {h.key for h in hazards}:
+            self.journal.send(Priority.INFO, f"hazard over: {key.split(':', 1)[1]}'s replicas serve the same weights")
+        self.weights_said = {h.key for h in hazards}
+        return hazards

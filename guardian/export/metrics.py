@@ -28,6 +28,7 @@ from ..core.liveness import Track
 from ..core.observations import PersistentView, ReplicaObservation, TickObservation
 from ..core.tick import TickState
 from ..core.vocab import RESTART_STATES, SERVING_STATES, Decision, Gate, RestartKind, State
+from ..core.weights import Weights
 from ..observe.clock import Now
 
 DETECTION_BUCKETS_S = (1, 2, 5, 10, 15, 20, 30, 45, 60, 90, 120, 300)
@@ -223,6 +224,15 @@ class Metrics:
             "guardian_memory_file_cache_bytes", "the reclaimable file cache, Active(file) + Inactive(file)"
         )
         self.hazards = gauge("guardian_hazards", "1 for each hazard present now", "kind", "unit")
+        self.weights = gauge(
+            "guardian_replica_weights_info",
+            "1 with the fingerprint of the weights a replica loaded",
+            "replica",
+            "weights",
+        )
+        self.weights_differ = gauge(
+            "guardian_model_weights_differ", "1 while this box's replicas of a model serve different weights", "model"
+        )
         self.tick = histogram("guardian_tick_duration_seconds", "one tick, observe to act", TICK_BUCKETS_S)
         self.last_tick = gauge("guardian_last_tick_timestamp_seconds", "wall time the last tick completed")
 
@@ -358,6 +368,16 @@ class Metrics:
         if decided is not None and t.state in SERVING_STATES and t.start_ts is not None and t.start_ts >= decided:
             self.to_serving.labels(r.name).observe(max(0.0, at.mono - decided))
             del self._decided_at[r.name]
+
+    def set_weights(self, found: Mapping[str, Weights | None], differ: Iterable[Hazard]) -> None:
+        """Each replica's fingerprint (none while unknown), and the models whose replicas differ (W1)."""
+        self.weights.clear()
+        for replica, w in found.items():
+            if w is not None:
+                self.weights.labels(replica, w.digest).set(1)
+        self.weights_differ.clear()
+        for h in differ:
+            self.weights_differ.labels(h.key.split(":", 1)[1]).set(1)
 
     def set_hazards(self, found: Iterable[Hazard]) -> None:
         self.hazards.clear()

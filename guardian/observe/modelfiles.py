@@ -31,7 +31,7 @@ import stat
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
-from ..core.container import RunLine, parse_run_line
+from ..core.container import parse_run_line
 
 MAX_FILES = 20_000
 MAX_ENTRIES = 200_000  # directory entries looked at in one search, files or not
@@ -143,22 +143,36 @@ def on_host(path: str, mounts: tuple[tuple[str, str], ...]) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class Located:
+    """Where a replica's model is on the host: TOP (its model path, or its repo's folder in a hub
+    cache), how that was found (SOURCE), and the command line that names it (ARGV: a container's
+    own command inside its run line)."""
+
+    top: str
+    source: str
+    argv: tuple[str, ...]
+    repo: str | None = None  # the Hugging Face repo id, when TOP is its hub folder
+
+
+def locate(argv: tuple[str, ...], env: Mapping[str, str], home: str = "/root") -> Located | None:
+    """Where the model of a replica whose main process runs ARGV with ENV is, or None."""
+    run = parse_run_line(argv)
+    if run is None:
+        return _locate(argv, env, home, None)
+    run_env = dict(e.split("=", 1) for e in run.envs if "=" in e)
+    return _locate(run.command, run_env, "/root", run.mounts)
+
+
 def find(argv: tuple[str, ...], env: Mapping[str, str], home: str = "/root") -> ModelFiles:
     """The model files of a replica whose main process runs ARGV with ENV."""
-    run = parse_run_line(argv)
-    if run is not None:
-        return _in_container(run)
-    return _find(argv, env, home, None)
+    found = locate(argv, env, home)
+    return ModelFiles("", ()) if found is None else _files(found)
 
 
-def _in_container(run: RunLine) -> ModelFiles:
-    env = dict(e.split("=", 1) for e in run.envs if "=" in e)
-    return _find(run.command, env, "/root", run.mounts)
-
-
-def _find(
+def _locate(
     argv: tuple[str, ...], env: Mapping[str, str], home: str, mounts: tuple[tuple[str, str], ...] | None
-) -> ModelFiles:
+) -> Located | None:
     """MOUNTS: the container's, whose paths ARGV and ENV name (None: the host's own)."""
 
     def host(path: str) -> str | None:
@@ -166,37 +180,39 @@ def _find(
 
     model = model_of(argv)
     if not model:
-        return ModelFiles("", ())
+        return None
     where = "" if mounts is None else " in its container"
     if model.startswith(("/", "./", "~")) or (mounts is None and os.path.isdir(model)):
         found = host(os.path.expanduser(model))
         if found is None:
-            return ModelFiles("", ())
-        top, source = found, f"{model}{where} (its model path{'' if found == model else ', ' + found + ' on the host'})"
-    else:
-        org, _, name = model.rpartition("/")
-        folder = "models--" + "--".join(p for p in (org, name) if p)
-        top, source = "", ""
-        for hub in hub_dirs(argv, env, home):
-            at = host(os.path.join(hub, folder))
-            if at is not None and os.path.isdir(at):
-                top, source = at, f"{model} in {hub}{where}" + ("" if at.startswith(hub) else f" ({at} on the host)")
-                break
-        if not top:
-            return ModelFiles("", ())
+            return None
+        return Located(
+            found, f"{model}{where} (its model path{'' if found == model else ', ' + found + ' on the host'})", argv
+        )
+    org, _, name = model.rpartition("/")
+    folder = "models--" + "--".join(p for p in (org, name) if p)
+    for hub in hub_dirs(argv, env, home):
+        at = host(os.path.join(hub, folder))
+        if at is not None and os.path.isdir(at):
+            source = f"{model} in {hub}{where}" + ("" if at.startswith(hub) else f" ({at} on the host)")
+            return Located(at, source, argv, repo=model)
+    return None
+
+
+def _files(found: Located) -> ModelFiles:
     seen: set[tuple[int, int]] = set()
     paths: list[str] = []
-    for path in _walk(top):
+    for path in _walk(found.top):
         if path is None:
-            return ModelFiles(source, tuple(paths), truncated=True)
+            return ModelFiles(found.source, tuple(paths), truncated=True)
         key = _regular(path)
         if key is None or key in seen:
             continue
         if len(paths) >= MAX_FILES:
-            return ModelFiles(source, tuple(paths), truncated=True)
+            return ModelFiles(found.source, tuple(paths), truncated=True)
         seen.add(key)
         paths.append(os.path.realpath(path))
-    return ModelFiles(source, tuple(paths))
+    return ModelFiles(found.source, tuple(paths))
 
 
 def _open(path: str) -> int | None:

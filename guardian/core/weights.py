@@ -1,0 +1,74 @@
+"""The same weights behind one name (issue 33): replicas that serve one model name with different
+weights, and a replica whose weights changed. Pure.
+
+Why: clients of a model name are sent to any of its replicas; two replicas of one name with other
+weights (a model update done on one box, a snapshot half synced) answer the same prompt
+differently, and any cache keyed by the name alone (a client's, a proxy's) mixes them.
+
+What a replica's weights are is observe/weights.py's fingerprint: its model directory's
+config.json and weight index (or its weight files' names and sizes), or the commit its Hugging
+Face snapshot resolves to. An unknown fingerprint (None) is never a difference.
+
+Rules:
+- W1, differ: two or more replicas of this box configured with one model name have known
+  fingerprints that differ: a hazard at error, naming each replica, its fingerprint and where it
+  was read, said once while it lasts;
+- W2, changed: a replica's fingerprint differs from the one guardian saw before (both known): said
+  at info, a model update.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ..config import Config
+from .hazards import Hazard
+from .rules import Rule
+
+RULES = (
+    Rule("W1", "differ", "two or more replicas of one model name on this box have known fingerprints that differ"),
+    Rule("W2", "changed", "a replica's known fingerprint differs from the known one guardian saw before it"),
+)
+
+
+@dataclass(frozen=True)
+class Weights:
+    digest: str  # "dir:1a2b3c4d5e6f", "hf:Org/Name@c0ffee123456"
+    what: str  # where it was read, for a reader
+
+
+def differing(cfg: Config, found: Mapping[str, Weights | None]) -> list[Hazard]:
+    """W1: one hazard per model name whose replicas' known fingerprints differ."""
+    by_model: dict[str, list[tuple[str, Weights]]] = defaultdict(list)
+    for r in cfg.replicas:
+        w = found.get(r.name)
+        if w is not None:
+            by_model[r.model].append((r.name, w))
+    out = []
+    for model, seen in sorted(by_model.items()):
+        if len({w.digest for _, w in seen}) < 2:
+            continue
+        each = "; ".join(f"{name}: {w.digest} ({w.what})" for name, w in seen)
+        out.append(
+            Hazard(
+                f"weights-differ:{model}",
+                f"replicas {', '.join(n for n, _ in seen)} serve model {model} with different weights ({each}): its "
+                "clients get answers from whichever replica they reach; give each set of weights its own model "
+                "name, or bring them to the same weights (W1)",
+            )
+        )
+    return out
+
+
+def changed(
+    before: Mapping[str, Weights | None], after: Mapping[str, Weights | None]
+) -> list[tuple[str, Weights, Weights]]:
+    """W2: (replica, before, after) for each replica whose known fingerprint changed."""
+    out = []
+    for name, now in sorted(after.items()):
+        was = before.get(name)
+        if was is not None and now is not None and was.digest != now.digest:
+            out.append((name, was, now))
+    return out

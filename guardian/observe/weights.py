@@ -1,0 +1,141 @@
+"""What weights a replica really loaded (issue 33), as a fingerprint: read from what its main
+process runs (observe/modelfiles.locate: its model path or Hugging Face repo, in a container
+through its binds), never from its served name. Judged in core/weights.py.
+
+- a model directory: sha256 of its config.json and its weight index (model.safetensors.index.json
+  or pytorch_model.bin.index.json), else of its weight files' names and sizes
+  (*.safetensors, *.bin, *.pt, *.gguf), each file read back capped (observe/readback.py);
+- one weight file (a GGUF): its name, size and first 64 KiB (where GGUF keeps its metadata);
+- a Hugging Face repo: the commit its snapshot resolves to: `--revision` when it is a commit,
+  else `refs/<revision or main>` in its hub folder.
+
+Recomputed only when the replica's process changes (its main pid or its unit's start).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import re
+from collections.abc import Mapping
+
+from ..config import Config, ReplicaConfig
+from ..core.observations import UnitInfo
+from ..core.weights import Weights
+from . import modelfiles
+from .memory import cmdline_of, read_env_file
+from .readback import read_back
+from .systemd import Systemd, SystemdError
+
+META_MAX_BYTES = 16 << 20  # a config.json or an index is far smaller
+INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+HEAD_BYTES = 64 << 10
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+
+
+def _read(path: str, max_bytes: int = META_MAX_BYTES) -> bytes | None:
+    try:
+        return read_back(path, max_bytes, follow_symlinks=True)
+    except OSError:
+        return None
+
+
+def _of_dir(top: str, source: str) -> Weights | None:
+    h = hashlib.sha256()
+    config = _read(os.path.join(top, "config.json"))
+    index = next((b for b in (_read(os.path.join(top, n)) for n in INDEXES) if b is not None), None)
+    if config is None and index is None:
+        try:
+            names = sorted(n for n in os.listdir(top) if n.endswith(WEIGHT_SUFFIXES))
+        except OSError:
+            return None
+        if not names:
+            return None
+        for n in names:
+            try:
+                h.update(f"{n}\0{os.stat(os.path.join(top, n)).st_size}\0".encode())
+            except OSError:
+                return None
+        return Weights("dir:" + h.hexdigest()[:12], f"the names and sizes of {len(names)} weight files of {source}")
+    for part in (config, index):
+        h.update(part if part is not None else b"\0absent\0")
+    read = " and ".join(x for x, b in (("config.json", config), ("its weight index", index)) if b is not None)
+    return Weights("dir:" + h.hexdigest()[:12], f"{read} of {source}")
+
+
+def _of_file(path: str, source: str) -> Weights | None:
+    try:
+        size = os.stat(path).st_size
+        with open(path, "rb", buffering=0) as f:
+            head = f.read(HEAD_BYTES)
+    except OSError:
+        return None
+    h = hashlib.sha256(f"{os.path.basename(path)}\0{size}\0".encode() + head)
+    return Weights("file:" + h.hexdigest()[:12], f"the name, size and first 64 KiB of {source}")
+
+
+def _of_repo(found: modelfiles.Located) -> Weights | None:
+    revision = modelfiles._option(found.argv, "--revision") or "main"
+    commit = revision if _COMMIT.fullmatch(revision) else None
+    if commit is None:
+        ref = _read(os.path.join(found.top, "refs", revision), 4096)
+        text = ref.decode(errors="replace").strip() if ref is not None else ""
+        commit = text if _COMMIT.fullmatch(text) else None
+    if commit is None:
+        return None
+    return Weights(f"hf:{found.repo}@{commit[:12]}", f"the commit revision {revision} resolves to, {found.source}")
+
+
+def fingerprint(argv: tuple[str, ...], env: Mapping[str, str] | None = None, home: str = "/root") -> Weights | None:
+    """The fingerprint of the weights that ARGV (run with ENV) loads; None when none can be read."""
+    found = modelfiles.locate(argv, env or {}, home)
+    if found is None:
+        return None
+    if found.repo is not None:
+        return _of_repo(found)
+    if os.path.isdir(found.top):
+        return _of_dir(found.top, found.source)
+    return _of_file(found.top, found.source)
+
+
+class WeightsWatch:
+    """Each replica's fingerprint, read again only when its process changes."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, tuple[tuple[int, float | None], Weights | None]] = {}
+
+    async def look(self, cfg: Config, sd: Systemd, units: Mapping[str, UnitInfo | None]) -> dict[str, Weights | None]:
+        out: dict[str, Weights | None] = {}
+        for r in cfg.replicas:
+            unit = units.get(r.name)
+            key = (unit.main_pid, unit.inactive_exit_mono) if unit is not None else (0, None)
+            kept = self._seen.get(r.name)
+            if kept is not None and kept[0] == key:
+                out[r.name] = kept[1]
+                continue
+            found = await of_replica(sd, r, unit)
+            self._seen[r.name] = (key, found)
+            out[r.name] = found
+        self._seen = {n: v for n, v in self._seen.items() if n in out}
+        return out
+
+
+async def of_replica(sd: Systemd, r: ReplicaConfig, unit: UnitInfo | None) -> Weights | None:
+    """R's fingerprint from its running process's command line, else its unit's ExecStart=."""
+    details = None
+    if not r.unitless:
+        try:
+            details = await sd.service_details(r.unit)
+        except SystemdError:
+            details = None
+    pid = unit.main_pid if unit is not None else 0
+
+    def read() -> Weights | None:
+        argv = (cmdline_of(pid) if pid else ()) or (details.exec_start if details is not None else ())
+        texts = tuple(read_env_file(p).text for p in details.environment_files) if details is not None else ()
+        env = modelfiles.unit_env(details.environment if details is not None else (), texts)
+        return fingerprint(argv, env, modelfiles.home_of(details.user if details is not None else None))
+
+    return await asyncio.to_thread(read)

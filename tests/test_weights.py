@@ -1,0 +1,133 @@
+"""The same weights behind one name (issue 33 item 1): fingerprints read from real files
+(observe/weights.py), W1 and W2 as tables (core/weights.py), and each said once (act/notices.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from guardian.act.journal import Journal
+from guardian.act.notices import Notices
+from guardian.config import Config, ReplicaConfig
+from guardian.core.weights import Weights, changed, differing
+from guardian.observe.weights import fingerprint
+
+COMMIT_A, COMMIT_B = "a" * 40, "b" * 40
+
+
+def model_dir(tmp_path, name: str, config: dict, index: dict | None = None):
+    d = tmp_path / name
+    d.mkdir(parents=True)
+    (d / "config.json").write_text(json.dumps(config))
+    if index is not None:
+        (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    (d / "model-00001.safetensors").write_bytes(b"\0" * 64)
+    return d
+
+
+def test_a_model_directory_is_its_config_and_index(tmp_path):
+    a = model_dir(tmp_path, "a", {"layers": 32})
+    same = model_dir(tmp_path, "same", {"layers": 32})
+    other = model_dir(tmp_path, "b", {"layers": 36})
+    fa, fs, fo = (fingerprint(("vllm", "serve", str(d))) for d in (a, same, other))
+    assert fa is not None and fa.digest.startswith("dir:") and "config.json" in fa.what and str(a) in fa.what
+    assert fa.digest == fs.digest != fo.digest  # the same files wherever they are, another config differs
+    indexed = model_dir(tmp_path, "c", {"layers": 32}, {"weight_map": {"x": "model-00001.safetensors"}})
+    assert fingerprint(("vllm", "serve", str(indexed))).digest != fa.digest  # the index counts too
+
+
+def test_without_config_the_weight_files_names_and_sizes(tmp_path):
+    d = tmp_path / "bare"
+    d.mkdir()
+    (d / "w.safetensors").write_bytes(b"\0" * 10)
+    first = fingerprint(("vllm", "serve", str(d)))
+    (d / "w.safetensors").write_bytes(b"\0" * 11)
+    assert first is not None and "names and sizes of 1 weight files" in first.what
+    assert fingerprint(("vllm", "serve", str(d))).digest != first.digest
+    (d / "w.safetensors").unlink()
+    assert fingerprint(("vllm", "serve", str(d))) is None  # nothing to read: unknown
+
+
+def test_a_gguf_file_is_its_name_size_and_head(tmp_path):
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"GGUF" + b"\1" * 100)
+    first = fingerprint(("vllm", "serve", str(f)))
+    f.write_bytes(b"GGUF" + b"\2" * 100)
+    assert first is not None and first.digest.startswith("file:") and first.digest != fingerprint(("vllm", "serve", str(f))).digest
+
+
+@pytest.mark.parametrize(
+    "argv_tail, refs, digest",
+    [
+        ((), {"main": COMMIT_A}, f"hf:Org/Name@{COMMIT_A[:12]}"),
+        (("--revision", "v2"), {"main": COMMIT_A, "v2": COMMIT_B}, f"hf:Org/Name@{COMMIT_B[:12]}"),
+        (("--revision", COMMIT_B), {}, f"hf:Org/Name@{COMMIT_B[:12]}"),  # a commit names itself
+        ((), {"main": "not a commit"}, None),
+        ((), {}, None),
+    ],
+)
+def test_a_hub_repo_is_the_commit_its_snapshot_resolves_to(tmp_path, argv_tail, refs, digest):
+    folder = tmp_path / "hub" / "models--Org--Name"
+    (folder / "refs").mkdir(parents=True)
+    for name, commit in refs.items():
+        (folder / "refs" / name).write_text(commit + "\n")
+    found = fingerprint(("vllm", "serve", "Org/Name", "--download-dir", str(tmp_path / "hub"), *argv_tail))
+    assert (found.digest if found else None) == digest
+
+
+def test_a_container_replica_is_read_through_its_bind(tmp_path):
+    d = model_dir(tmp_path, "host-models", {"layers": 32})
+    argv = ("docker", "run", "--name", "vllm-a", "-v", f"{d}:/models/q", "vllm/vllm-openai", "--model", "/models/q")
+    found = fingerprint(argv)
+    assert found is not None and found.digest == fingerprint(("vllm", "serve", str(d))).digest
+
+
+def cfg(*models: str) -> Config:
+    return Config(replicas=[ReplicaConfig(name=n, unit=f"vllm-{n}.service", url=f"http://127.0.0.1:800{i}", model=m)
+                            for i, (n, m) in enumerate(zip("abc", models, strict=False), 1)])
+
+
+W = {d: Weights(d, f"read from {d}") for d in ("dir:1", "dir:2")}
+
+
+@pytest.mark.parametrize(
+    "models, found, hazards",
+    [
+        (("m", "m"), {"a": W["dir:1"], "b": W["dir:1"]}, []),
+        (("m", "m"), {"a": W["dir:1"], "b": W["dir:2"]}, ["weights-differ:m"]),
+        (("m", "n"), {"a": W["dir:1"], "b": W["dir:2"]}, []),  # other names may differ
+        (("m", "m"), {"a": W["dir:1"], "b": None}, []),  # unknown is never a difference
+        (("m", "m", "n"), {"a": W["dir:1"], "b": W["dir:2"], "c": W["dir:1"]}, ["weights-differ:m"]),
+    ],
+)
+def test_w1_replicas_of_one_name_with_different_weights(models, found, hazards):
+    got = differing(cfg(*models), found)
+    assert [h.key for h in got] == hazards
+    if got:
+        assert "a: dir:1 (read from dir:1)" in got[0].message and "b: dir:2" in got[0].message
+
+
+@pytest.mark.parametrize(
+    "before, after, changes",
+    [
+        ({"a": W["dir:1"]}, {"a": W["dir:2"]}, ["a"]),
+        ({"a": W["dir:1"]}, {"a": W["dir:1"]}, []),
+        ({"a": None}, {"a": W["dir:2"]}, []),  # first read: not a change
+        ({"a": W["dir:1"]}, {"a": None}, []),  # unreadable now: not a change
+        ({}, {"a": W["dir:1"]}, []),
+    ],
+)
+def test_w2_a_replica_whose_weights_changed(before, after, changes):
+    assert [name for name, _, _ in changed(before, after)] == changes
+
+
+def test_each_difference_is_said_once_while_it_lasts_and_when_it_is_over(capsys, monkeypatch):
+    monkeypatch.setenv("GUARDIAN_LOG_STDERR", "1")
+    notices, c = Notices(Journal(socket_path="/nonexistent")), cfg("m", "m")
+    for found in ({"a": W["dir:1"], "b": W["dir:2"]}, {"a": W["dir:1"], "b": W["dir:2"]}, {"a": W["dir:1"], "b": W["dir:1"]}):
+        notices.weights(c, found)
+    err = capsys.readouterr().err
+    assert err.count("serve model m with different weights") == 1
+    assert err.count("replica b: its weights changed: dir:2 -> dir:1") == 1
+    assert err.count("hazard over: m's replicas serve the same weights") == 1
