@@ -71,6 +71,7 @@ class Daemon:
         self.weights = WeightsWatch()
         self.weights_found: dict[str, Weights | None] = {}
         self.weights_differ: list[Hazard] = []
+        self.weights_error_said = False
         self.watchdog = Watchdog(self.notifier, self.journal)
         self.sd, self.client = Systemd(), make_client()
         self.persistent = StateCache(StateStore(cfg.state_dir))
@@ -195,11 +196,24 @@ class Daemon:
         self.notices.kernel_view(self.observer.conns.unavailable)
         self.last_observation = obs
         self.memory = obs.memory.sample if obs.memory else await asyncio.to_thread(sample_memory)
+        await self._weights(obs)
+        self.write_status(at)
+
+    async def _weights(self, obs: TickObservation) -> None:
+        """Each replica's weights (W1, W2): a failure to read them is said and never stops the tick."""
         units = {name: seen.unit for name, seen in obs.replicas.items()}
-        self.weights_found = await self.weights.look(self.cfg, self.sd, units)
+        try:
+            self.weights_found = await self.weights.look(self.cfg, self.sd, units)
+        except Exception as e:  # noqa: BLE001 - fingerprints are a report, not the watchdog
+            if not self.weights_error_said:
+                self.journal.with_traceback(
+                    Priority.ERROR, f"cannot read the replicas' weights: {type(e).__name__}: {e}"
+                )
+            self.weights_error_said = True
+            return
+        self.weights_error_said = False
         self.weights_differ = self.notices.weights(self.cfg, self.weights_found)
         self.exports.metrics.set_weights(self.weights_found, self.weights_differ)
-        self.write_status(at)
 
     def status_line(self) -> str:
         at = self.clock()
