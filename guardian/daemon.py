@@ -212,8 +212,9 @@ class Daemon:
             self.weights_error_said = True
             return
         self.weights_error_said = False
-        self.weights_differ = self.notices.weights(self.cfg, self.weights_found)
+        self.weights_differ = self.notices.weights(self.cfg, self.weights_found, obs.fleet)
         self.exports.metrics.set_weights(self.weights_found, self.weights_differ)
+        self.fleet.publish_weights(self.weights_found)
 
     def status_line(self) -> str:
         at = self.clock()

@@ -131,3 +131,39 @@ def test_each_difference_is_said_once_while_it_lasts_and_when_it_is_over(capsys,
     assert err.count("serve model m with different weights") == 1
     assert err.count("replica b: its weights changed: dir:2 -> dir:1") == 1
     assert err.count("hazard over: m's replicas serve the same weights") == 1
+
+
+def member(box: str, name: str, weights: str | None, model: str = "m"):
+    from guardian.core.observations import FleetMember
+
+    return FleetMember(box, name, model, "healthy", True, weights)
+
+
+@pytest.mark.parametrize(
+    "members, hazards",
+    [
+        ([member("box2", "x", "dir:1")], []),
+        ([member("box2", "x", "dir:2")], ["weights-differ-fleet:m"]),
+        ([member("box2", "x", None)], []),  # an older guardian, or unknown there: never a difference
+        ([member("box2", "x", "dir:2", model="n")], []),  # another model
+        ([member("box1", "b", "dir:2")], []),  # this box's own entry: W1's business
+    ],
+)
+def test_w3_other_boxes_serving_the_name_with_other_weights(members, hazards):
+    c = cfg("m", "m")
+    from guardian.core.weights import differing_in_fleet
+
+    got = differing_in_fleet(c, {"a": W["dir:1"], "b": W["dir:1"]}, members, "box1")
+    assert [h.key for h in got] == hazards
+    if got:
+        assert "here a: dir:1; b: dir:1; box2/x: dir:2" in got[0].message
+
+
+def test_a_published_member_carries_its_weights_and_garbage_there_is_refused():
+    from guardian.fleet.sync import NotOurs, read_member
+
+    base = {"box": "b2", "name": "x", "unit": "u", "model": "m", "state": "healthy", "serves": True}
+    assert read_member(json.dumps(base | {"weights": "dir:1"}))[0].weights == "dir:1"
+    assert read_member(json.dumps(base))[0].weights is None  # a guardian before issue 33
+    with pytest.raises(NotOurs, match="'weights'"):
+        read_member(json.dumps(base | {"weights": 7}))

@@ -8,6 +8,7 @@ from ..config import Config
 from ..core import weights
 from ..core.actions import LogLine
 from ..core.hazards import Hazard, find_hazards
+from ..core.observations import FleetView
 from ..core.vocab import Decision, Priority
 from ..core.weights import Weights
 from ..observe.replicas import UnitScan
@@ -52,7 +53,7 @@ class Notices:
         self.hazards_said = {h.key for h in found}
         return found
 
-    def weights(self, cfg: Config, found: dict[str, Weights | None]) -> list[Hazard]:
+    def weights(self, cfg: Config, found: dict[str, Weights | None], fleet: FleetView | None = None) -> list[Hazard]:
         """W1 said once while it lasts (and when it ends), W2 at each change; the W1 hazards now."""
         for name, was, now in weights.changed(self.weights_seen, found):
             r = cfg.replica(name)
@@ -68,12 +69,18 @@ class Notices:
             )
         self.weights_seen = dict(found)
         hazards = weights.differing(cfg, found)
+        if fleet is not None and fleet.ok:
+            hazards += weights.differing_in_fleet(cfg, found, fleet.members, fleet.box)
         for h in hazards:
             if h.key not in self.weights_said:
+                rule = "W3" if h.key.startswith("weights-differ-fleet:") else "W1"
                 self.journal.line(
-                    LogLine(Priority.ERROR, f"hazard: {h.message}", Decision.HAZARD, hazard=h.key, rule="W1")
+                    LogLine(Priority.ERROR, f"hazard: {h.message}", Decision.HAZARD, hazard=h.key, rule=rule)
                 )
         for key in self.weights_said - {h.key for h in hazards}:
-            self.journal.send(Priority.INFO, f"hazard over: {key.split(':', 1)[1]}'s replicas serve the same weights")
+            where = "" if key.startswith("weights-differ:") else " across the fleet"
+            self.journal.send(
+                Priority.INFO, f"hazard over: {key.split(':', 1)[1]}'s replicas serve the same weights{where}"
+            )
         self.weights_said = {h.key for h in hazards}
         return hazards

@@ -298,6 +298,7 @@ class FleetMember:
     model: str
     state: str
     serves: bool | None = None  # liveness.serves, as its box judged it (None: a guardian that did not say)
+    weights: str | None = None  # the fingerprint of its weights, as its box read it (core/weights.py; None: unknown)
 
     @property
     def serving(self) -> bool:

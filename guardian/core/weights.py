@@ -14,22 +14,32 @@ Rules:
   fingerprints that differ: a hazard at error, naming each replica, its fingerprint and where it
   was read, said once while it lasts;
 - W2, changed: a replica's fingerprint differs from the one guardian saw before (both known): said
-  at info, a model update.
+  at info, a model update;
+- W3, differ across the fleet: a replica of this box and a replica of another box in the fleet
+  view (with [fleet]) serve one model name with known fingerprints that differ: a hazard at
+  error, as W1, on each box that sees it.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from ..config import Config
 from .hazards import Hazard
+from .observations import FleetMember
 from .rules import Rule
 
 RULES = (
     Rule("W1", "differ", "two or more replicas of one model name on this box have known fingerprints that differ"),
     Rule("W2", "changed", "a replica's known fingerprint differs from the known one guardian saw before it"),
+    Rule(
+        "W3",
+        "differ across the fleet",
+        "a replica of this box and one of another box in the fleet view serve one model name with known "
+        "fingerprints that differ",
+    ),
 )
 
 
@@ -57,6 +67,30 @@ def differing(cfg: Config, found: Mapping[str, Weights | None]) -> list[Hazard]:
                 f"replicas {', '.join(n for n, _ in seen)} serve model {model} with different weights ({each}): its "
                 "clients get answers from whichever replica they reach; give each set of weights its own model "
                 "name, or bring them to the same weights (W1)",
+            )
+        )
+    return out
+
+
+def differing_in_fleet(
+    cfg: Config, found: Mapping[str, Weights | None], members: Iterable[FleetMember], box: str
+) -> list[Hazard]:
+    """W3: one hazard per model name whose replicas here and on other boxes have known fingerprints that differ."""
+    out = []
+    others = [m for m in members if m.box != box and m.weights is not None]
+    for model in sorted({r.model for r in cfg.replicas}):
+        here = {(r.name, w.digest) for r in cfg.replicas if r.model == model and (w := found.get(r.name)) is not None}
+        there = [m for m in others if m.model == model and m.weights not in {d for _, d in here}]
+        if not here or not there:
+            continue
+        mine = "; ".join(f"{name}: {digest}" for name, digest in sorted(here))
+        theirs = "; ".join(f"{m.box}/{m.name}: {m.weights}" for m in sorted(there, key=lambda m: (m.box, m.name)))
+        out.append(
+            Hazard(
+                f"weights-differ-fleet:{model}",
+                f"model {model} is served with other weights on other boxes of the fleet (here {mine}; {theirs}): its "
+                "clients get answers from whichever box they reach; bring the boxes to the same weights, or give each "
+                "its own model name (W3)",
             )
         )
     return out

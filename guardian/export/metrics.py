@@ -376,7 +376,7 @@ class Metrics:
             if w is not None:
                 self.weights.labels(replica, w.digest).set(1)
         self.weights_differ.clear()
-        for h in differ:
+        for h in differ:  # W1 and W3 alike: the model's replicas do not all serve the same weights
             self.weights_differ.labels(h.key.split(":", 1)[1]).set(1)
 
     def set_hazards(self, found: Iterable[Hazard]) -> None:

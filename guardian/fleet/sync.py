@@ -28,7 +28,7 @@ import contextlib
 import json
 import socket
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -38,6 +38,7 @@ from ..core.liveness import Track
 from ..core.liveness import serves as serves_now
 from ..core.observations import FleetMember, FleetSlot, FleetView, TickObservation
 from ..core.vocab import Decision, Priority, State
+from ..core.weights import Weights
 from ..observe.clock import Now
 from .etcd import KV, Compare, Etcd, EtcdError, Tls, delete_op, json_kind, put_op
 
@@ -96,7 +97,12 @@ def read_member(value: str) -> tuple[FleetMember, dict[str, Any]]:
     serves = data.get("serves")
     if serves is not None and not isinstance(serves, bool):
         raise NotOurs("its 'serves' is not true or false")
-    member = FleetMember(_text(data, "box"), _text(data, "name"), _text(data, "model"), _text(data, "state"), serves)
+    weights = data.get("weights")
+    if weights is not None and (not isinstance(weights, str) or len(weights) > MAX_FIELD_CHARS):
+        raise NotOurs(f"its 'weights' is not text of at most {MAX_FIELD_CHARS} characters")
+    member = FleetMember(
+        _text(data, "box"), _text(data, "name"), _text(data, "model"), _text(data, "state"), serves, weights
+    )
     return member, data
 
 
@@ -161,6 +167,7 @@ class FleetSync:
         self.kvs: dict[str, KV] = {}
         self.slot_kvs: list[tuple[FleetSlot, KV]] = []
         self.view: FleetView = FleetView(self.box, False, "not read yet")
+        self.weights: Mapping[str, Weights | None] = {}  # this box's replicas' fingerprints, published with them
         self.down_said = False
         self.skipped_said: set[str] = set()  # keys whose value is not a guardian's, said once each
         self.lock = asyncio.Lock()
@@ -241,8 +248,10 @@ class FleetSync:
             since = at.wall - (at.mono - t.state_since) if t is not None else at.wall
             # Whether it serves, by the one definition (liveness.serves): other boxes count it by that.
             serves = t is not None and serves_now(t, at.mono)
+            w = self.weights.get(r.name)
             value = json.dumps(
-                {"box": self.box, "name": r.name, "unit": r.unit, "model": r.model, "state": state, "serves": serves},
+                {"box": self.box, "name": r.name, "unit": r.unit, "model": r.model, "state": state, "serves": serves}
+                | ({"weights": w.digest} if w is not None else {}),
                 sort_keys=True,
             )
             if self.published.get(r.name) != value:
@@ -354,6 +363,11 @@ class Fleet:
         self.clock = clock
         self.membership = FleetSync(cfg, journal, clock) if cfg.fleet.enabled else None
         self.leaving: set[asyncio.Future[None]] = set()
+
+    def publish_weights(self, found: Mapping[str, Weights | None]) -> None:
+        """This box's replicas' fingerprints, published with them at the next step."""
+        if self.membership is not None:
+            self.membership.weights = dict(found)
 
     async def beside(self, observing: Awaitable[TickObservation], tracks: dict[str, Track], at: Now) -> TickObservation:
         """OBSERVING, with this tick's fleet view read beside it: neither waits for the other."""
