@@ -58,6 +58,7 @@ class FleetWorld:
     models: int = 2
     ttl_s: int = 4
     load_time_s: dict[int, float] = field(default_factory=dict)
+    model_paths: dict[int, str] = field(default_factory=dict)  # box -> the directory its replica loads
     faketime: dict[int, str] = field(default_factory=dict)  # box index -> libfaketime offset ("+3600")
     no_restart: set[int] = field(default_factory=set)  # boxes whose guardian systemd does not restart
     unsqueezed: set[int] = field(default_factory=set)  # boxes whose memory guard is off
@@ -149,7 +150,9 @@ canary_timeout_s = 2.0
         lib = next(p for p in self.box.run(["dpkg", "-L", "libfaketime"]).stdout.split() if p.endswith("/libfaketimeMT.so.1"))
         for i in range(self.n):
             self.box.write(f"/etc/systemd/system/{self.replica_unit(i)}", REPLICA_UNIT.format(
-                box=f"box{i}", model=f"m{i % self.models}", port=8100 + i, load_time_s=self.load_time_s.get(i, 0.3)))
+                box=f"box{i}", port=8100 + i, load_time_s=self.load_time_s.get(i, 0.3),
+                model=f"m{i % self.models}" if i not in self.model_paths
+                else f"{self.model_paths[i]} --served-model-name m{i % self.models}"))
             cfg = self.config(i)
             if not memory_squeezed or i in self.unsqueezed:
                 cfg = cfg.replace("enabled = true", "enabled = false")

@@ -147,3 +147,24 @@ def test_garbage_written_under_the_prefix_by_one_member_does_not_stop_a_restart_
     out = fleet.box.run(["guardian", "--config", "/etc/guardian/box1.toml", "status", "--fleet"], check=False)
     assert out.returncode == 0 and "Traceback" not in out.stderr, out.stdout + out.stderr
     assert "2 box(es)" in out.stdout, out.stdout
+
+
+def test_a_box_serving_the_model_with_other_weights_is_a_hazard_on_the_other_box(fleet):
+    """Issue 33 item 1: box0's replica loads /opt/fleet/a, box1's /opt/fleet/b (another config.json),
+    both served as m0. Each box publishes its fingerprint with its replica; each sees the other's
+    differ (W3), said once, naming the other box."""
+    fleet.box.write("/opt/fleet/a/config.json", json.dumps({"num_hidden_layers": 32}))
+    fleet.box.write("/opt/fleet/b/config.json", json.dumps({"num_hidden_layers": 36}))
+    fleet.n, fleet.models = 2, 1
+    fleet.model_paths = {0: "/opt/fleet/a", 1: "/opt/fleet/b"}
+    try:
+        fleet.setup(memory_squeezed=False)
+        fleet.start_guardians()
+        for i, other in ((0, "box1"), (1, "box0")):
+            line = wait_for(lambda i=i: next((e for e in fleet.lines(i, "GUARDIAN_RULE=W3")), None), 60,
+                            f"box{i} to see the other box's weights")
+            assert line["PRIORITY"] == "3" and f"{other}/a: dir:" in line["MESSAGE"], line
+            assert line["GUARDIAN_HAZARD"] == "weights-differ-fleet:m0"
+        assert all(len(fleet.lines(i, "GUARDIAN_RULE=W3")) == 1 for i in range(2))  # said once
+    finally:
+        fleet.box.run(["rm", "-rf", "/opt/fleet"], check=False)
