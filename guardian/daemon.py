@@ -33,7 +33,7 @@ from .act.proxy import ProxySync
 from .act.restart import Tools
 from .act.state import STATUS_FILE, StateCache, StateStore, atomic_write_json
 from .config import Config, ConfigError, load_config
-from .core import thresholds, tick
+from .core import memguard, thresholds, tick
 from .core.hazards import Hazard
 from .core.observations import MemorySample, TickObservation
 from .core.vocab import Priority
@@ -212,7 +212,9 @@ class Daemon:
             self.weights_error_said = True
             return
         self.weights_error_said = False
-        self.weights_differ = self.notices.weights(self.cfg, self.weights_found, obs.fleet)
+        self.weights_differ, moved = self.notices.weights(self.cfg, self.weights_found, obs.fleet)
+        for name in moved:  # the daemon's sequencing: the next tick decides on the core's state without it
+            self.state = replace(self.state, mem=memguard.weights_changed(self.state.mem, name))
         self.exports.metrics.set_weights(self.weights_found, self.weights_differ)
         self.fleet.publish_weights(self.weights_found)
 

@@ -831,3 +831,11 @@ def test_a_start_is_lowered_to_fit_only_with_no_change_of_its_fraction_in_flight
     from guardian.core.memguard import fraction_settled
 
     assert fraction_settled(track, "a") is settled
+
+
+def test_a_change_of_weights_drops_what_the_memory_guard_learned_of_the_old_ones():
+    from guardian.core.memguard import weights_changed
+
+    track = MemTrack(ceilings={"a": 0.86, "b": 0.9})
+    assert weights_changed(track, "a").ceilings == {"b": 0.9}  # a's failed raise was the old model's size
+    assert weights_changed(track, "c") is track

@@ -125,8 +125,9 @@ def test_w2_a_replica_whose_weights_changed(before, after, changes):
 def test_each_difference_is_said_once_while_it_lasts_and_when_it_is_over(capsys, monkeypatch):
     monkeypatch.setenv("GUARDIAN_LOG_STDERR", "1")
     notices, c = Notices(Journal(socket_path="/nonexistent")), cfg("m", "m")
-    for found in ({"a": W["dir:1"], "b": W["dir:2"]}, {"a": W["dir:1"], "b": W["dir:2"]}, {"a": W["dir:1"], "b": W["dir:1"]}):
-        notices.weights(c, found)
+    moved = [notices.weights(c, found)[1] for found in (
+        {"a": W["dir:1"], "b": W["dir:2"]}, {"a": W["dir:1"], "b": W["dir:2"]}, {"a": W["dir:1"], "b": W["dir:1"]})]
+    assert moved == [[], [], ["b"]]
     err = capsys.readouterr().err
     assert err.count("serve model m with different weights") == 1
     assert err.count("replica b: its weights changed: dir:2 -> dir:1") == 1

@@ -53,14 +53,19 @@ class Notices:
         self.hazards_said = {h.key for h in found}
         return found
 
-    def weights(self, cfg: Config, found: dict[str, Weights | None], fleet: FleetView | None = None) -> list[Hazard]:
-        """W1 said once while it lasts (and when it ends), W2 at each change; the W1 hazards now."""
-        for name, was, now in weights.changed(self.weights_seen, found):
+    def weights(
+        self, cfg: Config, found: dict[str, Weights | None], fleet: FleetView | None = None
+    ) -> tuple[list[Hazard], list[str]]:
+        """W1 and W3 said once while they last (and when they end), W2 at each change; the hazards
+        now, and the replicas whose weights changed."""
+        moved = weights.changed(self.weights_seen, found)
+        for name, was, now in moved:
             r = cfg.replica(name)
             self.journal.line(
                 LogLine(
                     Priority.INFO,
-                    f"replica {name}: its weights changed: {was.digest} -> {now.digest} ({now.what}): a model update",
+                    f"replica {name}: its weights changed: {was.digest} -> {now.digest} ({now.what}): a model "
+                    "update; what the memory guard learned of the old weights is dropped",
                     Decision.NOTE,
                     name,
                     r.unit if r is not None else None,
@@ -83,4 +88,4 @@ class Notices:
                 Priority.INFO, f"hazard over: {key.split(':', 1)[1]}'s replicas serve the same weights{where}"
             )
         self.weights_said = {h.key for h in hazards}
-        return hazards
+        return hazards, [name for name, _, _ in moved]

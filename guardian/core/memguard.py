@@ -707,6 +707,14 @@ def _read_since(track: MemTrack, view: MemoryView) -> MemTrack:
     return track if unread == track.unread else replace(track, unread=unread)
 
 
+def weights_changed(track: MemTrack, replica: str) -> MemTrack:
+    """W2 (core/weights.py): what the memory guard learned of REPLICA's old weights is dropped: the
+    fraction a raise failed to start at (M20) was that model's size, not the new one's."""
+    if replica not in track.ceilings:
+        return track
+    return replace(track, ceilings={n: c for n, c in track.ceilings.items() if n != replica})
+
+
 def fraction_settled(track: MemTrack, replica: str) -> bool:
     """No change of REPLICA's fraction in flight: none pending, none written and unread (M9)."""
     return (track.pending is None or track.pending.replica != replica) and replica not in track.unread

@@ -14,7 +14,8 @@ Rules:
   fingerprints that differ: a hazard at error, naming each replica, its fingerprint and where it
   was read, said once while it lasts;
 - W2, changed: a replica's fingerprint differs from the one guardian saw before (both known): said
-  at info, a model update;
+  at info, a model update; what the memory guard learned of the old weights (M20's ceiling: the
+  fraction a raise failed to start at) is dropped;
 - W3, differ across the fleet: a replica of this box and a replica of another box in the fleet
   view (with [fleet]) serve one model name with known fingerprints that differ: a hazard at
   error, as W1, on each box that sees it.
@@ -33,7 +34,12 @@ from .rules import Rule
 
 RULES = (
     Rule("W1", "differ", "two or more replicas of one model name on this box have known fingerprints that differ"),
-    Rule("W2", "changed", "a replica's known fingerprint differs from the known one guardian saw before it"),
+    Rule(
+        "W2",
+        "changed",
+        "a replica's known fingerprint differs from the known one guardian saw before it: said at info, and the "
+        "memory guard's M20 ceiling for it dropped",
+    ),
     Rule(
         "W3",
         "differ across the fleet",
