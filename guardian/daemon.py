@@ -50,6 +50,8 @@ from .observe.systemd import Systemd, SystemdError, SystemdEvent
 from .observe.weights import WeightsWatch
 from .status import LoopStats, Snapshot, status_dict, status_line
 
+WEIGHTS_LOOK_S = 10.0  # the replicas' weights fingerprints, at most, in one tick
+
 
 class StartupError(Exception):
     pass
@@ -203,7 +205,8 @@ class Daemon:
         """Each replica's weights (W1, W2): a failure to read them is said and never stops the tick."""
         units = {name: seen.unit for name, seen in obs.replicas.items()}
         try:
-            self.weights_found = await self.weights.look(self.cfg, self.sd, units)
+            # bounded: a model path on a file system that hangs must not hold the tick up
+            self.weights_found = await asyncio.wait_for(self.weights.look(self.cfg, self.sd, units), WEIGHTS_LOOK_S)
         except Exception as e:  # noqa: BLE001 - fingerprints are a report, not the watchdog
             if not self.weights_error_said:
                 self.journal.with_traceback(

@@ -1,4 +1,4 @@
-"""Draining through the proxy (core/drain.py, D1-D15) as the tick applies it: table rows before, at
+"""Draining through the proxy (core/drain.py, D1-D16) as the tick applies it: table rows before, at
 and after each threshold, with a fake clock. Assertions name rule ids, not wording."""
 
 from __future__ import annotations
@@ -324,7 +324,7 @@ def test_a_request_with_a_wait_refused_by_a_passing_rule_when_its_drain_ends_is_
     assert not answers(acts) and not restarts(acts) and "a" not in box.core.drains  # still waiting, not drained
 
 
-# --- warm before traffic returns (issue 33 item 2: D13-D15) ------------------------------------------
+# --- warm before traffic returns (issue 33 item 2: D13-D16) ------------------------------------------
 
 def warm_box(timeout_s: float = 30.0) -> Box:
     """a hung and restarted behind the proxy, with a warm-up file; back at t=116 (D13 sends it)."""
@@ -382,3 +382,16 @@ def test_a_replica_without_a_warmup_file_is_marked_up_at_once_d11():
     box.core = replace(box.core, drains={"a": Drain(Phase.AWAY, 90.0, "restart")})
     acts = box.tick(100)
     assert proxy_rules(acts) == ["D11"] and not [x for x in acts if isinstance(x, WarmUp)]
+
+
+def test_a_replica_that_hangs_while_it_warms_is_not_marked_up_and_warms_again_once_back_d16():
+    box = warm_box()
+    # it hangs before its warm-up ends (no answer past unresponsive_after_s): restarted, still down
+    seen = proxy_rules(box.tick(120, a=obs("a", 120, health=TIMEOUT, u=NEW)))
+    seen += proxy_rules(box.tick(131, a=replace(obs("a", 131, health=TIMEOUT, u=NEW),
+                                                  warmup=WarmupResult(116, 0, 3, 4.0, "x"))))
+    assert "D16" in seen and "D14" not in seen and "D15" not in seen, seen
+    assert "a" in box.core.drains and box.core.drains["a"].warm_from is None
+    for t in (150, 160):  # long past the warm-up's bound: still down, never D15
+        assert "D15" not in proxy_rules(box.tick(t, a=obs("a", t, health=TIMEOUT, u=NEW)))
+        assert "a" in box.core.drains

@@ -143,8 +143,8 @@ def test_check_warns_where_a_request_with_no_byte_yet_would_not_go_to_the_peer(t
     (conf / "sites-enabled" / "llm").write_text(site.format(
         "proxy_next_upstream error timeout non_idempotent; proxy_next_upstream_timeout 5s;"))
     (warning,) = retry_warnings(cfg, conf)
-    # up to unresponsive_after_s (10) + 2 ticks (2 x 2) + 1 s from a freeze to guardian's kill
-    assert "shorter than guardian's time from a replica's freeze to its kill (up to 15.0 s)" in warning
+    # up to max(unresponsive_after_s 10, stall_canary_after_s 10 + canary_timeout_s 15) + 2 ticks (2 x 2) + 1 s
+    assert "shorter than guardian's time from a replica's freeze to its kill (up to 30.0 s)" in warning
     (conf / "sites-enabled" / "llm").write_text(site.format("proxy_next_upstream error non_idempotent;"))
     assert retry_warnings(cfg, conf) == []
 

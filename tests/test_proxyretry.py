@@ -36,6 +36,8 @@ RETRY = "proxy_next_upstream error timeout http_502 non_idempotent;"
         (site(RETRY + " proxy_next_upstream_timeout 0;"), []),  # 0: no limit
         (site(RETRY + " proxy_next_upstream_timeout 1m;"), []),
         (site(RETRY + " proxy_next_upstream_timeout soon;"), ["not an nginx time"]),
+        (site(RETRY + " proxy_next_upstream_tries 1;"), ["tries is 1"]),
+        (site(RETRY + " proxy_next_upstream_tries 3;"), []),
         (site("# proxy_next_upstream error non_idempotent;"), ["without non_idempotent"]),  # a comment sets nothing
         (site(RETRY).replace("http://llm", "http://other"), None),  # not guardian's upstream: not judged here
         (site(RETRY).replace("http://llm", "http://llm/v1"), []),
@@ -53,7 +55,7 @@ def test_retry_findings(text: str, found: list[str] | None) -> None:
 
 
 @pytest.mark.parametrize("value, seconds", [("60s", 60.0), ("1m", 60.0), ("500ms", 0.5), ("30", 30.0),
-                                            ("1m30s", 90.0), ("soon", None), ("", None), ("5x", None)])
+                                            ("1m30s", 90.0), ("1w", 604800.0), ("soon", None), ("", None), ("5x", None)])
 def test_nginx_seconds(value: str, seconds: float | None) -> None:
     assert nginx_seconds(value) == seconds
 

@@ -168,3 +168,37 @@ def test_a_published_member_carries_its_weights_and_garbage_there_is_refused():
     assert read_member(json.dumps(base))[0].weights is None  # a guardian before issue 33
     with pytest.raises(NotOurs, match="'weights'"):
         read_member(json.dumps(base | {"weights": 7}))
+
+
+def test_a_fifo_named_as_the_model_is_never_opened(tmp_path):
+    import os
+
+    fifo = tmp_path / "model.gguf"
+    os.mkfifo(fifo)
+    assert fingerprint(("vllm", "serve", str(fifo))) is None  # returns at once: opening it would block
+
+
+def test_a_revision_never_reads_outside_refs(tmp_path):
+    folder = tmp_path / "hub" / "models--Org--Name"
+    (folder / "refs").mkdir(parents=True)
+    (tmp_path / "hub" / "secret").write_text(COMMIT_A)
+    argv = ("vllm", "serve", "Org/Name", "--download-dir", str(tmp_path / "hub"), "--revision", "../../secret")
+    assert fingerprint(argv) is None
+
+
+def test_a_snapshot_with_its_files_compares_with_a_local_copy_of_them(tmp_path):
+    folder = tmp_path / "hub" / "models--Org--Name"
+    (folder / "refs").mkdir(parents=True)
+    (folder / "refs" / "main").write_text(COMMIT_A)
+    snap = folder / "snapshots" / COMMIT_A
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text(json.dumps({"layers": 32}))
+    local = model_dir(tmp_path, "copy", {"layers": 32})
+    hub = fingerprint(("vllm", "serve", "Org/Name", "--download-dir", str(tmp_path / "hub")))
+    assert hub is not None and hub.digest == fingerprint(("vllm", "serve", str(local))).digest
+    assert f"snapshot {COMMIT_A[:12]}" in hub.what
+
+
+def test_fingerprints_of_other_kinds_are_not_compared():
+    found = {"a": Weights("dir:1", "x"), "b": Weights("hf:Org/Name@aaaa", "y")}
+    assert differing(cfg("m", "m"), found) == []  # a commit alone says nothing of a directory's files

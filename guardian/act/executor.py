@@ -201,7 +201,10 @@ class Executor:
     async def _warm(self, action: WarmUp) -> None:
         r = self.cfg.replica(action.replica)
         if r is not None and r.warmup_file is not None:
-            self._warmups[r.name] = await warm_up(self.client, r, action.started_at, action.timeout_s)
+            result = await warm_up(self.client, r, action.started_at, action.timeout_s)
+            kept = self._warmups.get(r.name)
+            if kept is None or kept.started_at <= result.started_at:  # a late older one never hides a newer one
+                self._warmups[r.name] = result
 
     async def _guarded(self, order: RestartOrder, what: str) -> RestartOutcome:
         """The checked restart; an exception out of it is said and is the outcome."""

@@ -679,15 +679,24 @@ def describe(cfg: Config, down: frozenset[str], conf_dir: Path = NGINX_CONF_DIR)
     return out
 
 
+def kill_bound_s(cfg: Config, replicas: Iterable[ReplicaConfig]) -> float:
+    """The longest guardian takes from a replica's freeze to its kill: its server unresponsive (L8),
+    or its engine frozen with work queued while /health answers (L14: the stall canary's wait, then
+    its bound), then up to two ticks and the hung stop's grace."""
+    canary_s = max((r.canary_timeout_s for r in replicas), default=0.0)
+    w = cfg.watchdog
+    return max(w.unresponsive_after_s, w.stall_canary_after_s + canary_s) + 2 * cfg.interval_s + HUNG_STOP_GRACE_S
+
+
 def retry_warnings(cfg: Config, conf_dir: Path = NGINX_CONF_DIR) -> list[str]:
     """For `guardian check`: where a file that proxy_passes to one of guardian's upstreams would not
     send a request with no byte yet to the other replica (core/proxyretry.py)."""
     if cfg.proxy.nginx_upstream_dir is None:
         return []
-    bound_s = cfg.watchdog.unresponsive_after_s + 2 * cfg.interval_s + HUNG_STOP_GRACE_S
     out = []
     texts = list(nginx_texts(conf_dir))
-    for upstream in upstreams(cfg):
+    for upstream, replicas in upstreams(cfg).items():
+        bound_s = kill_bound_s(cfg, replicas)
         for f, text in texts:
             for finding in proxyretry.retry_findings(text, upstream, bound_s) or ():
                 out.append(f"proxy: upstream {upstream}: {f}: {finding} (README, Under a proxy)")

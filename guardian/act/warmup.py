@@ -32,8 +32,13 @@ async def warm_up(client: httpx.AsyncClient, r: ReplicaConfig, started_at: float
             break
         body = {**req.body, "model": r.model, "max_tokens": 1, "stream": False}
         try:
-            resp = await client.post(r.url + req.path, json=body, timeout=left_s)
-        except httpx.HTTPError as e:
+            async with asyncio.timeout(left_s):  # the whole request, not each of its reads
+                resp = await client.post(r.url + req.path, json=body, timeout=left_s)
+        except TimeoutError:
+            failed += 1
+            error = error or f"request {at + 1}: no answer within the {timeout_s:g} s bound"
+            continue
+        except Exception as e:  # noqa: BLE001 - a warm-up is best effort: any failure is counted, the rest sent
             failed += 1
             error = error or f"request {at + 1}: {type(e).__name__}: {e}"
             continue

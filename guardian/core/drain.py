@@ -13,8 +13,8 @@ SyncProxy(that set) when a proxy is configured, and the shell makes the proxy ma
 (act/proxy.py: nginx's upstream file or the command hooks) and reports what it applied
 (ProxyView); a drain waits for that report before it counts.
 
-Rules: RULES below (D1-D15), rendered into docs/rules.md; DRAINED_ROWS (D6, D7) and BACK_ROWS
-(D11, D13-D15: an away replica marked up, or warmed first) are checked in order, the others are
+Rules: RULES below (D1-D16), rendered into docs/rules.md; DRAINED_ROWS (D6, D7) and BACK_ROWS
+(D11, D13-D16: an away replica marked up, or warmed first) are checked in order, the others are
 the steps of core/tick.py that name them. ``P`` = the [proxy] config.
 "Another replica of the model serves" means: a replica of this box with the same model that serves
 (liveness.serves: healthy or busy, or degraded only by a late probe, within the last
@@ -170,6 +170,12 @@ RULES = (
         "warming AND now - the warm-up's start >= R.warmup_timeout_s + WARMUP_MARGIN_S with no end reported: "
         "marked up anyway, said at warning",
     ),
+    WARMUP_DROPPED := Rule(
+        "D16",
+        "warm-up dropped",
+        "warming AND not back any more (it hung, or a restart of it is in flight): its warm-up is forgotten and it "
+        "stays marked down; once back it is warmed afresh (D13)",
+    ),
 )
 WARMUP_MARGIN_S = 2.0  # past the warm-up's own bound: the tick that brings its result
 
@@ -179,6 +185,7 @@ class Back(StrEnum):
 
     MARK_UP = "mark up"
     WARM = "warm"
+    FORGET = "forget the warm-up"
 
 
 @dataclass(frozen=True)
@@ -196,6 +203,7 @@ class _Away:
 # An away replica, first match; none: it stays marked down (not back yet, or warming). The table's
 # order is not the ids': a warming replica is judged on its warm-up before anything else.
 BACK_ROWS: tuple[Row[_Away, Back], ...] = (
+    Row(WARMUP_DROPPED, lambda a: a.warm_from is not None and not a.back, lambda a: Back.FORGET),
     Row(WARMED, lambda a: a.warm_from is not None and a.ended, lambda a: Back.MARK_UP),
     Row(
         WARMUP_LATE,

@@ -103,7 +103,7 @@ class CanaryResult:
 
 @dataclass(frozen=True)
 class WarmupResult:
-    """A replica's warm-up requests (core/drain.py D13-D15), as they ended."""
+    """A replica's warm-up requests (core/drain.py D13-D16), as they ended."""
 
     started_at: float  # the WarmUp action's tick (the drain's warm_from): which warm-up it is
     served: int

@@ -20,8 +20,8 @@ import re
 from dataclasses import dataclass, field
 
 _TOKEN = re.compile(r"#[^\n]*|\"(?:[^\"\\]|\\.)*\"|'(?:[^'\\]|\\.)*'|[{};]|[^\s{};\"'#]+")
-_TIME = re.compile(r"(\d+)(ms|s|m|h|d)?")
-_UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_TIME = re.compile(r"(\d+)(ms|s|m|h|d|w|M|y)?")
+_UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0, "M": 2592000.0, "y": 31536000.0}
 DEFAULT_NEXT_UPSTREAM = ("error", "timeout")
 
 
@@ -103,6 +103,12 @@ def retry_findings(text: str, upstream: str, kill_bound_s: float) -> list[str] |
                 f"proxy_next_upstream is '{' '.join(cases)}', without non_idempotent: a completion that has had no "
                 "byte of its answer when its replica hangs (or guardian kills it) is answered 502 instead of "
                 "being sent to the other replica"
+            )
+        tries = block.inherited("proxy_next_upstream_tries")
+        if tries and tries[0] == "1":
+            out.append(
+                "proxy_next_upstream_tries is 1: nginx never tries another server, so a completion with no byte yet "
+                "is answered 502 when its replica hangs"
             )
         timeout = block.inherited("proxy_next_upstream_timeout")
         seconds = nginx_seconds(timeout[0]) if timeout else 0.0

@@ -259,7 +259,7 @@ class Tick:
                 self._follow_drain(replica, down)
 
     def _mark_up_when_back(self, replica: ReplicaConfig, down: Drain) -> None:
-        """D11, D13-D15 (drain.BACK_ROWS): marked up once back, its warm-up served first where it has one."""
+        """D11, D13-D16 (drain.BACK_ROWS): marked up once back, its warm-up served first where it has one."""
         track = self.tracks[replica.name]
         warmup = self.obs.replicas[replica.name].warmup
         found = drain.away_verdict(
@@ -268,6 +268,19 @@ class Tick:
         if found is None:
             return
         rule, verdict = found
+        if verdict is drain.Back.FORGET:
+            self.drains[replica.name] = replace(down, warm_from=None)
+            self._say(
+                self._back_line(
+                    replica,
+                    track,
+                    rule,
+                    Priority.INFO,
+                    f"stopped serving while it warmed "
+                    f"({track.evidence}); its warm-up is dropped, and sent again once it is back",
+                )
+            )
+            return
         if verdict is drain.Back.WARM:
             self.drains[replica.name] = replace(down, warm_from=self.now)
             self.actions.append(WarmUp(replica.name, self.now, replica.warmup_timeout_s))
@@ -285,7 +298,7 @@ class Tick:
         del self.drains[replica.name]
         priority, what = Priority.INFO, f"serving again ({track.evidence})"
         if rule is drain.WARMED and warmup is not None:
-            priority = Priority.WARNING if warmup.failed else Priority.INFO
+            priority = Priority.WARNING if warmup.failed or warmup.error else Priority.INFO
             what = f"warm: {warmup.served} of {warmup.served + warmup.failed} warm-up requests served in "
             what += f"{warmup.took_s:.1f} s" + (f" ({warmup.error})" if warmup.error else "")
         elif rule is drain.WARMUP_LATE:

@@ -64,7 +64,7 @@ def differing(cfg: Config, found: Mapping[str, Weights | None]) -> list[Hazard]:
             by_model[r.model].append((r.name, w))
     out = []
     for model, seen in sorted(by_model.items()):
-        if len({w.digest for _, w in seen}) < 2:
+        if not _differ([w.digest for _, w in seen]):
             continue
         each = "; ".join(f"{name}: {w.digest} ({w.what})" for name, w in seen)
         out.append(
@@ -78,6 +78,19 @@ def differing(cfg: Config, found: Mapping[str, Weights | None]) -> list[Hazard]:
     return out
 
 
+def _kind(digest: str) -> str:
+    return digest.split(":", 1)[0]
+
+
+def _differ(digests: Iterable[str]) -> bool:
+    """Two fingerprints of one kind that differ ("dir:" and "hf:" are not compared: a snapshot whose
+    files are not there is known by its commit only)."""
+    kinds: dict[str, set[str]] = defaultdict(set)
+    for d in digests:
+        kinds[_kind(d)].add(d)
+    return any(len(found) > 1 for found in kinds.values())
+
+
 def differing_in_fleet(
     cfg: Config, found: Mapping[str, Weights | None], members: Iterable[FleetMember], box: str
 ) -> list[Hazard]:
@@ -86,7 +99,15 @@ def differing_in_fleet(
     others = [m for m in members if m.box != box and m.weights is not None]
     for model in sorted({r.model for r in cfg.replicas}):
         here = {(r.name, w.digest) for r in cfg.replicas if r.model == model and (w := found.get(r.name)) is not None}
-        there = [m for m in others if m.model == model and m.weights not in {d for _, d in here}]
+        kinds = {_kind(d) for _, d in here}
+        there = [
+            m
+            for m in others
+            if m.model == model
+            and m.weights is not None
+            and _kind(m.weights) in kinds
+            and m.weights not in {d for _, d in here}
+        ]
         if not here or not there:
             continue
         mine = "; ".join(f"{name}: {digest}" for name, digest in sorted(here))

@@ -72,7 +72,7 @@ class ModelFiles:
     truncated: bool = False  # more than MAX_FILES: the first MAX_FILES only
 
 
-def _option(argv: tuple[str, ...], name: str) -> str | None:
+def option(argv: tuple[str, ...], name: str) -> str | None:
     for at, arg in enumerate(argv):
         if arg == name and at + 1 < len(argv):
             return argv[at + 1]
@@ -87,12 +87,12 @@ def model_of(argv: tuple[str, ...]) -> str | None:
         rest = argv[argv.index("serve") + 1 :]
         if rest and not rest[0].startswith("-"):
             return rest[0]
-    return _option(argv, "--model")
+    return option(argv, "--model")
 
 
 def hub_dirs(argv: tuple[str, ...], env: Mapping[str, str], home: str) -> list[str]:
     """The hub caches a repo id may be in, in vLLM's order of preference."""
-    found = [d for d in (_option(argv, "--download-dir"), env.get("HF_HUB_CACHE")) if d]
+    found = [d for d in (option(argv, "--download-dir"), env.get("HF_HUB_CACHE")) if d]
     if env.get("HF_HOME"):
         found.append(os.path.join(env["HF_HOME"], "hub"))
     found.append(os.path.join(home, ".cache", "huggingface", "hub"))
@@ -215,7 +215,7 @@ def _files(found: Located) -> ModelFiles:
     return ModelFiles(found.source, tuple(paths))
 
 
-def _open(path: str) -> int | None:
+def open_regular(path: str) -> int | None:
     """A read-only descriptor of regular file PATH, or None; never blocks on a FIFO."""
     if _regular(path) is None:
         return None
@@ -282,7 +282,7 @@ def cached_bytes(paths: tuple[str, ...]) -> Cached:
     does not counted at its size (an upper bound)."""
     total, measured, mincore_left = 0, True, [MINCORE_MAX_BYTES]
     for path in paths:
-        fd = _open(path)
+        fd = open_regular(path)
         if fd is None:
             continue
         try:
@@ -302,7 +302,7 @@ def release(paths: tuple[str, ...]) -> int:
     reader may); how many of the files it was asked for."""
     done = 0
     for path in paths:
-        fd = _open(path)
+        fd = open_regular(path)
         if fd is None:
             continue
         try:

@@ -3,9 +3,11 @@ request per line, read and checked. Nothing here sends them (act/warmup.py does)
 
 Each line is a JSON object with "prompt" (a string: a completion) or "messages" (a non-empty list
 of {"role", "content"} objects: a chat completion); other keys are the request's own (tools,
-temperature...), but "model", "max_tokens" and "stream" are guardian's: the replica's model, one
-token, not streamed. Blank lines and lines starting with "#" are skipped. At most MAX_BYTES and
-MAX_REQUESTS: a file larger than that is not read (a warm-up is a handful of shared prefixes).
+temperature...), but "model", "max_tokens", "max_completion_tokens", "stream", "stream_options" and
+"n" are guardian's: the replica's model, one token, one choice, not streamed. NaN and Infinity are
+refused (they are not JSON, and could not be sent). Blank lines and lines starting with "#" are
+skipped. At most MAX_BYTES and MAX_REQUESTS: a file larger than that is not read (a warm-up is a
+handful of shared prefixes).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from .readback import read_back
 
 MAX_BYTES = 1 << 20
 MAX_REQUESTS = 256
-GUARDIANS_KEYS = ("model", "max_tokens", "stream")
+GUARDIANS_KEYS = ("model", "max_tokens", "max_completion_tokens", "stream", "stream_options", "n")
 
 
 @dataclass(frozen=True)
@@ -32,9 +34,13 @@ class WarmupFileError(ValueError):
     """The file cannot be used; the message names the file, and the line where one is to blame."""
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
 def _request(line: str, where: str) -> WarmupRequest:
     try:
-        body = json.loads(line)
+        body = json.loads(line, parse_constant=_no_constant)
     except ValueError as e:
         raise WarmupFileError(f"{where}: not JSON ({e})") from None
     if not isinstance(body, dict):

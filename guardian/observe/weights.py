@@ -42,14 +42,29 @@ def _read(path: str, max_bytes: int = META_MAX_BYTES) -> bytes | None:
         return None
 
 
+def _weight_names(top: str) -> list[str] | None:
+    """The weight files' names in TOP, looking at MAX_ENTRIES entries at most (a model path is the
+    replica's to name); None when it cannot be listed."""
+    names = []
+    try:
+        with os.scandir(top) as it:
+            for n, entry in enumerate(it):
+                if n >= modelfiles.MAX_ENTRIES:
+                    break
+                if entry.name.endswith(WEIGHT_SUFFIXES):
+                    names.append(entry.name)
+    except OSError:
+        return None
+    return sorted(names)
+
+
 def _of_dir(top: str, source: str) -> Weights | None:
     h = hashlib.sha256()
     config = _read(os.path.join(top, "config.json"))
     index = next((b for b in (_read(os.path.join(top, n)) for n in INDEXES) if b is not None), None)
     if config is None and index is None:
-        try:
-            names = sorted(n for n in os.listdir(top) if n.endswith(WEIGHT_SUFFIXES))
-        except OSError:
+        names = _weight_names(top)
+        if names is None:
             return None
         if not names:
             return None
@@ -66,25 +81,38 @@ def _of_dir(top: str, source: str) -> Weights | None:
 
 
 def _of_file(path: str, source: str) -> Weights | None:
+    fd = modelfiles.open_regular(path)  # never a FIFO or a device: opening one could block the tick
+    if fd is None:
+        return None
     try:
-        size = os.stat(path).st_size
-        with open(path, "rb", buffering=0) as f:
-            head = f.read(HEAD_BYTES)
+        size = os.fstat(fd).st_size
+        head = os.read(fd, HEAD_BYTES)
     except OSError:
         return None
+    finally:
+        os.close(fd)
     h = hashlib.sha256(f"{os.path.basename(path)}\0{size}\0".encode() + head)
     return Weights("file:" + h.hexdigest()[:12], f"the name, size and first 64 KiB of {source}")
 
 
 def _of_repo(found: modelfiles.Located) -> Weights | None:
-    revision = modelfiles._option(found.argv, "--revision") or "main"
+    """The snapshot's directory fingerprint (comparable with a local copy of the same weights),
+    else the commit its revision resolves to."""
+    revision = modelfiles.option(found.argv, "--revision") or "main"
     commit = revision if _COMMIT.fullmatch(revision) else None
-    if commit is None:
-        ref = _read(os.path.join(found.top, "refs", revision), 4096)
+    refs = os.path.join(found.top, "refs")
+    ref_path = os.path.normpath(os.path.join(refs, revision))
+    if commit is None and ref_path.startswith(refs + os.sep):  # a revision never reads outside refs/
+        ref = _read(ref_path, 4096)
         text = ref.decode(errors="replace").strip() if ref is not None else ""
         commit = text if _COMMIT.fullmatch(text) else None
     if commit is None:
         return None
+    snapshot = os.path.join(found.top, "snapshots", commit)
+    if os.path.isdir(snapshot):
+        found_dir = _of_dir(snapshot, f"snapshot {commit[:12]} of {found.source}")
+        if found_dir is not None:
+            return found_dir
     return Weights(f"hf:{found.repo}@{commit[:12]}", f"the commit revision {revision} resolves to, {found.source}")
 
 
