@@ -268,32 +268,19 @@ class Tick:
         if found is None:
             return
         rule, verdict = found
-        if verdict is drain.Back.FORGET:
-            self.drains[replica.name] = replace(down, warm_from=None)
-            self._say(
-                self._back_line(
-                    replica,
-                    track,
-                    rule,
-                    Priority.INFO,
-                    f"stopped serving while it warmed "
-                    f"({track.evidence}); its warm-up is dropped, and sent again once it is back",
-                )
+        if verdict is not drain.Back.MARK_UP:  # still down: its warm-up sent (D13), or dropped (D16)
+            warming = verdict is drain.Back.WARM
+            self.drains[replica.name] = replace(down, warm_from=self.now if warming else None)
+            if warming:
+                self.actions.append(WarmUp(replica.name, self.now, replica.warmup_timeout_s))
+            what = (
+                f"serving again ({track.evidence}); its warm-up requests ({replica.warmup_file}) are sent before it "
+                "is marked up"
+                if warming
+                else f"stopped serving while it warmed ({track.evidence}); its warm-up is dropped, and sent again "
+                "once it is back"
             )
-            return
-        if verdict is drain.Back.WARM:
-            self.drains[replica.name] = replace(down, warm_from=self.now)
-            self.actions.append(WarmUp(replica.name, self.now, replica.warmup_timeout_s))
-            self._say(
-                self._back_line(
-                    replica,
-                    track,
-                    rule,
-                    Priority.INFO,
-                    f"serving again ({track.evidence}); its "
-                    f"warm-up requests ({replica.warmup_file}) are sent before it is marked up",
-                )
-            )
+            self._say(self._back_line(replica, track, rule, Priority.INFO, what))
             return
         del self.drains[replica.name]
         priority, what = Priority.INFO, f"serving again ({track.evidence})"
