@@ -780,6 +780,7 @@ def test_a_lowering_records_its_base_only_when_its_env_file_is_written(tmp_path,
     import asyncio
 
     import guardian.act.executor as executor_module
+    import guardian.act.restart as restart_module
     from guardian.act.executor import Executor
     from guardian.act.restart import Tools
     from guardian.act.state import StateStore
@@ -790,7 +791,7 @@ def test_a_lowering_records_its_base_only_when_its_env_file_is_written(tmp_path,
     store = StateStore(tmp_path, clock=lambda: now)
     config = with_memory(cfg(1)).model_copy(update={"state_dir": tmp_path})
     bases_at_write = []
-    real_write = executor_module.atomic_write
+    real_write = restart_module.atomic_write  # the env file's writer (restart.write_fraction)
 
     def write(path, data, *args):
         bases_at_write.append(dict(store.read()["fraction_bases"]))
@@ -802,7 +803,7 @@ def test_a_lowering_records_its_base_only_when_its_env_file_is_written(tmp_path,
         order.before_restart()
         return RestartOutcome(order.replica.unit, "done", issued=True, ok=True)
 
-    monkeypatch.setattr(executor_module, "atomic_write", write)
+    monkeypatch.setattr(restart_module, "atomic_write", write)
     monkeypatch.setattr(executor_module, "checked_restart", restart)
     ex = Executor(Tools(None, store, Recorder(), config, lambda: now), None)
 

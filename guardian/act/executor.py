@@ -49,15 +49,13 @@ from ..observe.memory import env_path
 from ..observe.replicas import Results
 from .part import Counter, SlotKeeper
 from .proxy import ProxySync
-from .restart import RestartOrder, Tools, checked_restart, fraction_text
+from .restart import RestartOrder, Tools, checked_restart, write_fraction
 from .state import (
     CorruptState,
     StateDoc,
     StateStore,
-    atomic_write,
     record_answer,
     record_canary_latencies,
-    record_fraction_base,
     record_steps,
     record_waiting,
 )
@@ -240,32 +238,13 @@ class Executor:
         if action.request_id is not None:
             self._answer(AnswerRequest(action.request_id, r.name, outcome.ok, f"{r.unit}: {outcome.result}"))
 
-    def _record_base(self, action: SetFraction) -> None:
-        """A lowering's base, in the state file right before the env file is written."""
-        if action.new >= action.old:
-            return
-        e = self._write_state(lambda d: record_fraction_base(d, action.replica, action.old), "")
-        if e is not None:
-            self.tools.journal.line(
-                LogLine(
-                    Priority.ERROR,
-                    f"replica {action.replica}: cannot record its base fraction {action.old:g} in "
-                    f"{self.tools.store.dir}: {e}; the memory guard will not raise it back by itself",
-                    Decision.MEMORY_NOTE,
-                    action.replica,
-                    action.unit,
-                )
-            )
-
     async def _set_fraction(self, action: SetFraction) -> None:
         r = self.cfg.replica(action.replica)
         if r is None:
             return
-        path = env_path(self.cfg, action.replica)
 
         def write() -> None:
-            self._record_base(action)  # only a fraction written has a base; recorded first (see the top)
-            atomic_write(path, fraction_text(action.new))
+            write_fraction(self.tools, r, action.old, action.new)  # its base first, if it lowers (see the top)
 
         if not action.restart:
             self._write_fraction(r, action, write)

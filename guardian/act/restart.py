@@ -169,8 +169,13 @@ def _env_file_as_it_is(cfg: Config, r: ReplicaConfig) -> Callable[[], None]:
 
 
 def write_fraction(tools: Tools, r: ReplicaConfig, old: float, new: float) -> None:
-    """A start lowered to fit (U6): its base recorded first, as a lowering's is (act/executor.py),
-    then guardian's env file. A base that cannot be recorded is said: it is not raised back by itself."""
+    """Guardian's env file for R at NEW, from OLD: a lowering's (the memory guard's, or a start
+    lowered to fit, U6) base recorded first (act/executor.py says why); a base that cannot be
+    recorded is said (it is not raised back by itself) and the write goes on. OSError: the env
+    file could not be written."""
+    if new >= old:
+        atomic_write(env_path(tools.cfg, r.name), fraction_text(new))
+        return
     try:
         tools.store.update(lambda d: record_fraction_base(d, r.name, old))
     except (CorruptState, OSError) as e:
