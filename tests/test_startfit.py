@@ -381,3 +381,17 @@ def test_a_stopped_wired_units_fraction_is_its_environments_and_a_guess_is_never
     assert (m.fit.lower_floor is not None) == lowers
     # the core's say: with a change of its fraction in flight it is never lowered here
     assert act_fit.measure(cfg, r, None, details, act_fit.Start()).fit.lower_floor is None
+
+
+@pytest.mark.parametrize(
+    "guard_on, wired, settled, own_known, floor",
+    [
+        (True, True, True, True, 0.5),
+        (False, True, True, True, None),  # the memory guard off
+        (True, False, True, True, None),  # its unit does not read guardian's env file
+        (True, True, False, True, None),  # a change of its fraction in flight (or this start is one)
+        (True, True, True, False, None),  # nothing says its fraction: never lowered from vLLM's default
+    ],
+)
+def test_a_start_may_be_lowered_only_where_every_condition_holds(guard_on, wired, settled, own_known, floor) -> None:
+    assert startfit.lowering_floor(guard_on, 0.5, wired, settled, own_known) == floor

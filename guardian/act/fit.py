@@ -86,13 +86,9 @@ def _running_fraction(pid: int) -> float | None:
     return None
 
 
-def _fraction(
-    cfg: Config, r: ReplicaConfig, argv: tuple[str, ...], env: Mapping[str, str], new: float | None
-) -> float | None:
-    """What the next start runs with: the change being made, guardian's env file, the command line
+def _own_fraction(cfg: Config, r: ReplicaConfig, argv: tuple[str, ...], env: Mapping[str, str]) -> float | None:
+    """What its next start at its own fraction runs with: guardian's env file, else the command line
     (its ${GPU_MEMORY_UTILIZATION} as the unit's environment sets it); None: nothing says (vLLM's default)."""
-    if new is not None:
-        return new
     found = read_env_fraction(env_path(cfg, r.name))
     if found is not None:
         return found
@@ -124,16 +120,14 @@ def measure(
     env = modelfiles.unit_env(details.environment if details is not None else (), tuple(e.text for e in env_files))
     files = modelfiles.find(argv, env, modelfiles.home_of(details.user if details is not None else None))
     returned = max(cgroup_held_bytes(pid), process_held_bytes(pid), nvml_bytes(pid))
-    own_fraction = _fraction(cfg, r, argv, env, None)
-    fraction = _fraction(cfg, r, argv, env, start.new) or own_fraction or VLLM_DEFAULT_FRACTION
+    own_fraction = _own_fraction(cfg, r, argv, env)
+    fraction = start.new or own_fraction or VLLM_DEFAULT_FRACTION
     held = returned
     if unit is not None and unit.active_state in (ActiveState.ACTIVE, ActiveState.RELOADING):
         # a wrapper (a shell, `docker run -e ...`) hides the fraction vLLM runs with: then what it
         # would start with, as a refusal on too small a hold would leave a hung replica unrestarted
         running = _running_fraction(pid) or own_fraction or VLLM_DEFAULT_FRACTION
         held = max(returned, int(running * total))
-    # lowered only from a fraction something says (never from vLLM's default: a guess made a base)
-    may_lower = start.may_lower and start.new is None and own_fraction is not None
     cached = modelfiles.cached_bytes(files.paths)
     own = cached.bytes if cached.measured else 0 if start.own_released else min(cached.bytes, sample.file_cache_bytes)
     fit = StartFit(
@@ -151,22 +145,24 @@ def measure(
         release_own=cfg.memory.release_cache,
         drop_caches=cfg.memory.drop_caches,
         unified=unified(cfg),
-        lower_floor=_lower_floor(cfg, r, details, env_files) if may_lower else None,
+        lower_floor=startfit.lowering_floor(
+            cfg.memory.enabled,
+            cfg.memory.floor,
+            _wired(cfg, r, details, env_files),
+            start.may_lower and start.new is None,
+            own_fraction is not None,
+        ),
         reserve_bytes=cfg.memory.reserve_bytes,
     )
     return Measured(fit, files)
 
 
-def _lower_floor(
-    cfg: Config, r: ReplicaConfig, details: ServiceDetails | None, env_files: tuple[EnvFile, ...]
-) -> float | None:
-    """M.floor where U6 may lower a start at its own fraction: the memory guard is on, and its unit
-    reads guardian's env file (else a fraction written there would not be what it runs)."""
-    if not cfg.memory.enabled or details is None:
-        return None
-    if wiring_problem(r.unit, env_files, details.exec_start, str(env_path(cfg, r.name))) is not None:
-        return None
-    return cfg.memory.floor
+def _wired(cfg: Config, r: ReplicaConfig, details: ServiceDetails | None, env_files: tuple[EnvFile, ...]) -> bool:
+    """Its unit reads guardian's env file (core/wiring.py); unknown without its unit's details."""
+    return (
+        details is not None
+        and wiring_problem(r.unit, env_files, details.exec_start, str(env_path(cfg, r.name))) is None
+    )
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,6 @@ from ..core.actions import HUNG_STOP_GRACE_S, LogLine
 from ..core.container import helper_unit
 from ..core.observations import MemorySample, RestartOutcome, UnitInfo
 from ..core.rules import Refusal
-from ..core.startfit import RETURN_CHECK_MIN_BYTES
 from ..core.vocab import ActiveState, Decision, Gate, HeldBy, Priority
 from ..observe.clock import Now
 from ..observe.clock import now as clock_now
@@ -116,7 +115,7 @@ async def checked_restart(tools: Tools, order: RestartOrder) -> RestartOutcome:
     except CorruptState as e:
         tools.journal.send(Priority.ERROR, str(e))
     stop = Stop(tools, r, issued, unit.inactive_exit_mono if unit is not None else None)
-    stop.sample_stopped = measured is not None and measured.fit.returned_bytes >= RETURN_CHECK_MIN_BYTES
+    stop.sample_stopped = measured is not None  # U8 judges it (check_returned): one /proc read
     outcome = await stop.restart_unitless(order.why) if r.unitless else await _issue(tools, order, stop)
     if undo is not None and not outcome.issued:
         undo()  # it still runs at its fraction: the file must say so, or the memory guard reads an override

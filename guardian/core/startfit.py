@@ -111,6 +111,14 @@ class Verdict:
     fraction: float | None = None  # U6: the lower fraction it starts at
 
 
+def lowering_floor(guard_on: bool, floor: float, wired: bool, settled: bool, own_known: bool) -> float | None:
+    """StartFit.lower_floor: M.floor where U6 may lower this start, else None. GUARD_ON: M.enabled;
+    WIRED: its unit reads guardian's env file (else a fraction written there is not what it runs);
+    SETTLED: a start at its own fraction with no change of it in flight (the core's RestartUnit.may_lower);
+    OWN_KNOWN: something says its fraction (never lowered from vLLM's default: that guess would be its base)."""
+    return floor if guard_on and wired and settled and own_known else None
+
+
 def lowered_fraction(f: StartFit) -> float | None:
     """U6's fraction: the highest 0.01 grid fraction < F.fraction and >= F.lower_floor whose
     fraction x total fits in free + held + the releases allowed - F.reserve_bytes; None if none does."""
