@@ -104,6 +104,7 @@ W = {d: Weights(d, f"read from {d}") for d in ("dir:1", "dir:2")}
 def test_w1_replicas_of_one_name_with_different_weights(models, found, hazards):
     got = differing(cfg(*models), found)
     assert [h.key for h in got] == hazards
+    assert all(h.rule == "W1" and h.over == "hazard over: m's replicas serve the same weights" for h in got)
     if got:
         assert "a: dir:1 (read from dir:1)" in got[0].message and "b: dir:2" in got[0].message
 
@@ -156,6 +157,7 @@ def test_w3_other_boxes_serving_the_name_with_other_weights(members, hazards):
 
     got = differing_in_fleet(c, {"a": W["dir:1"], "b": W["dir:1"]}, members, "box1")
     assert [h.key for h in got] == hazards
+    assert all(h.rule == "W3" and h.over.endswith("same weights across the fleet") for h in got)
     if got:
         assert "here a: dir:1; b: dir:1; box2/x: dir:2" in got[0].message
 

@@ -21,7 +21,7 @@ class Notices:
         self.hazards_said: set[str] = set()  # the keys of the hazards found by the last scan
         self.kernel_view_said: str | None = None  # why the kernel's view was last said to be missing
         self.weights_seen: dict[str, Weights | None] = {}  # each replica's fingerprint, as last read
-        self.weights_said: set[str] = set()  # the keys of the weights hazards said (W1)
+        self.weights_said: dict[str, Hazard] = {}  # the weights hazards said (W1, W3), by key
 
     def kernel_view(self, why_unavailable: str | None) -> None:
         """Once when the kernel's view of the replicas' connections is lost, once when it is back."""
@@ -69,7 +69,7 @@ class Notices:
                     Decision.NOTE,
                     name,
                     r.unit if r is not None else None,
-                    rule="W2",
+                    rule=weights.CHANGED.id,
                 )
             )
         self.weights_seen = dict(found)
@@ -78,14 +78,12 @@ class Notices:
             hazards += weights.differing_in_fleet(cfg, found, fleet.members, fleet.box)
         for h in hazards:
             if h.key not in self.weights_said:
-                rule = "W3" if h.key.startswith("weights-differ-fleet:") else "W1"
                 self.journal.line(
-                    LogLine(Priority.ERROR, f"hazard: {h.message}", Decision.HAZARD, hazard=h.key, rule=rule)
+                    LogLine(Priority.ERROR, f"hazard: {h.message}", Decision.HAZARD, hazard=h.key, rule=h.rule)
                 )
-        for key in self.weights_said - {h.key for h in hazards}:
-            where = "" if key.startswith("weights-differ:") else " across the fleet"
-            self.journal.send(
-                Priority.INFO, f"hazard over: {key.split(':', 1)[1]}'s replicas serve the same weights{where}"
-            )
-        self.weights_said = {h.key for h in hazards}
+        now_keys = {h.key for h in hazards}
+        for key, gone in self.weights_said.items():
+            if key not in now_keys:
+                self.journal.send(Priority.INFO, gone.over)
+        self.weights_said = {h.key: h for h in hazards}
         return hazards, [name for name, _, _ in moved]

@@ -21,6 +21,8 @@ class Hazard:
     message: str
     replica: str | None = None
     unit: str | None = None
+    rule: str | None = None  # the rule that found it, where one does (core/weights.py W1, W3)
+    over: str = ""  # what is said when it ends ("" : nothing)
 
 
 def find_hazards(

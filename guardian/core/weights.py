@@ -33,14 +33,16 @@ from .observations import FleetMember
 from .rules import Rule
 
 RULES = (
-    Rule("W1", "differ", "two or more replicas of one model name on this box have known fingerprints that differ"),
-    Rule(
+    DIFFER := Rule(
+        "W1", "differ", "two or more replicas of one model name on this box have known fingerprints that differ"
+    ),
+    CHANGED := Rule(
         "W2",
         "changed",
         "a replica's known fingerprint differs from the known one guardian saw before it: said at info, and the "
         "memory guard's M20 ceiling for it dropped",
     ),
-    Rule(
+    DIFFER_FLEET := Rule(
         "W3",
         "differ across the fleet",
         "a replica of this box and one of another box in the fleet view serve one model name with known "
@@ -73,6 +75,8 @@ def differing(cfg: Config, found: Mapping[str, Weights | None]) -> list[Hazard]:
                 f"replicas {', '.join(n for n, _ in seen)} serve model {model} with different weights ({each}): its "
                 "clients get answers from whichever replica they reach; give each set of weights its own model "
                 "name, or bring them to the same weights (W1)",
+                rule=DIFFER.id,
+                over=f"hazard over: {model}'s replicas serve the same weights",
             )
         )
     return out
@@ -118,6 +122,8 @@ def differing_in_fleet(
                 f"model {model} is served with other weights on other boxes of the fleet (here {mine}; {theirs}): its "
                 "clients get answers from whichever box they reach; bring the boxes to the same weights, or give each "
                 "its own model name (W3)",
+                rule=DIFFER_FLEET.id,
+                over=f"hazard over: {model}'s replicas serve the same weights across the fleet",
             )
         )
     return out
