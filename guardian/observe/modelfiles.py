@@ -236,15 +236,18 @@ def _may_measure(fd: int, path: str) -> bool:
     return os.geteuid() in (0, os.fstat(fd).st_uid) or os.access(path, os.W_OK)
 
 
-def _cached_pages(fd: int, path: str, size: int, mincore_left: list[int]) -> int | None:
-    """FD's pages in the page cache, or None where the kernel will not say or MINCORE_LEFT (bytes
-    mincore may still be asked about in this measure) is spent: a sparse file may claim any size."""
+def _cachestat_pages(fd: int) -> int | None:
+    """FD's pages in the page cache by cachestat(2) (Linux >= 6.5), without mapping it; None: not answered."""
     rng, out = _Range(0, 0), _Stat()
     if _libc.syscall(CACHESTAT_NR, fd, ctypes.byref(rng), ctypes.byref(out), 0) == 0:
         return int(out.nr_cache)
-    if not _may_measure(fd, path) or size > mincore_left[0]:
+    return None
+
+
+def _mincore_pages(fd: int, path: str, size: int) -> int | None:
+    """FD's pages in the page cache by mincore(2), a chunk at a time; None where the kernel will not say."""
+    if not _may_measure(fd, path):
         return None
-    mincore_left[0] -= size
     pages = 0
     for offset in range(0, size, MINCORE_CHUNK_BYTES):
         found = _mincore(fd, offset, min(MINCORE_CHUNK_BYTES, size - offset))
@@ -280,14 +283,17 @@ class Cached:
 def cached_bytes(paths: tuple[str, ...]) -> Cached:
     """How much of PATHS the page cache holds now: measured where the kernel tells, each file that it
     does not counted at its size (an upper bound)."""
-    total, measured, mincore_left = 0, True, [MINCORE_MAX_BYTES]
+    total, measured, mincore_left = 0, True, MINCORE_MAX_BYTES
     for path in paths:
         fd = open_regular(path)
         if fd is None:
             continue
         try:
             size = os.fstat(fd).st_size
-            pages = _cached_pages(fd, path, size, mincore_left)
+            pages = _cachestat_pages(fd)
+            if pages is None and size <= mincore_left:  # a sparse file may claim any size: bounded
+                mincore_left -= size
+                pages = _mincore_pages(fd, path, size)
             if pages is None:
                 total, measured = total + size, False
             else:
