@@ -40,7 +40,7 @@ from .core.vocab import ActiveState, Decision, HeldBy, Hidden, Nobody, PortOwner
 from .observe import askers, clock, probes, warmup
 from .observe import weights as observe_weights
 from .observe.containers import ContainerWatch
-from .observe.memory import env_path, wiring_of
+from .observe.memory import env_path, service_details, wiring_of
 from .observe.nvml import Nvml
 from .observe.probes import make_client
 from .observe.readback import Refused, read_back
@@ -312,7 +312,7 @@ async def _check_fit(cfg: Config, sd: Systemd, units: dict[str, UnitInfo | None]
             "frees it"
         )
     for r in cfg.replicas:
-        details = await fit.service_details(sd, r)
+        details = await service_details(sd, r)
         m = await asyncio.to_thread(fit.measure, cfg, r, units.get(r.unit), details, fit.Start(may_lower=True))
         verdict = startfit.judge(m.fit)
         line = f"start fit: replica {r.name}: {verdict.rule.id} ({verdict.rule.outcome}): {startfit.figures(m.fit)}"

@@ -18,7 +18,7 @@ from ..core.vocab import ActiveState, Decision, Gate, Priority
 from ..core.wiring import VAR, VAR_FORMS, EnvFile, cmdline_fraction, wiring_problem
 from ..observe import modelfiles, nvml
 from ..observe.meminfo import sample_memory
-from ..observe.memory import cmdline_of, env_path, process_tree, read_env_file, read_env_fraction
+from ..observe.memory import cmdline_of, env_path, process_tree, read_env_fraction, runs_with, service_details
 from ..observe.sockets import CGROUP_ROOT, cgroup_of_pid
 from ..observe.systemd import ServiceDetails, Systemd, SystemdError
 from .journal import Journal
@@ -114,11 +114,9 @@ def measure(
     sample = sample_memory()
     total = cfg.memory.device_total_bytes or sample.total_bytes
     pid = unit.main_pid if unit is not None else 0
-    live = cmdline_of(pid) if pid else ()
-    argv = live or (details.exec_start if details is not None else ())
-    env_files = tuple(read_env_file(p) for p in details.environment_files) if details is not None else ()
-    env = modelfiles.unit_env(details.environment if details is not None else (), tuple(e.text for e in env_files))
-    files = modelfiles.find(argv, env, modelfiles.home_of(details.user if details is not None else None))
+    runs = runs_with(pid, details)
+    argv, env_files, env = runs.argv, runs.env_files, runs.env
+    files = modelfiles.find(argv, env, runs.home)
     returned = max(cgroup_held_bytes(pid), process_held_bytes(pid), nvml_bytes(pid))
     own_fraction = _own_fraction(cfg, r, argv, env)
     fraction = start.new or own_fraction or VLLM_DEFAULT_FRACTION
@@ -182,16 +180,6 @@ def would_release(m: Measured, verdict: Verdict) -> str:
     if verdict.release is Release.ALL:
         return f"{own + ', then ' if own else ''}the whole page cache (drop_caches)"
     return "nothing"
-
-
-async def service_details(sd: Systemd, r: ReplicaConfig) -> ServiceDetails | None:
-    """R's unit's ExecStart=, environment and user, or None (a unit-less container, or no answer)."""
-    if r.unitless:
-        return None
-    try:
-        return await sd.service_details(r.unit)
-    except SystemdError:
-        return None
 
 
 @dataclass(frozen=True)

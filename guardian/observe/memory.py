@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -16,13 +17,13 @@ from ..core.memguard import Pending
 from ..core.observations import MemoryObservation, ReplicaMemoryObservation, ReplicaObservation, gib
 from ..core.startguard import may_be_loading
 from ..core.wiring import EnvFile, cmdline_fraction, env_value, parse_fraction, wiring_problem
-from . import probes, unitlog
+from . import modelfiles, probes, unitlog
 from .clock import Now
 from .meminfo import sample_memory
 from .nvml import Nvml
 from .readback import Refused, read_back
 from .sockets import cgroup_of_pid, unit_of_cgroup
-from .systemd import Systemd, SystemdError
+from .systemd import ServiceDetails, Systemd, SystemdError
 
 # An environment file is a few lines; one larger than this is not one (and is not read).
 ENV_FILE_MAX_BYTES = 64 * 2**10
@@ -78,6 +79,36 @@ async def wiring_of(sd: Systemd, cfg: Config, r: ReplicaConfig) -> str | None:
         return f"systemd could not be asked about {r.unit}: {e}"
     files = await asyncio.to_thread(lambda: tuple(read_env_file(p) for p in d.environment_files))
     return wiring_problem(r.unit, files, d.exec_start, str(env_path(cfg, r.name)))
+
+
+async def service_details(sd: Systemd, r: ReplicaConfig) -> ServiceDetails | None:
+    """R's unit's ExecStart=, environment and user, or None (a unit-less container, or no answer)."""
+    if r.unitless:
+        return None
+    try:
+        return await sd.service_details(r.unit)
+    except SystemdError:
+        return None
+
+
+@dataclass(frozen=True)
+class RunsWith:
+    """What a replica's main process runs: its command line (the live one, else its unit's
+    ExecStart=), its unit's environment files and environment, and its user's home."""
+
+    argv: tuple[str, ...]
+    env_files: tuple[EnvFile, ...]
+    env: dict[str, str]
+    home: str
+
+
+def runs_with(pid: int, details: ServiceDetails | None) -> RunsWith:
+    """Blocking (it reads /proc and the env files): run in a thread."""
+    live = cmdline_of(pid) if pid else ()
+    argv = live or (details.exec_start if details is not None else ())
+    env_files = tuple(read_env_file(p) for p in details.environment_files) if details is not None else ()
+    env = modelfiles.unit_env(details.environment if details is not None else (), tuple(e.text for e in env_files))
+    return RunsWith(argv, env_files, env, modelfiles.home_of(details.user if details is not None else None))
 
 
 def process_tree(pid: int) -> list[int]:

@@ -24,9 +24,9 @@ from ..config import Config, ReplicaConfig
 from ..core.observations import UnitInfo
 from ..core.weights import Weights
 from . import modelfiles
-from .memory import cmdline_of, read_env_file
+from .memory import runs_with, service_details
 from .readback import read_back
-from .systemd import Systemd, SystemdError
+from .systemd import Systemd
 
 META_MAX_BYTES = 16 << 20  # a config.json or an index is far smaller
 INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -152,18 +152,11 @@ class WeightsWatch:
 
 async def of_replica(sd: Systemd, r: ReplicaConfig, unit: UnitInfo | None) -> Weights | None:
     """R's fingerprint from its running process's command line, else its unit's ExecStart=."""
-    details = None
-    if not r.unitless:
-        try:
-            details = await sd.service_details(r.unit)
-        except SystemdError:
-            details = None
+    details = await service_details(sd, r)
     pid = unit.main_pid if unit is not None else 0
 
     def read() -> Weights | None:
-        argv = (cmdline_of(pid) if pid else ()) or (details.exec_start if details is not None else ())
-        texts = tuple(read_env_file(p).text for p in details.environment_files) if details is not None else ()
-        env = modelfiles.unit_env(details.environment if details is not None else (), texts)
-        return fingerprint(argv, env, modelfiles.home_of(details.user if details is not None else None))
+        runs = runs_with(pid, details)
+        return fingerprint(runs.argv, runs.env, runs.home)
 
     return await asyncio.to_thread(read)
