@@ -670,10 +670,16 @@ def _highest_fit(
 ) -> float | None:
     """The highest grid fraction <= START, < BELOW and >= M.floor whose total x fraction fits in headroom +
     what the replica holds - M.reserve_bytes; None if none does."""
+    available = headroom_bytes + held_bytes - memory.reserve_bytes
+    return highest_fit(start, below, available, total_bytes, memory.floor)
+
+
+def highest_fit(start: float, below: float, available_bytes: int, total_bytes: int, floor: float) -> float | None:
+    """The highest 0.01 grid fraction <= START, < BELOW and >= FLOOR whose total x fraction <=
+    AVAILABLE_BYTES; None if none does (the memory guard's M13, M7, and a start lowered to fit, U6)."""
     fraction = start
-    available_after = headroom_bytes + held_bytes - memory.reserve_bytes
-    while fraction >= memory.floor - 1e-9 and fraction < below - 1e-9:
-        if total_bytes * fraction <= available_after:
+    while fraction >= floor - 1e-9 and fraction < below - 1e-9:
+        if total_bytes * fraction <= available_bytes:
             return fraction
         fraction = grid(fraction - 0.01)
     return None

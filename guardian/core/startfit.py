@@ -45,6 +45,7 @@ import math
 from dataclasses import dataclass
 from enum import StrEnum
 
+from .memguard import grid, grid_below, highest_fit
 from .observations import gib
 from .rules import Row, Rule, first_match
 
@@ -125,12 +126,10 @@ def lowered_fraction(f: StartFit) -> float | None:
     if f.lower_floor is None or f.total_bytes <= 0:
         return None
     room = f.free_bytes + f.held_bytes + f.all_release_bytes - f.reserve_bytes
-    best = min(math.floor(room / f.total_bytes * 100 + 1e-6), math.ceil(f.fraction * 100 - 1e-6) - 1) / 100
-    while best >= f.lower_floor - 1e-9:
-        if math.ceil(best * f.total_bytes) <= room:
-            return best
-        best = round(best - 0.01, 2)
-    return None
+    start = grid_below(min(room / f.total_bytes, f.fraction))
+    if start >= f.fraction - 1e-9:  # its own fraction is on the grid: the next step down
+        start = grid(start - 0.01)
+    return highest_fit(start, f.fraction, room, f.total_bytes, f.lower_floor)
 
 
 def _fits(f: StartFit, extra: int) -> bool:
