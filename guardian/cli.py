@@ -1069,7 +1069,7 @@ async def _act_alone(cfg: Config, sd: Systemd, store: StateStore, name: str, act
         elif isinstance(a, RestartUnit) and a.request_id == "cli":
             r = cfg.replica(a.replica)
             assert r is not None
-            order = RestartOrder(r, "requested by an operator", announce=a.said, may_lower=True)
+            order = RestartOrder(r, "requested by an operator", announce=a.said, may_lower=a.may_lower)
             outcome = await checked_restart(Tools(sd, store, journal, cfg), order)
             print(f"{r.unit}: {outcome.result}")
             return Exit.OK if outcome.ok else Exit.PROBLEM
