@@ -36,7 +36,7 @@ import psutil
 from ..config import Config, ReplicaConfig
 from ..core import proxyretry
 from ..core.actions import HUNG_STOP_GRACE_S, LogLine
-from ..core.drain import Drain, Phase
+from ..core.drainstate import Drain, Phase
 from ..core.observations import ProxyView
 from ..core.vocab import Decision, Priority
 from ..observe.clock import Now

@@ -18,12 +18,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ..config import Config, WatchdogConfig
+from ..config import Config, ReplicaConfig, WatchdogConfig
 from . import gates
+from .actions import AnswerRequest, LogLine, RequestWaits
 from .liveness import Track
-from .observations import PersistentView, TickObservation
+from .observations import PersistentView, RestartRequest, TickObservation
 from .rules import Refusal, Row, Rule, Why, first_match
-from .vocab import LOADING_STATES, Gate, Priority
+from .vocab import LOADING_STATES, Decision, Gate, Priority
+from .work import Tick
 
 
 @dataclass(frozen=True)
@@ -197,3 +199,64 @@ def refusal(
         return found
     seen = obs.replicas[name]
     return gates.unit_refusal(seen.unit, seen.port_owner, unit_error=seen.unit_error)
+
+
+# --- A4: an operator's request that waits through a refusal that passes by itself ------------
+
+
+def refused_answer(t: Tick, request: RestartRequest, refusal: Refusal, passing: bool) -> AnswerRequest:
+    """The answer to a refused request; one that waited until its end for a refusal that passes by
+    itself (PASSING) says so, and is told apart (waited_out: its own exit status)."""
+    answer = f"refused ({refusal.gate}): {refusal.text}"
+    over = passing and wait_over(request, t.now)
+    if over:
+        answer += f"; after waiting {t.now - request.at:.0f} s (A4)"
+    return AnswerRequest(request.id, request.replica, False, answer, waited_out=over)
+
+
+def waits_through(t: Tick, replica: ReplicaConfig, request: RestartRequest) -> bool:
+    """A4: True while REQUEST, asked with a wait that has not ended, is refused by a rule that passes
+    by itself; each cause is said once per request, and shown to the waiting command (RequestWaits)."""
+    refusal = passing_refusal(t, replica, request, t.planned_restarts_blocked)
+    if refusal is None:
+        return False
+    say_wait(t, replica, request, refusal, Decision.REQUEST)
+    return True
+
+
+def passing_refusal(t: Tick, replica: ReplicaConfig, request: RestartRequest, busy: bool) -> Refusal | None:
+    """A4: the refusal REQUEST waits through now (BUSY: another restart under way): one that passes
+    by itself, while the wait it was asked with has not ended; None when it would not wait."""
+    if request.wait_until is None or wait_over(request, t.now):
+        return None
+    found = refusal(replica.name, t.tracks, t.obs, t.now, t.cfg, busy)
+    return found if found is not None and passes_by_itself(found) else None
+
+
+def say_wait(t: Tick, replica: ReplicaConfig, request: RestartRequest, cause: Refusal, decision: Decision) -> None:
+    """What REQUEST waits for (CAUSE), once per request and cause: a journal line, and the text the
+    waiting command prints."""
+    key = (cause.rule, *cause.key)
+    if t.waits_said.get(request.id) == key:
+        return
+    t.waits_said[request.id] = key
+    waits = f"{cause.text} ({cause.rule})"
+    left = "" if request.wait_until is None else f"; up to {request.wait_until - t.now:.0f} s more (A4)"
+    text = f"replica {replica.name}: an operator's restart waits: {waits}{left}"
+    # A fleet slot's wait is said at its own priority (etcd unreachable is an error), as before.
+    priority = cause.priority if decision is Decision.FLEET else Priority.INFO
+    state = t.tracks[replica.name].state
+    rule = "A4" if decision is Decision.REQUEST else cause.rule
+    t.say(LogLine(priority, text, decision, replica.name, replica.unit, state, cause.gate, rule))
+    t.actions.append(RequestWaits(request.id, replica.name, waits))
+
+
+def admitted(t: Tick, replica: ReplicaConfig) -> bool:
+    """Admission (A1-A3, G1-G9) would let a planned restart of REPLICA through now."""
+    busy = t.planned_restarts_blocked
+    return refusal(replica.name, t.tracks, t.obs, t.now, t.cfg, busy) is None
+
+
+def wait_over(request: RestartRequest, now: float) -> bool:
+    """REQUEST was asked with a wait (`guardian restart --wait D`), and it has ended (A4)."""
+    return request.wait_until is not None and now >= request.wait_until

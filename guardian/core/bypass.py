@@ -20,9 +20,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from ..config import Config
+from .actions import LogLine
 from .hazards import Hazard
 from .observations import ConnView, PeerKind
 from .rules import UNCHANGED, Rule
+from .vocab import Decision, Priority
 
 NO_PROXY = Rule(  # enforced by proxy_configured(), which update() asks first
     "B1",
@@ -90,3 +92,38 @@ def update(
             if now - since >= cfg.watchdog.bypass_after_s:  # BYPASSING
                 found.append(Bypass(replica, peer.name, peer.connections, since))
     return still_seen, found
+
+
+def said(before: Iterable[Bypass], found: Iterable[Bypass], cfg: Config, now: float) -> list[LogLine]:
+    """B2's lines: each client that started bypassing the proxy since the last look (BEFORE), said
+    once at warning, and each that has gone, once at info."""
+    before, found = tuple(before), tuple(found)
+    was = {(b.replica, b.peer) for b in before}
+    now_seen = {(f.replica, f.peer) for f in found}
+    lines = [_started(client.hazard(cfg, now)) for client in found if (client.replica, client.peer) not in was]
+    return lines + [_gone(client, cfg) for client in before if (client.replica, client.peer) not in now_seen]
+
+
+def _started(hazard: Hazard) -> LogLine:
+    return LogLine(
+        Priority.WARNING,
+        f"hazard: {hazard.message}",
+        Decision.HAZARD,
+        hazard.replica,
+        hazard.unit,
+        rule=BYPASSING.id,
+        hazard=hazard.key,
+    )
+
+
+def _gone(client: Bypass, cfg: Config) -> LogLine:
+    replica = cfg.replica(client.replica)
+    return LogLine(
+        Priority.INFO,
+        f"replica {client.replica}: {client.peer} no longer talks to it directly",
+        Decision.HAZARD,
+        client.replica,
+        replica.unit if replica is not None else None,
+        rule=BYPASSING.id,
+        hazard=f"bypass:{client.replica}:{client.peer}",
+    )

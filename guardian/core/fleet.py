@@ -19,9 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import Config, FleetConfig
-from .observations import FleetView
+from .actions import AcquireSlot, LogLine, ReleaseSlot
+from .observations import FleetView, RestartRequest
 from .rules import Refusal, Row, Rule, Why, first_match
-from .vocab import Gate, Priority
+from .vocab import LOADING_STATES, Decision, Gate, Priority
+from .work import Tick
 
 
 @dataclass(frozen=True)
@@ -131,3 +133,51 @@ def slot_refusal(
     # The rule is part of the episode: every fleet refusal has the same gate.
     key = (Gate.FLEET, rule.id, *why.episode)
     return Refusal(Gate.FLEET, rule.id, why.reason, why.remedy, why.priority, key=key)
+
+
+# --- F7: a slot given back once its planned restart is over --------------------------------------
+
+
+def release_slots(t: Tick) -> None:
+    """F7: give back each slot of this box whose planned restart is over or given up. The
+    slots given back that the view may still show (the release is under way) are not asked twice."""
+    view = t.obs.fleet
+    if view is None or not view.ok:
+        return
+    released = t.previous.slots_released & view.mine
+    for name in sorted(view.mine - released):
+        if _slot_in_use(t, name):
+            continue
+        track = t.tracks.get(name)
+        state = track.state if track is not None else "not configured"
+        t.actions.append(ReleaseSlot(name))
+        t.say(
+            LogLine(
+                Priority.INFO,
+                f"replica {name}: its planned restart is over ({state}); fleet slot given back (F7)",
+                Decision.FLEET,
+                name,
+                rule="F7",
+            )
+        )
+        released |= {name}
+    t.slots_released = released
+
+
+def _slot_in_use(t: Tick, name: str) -> bool:
+    """NAME's planned restart is not over: drained or away, asking for its slot, requested, being
+    lowered, or restarting."""
+    track = t.tracks.get(name)
+    pending = t.mem.pending
+    return (
+        name in t.drains
+        or any(isinstance(action, AcquireSlot) and action.replica == name for action in t.actions)
+        or any(request.replica == name for request in _requests_waiting(t))
+        or (pending is not None and pending.replica == name)
+        or (track is not None and (track.restart_in_flight or track.state in LOADING_STATES))
+    )
+
+
+def _requests_waiting(t: Tick) -> list[RestartRequest]:
+    """Operators' requests not acted on yet (waiting for a fleet slot)."""
+    return [request for request in t.obs.persistent.requests if request.id not in t.requests_taken]

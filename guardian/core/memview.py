@@ -1,8 +1,11 @@
 """The memory guard's view of the box (memguard.MemoryView), built from the tick so far. Pure.
 
 The tick (core/tick.py) has judged every replica's liveness, moved its drains on and issued its
-restarts before the memory guard looks. This module turns that, and what the memory observer
-found, into what core/memguard.py decides on, per replica:
+restarts before the memory guard looks. This module turns that (Inputs, a value the tick's
+memory step core/memstep.py takes of it), and what the memory observer found, into what
+core/memguard.py decides on. Each replica's part (replicas()) is built once a tick, before the
+start guard, which reads it too; the refusals (restart_blocked) once, after it, since a start it
+stops is a restart under way. Per replica:
 
 - its fraction: guardian's env file for it, else what it reports (vllm:cache_config_info, else
   --gpu-memory-utilization on its command line);
@@ -19,46 +22,64 @@ found, into what core/memguard.py decides on, per replica:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from dataclasses import dataclass
 
-from ..config import ReplicaConfig
+from ..config import Config, ReplicaConfig
 from . import admission, drain, fleet, liveness
-from .drain import Phase
-from .memguard import MemoryView, ReplicaMemory, not_read
-from .observations import MemoryObservation, ReplicaMemoryObservation
+from .drainstate import Drain, Phase
+from .liveness import Track
+from .memguard import MemoryView, MemTrack, ReplicaMemory, not_read
+from .observations import MemoryObservation, ReplicaMemoryObservation, TickObservation
 from .rules import Refusal
 from .vocab import SERVING_STATES
 
-if TYPE_CHECKING:  # the tick builds the view: only its type is needed here
-    from .tick import Tick
+
+@dataclass(frozen=True)
+class Inputs:
+    """The tick so far, as the memory view reads it."""
+
+    obs: TickObservation
+    now: float
+    cfg: Config
+    tracks: Mapping[str, Track]
+    drains: Mapping[str, Drain]
+    previous_mem: MemTrack  # the memory guard's state as the last tick left it
+    planned_restarts_blocked: bool  # core/work.py Tick.planned_restarts_blocked
+    slots_released: frozenset[str]
 
 
-def memory_view(tick: Tick, observed: MemoryObservation) -> MemoryView:
-    obs = tick.obs
+def memory_view(replicas: tuple[ReplicaMemory, ...], inputs: Inputs, observed: MemoryObservation) -> MemoryView:
+    obs = inputs.obs
     return MemoryView(
         observed.sample,
         observed.total_bytes,
-        tuple(_replica(tick, replica, observed.replicas.get(replica.name)) for replica in tick.cfg.replicas),
+        replicas,
         observed.peers_serving,
         observed.consumers,
-        restart_blocked=_refusals(tick),
+        restart_blocked=_refusals(inputs),
         restart_results={n: o.restart_outcome for n, o in obs.replicas.items() if o.restart_outcome is not None},
-        drain_first=tick.cfg.proxy.enabled,
-        fleet_serving=drain.serving_elsewhere(obs, tick.cfg),
+        drain_first=inputs.cfg.proxy.enabled,
+        fleet_serving=drain.serving_elsewhere(obs, inputs.cfg),
     )
 
 
-def _replica(tick: Tick, replica: ReplicaConfig, found: ReplicaMemoryObservation | None) -> ReplicaMemory:
+def replicas(inputs: Inputs, observed: MemoryObservation) -> tuple[ReplicaMemory, ...]:
+    """Each configured replica as the memory guard and the start guard see it."""
+    return tuple(_replica(inputs, replica, observed.replicas.get(replica.name)) for replica in inputs.cfg.replicas)
+
+
+def _replica(tick: Inputs, replica: ReplicaConfig, found: ReplicaMemoryObservation | None) -> ReplicaMemory:
     track = tick.tracks[replica.name]
     seen = tick.obs.replicas[replica.name]
     reported = track.last_sample.gpu_memory_utilization if track.last_sample is not None else None
     if reported is None and found is not None:
         reported = found.cmdline_fraction
     configured = found.configured_fraction if found is not None else None
-    pending = tick.previous.mem.pending
+    pending = tick.previous_mem.pending
     changing = pending is not None and pending.replica == replica.name
     started_at = seen.unit.inactive_exit_mono if seen.unit else None
-    written_at = tick.previous.mem.unread.get(replica.name)
+    written_at = tick.previous_mem.unread.get(replica.name)
     unread = written_at is not None and not_read(started_at, written_at)
     wiring = found.wiring_problem if found is not None else "not observed"
     if wiring is None and not changing and not unread and track.state in SERVING_STATES:
@@ -97,7 +118,7 @@ def _overridden(configured: float | None, reported: float | None) -> str | None:
     return None
 
 
-def _refusals(tick: Tick) -> dict[str, Refusal]:
+def _refusals(tick: Inputs) -> dict[str, Refusal]:
     """Per replica, why the memory guard's restart of it (a lowering's, a raise's) could not happen now."""
     found: dict[str, Refusal] = {}
     for replica in tick.cfg.replicas:

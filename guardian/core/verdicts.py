@@ -1,0 +1,135 @@
+"""Step 1 of a tick: each replica's verdict (core/liveness.py, L1-L18 and the canary's C1-C3),
+said when it changes; unreadable /metrics said once; canaries asked for; canary latencies that
+changed recorded in the state file (one action a tick), where a track created later starts from
+them. Pure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..config import ReplicaConfig
+from . import liveness
+from .actions import LogLine, RecordCanaryLatencies, StartCanary
+from .liveness import Track
+from .observations import TickObservation
+from .vocab import RESTART_STATES, Decision, Priority, State
+from .work import Tick
+
+
+def judge_liveness(t: Tick) -> None:
+    """Step 1 (L1-L18): every replica's verdict, said when it changes; canaries asked for."""
+    before = t.previous.tracks
+    for replica in t.cfg.replicas:
+        old = before[replica.name] if replica.name in before else _new_track(replica.name, t.obs, t.now)
+        _judge(t, replica, old)
+    _record_canary_latencies(t)
+    t.restart_under_way = any(track.restart_in_flight for track in t.tracks.values())
+
+
+def _judge(t: Tick, replica: ReplicaConfig, old: Track) -> None:
+    seen = t.obs.replicas[replica.name]
+    pause = t.obs.persistent.pauses.get(replica.name)
+    new, canary_timeout_s = liveness.step(old, seen, t.now, replica, t.cfg.watchdog, pause)
+    if new.state not in RESTART_STATES:
+        new = replace(new, last_notice=None)
+    if _to_say(old, new, t.now):
+        t.say(_state_change(replica, old, new, t.now))
+        new = replace(new, said_state=new.state)
+    # Garbage on /metrics is bad input: say so once, and base no restart on it.
+    error = seen.metrics_probe.error if seen.metrics_probe.answered and seen.metrics is None else None
+    if error != new.metrics_error:
+        if error is not None:
+            t.say(
+                LogLine(
+                    Priority.ERROR,
+                    f"replica {replica.name}: /metrics {error}; progress cannot be judged, so no "
+                    "stall or idle verdict (and no restart) will be based on it until it reads again",
+                    Decision.NOTE,
+                    replica.name,
+                    replica.unit,
+                )
+            )
+        new = replace(new, metrics_error=error)
+    # once "serving again N s after guardian's restart" is said (a quiet journal may hold it back)
+    if new.state is State.HEALTHY and new.said_state is State.HEALTHY and new.restart_issued_at is not None:
+        new = replace(new, restart_issued_at=None)
+    if new.slow_said is not None:
+        t.say(
+            LogLine(
+                Priority.INFO,
+                f"replica {replica.name}: {new.slow_said}",
+                Decision.NOTE,
+                replica.name,
+                replica.unit,
+                state=new.state,
+                rule="C2",
+            )
+        )
+    if canary_timeout_s is not None:
+        t.actions.append(StartCanary(replica.name, canary_timeout_s, t.now))
+    t.tracks[replica.name] = new
+
+
+def _record_canary_latencies(t: Tick) -> None:
+    """One action for all the replicas whose canary latencies changed this tick (a canary
+    succeeded), none when nothing changed: the state file is written at most once a tick."""
+    before = t.previous.tracks
+    changed = tuple(
+        (name, track.canary_latencies)
+        for name, track in t.tracks.items()
+        if track.canary_latencies != (before[name].canary_latencies if name in before else _kept(name, t.obs))
+    )
+    steps = tuple(
+        (name, track.steps)
+        for name, track in t.tracks.items()
+        if track.steps != (before[name].steps if name in before else t.obs.persistent.step_seconds.get(name, ()))
+    )
+    if changed or steps:
+        t.actions.append(RecordCanaryLatencies(changed, steps))
+
+
+def _kept(name: str, obs: TickObservation) -> tuple[float, ...]:
+    """NAME's canary latencies as the state file kept them."""
+    return obs.persistent.canary_latencies.get(name, ())[-liveness.CANARY_LATENCIES_KEPT :]
+
+
+def _new_track(name: str, obs: TickObservation, now: float) -> Track:
+    """A replica guardian has no track of yet (guardian started, or the replica was added by a
+    reload) starts from the canary latencies the state file kept: with 3 or more, its learned
+    deadline holds from its first canary, and it gets no learning canaries."""
+    steps = obs.persistent.step_seconds.get(name, ())[: liveness.STEPS_KEPT]
+    return Track(state_since=now, canary_latencies=_kept(name, obs), steps=steps)
+
+
+# A quiet journal (issue 35 item 6): a change between these verdicts is said only once it has held
+# SAY_AFTER_S; one that returns within it (a /metrics answer late by a second, a /health timeout
+# while counters advance) is in `guardian status` and the metrics, not in the journal. A change to
+# or from any other verdict (starting, stopped, a hang that is restarted, an error) is said at once.
+QUIET_STATES = frozenset({State.HEALTHY, State.BUSY, State.DEGRADED})
+SAY_AFTER_S = 10.0
+
+
+def _to_say(old: Track, new: Track, now: float) -> bool:
+    """NEW's verdict is to be said now: the first, one the journal has not said, at once or once held."""
+    if not old.observed or new.said_state is None:
+        return True
+    if new.state == new.said_state:
+        return False
+    quiet = new.state in QUIET_STATES and new.said_state in QUIET_STATES
+    return not quiet or now - new.state_since >= SAY_AFTER_S
+
+
+def _state_change(replica: ReplicaConfig, old: Track, new: Track, now: float) -> LogLine:
+    """The line for a replica's new verdict (or its first), from the one the journal last said."""
+    said = old.said_state if old.said_state is not None else old.state
+    held = f", for {now - new.state_since:.0f} s" if new.state in QUIET_STATES and now > new.state_since else ""
+    text = f"replica {replica.name}: {said} -> {new.state} ({new.evidence}{held})"
+    if new.state is State.HEALTHY and old.restart_issued_at is not None:
+        text += f"; serving again {now - old.restart_issued_at:.1f} s after guardian's restart"
+    if new.state is State.WRONG_MODEL:
+        text += "; not restarting: a wrong model is a wiring or cutover fault, fix the unit or the config"
+    if new.state is State.PORT_TAKEN:
+        text += "; not restarting: restarting the unit would not free its port, stop the other listener"
+    priority = Priority.ERROR if new.state in (State.WRONG_MODEL, State.UNKNOWN, State.PORT_TAKEN) else Priority.INFO
+    return LogLine(priority, text, Decision.STATE, replica.name, replica.unit, state=new.state, rule=new.rule)

@@ -1,0 +1,102 @@
+"""One tick's decision in the making (Tick), and what one tick hands the next (TickState). Pure.
+
+core/tick.py's decide() makes a Tick and runs the steps over it in order; each step is a function
+of the module that holds its rules (core/verdicts.py, drain.py, restarts.py, requests.py,
+admission.py, memstep.py, fleet.py, bypass.py), which reads what the Tick was given and adds to
+what it has decided. The Tick itself decides nothing: it holds the inputs, the next state's parts
+as the steps make them, and the action list.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..config import Config
+from . import bypass, memguard, startguard
+from .actions import Action, LogLine
+from .drainstate import Drain, Phase
+from .liveness import Track
+from .observations import TickObservation
+from .vocab import RestartKind
+
+
+@dataclass(frozen=True)
+class TickState:
+    """What one tick hands the next (the daemon keeps it in memory; the state file is the shell's)."""
+
+    tracks: dict[str, Track] = field(default_factory=dict)
+    mem: memguard.MemTrack = field(default_factory=memguard.MemTrack)
+    requests_taken: frozenset[str] = frozenset()  # operators' requests acted on, answer not yet recorded
+    drains: dict[str, Drain] = field(default_factory=dict)  # replicas marked down at the proxy (core/drain.py)
+    # request id -> why it waits (a fleet slot, or a refusal that passes by itself: A4), as last said
+    waits_said: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    slots_released: frozenset[str] = frozenset()  # fleet slots given back that the view may still show
+    bypass_seen: dict[tuple[str, str], float] = field(default_factory=dict)  # (replica, peer) -> connected since
+    bypassing: tuple[bypass.Bypass, ...] = ()  # clients bypassing the proxy now (core/bypass.py B2)
+    starts: dict[str, startguard.Start] = field(default_factory=dict)  # starts the start guard watches (S1)
+
+    @property
+    def proxy_down(self) -> frozenset[str]:
+        return frozenset(self.drains)
+
+
+@dataclass(frozen=True)
+class RestartAsk:
+    """A restart to put through admission (Tick._restart)."""
+
+    kind: RestartKind
+    head: str  # how its journal lines start: "replica a: stalled (...)"
+    evidence: str  # what the restart is recorded with
+    request_id: str | None = None  # an operator's request: answered when the job ends, its refusals said every time
+
+
+class Tick:
+    """One tick's decision in the making: what it was given (the previous state, the observation,
+    now, the config) and what it has decided so far (the next state's parts and the actions).
+    core/tick.py's decide() runs each step over it once, in order, then takes next_state() and the
+    actions."""
+
+    def __init__(self, previous: TickState, obs: TickObservation, now: float, cfg: Config) -> None:
+        self.previous = previous
+        self.obs = obs
+        self.now = now
+        self.cfg = cfg
+        self.actions: list[Action] = []
+        # The next state's parts, as the steps make them.
+        self.tracks: dict[str, Track] = {}
+        # D12: a replica gone from the config leaves the proxy's file with its server line.
+        self.drains = {name: down for name, down in previous.drains.items() if cfg.replica(name) is not None}
+        self.mem = previous.mem
+        self.requests_taken = previous.requests_taken
+        asked = {request.id for request in obs.persistent.requests}
+        self.waits_said = {rid: said for rid, said in previous.waits_said.items() if rid in asked}
+        self.slots_released = previous.slots_released
+        self.bypass_seen = previous.bypass_seen
+        self.bypassing = previous.bypassing
+        self.starts = previous.starts
+        # A restart is under way on this box: in flight since an earlier tick, or issued on this
+        # one. No other starts (A3).
+        self.restart_under_way = False
+        self.requeued: set[str] = set()  # requests whose drain ended into a refusal they wait through (A4)
+
+    @property
+    def planned_restarts_blocked(self) -> bool:
+        """A planned restart (an operator's, a lowering's) waits: a restart is under way, or a
+        drain is in progress."""
+        return self.restart_under_way or any(down.phase is Phase.DRAINING for down in self.drains.values())
+
+    def next_state(self) -> TickState:
+        return TickState(
+            self.tracks,
+            self.mem,
+            self.requests_taken,
+            self.drains,
+            self.waits_said,
+            self.slots_released,
+            self.bypass_seen,
+            self.bypassing,
+            self.starts,
+        )
+
+    def say(self, line: LogLine) -> None:
+        self.actions.append(line)
