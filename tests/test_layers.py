@@ -11,6 +11,7 @@ import pytest
 
 from guardian.core import admission, bypass, drain, fleet, gates, liveness, memguard, startguard
 from guardian.rule_tables import render_into, tables
+from harness import RULE_TABLES
 
 PKG = Path(__file__).resolve().parent.parent / "guardian"
 RULES_DOC = PKG.parent / "docs" / "rules.md"
@@ -192,3 +193,77 @@ def test_every_liveness_rule_is_reachable_in_the_table_tests():
     """Each L-rule id is produced by at least one pure test row (tests/test_liveness.py asserts them)."""
     used = set(re.findall(r'"(L\d+)"', (Path(__file__).parent / "test_liveness.py").read_text()))
     assert {r.id for r in liveness.RULES} <= used
+
+
+# --- rule ids come from their rows ---------------------------------------------------------------
+# An id is text in exactly one place: the Rule(...) of its row. Everywhere else the code names the
+# Rule (``drain.NO_PEER.id``), so a journal's GUARDIAN_RULE leads to one row, and a renumbering is
+# one edit. Text inside a Rule(...) or Row(...) (a condition, a row's own evidence) is the table.
+
+RULE_ID = re.compile(r"[A-Z]\d{1,2}")
+ID_IN_TEXT = re.compile(r"(?<![\w.])(?!V1\b)[A-Z]\d{1,2}(?![\w.])")  # not "vLLM V1"
+TABLE_CALLS = {"Rule", "Row"}
+
+
+def _call_name(node: ast.Call) -> str | None:
+    return getattr(node.func, "id", getattr(node.func, "attr", None))
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                found.add(id(body[0].value))
+    return found
+
+
+def rule_id_literals(source: str) -> list[tuple[int, str]]:
+    """(line, text) of each string in SOURCE, outside a Rule(...) or Row(...) and not a docstring,
+    that is a rule id or has one in its text."""
+    tree = ast.parse(source)
+    exempt = _docstrings(tree)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and _call_name(node) in TABLE_CALLS:
+            exempt |= {id(inner) for inner in ast.walk(node)}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in exempt:
+            if RULE_ID.fullmatch(node.value) or ID_IN_TEXT.search(node.value):
+                found.append((node.lineno, node.value))
+    return found
+
+
+def test_no_rule_id_is_written_outside_its_row():
+    found = [
+        f"{path.relative_to(PKG.parent)}:{line}: {text!r}"
+        for path in sorted(PKG.rglob("*.py"))
+        for line, text in rule_id_literals(path.read_text())
+    ]
+    assert found == [], "rule ids written outside their rows (name the Rule instead):\n" + "\n".join(found)
+
+
+def test_the_rule_id_check_sees_a_literal_and_lets_a_row_be():
+    assert rule_id_literals('x = LogLine(rule="D4")') == [(1, "D4")]
+    assert rule_id_literals('x = f"given up ({why}) (D4)"') == [(1, ") (D4)")]
+    assert rule_id_literals('R = Rule("D4", "abandoned", "see D5")') == []
+    assert rule_id_literals('R = Row(Rule("D6", "x", "y"), lambda w: True, lambda w: f"{w} (D6)")') == []
+    assert rule_id_literals('def f():\n    """D4 is said here."""\n    return GB10, "H200"') == []
+
+
+def test_every_rule_is_in_its_own_familys_table():
+    """Each Rule(...) the package builds is a row of a RULES table, and each table holds one family
+    (its ids' letter; the liveness module has two tables, L and C, admission A, gates G)."""
+    in_tables = {rule.id: name for name, rules in RULE_TABLES.items() for rule in rules}
+    for name, rules in RULE_TABLES.items():
+        letters = {rule.id[0] for rule in rules}
+        assert len(letters) == 1, f"the {name} table mixes families {sorted(letters)}"
+    built = set()
+    for path in sorted(PKG.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and _call_name(node) == "Rule" and node.args:
+                first = node.args[0]
+                if isinstance(first, ast.Constant) and isinstance(first.value, str):
+                    built.add(first.value)
+    assert built and built <= set(in_tables), f"rules in no table: {sorted(built - set(in_tables))}"

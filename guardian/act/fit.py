@@ -247,7 +247,8 @@ class FitStep:
                 f"replica {r.name}: {gib(missing)} not returned after {r.unit}'s processes exited (they "
                 f"held {gib(held)}; MemFree rose by at most {gib(max(0, best))}, once they were gone and within "
                 f"{startfit.RETURN_WAIT_S:g} s of the restart): the "
-                "driver, or a file they left in /dev/shm, still holds it; a reboot frees it (U8); its next start "
+                "driver, or a file they left in /dev/shm, still holds it; a reboot frees it "
+                f"({startfit.NOT_RETURNED.id}); its next start "
                 "is judged on what is left",
                 Decision.HAZARD,
                 r.name,
@@ -332,9 +333,9 @@ class FitStep:
         f = m.fit
         rule = verdict.rule.id
         episode = f"{rule}:{f.need_bytes >> 30}"  # the same refusal of the same need: said once
-        if rule != "U7":
+        if rule != startfit.NO_FIT.id:
             self.said.pop(r.name, None)
-        if rule == "U7":
+        if rule == startfit.NO_FIT.id:
             why = f"it cannot fit: {startfit.figures(f)}"
             if self.said.get(r.name) == episode:
                 return why  # a watchdog asking again every tick: said when it began
@@ -343,7 +344,7 @@ class FitStep:
                 LogLine(
                     Priority.ERROR,
                     f"replica {r.name}: not starting {r.unit}: {why}; vLLM's start would fail its free-memory check "
-                    f"(U7); {startfit.remedy(f)}",
+                    f"({startfit.NO_FIT.id}); {startfit.remedy(f)}",
                     Decision.REFUSED,
                     r.name,
                     r.unit,
@@ -352,12 +353,12 @@ class FitStep:
                 )
             )
             return why
-        if rule == "U6":
+        if rule == startfit.LOWERED.id:
             self.journal.line(
                 LogLine(
                     Priority.WARNING,
                     f"replica {r.name}: starting {r.unit} at gpu_memory_utilization {verdict.fraction:g}, lowered "
-                    f"from {f.fraction:g}: at its own it cannot fit: {startfit.figures(f)} (U6: "
+                    f"from {f.fraction:g}: at its own it cannot fit: {startfit.figures(f)} ({startfit.LOWERED.id}: "
                     f"{verdict.rule.outcome}); {f.fraction:g} is kept as its base, and the memory guard raises it "
                     "back once headroom allows"
                     + (
@@ -371,12 +372,13 @@ class FitStep:
                     rule=rule,
                 )
             )
-        if rule == "U5" and f.need_bytes > f.sure_bytes:
+        if rule == startfit.MAY_FIT.id and f.need_bytes > f.sure_bytes:
             off = " (memory.release_cache is off)" if not f.release_own and f.own_cached_bytes else ""
             self.journal.line(
                 LogLine(
                     Priority.WARNING,
-                    f"replica {r.name}: starting {r.unit} though it may not fit (U5: {verdict.rule.outcome}): "
+                    f"replica {r.name}: starting {r.unit} though it may not fit "
+                    f"({startfit.MAY_FIT.id}: {verdict.rule.outcome}): "
                     f"{startfit.figures(f)}{off}; vLLM's start fails its free-memory check unless memory its "
                     f"processes hold comes back; {startfit.remedy(f)}",
                     Decision.CACHE,

@@ -34,7 +34,7 @@ from pathlib import Path
 import psutil
 
 from ..config import Config, ReplicaConfig
-from ..core import proxyretry
+from ..core import drain, proxyretry
 from ..core.actions import HUNG_STOP_GRACE_S, LogLine
 from ..core.drainstate import Drain, Phase
 from ..core.observations import ProxyView
@@ -321,7 +321,8 @@ class ProxySync:
             return {}
         self.journal.send(
             Priority.INFO,
-            f"proxy: {', '.join(down)} marked down when guardian last ran; each is marked up once it serves (D11)",
+            f"proxy: {', '.join(down)} marked down when guardian last ran; each is marked up once it serves "
+            f"({drain.MARKED_UP.id})",
         )
         return {name: Drain(Phase.AWAY, at_mono, "marked down when guardian last ran") for name in down}
 

@@ -110,7 +110,7 @@ ROWS: tuple[Row[_Asked, Why], ...] = (
         _budget_spent,
     ),
     Row(
-        Rule("A2", Gate.BACKOFF, "now - last restart < W.backoff_s x 2^(restarts in the window - 1)"),
+        BACKOFF := Rule("A2", Gate.BACKOFF, "now - last restart < W.backoff_s x 2^(restarts in the window - 1)"),
         lambda a: a.since_last_restart_s < a.backoff_s,
         lambda a: Why(
             f"back-off: last restart {a.since_last_restart_s:.0f} s ago, next allowed {a.backoff_s:.0f} s after it",
@@ -118,7 +118,7 @@ ROWS: tuple[Row[_Asked, Why], ...] = (
         ),
     ),
     Row(
-        Rule(
+        ONE_AT_A_TIME := Rule(
             "A3",
             Gate.ONE_AT_A_TIME,
             "another replica on this box is loading (state starting) or has a restart in "
@@ -135,10 +135,10 @@ ROWS: tuple[Row[_Asked, Why], ...] = (
 # purpose; G7-G9: the port held by another, hidden, or a Conflicts= unit up) and is answered at once.
 PASSING_RULES: frozenset[str] = frozenset(
     {
-        "A2",  # back-off: it ends at the time it names
-        "A3",  # one at a time: the other replica's load, restart or drain ends (its own grace bounds it)
-        "G1",  # systemd could not be asked: the system bus answers again (guardian reconnects)
-        "G6",  # a systemd job is pending for the unit: the job finishes
+        BACKOFF.id,  # back-off: it ends at the time it names
+        ONE_AT_A_TIME.id,  # one at a time: the other replica's load, restart or drain ends (its own grace bounds it)
+        gates.NO_BUS.id,  # systemd could not be asked: the system bus answers again (guardian reconnects)
+        gates.JOB_PENDING.id,  # a systemd job is pending for the unit: the job finishes
     }
 )
 WAIT_RULE = Rule(
@@ -210,7 +210,7 @@ def refused_answer(t: Tick, request: RestartRequest, refusal: Refusal, passing: 
     answer = f"refused ({refusal.gate}): {refusal.text}"
     over = passing and wait_over(request, t.now)
     if over:
-        answer += f"; after waiting {t.now - request.at:.0f} s (A4)"
+        answer += f"; after waiting {t.now - request.at:.0f} s ({WAIT_RULE.id})"
     return AnswerRequest(request.id, request.replica, False, answer, waited_out=over)
 
 
@@ -241,12 +241,12 @@ def say_wait(t: Tick, replica: ReplicaConfig, request: RestartRequest, cause: Re
         return
     t.waits_said[request.id] = key
     waits = f"{cause.text} ({cause.rule})"
-    left = "" if request.wait_until is None else f"; up to {request.wait_until - t.now:.0f} s more (A4)"
+    left = "" if request.wait_until is None else f"; up to {request.wait_until - t.now:.0f} s more ({WAIT_RULE.id})"
     text = f"replica {replica.name}: an operator's restart waits: {waits}{left}"
     # A fleet slot's wait is said at its own priority (etcd unreachable is an error), as before.
     priority = cause.priority if decision is Decision.FLEET else Priority.INFO
     state = t.tracks[replica.name].state
-    rule = "A4" if decision is Decision.REQUEST else cause.rule
+    rule = WAIT_RULE.id if decision is Decision.REQUEST else cause.rule
     t.say(LogLine(priority, text, decision, replica.name, replica.unit, state, cause.gate, rule))
     t.actions.append(RequestWaits(request.id, replica.name, waits))
 

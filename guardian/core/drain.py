@@ -78,13 +78,13 @@ DRAINED_ROWS: tuple[Row[_Waited, str], ...] = (
 )
 
 RULES = (
-    Rule(
+    DRAINING := Rule(
         "D1",
         "draining",
         "a planned restart (`guardian restart`) passes admission AND the proxy is configured AND another "
         "replica of the model serves: the replica is marked down; no restart yet",
     ),
-    Rule(
+    UNDRAINED := Rule(
         "D2",
         "restart, not drained",
         "a planned restart passes admission AND the proxy is configured AND (it was asked with `--no-drain` OR "
@@ -92,7 +92,7 @@ RULES = (
         "model on another box of the fleet): restarted at once and not marked down (its clients see errors, "
         "said at warning); its stop is bounded as a drained one's (P.stop_timeout_s)",
     ),
-    Rule(
+    NO_PEER := Rule(
         "D3",
         "waits for a peer",
         "a planned restart passes admission AND the proxy is configured AND another replica of the model is "
@@ -100,33 +100,33 @@ RULES = (
         "refused; without, refused at once), said with who does not serve and why; never restarted undrained "
         "by accident",
     ),
-    Rule(
+    PROXY_FAILED := Rule(
         "D4",
         "drain abandoned",
         "draining for an operator AND the proxy reported that marking it down failed: marked up again, no "
         "restart, the request refused with the proxy's error (a memory guard's drain waits for the proxy's "
         "retry instead, said once)",
     ),
-    Rule(
+    NONE_LEFT := Rule(
         "D5",
         "drain abandoned",
         "draining AND no other replica of the model serves any more: marked up again, no restart, the request refused",
     ),
     *(row.rule for row in DRAINED_ROWS),
-    Rule(
+    MEMORY_DRAIN := Rule(
         "D8",
         "memory drain: lowered, or given up",
         "a memory guard's drain (M16) that is drained (D6, D7): the memory guard lowers it on this tick (M17) "
         "and it is away; one the memory guard no longer asks for (the squeeze ended, it chose another): "
         "marked up again",
     ),
-    Rule(
+    REFUSED_WHEN_DUE := Rule(
         "D9",
         "marked up",
         "draining AND the restart is refused when it comes to it (admission A1-A3, G1-G9): marked up "
         "again, the request answered with the refusal",
     ),
-    Rule(
+    MARKED_DOWN := Rule(
         "D10",
         "away",
         "a hung replica's restart is issued (L8, L9, L13, L14, L15), or a critical lowering's (not drained): "
@@ -138,7 +138,7 @@ RULES = (
         "away AND no restart by guardian in flight AND the replica is healthy or busy (back) AND it has no "
         "R.warmup_file",
     ),
-    Rule("D12", "forgotten", "the replica is no longer in the config: its server line goes with it"),
+    FORGOTTEN := Rule("D12", "forgotten", "the replica is no longer in the config: its server line goes with it"),
     WARMING := Rule(
         "D13",
         "warming",
@@ -393,7 +393,7 @@ def _follow_drain(t: Tick, replica: ReplicaConfig, down: Drain) -> None:
             t,
             replica,
             down,
-            "D4",
+            PROXY_FAILED.id,
             f"marking it down at the proxy failed: {error}; fix the proxy (see `guardian check`) or "
             "P.drain_command, then ask again",
         )
@@ -401,7 +401,7 @@ def _follow_drain(t: Tick, replica: ReplicaConfig, down: Drain) -> None:
     peers = serving_peer_count(t.obs, t.cfg, replica.model)
     if others_serving(replica.name, t.cfg, t.tracks, t.drains, peers, t.now) == 0:
         none_left = f"no other replica of {replica.model} serves any more, so draining it would leave none"
-        _abandon(t, replica, down, "D5", none_left)
+        _abandon(t, replica, down, NONE_LEFT.id, none_left)
         return
     over = drained(down, t.obs.replicas[replica.name], t.now, t.cfg)
     if over is not None and not down.for_memory:
@@ -416,11 +416,11 @@ def _say_memory_drain_waits(t: Tick, replica: ReplicaConfig, down: Drain, error:
         LogLine(
             Priority.ERROR,
             f"replica {replica.name}: the memory guard's change of fraction waits: marking it down at the proxy "
-            f"failed: {error}; the proxy is asked again every 30 s (D4)",
+            f"failed: {error}; the proxy is asked again every 30 s ({PROXY_FAILED.id})",
             Decision.REFUSED,
             replica.name,
             replica.unit,
-            rule="D4",
+            rule=PROXY_FAILED.id,
         )
     )
     t.drains[replica.name] = replace(down, error_said=True)
@@ -439,7 +439,7 @@ def _restart_drained(t: Tick, replica: ReplicaConfig, down: Drain, why: str) -> 
     )
     refusal = restarts.restart(t, replica, ask, t.restart_under_way)
     if refusal is not None:
-        _abandon(t, replica, down, "D9", f"refused ({refusal.gate}): {refusal.text}", already_said=True)
+        _abandon(t, replica, down, REFUSED_WHEN_DUE.id, f"refused ({refusal.gate}): {refusal.text}", already_said=True)
         return
     t.drains[replica.name] = Drain(
         Phase.AWAY, t.now, "planned restart after its drain", down.request_id, down.confirmed_at
@@ -459,9 +459,9 @@ def _requeue(t: Tick, replica: ReplicaConfig, down: Drain) -> bool:
     t.requeued.add(request.id)
     text = (
         f"replica {replica.name}: drained, but its restart waits: {refusal.text} ({refusal.rule}); "
-        "marked up again at the proxy meanwhile, drained again once it may go (A4)"
+        f"marked up again at the proxy meanwhile, drained again once it may go ({admission.WAIT_RULE.id})"
     )
-    t.say(LogLine(Priority.INFO, text, Decision.REQUEST, replica.name, replica.unit, rule="A4"))
+    t.say(LogLine(Priority.INFO, text, Decision.REQUEST, replica.name, replica.unit, rule=admission.WAIT_RULE.id))
     return True
 
 
@@ -507,11 +507,11 @@ def mark_down_hung(t: Tick, replica: ReplicaConfig, track: Track) -> None:
             LogLine(
                 Priority.WARNING,
                 f"replica {replica.name}: marked down at the proxy while it restarts ({track.state}): no new "
-                "request goes to it until it serves again (D10)",
+                f"request goes to it until it serves again ({MARKED_DOWN.id})",
                 Decision.PROXY,
                 replica.name,
                 replica.unit,
-                rule="D10",
+                rule=MARKED_DOWN.id,
             )
         )
 
@@ -527,7 +527,7 @@ def no_peer(t: Tick, replica: ReplicaConfig, request: RestartRequest) -> Refusal
     others = not_serving(replica.name, t.cfg, t.tracks, t.drains)
     return Refusal(
         Gate.NO_PEER,
-        "D3",
+        NO_PEER.id,
         f"no other replica of {replica.model} serves now ({others}), and draining it would leave none",
         "it is drained once one serves; `guardian restart --no-drain` restarts it at once, undrained",
         Priority.INFO,
@@ -556,8 +556,10 @@ def wait_for_peer(t: Tick, replica: ReplicaConfig, request: RestartRequest, head
     if request.wait_until is not None and not admission.wait_over(request, t.now):
         admission.say_wait(t, replica, request, no_peer, Decision.REQUEST)
         return False
-    text = f"{head}; restart of {replica.unit} refused: {no_peer.text} (D3)"
-    t.say(LogLine(Priority.ERROR, text, Decision.REFUSED, replica.name, replica.unit, gate=no_peer.gate, rule="D3"))
+    text = f"{head}; restart of {replica.unit} refused: {no_peer.text} ({NO_PEER.id})"
+    t.say(
+        LogLine(Priority.ERROR, text, Decision.REFUSED, replica.name, replica.unit, gate=no_peer.gate, rule=NO_PEER.id)
+    )
     t.actions.append(admission.refused_answer(t, request, no_peer, passing=True))
     return True
 
@@ -572,11 +574,11 @@ def start_drain(t: Tick, replica: ReplicaConfig, request: RestartRequest, head: 
             LogLine(
                 Priority.WARNING,
                 f"{head}; not drained: {why}, so it is restarted at once and its clients will see errors until "
-                f"it serves again (D2)",
+                f"it serves again ({UNDRAINED.id})",
                 Decision.PROXY,
                 replica.name,
                 replica.unit,
-                rule="D2",
+                rule=UNDRAINED.id,
             )
         )
         return False
@@ -589,11 +591,11 @@ def start_drain(t: Tick, replica: ReplicaConfig, request: RestartRequest, head: 
         LogLine(
             Priority.WARNING,
             f"{head}; draining first: marked down at the proxy, restarted once its {work} requests end or after "
-            f"{t.cfg.proxy.drain_timeout_s:g} s (D1)",
+            f"{t.cfg.proxy.drain_timeout_s:g} s ({DRAINING.id})",
             Decision.PROXY,
             replica.name,
             replica.unit,
-            rule="D1",
+            rule=DRAINING.id,
         )
     )
     return True
@@ -614,13 +616,13 @@ def lowering_at_the_proxy(t: Tick, lowering: SetFraction) -> SetFraction:
         why = drained(down, t.obs.replicas[name], t.now, t.cfg) or "drained"
         t.drains[name] = replace(down, phase=Phase.AWAY, since=t.now)
         verb = "raises" if lowering.new > lowering.old else "lowers"
-        text = f"replica {name}: {why}; the memory guard {verb} it now (D8)"
-        t.say(LogLine(Priority.INFO, text, Decision.PROXY, name, unit, rule="D8"))
+        text = f"replica {name}: {why}; the memory guard {verb} it now ({MEMORY_DRAIN.id})"
+        t.say(LogLine(Priority.INFO, text, Decision.PROXY, name, unit, rule=MEMORY_DRAIN.id))
         return lowering
     if down is None:
         t.drains[name] = Drain(Phase.AWAY, t.now, "a critical lowering")
-        text = f"replica {name}: marked down at the proxy while the memory guard restarts it (D10)"
-        t.say(LogLine(Priority.WARNING, text, Decision.PROXY, name, unit, rule="D10"))
+        text = f"replica {name}: marked down at the proxy while the memory guard restarts it ({MARKED_DOWN.id})"
+        t.say(LogLine(Priority.WARNING, text, Decision.PROXY, name, unit, rule=MARKED_DOWN.id))
     return lowering
 
 
@@ -635,10 +637,10 @@ def mark_up_unasked(t: Tick, asked: set[str]) -> None:
             LogLine(
                 Priority.INFO,
                 f"replica {replica.name}: the memory guard no longer changes its fraction; marked up again at the "
-                "proxy (D8)",
+                f"proxy ({MEMORY_DRAIN.id})",
                 Decision.PROXY,
                 replica.name,
                 replica.unit,
-                rule="D8",
+                rule=MEMORY_DRAIN.id,
             )
         )

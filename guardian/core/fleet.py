@@ -16,14 +16,15 @@ docs/rules.md. ``F`` = the [fleet] config.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from ..config import Config, FleetConfig
-from .actions import AcquireSlot, LogLine, ReleaseSlot
-from .observations import FleetView, RestartRequest
+from .actions import Action, LogLine, ReleaseSlot
+from .liveness import Track
+from .observations import FleetView
 from .rules import Refusal, Row, Rule, Why, first_match
-from .vocab import LOADING_STATES, Decision, Gate, Priority
-from .work import Tick
+from .vocab import Decision, Gate, Priority
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,7 @@ ROWS: tuple[Row[_Planned, Why | None], ...] = (
         _capacity,
     ),
     Row(
-        Rule(
+        ASK_SLOT := Rule(
             "F6",
             "ask",
             "otherwise a slot is asked for: one etcd transaction creates a free slot key, bound to this guardian's "
@@ -138,46 +139,29 @@ def slot_refusal(
 # --- F7: a slot given back once its planned restart is over --------------------------------------
 
 
-def release_slots(t: Tick) -> None:
-    """F7: give back each slot of this box whose planned restart is over or given up. The
-    slots given back that the view may still show (the release is under way) are not asked twice."""
-    view = t.obs.fleet
-    if view is None or not view.ok:
-        return
-    released = t.previous.slots_released & view.mine
+def release_slots(
+    view: FleetView, released_before: frozenset[str], in_use: Callable[[str], bool], tracks: Mapping[str, Track]
+) -> tuple[frozenset[str], list[Action]]:
+    """F7: give back each slot of this box (VIEW.mine) whose planned restart is over or given up
+    (not IN_USE). The slots given back that the view may still show (RELEASED_BEFORE: the release is
+    under way) are not asked twice. Returns the slots given back that the view may still show, and
+    the actions."""
+    released = released_before & view.mine
+    actions: list[Action] = []
     for name in sorted(view.mine - released):
-        if _slot_in_use(t, name):
+        if in_use(name):
             continue
-        track = t.tracks.get(name)
+        track = tracks.get(name)
         state = track.state if track is not None else "not configured"
-        t.actions.append(ReleaseSlot(name))
-        t.say(
+        actions.append(ReleaseSlot(name))
+        actions.append(
             LogLine(
                 Priority.INFO,
-                f"replica {name}: its planned restart is over ({state}); fleet slot given back (F7)",
+                f"replica {name}: its planned restart is over ({state}); fleet slot given back ({RELEASE.id})",
                 Decision.FLEET,
                 name,
-                rule="F7",
+                rule=RELEASE.id,
             )
         )
         released |= {name}
-    t.slots_released = released
-
-
-def _slot_in_use(t: Tick, name: str) -> bool:
-    """NAME's planned restart is not over: drained or away, asking for its slot, requested, being
-    lowered, or restarting."""
-    track = t.tracks.get(name)
-    pending = t.mem.pending
-    return (
-        name in t.drains
-        or any(isinstance(action, AcquireSlot) and action.replica == name for action in t.actions)
-        or any(request.replica == name for request in _requests_waiting(t))
-        or (pending is not None and pending.replica == name)
-        or (track is not None and (track.restart_in_flight or track.state in LOADING_STATES))
-    )
-
-
-def _requests_waiting(t: Tick) -> list[RestartRequest]:
-    """Operators' requests not acted on yet (waiting for a fleet slot)."""
-    return [request for request in t.obs.persistent.requests if request.id not in t.requests_taken]
+    return released, actions

@@ -85,7 +85,7 @@ def _port_unknown(view: _UnitView) -> Why:
 
 ROWS: tuple[Row[_UnitView, Why], ...] = (
     Row(
-        Rule("G1", Gate.DBUS, "systemd could not be asked about the unit (D-Bus error or bus not connected)"),
+        NO_BUS := Rule("G1", Gate.DBUS, "systemd could not be asked about the unit (D-Bus error or bus not connected)"),
         lambda v: v.reported is None,
         _dbus,
     ),
@@ -103,7 +103,7 @@ ROWS: tuple[Row[_UnitView, Why], ...] = (
         ),
     ),
     Row(
-        Rule(
+        NOT_KEPT := Rule(
             "G4",
             Gate.DISABLED,
             "its unit file is not enabled, enabled-runtime, static, generated or transient "
@@ -129,7 +129,7 @@ ROWS: tuple[Row[_UnitView, Why], ...] = (
         ),
     ),
     Row(
-        Rule("G6", Gate.JOB_PENDING, "systemd has a job pending for it"),
+        JOB_PENDING := Rule("G6", Gate.JOB_PENDING, "systemd has a job pending for it"),
         lambda v: v.unit.job_pending,
         lambda v: Why(f"{v.unit.name} already has a systemd job pending", "wait for it to finish"),
     ),

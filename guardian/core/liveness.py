@@ -586,7 +586,7 @@ CANARY_ROWS: tuple[Row[_CanaryBack, str], ...] = (
         lambda b: f"a canary answered in {b.canary.latency_s:.1f} s",
     ),
     Row(
-        Rule(
+        CANARY_LATE := Rule(
             "C2",
             "alive, slow",
             "the canary answered after its learned deadline, within R.canary_timeout_s (the bound it is sent "

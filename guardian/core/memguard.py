@@ -35,6 +35,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..config import Config, MemoryConfig
+from . import fleet
 from .actions import AcquireSlot, DrainReplica, LogLine, SetFraction
 from .observations import MemorySample, RestartOutcome, gib
 from .rules import Refusal, Row, Rule, first_match
@@ -272,7 +273,7 @@ SQUEEZE_ROWS: tuple[Row[Squeeze, ReplicaMemory | None], ...] = (
         _chosen,
     ),
     Row(
-        Rule(
+        LOWER := Rule(
             "M17",
             MemVerdict.LOWER,
             "otherwise: write the env file, restart that replica's unit alone through the unit gates "
@@ -285,7 +286,7 @@ SQUEEZE_ROWS: tuple[Row[Squeeze, ReplicaMemory | None], ...] = (
 
 # M18, M19: M7's restart through admission (_follow_change).
 RETRY_RULES = (
-    Rule(
+    RETRY_GIVEN_UP := Rule(
         "M18",
         MemVerdict.RETRY_WAITS,
         "M7 holds, its unit is not starting by itself, AND restart admission refuses now: the lower fraction is "
@@ -294,7 +295,7 @@ RETRY_RULES = (
         "the restart waits) the lowering is given up (critical): the fraction stays written for the unit's next "
         "start, nothing is pending",
     ),
-    Rule(
+    RETRY_DROPPED := Rule(
         "M19",
         MemVerdict.RETRY_RESTART,
         "a restart that waited (M18), its unit not started since the fraction was written, the replica not "
@@ -371,7 +372,7 @@ RESTORE_ROWS: tuple[Row[Raise, ReplicaMemory], ...] = (
         _raised,
     ),
     Row(
-        Rule(
+        LAST_RESTART := Rule(
             "M24",
             MemVerdict.RESTORE_DEFERRED,
             "restart admission refuses it now (A1-A3: budget, back-off, one at a time), OR the raise would spend "
@@ -392,7 +393,7 @@ RESTORE_ROWS: tuple[Row[Raise, ReplicaMemory], ...] = (
         _raised,
     ),
     Row(
-        Rule(
+        RAISE := Rule(
             "M26",
             MemVerdict.RAISE,
             "otherwise: write the env file, restart that replica's unit alone through the unit gates (with "
@@ -413,10 +414,10 @@ RULES: tuple[Rule, ...] = (
     *(row.rule for row in RESTORE_ROWS),
 )
 _ID = {rule.outcome: rule.id for rule in RULES} | {
-    MemVerdict.DRY_RUN: "M17",
-    MemVerdict.RESTORE_DRY_RUN: "M26",
-    MemVerdict.RETRY_GIVEN_UP: "M18",
-    MemVerdict.RETRY_DROPPED: "M19",
+    MemVerdict.DRY_RUN: LOWER.id,
+    MemVerdict.RESTORE_DRY_RUN: RAISE.id,
+    MemVerdict.RETRY_GIVEN_UP: RETRY_GIVEN_UP.id,
+    MemVerdict.RETRY_DROPPED: RETRY_DROPPED.id,
 }
 # The verdicts past M15: a lowering that waits for nothing more (M16 drains first, then lowers).
 _GOES_AHEAD = frozenset({MemVerdict.DRAINING, MemVerdict.DRY_RUN, MemVerdict.LOWER})
@@ -856,7 +857,7 @@ def _squeeze_chain(
     """M10-M17: the first row of SQUEEZE_ROWS that holds."""
     squeeze = _squeeze(track, view, now, cfg)
     found = first_match(SQUEEZE_ROWS, squeeze)
-    assert found is not None, "M17 always holds"
+    assert found is not None, f"{LOWER.id} always holds"
     rule, replica = found
     verdict = MemVerdict(rule.outcome)
     if verdict is MemVerdict.LOWER and squeeze.dry_run:
@@ -1019,7 +1020,7 @@ def _restore_chain(
         dry_run=cfg.dry_run,
     )
     matched = first_match(RESTORE_ROWS, context)
-    assert matched is not None, "M26 always holds"
+    assert matched is not None, f"{RAISE.id} always holds"
     rule, replica = matched
     verdict = MemVerdict(rule.outcome)
     if verdict is MemVerdict.RAISE and cfg.dry_run:
@@ -1034,7 +1035,7 @@ def _raise_refusal(chosen: ReplicaMemory, view: MemoryView) -> Refusal | None:
         return found
     return Refusal(
         Gate.BUDGET,
-        "M24",
+        LAST_RESTART.id,
         "it would spend the last restart its budget allows in the window, which is kept for a hang; it waits "
         "until an older restart leaves the window",
         key=(Gate.BUDGET, "last restart"),
@@ -1070,7 +1071,7 @@ def _conclude(
     previous = track.pending
     track = replace(track, verdict=verdict, rule=_ID[verdict])
     actions: list[MemAction] = []
-    if facts.refusal is not None and facts.refusal.gate is Gate.FLEET and facts.refusal.rule == "F6":
+    if facts.refusal is not None and facts.refusal.gate is Gate.FLEET and facts.refusal.rule == fleet.ASK_SLOT.id:
         assert replica is not None
         actions.append(AcquireSlot(replica.name, replica.model))
     if facts.no_slot is not None:

@@ -74,11 +74,11 @@ def _withdraw(t: Tick, replica: ReplicaConfig, request: RestartRequest) -> None:
         LogLine(
             Priority.ERROR,
             f"replica {replica.name}: an operator's restart request (asked {t.now - request.at:.0f} s ago) "
-            f"withdrawn, not acted on: {why} (A5)",
+            f"withdrawn, not acted on: {why} ({admission.WITHDRAW_RULE.id})",
             Decision.REQUEST,
             replica.name,
             replica.unit,
-            rule="A5",
+            rule=admission.WITHDRAW_RULE.id,
         )
     )
     t.actions.append(AnswerRequest(request.id, replica.name, False, f"withdrawn: {why}"))
@@ -97,10 +97,11 @@ def _wait_for_fleet(t: Tick, replica: ReplicaConfig, request: RestartRequest, he
     until its end (A4), when it is refused (True: answered)."""
     if admission.wait_over(request, t.now):
         text = f"{head}; restart of {replica.unit} refused: {slot.text} ({slot.rule}), after waiting for a fleet slot"
-        t.say(LogLine(slot.priority, text, Decision.REFUSED, replica.name, replica.unit, gate=slot.gate, rule="A4"))
+        rule = admission.WAIT_RULE.id
+        t.say(LogLine(slot.priority, text, Decision.REFUSED, replica.name, replica.unit, gate=slot.gate, rule=rule))
         t.actions.append(admission.refused_answer(t, request, slot, passing=True))
         return True
-    if slot.rule == "F6":
+    if slot.rule == fleet.ASK_SLOT.id:
         t.actions.append(AcquireSlot(replica.name, replica.model))
     admission.say_wait(t, replica, request, slot, Decision.FLEET)
     return False

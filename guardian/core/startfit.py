@@ -138,7 +138,7 @@ def _fits(f: StartFit, extra: int) -> bool:
 
 ROWS: tuple[Row[StartFit, Release], ...] = (
     Row(
-        Rule(
+        NOT_UNIFIED := Rule(
             "U1",
             "not judged",
             'NOT unified: M.unified is false, or "auto" (the default) and NVML does not answer NOT_SUPPORTED for '
@@ -148,7 +148,7 @@ ROWS: tuple[Row[StartFit, Release], ...] = (
         lambda f: Release.NOTHING,
     ),
     Row(
-        Rule("U2", "fits", "need <= free + returned"),
+        FITS := Rule("U2", "fits", "need <= free + returned"),
         lambda f: _fits(f, 0),
         lambda f: Release.NOTHING,
     ),
@@ -167,7 +167,7 @@ ROWS: tuple[Row[StartFit, Release], ...] = (
         lambda f: Release.ALL,
     ),
     Row(
-        Rule(
+        MAY_FIT := Rule(
             "U5",
             "may fit",
             "need <= free + held + the releases allowed (own if M.release_cache; cache if M.drop_caches): "
@@ -177,7 +177,7 @@ ROWS: tuple[Row[StartFit, Release], ...] = (
         lambda f: Release.ALL if f.drop_caches else Release.OWN if f.release_own else Release.NOTHING,
     ),
     Row(
-        Rule(
+        LOWERED := Rule(
             "U6",
             "lowered to fit",
             "M.enabled AND its unit reads guardian's env file (M9) AND the start is at its own fraction (not a "
@@ -189,7 +189,7 @@ ROWS: tuple[Row[StartFit, Release], ...] = (
         lambda f: Release.ALL if f.drop_caches else Release.OWN if f.release_own else Release.NOTHING,
     ),
     Row(
-        Rule("U7", "does not fit", "otherwise: refused"),
+        NO_FIT := Rule("U7", "does not fit", "otherwise: refused"),
         lambda f: True,
         lambda f: Release.NOTHING,
     ),
@@ -222,8 +222,8 @@ def judge(f: StartFit) -> Verdict:
     found = first_match(ROWS, f)
     assert found is not None  # U7 always holds
     rule, release = found
-    lowered = lowered_fraction(f) if rule.id == "U6" else None
-    return Verdict(rule, release, start=rule.id != "U7", fraction=lowered)
+    lowered = lowered_fraction(f) if rule.id == LOWERED.id else None
+    return Verdict(rule, release, start=rule.id != NO_FIT.id, fraction=lowered)
 
 
 def figures(f: StartFit) -> str:

@@ -147,19 +147,27 @@ WATCHED = Rule(
     "watched and not stopped, ticks come every min(M.start_guard_interval_s, interval_s)",
 )
 
-ROWS: tuple[Row[_Look, None], ...] = (
+# What a row says when it holds: its line's priority and template (after _HEAD; "{rule}" is its id),
+# or None: nothing (S3). S2 speaks only when its stop's restart was refused (_judge).
+Says = tuple[Priority, str]
+
+ROWS: tuple[Row[_Look, Says | None], ...] = (
     Row(
-        Rule(
+        STOPPED := Rule(
             "S2",
             "stopped",
             "the start guard stopped this start already: nothing more; when that stop's restart was refused (M6), "
             "said once (error): it is not stopped again",
         ),
         lambda k: k.start.stopped,
-        lambda k: None,
+        lambda k: (
+            Priority.ERROR,
+            "its start was stopped, and the restart of {unit} refused: {refused} (M6); it is not stopped again, this "
+            "start goes on; free memory by hand ({rule})",
+        ),
     ),
     Row(
-        Rule(
+        CLEAR := Rule(
             "S3",
             "clear",
             "headroom >= M.critical_headroom_bytes on this tick, OR it was already below it at this start's first "
@@ -180,7 +188,10 @@ ROWS: tuple[Row[_Look, None], ...] = (
             "its start is not stopped (the squeeze rules apply)",
         ),
         lambda k: not k.grows,
-        lambda k: None,
+        lambda k: (
+            Priority.ERROR,
+            "it is not what takes the memory, so its start is not stopped ({rule}; the squeeze rules apply)",
+        ),
     ),
     Row(
         Rule(
@@ -192,12 +203,20 @@ ROWS: tuple[Row[_Look, None], ...] = (
             "fraction is unknown: restarted, it would take the same memory again; not stopped (critical)",
         ),
         lambda k: k.replica.wiring_problem is not None or k.replica.fraction is None,
-        lambda k: None,
+        lambda k: (
+            Priority.CRITICAL,
+            "{unit} is not wired for the memory guard ({problem}): restarted, it would take the same memory again, so "
+            "its start is not stopped; the box may run out of memory ({rule})",
+        ),
     ),
     Row(
         Rule("S6", "floor", "its fraction <= M.floor: it cannot go lower; not stopped (critical)"),
         lambda k: (k.replica.fraction or 0.0) <= k.memory.floor + 1e-9,
-        lambda k: None,
+        lambda k: (
+            Priority.CRITICAL,
+            "its gpu_memory_utilization {fraction} is at the floor {floor:g}: it cannot go lower, so its start is not "
+            "stopped; free memory by hand ({rule})",
+        ),
     ),
     Row(
         Rule(
@@ -208,7 +227,11 @@ ROWS: tuple[Row[_Look, None], ...] = (
             "cgroup, else the headroom's fall) - M.reserve_bytes; not stopped (critical)",
         ),
         lambda k: k.new is None,
-        lambda k: None,
+        lambda k: (
+            Priority.CRITICAL,
+            "no fraction between {highest:g} and the floor {floor:g} fits (total {total} x fraction must be <= headroom "
+            "+ the {held} it holds - reserve {reserve}), so its start is not stopped; free memory by hand ({rule})",
+        ),
     ),
     Row(
         Rule(
@@ -217,10 +240,14 @@ ROWS: tuple[Row[_Look, None], ...] = (
             "the memory guard follows a change of another replica (M3): one change at a time; not stopped now",
         ),
         lambda k: k.pending_other is not None,
-        lambda k: None,
+        lambda k: (
+            Priority.ERROR,
+            "the memory guard follows a change of replica {other} (M3), one change at a time, so its start is not "
+            "stopped now ({rule})",
+        ),
     ),
     Row(
-        Rule(
+        REFUSED := Rule(
             "S9",
             "refused",
             "admission's budget refuses a restart of it now (A1: it bounds a loop of stops, as M.floor bounds their "
@@ -228,10 +255,10 @@ ROWS: tuple[Row[_Look, None], ...] = (
             "the start of guardian's own restart is in its back-off for the whole load",
         ),
         lambda k: k.replica.refusal is not None,
-        lambda k: None,
+        lambda k: (Priority.ERROR, "stopping its start is refused now: {refusal} ({refusal_rule}; {rule})"),
     ),
     Row(
-        Rule(
+        STOP := Rule(
             "S10",
             "stop",
             "otherwise: write the next fraction down (S7's) to its env file and restart its unit alone, its "
@@ -239,13 +266,16 @@ ROWS: tuple[Row[_Look, None], ...] = (
             "follows it as a lowering (M3-M8) (with dry_run = true: logged, not done)",
         ),
         lambda k: True,
-        lambda k: None,
+        lambda k: (
+            Priority.WARNING,
+            "stopping its start now: {unit}'s processes killed if its stop lasts "
+            f"{HUNG_STOP_GRACE_S:g} s, and the unit restarted alone with "
+            "gpu_memory_utilization {fraction} -> {new:g} ({rule})",
+        ),
     ),
 )
 
 RULES: tuple[Rule, ...] = (WATCHED, *(row.rule for row in ROWS))
-_QUIET = frozenset({"S2", "S3"})  # nothing to say: stopped already (unless refused), or clear of the critical line
-STOP = "S10"
 
 
 # --- what each verdict says -----------------------------------------------------------------
@@ -256,48 +286,10 @@ _HEAD = (
     "largest others: {others}; "
 )
 
-MESSAGES: dict[str, tuple[Priority, str]] = {
-    "S2": (
-        Priority.ERROR,
-        "its start was stopped, and the restart of {unit} refused: {refused} (M6); it is not stopped again, this "
-        "start goes on; free memory by hand (S2)",
-    ),
-    "S4": (
-        Priority.ERROR,
-        "it is not what takes the memory, so its start is not stopped (S4; the squeeze rules apply)",
-    ),
-    "S5": (
-        Priority.CRITICAL,
-        "{unit} is not wired for the memory guard ({problem}): restarted, it would take the same memory again, so "
-        "its start is not stopped; the box may run out of memory (S5)",
-    ),
-    "S6": (
-        Priority.CRITICAL,
-        "its gpu_memory_utilization {fraction} is at the floor {floor:g}: it cannot go lower, so its start is not "
-        "stopped; free memory by hand (S6)",
-    ),
-    "S7": (
-        Priority.CRITICAL,
-        "no fraction between {highest:g} and the floor {floor:g} fits (total {total} x fraction must be <= headroom "
-        "+ the {held} it holds - reserve {reserve}), so its start is not stopped; free memory by hand (S7)",
-    ),
-    "S8": (
-        Priority.ERROR,
-        "the memory guard follows a change of replica {other} (M3), one change at a time, so its start is not "
-        "stopped now (S8)",
-    ),
-    "S9": (Priority.ERROR, "stopping its start is refused now: {refusal} ({refusal_rule}; S9)"),
-    STOP: (
-        Priority.WARNING,
-        "stopping its start now: {unit}'s processes killed if its stop lasts "
-        f"{HUNG_STOP_GRACE_S:g} s, and the unit restarted alone with "
-        "gpu_memory_utilization {fraction} -> {new:g} (S10)",
-    ),
-}
 DRY_RUN = (
     Priority.WARNING,
     "DRY-RUN: would stop its start: kill {unit}'s processes and restart it alone with gpu_memory_utilization "
-    "{fraction} -> {new:g} (S10)",
+    "{fraction} -> {new:g} ({rule})",
 )
 
 
@@ -340,19 +332,19 @@ def _own(consumer: str, replica: Starting) -> bool:
     return pid is not None and (f"(pid {pid}) " in consumer or f"(pid {pid} in " in consumer)
 
 
-def _line(rule: str, look: _Look, view: StartView, now: float, cfg: Config) -> LogLine:
-    priority, tail = DRY_RUN if rule == STOP and cfg.dry_run else MESSAGES[rule]
-    refusal = look.replica.refusal if rule == "S9" else None
+def _line(rule: Rule, says: Says, look: _Look, view: StartView, now: float, cfg: Config) -> LogLine:
+    """RULE's line: what its row SAYS (the dry run's instead for a stop), after the common head."""
+    priority, tail = DRY_RUN if rule is STOP and cfg.dry_run else says
+    refusal = look.replica.refusal if rule is REFUSED else None
     if refusal is not None:
         priority = max(priority, refusal.priority, key=lambda p: -p.syslog)  # A1's giving up is critical
     decision = Decision.MEMORY_NOTE
-    if rule == STOP:
+    if rule is STOP:
         decision = Decision.DRY_RUN if cfg.dry_run else Decision.MEMORY
-    text = (_HEAD + tail).format(**_fields(look, view, now))
+    text = (_HEAD + tail).format(**_fields(look, view, now), rule=rule.id)
     replica = look.replica
-    return LogLine(
-        priority, text, decision, replica.name, replica.unit, gate=refusal.gate if refusal else None, rule=rule
-    )
+    gate = refusal.gate if refusal else None
+    return LogLine(priority, text, decision, replica.name, replica.unit, gate=gate, rule=rule.id)
 
 
 # --- the decision ---------------------------------------------------------------------------
@@ -457,17 +449,20 @@ def _judge(
     other = pending.replica if pending is not None and pending.replica != replica.name else None
     look = _Look(replica, start, memory, view.headroom_bytes, fall, grew, new, other, grid(top - memory.step))
     found = first_match(ROWS, look)
-    assert found is not None, "S10 always holds"
-    rule = found[0].id
+    assert found is not None, "the last row always holds"
+    matched, says = found
+    rule = matched.id
     start = replace(start, rule=rule)
-    if rule in _QUIET and not (rule == "S2" and start.refused is not None):
+    # Nothing to say: a row without a line (clear of the critical line), or stopped already unless refused.
+    if says is None or (matched is STOPPED and start.refused is None):
         return start, []
     actions: list[LogLine | SetFraction] = []
-    cause = (rule, *(replica.refusal.key if rule == "S9" and replica.refusal else ()), *((other,) if other else ()))
+    refusal_key = replica.refusal.key if matched is REFUSED and replica.refusal else ()
+    cause = (rule, *refusal_key, *((other,) if other else ()))
     if start.said != cause:
-        actions.append(_line(rule, look, view, now, cfg))
+        actions.append(_line(matched, says, look, view, now, cfg))
         start = replace(start, said=cause)
-    if rule == STOP:
+    if matched is STOP:
         start = replace(start, stopped=True)
         if not cfg.dry_run and new is not None and replica.fraction is not None:
             evidence = f"start guard: headroom {gib(view.headroom_bytes)} < {gib(memory.critical_headroom_bytes)}"

@@ -4,6 +4,7 @@ gives one line per part of guardian (the loop, the watchdog, restarts ...), limi
 from __future__ import annotations
 
 from ..config import Config
+from . import startfit
 from .observations import gib
 
 
@@ -128,14 +129,14 @@ def _start_fit(cfg: Config) -> str:
     released = " then ".join(r for r in releases if r) or "nothing (release_cache and drop_caches off)"
     lowered = (
         f"lowered to the highest fraction >= {memory.floor:g} that fits, leaving {gib(memory.reserve_bytes)}, when "
-        "the unit reads guardian's env file (U6), else "
+        f"the unit reads guardian's env file ({startfit.LOWERED.id}), else "
         if memory.enabled
         else ""
     )
     return (
         f"start fit: {which}; before every start guardian causes, need = fraction x total against MemFree + what "
         f"its processes return; released first where that makes it fit: {released}; {lowered}refused when it "
-        "cannot fit even if what its fraction reserves comes back (U7)"
+        f"cannot fit even if what its fraction reserves comes back ({startfit.NO_FIT.id})"
     )
 
 

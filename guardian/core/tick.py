@@ -59,11 +59,20 @@ def decide(state: TickState, obs: TickObservation, now: float, cfg: Config) -> t
     requests.take_requests(tick)  # 4
     replicas = memstep.guard_starts(tick)  # 5
     memstep.guard_memory(tick, replicas)  # 6
-    fleet.release_slots(tick)  # 7
+    _release_slots(tick)  # 7
     _watch_bypass(tick)  # 8
     if cfg.proxy.enabled:  # 9: the whole set, every tick: the shell applies a change, and retries a failed one
         tick.actions.append(SyncProxy(frozenset(tick.drains)))
     return tick.next_state(), tick.actions
+
+
+def _release_slots(tick: Tick) -> None:
+    view = tick.obs.fleet
+    if view is not None and view.ok:
+        tick.slots_released, released = fleet.release_slots(
+            view, tick.previous.slots_released, tick.slot_in_use, tick.tracks
+        )
+        tick.actions += released
 
 
 def _watch_bypass(tick: Tick) -> None:

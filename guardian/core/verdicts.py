@@ -63,7 +63,7 @@ def _judge(t: Tick, replica: ReplicaConfig, old: Track) -> None:
                 replica.name,
                 replica.unit,
                 state=new.state,
-                rule="C2",
+                rule=liveness.CANARY_LATE.id,
             )
         )
     if canary_timeout_s is not None:

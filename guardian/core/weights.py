@@ -74,7 +74,7 @@ def differing(cfg: Config, found: Mapping[str, Weights | None]) -> list[Hazard]:
                 f"weights-differ:{model}",
                 f"replicas {', '.join(n for n, _ in seen)} serve model {model} with different weights ({each}): its "
                 "clients get answers from whichever replica they reach; give each set of weights its own model "
-                "name, or bring them to the same weights (W1)",
+                f"name, or bring them to the same weights ({DIFFER.id})",
                 rule=DIFFER.id,
                 over=f"hazard over: {model}'s replicas serve the same weights",
             )
@@ -121,7 +121,7 @@ def differing_in_fleet(
                 f"weights-differ-fleet:{model}",
                 f"model {model} is served with other weights on other boxes of the fleet (here {mine}; {theirs}): its "
                 "clients get answers from whichever box they reach; bring the boxes to the same weights, or give each "
-                "its own model name (W3)",
+                f"its own model name ({DIFFER_FLEET.id})",
                 rule=DIFFER_FLEET.id,
                 over=f"hazard over: {model}'s replicas serve the same weights across the fleet",
             )

@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 
 from ..config import Config
 from . import bypass, memguard, startguard
-from .actions import Action, LogLine
+from .actions import AcquireSlot, Action, LogLine
 from .drainstate import Drain, Phase
 from .liveness import Track
 from .observations import TickObservation
-from .vocab import RestartKind
+from .vocab import LOADING_STATES, RestartKind
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,20 @@ class Tick:
         """A planned restart (an operator's, a lowering's) waits: a restart is under way, or a
         drain is in progress."""
         return self.restart_under_way or any(down.phase is Phase.DRAINING for down in self.drains.values())
+
+    def slot_in_use(self, name: str) -> bool:
+        """NAME's planned restart is not over (its fleet slot is kept, F7): drained or away, asking
+        for its slot, requested, being lowered, or restarting."""
+        track = self.tracks.get(name)
+        pending = self.mem.pending
+        waiting = (request for request in self.obs.persistent.requests if request.id not in self.requests_taken)
+        return (
+            name in self.drains
+            or any(isinstance(action, AcquireSlot) and action.replica == name for action in self.actions)
+            or any(request.replica == name for request in waiting)
+            or (pending is not None and pending.replica == name)
+            or (track is not None and (track.restart_in_flight or track.state in LOADING_STATES))
+        )
 
     def next_state(self) -> TickState:
         return TickState(

@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.metrics_core import Metric
 
 from ..config import Config, ReplicaConfig
-from ..core import admission
+from ..core import admission, startfit
 from ..core.actions import Action, LogLine, RestartUnit, SetFraction
 from ..core.bypass import Bypass
 from ..core.hazards import Hazard
@@ -216,7 +216,8 @@ class Metrics:
         )
         self.not_returned = gauge(
             "guardian_memory_not_returned_bytes",
-            "memory a replica's processes held that did not come back when they exited (startfit U8)",
+            "memory a replica's processes held that did not come back when they exited "
+            f"(startfit {startfit.NOT_RETURNED.id})",
             "replica",
         )
         self.mem_free = gauge("guardian_memory_free_bytes", "MemFree: about what a unified-memory GPU sees as free")

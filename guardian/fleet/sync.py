@@ -33,6 +33,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..config import Config
+from ..core import fleet as fleet_rules
 from ..core.actions import AcquireSlot, LogLine, ReleaseSlot
 from ..core.liveness import Track
 from ..core.liveness import serves as serves_now
@@ -322,7 +323,8 @@ class FleetSync:
         )
         if ok:
             n = free[0].rsplit("/", 1)[1]
-            self._say(Priority.INFO, f"replica {replica}: fleet slot {n} taken for a planned restart (F6)", replica)
+            said = f"replica {replica}: fleet slot {n} taken for a planned restart ({fleet_rules.ASK_SLOT.id})"
+            self._say(Priority.INFO, said, replica)
 
     async def release(self, replica: str) -> None:
         """F7: delete this box's slot of REPLICA, if it is still the one we read."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import functools
 
+from ..core import startfit
+
 
 class Nvml:
     def __init__(self) -> None:
@@ -91,8 +93,9 @@ def describe(unified: bool | str) -> str:
         return (
             f"{n.note}; device 0's memory is the box's (unified: NVML does not report it): MemFree, MemAvailable and "
             "the page cache from /proc/meminfo, each process's memory from NVML where the driver reports it; a "
-            "start's fit is judged (U2-U7)"
+            f"start's fit is judged ({startfit.FITS.id}-{startfit.NO_FIT.id})"
         )
     if n.device_total_bytes() is not None:
-        return f"{n.note}; device 0 has memory of its own: a start's fit is not judged (U1)"
-    return f"{n.note}; no GPU seen: a start's fit is not judged (U1; memory.unified = true to judge it)"
+        return f"{n.note}; device 0 has memory of its own: a start's fit is not judged ({startfit.NOT_UNIFIED.id})"
+    unified = "memory.unified = true to judge it"
+    return f"{n.note}; no GPU seen: a start's fit is not judged ({startfit.NOT_UNIFIED.id}; {unified})"
