@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import replace
 
-from . import admission, drain, memguard, memview, startguard
+from . import admission, drain, memguard, memstate, memview, startguard
 from .actions import DrainReplica, SetFraction
 from .drainstate import Drain, Phase
 from .observations import MemoryObservation, ReplicaMemoryObservation
@@ -34,7 +34,7 @@ def inputs(t: Tick) -> memview.Inputs:
     )
 
 
-def guard_starts(t: Tick) -> tuple[memguard.ReplicaMemory, ...] | None:
+def guard_starts(t: Tick) -> tuple[memstate.ReplicaMemory, ...] | None:
     """Step 5 (S1-S10): each replica's start is watched; one that takes the box below the critical
     headroom is stopped and restarted a step lower. That restart is the memory guard's pending
     change from now on (memguard.Pending), so that step 6 follows it as it follows a lowering (M3-M8).
@@ -56,7 +56,7 @@ def guard_starts(t: Tick) -> tuple[memguard.ReplicaMemory, ...] | None:
 
 
 def _start_view(
-    t: Tick, observed: MemoryObservation, replicas: tuple[memguard.ReplicaMemory, ...]
+    t: Tick, observed: MemoryObservation, replicas: tuple[memstate.ReplicaMemory, ...]
 ) -> startguard.StartView:
     """The start guard's view: the memory guard's view of each replica, the tick's verdicts and
     units, and admission's budget (A1; S9)."""
@@ -67,7 +67,7 @@ def _start_view(
     )
 
 
-def _starting(t: Tick, mine: memguard.ReplicaMemory, found: ReplicaMemoryObservation | None) -> startguard.Starting:
+def _starting(t: Tick, mine: memstate.ReplicaMemory, found: ReplicaMemoryObservation | None) -> startguard.Starting:
     """One replica as the start guard sees it: loading is S1's set."""
     track, seen = t.tracks[mine.name], t.obs.replicas[mine.name]
     unit = seen.unit
@@ -104,7 +104,7 @@ def _budget_refusal(t: Tick, name: str) -> Refusal | None:
     return refusal if refusal is not None and refusal.gate is Gate.BUDGET else None
 
 
-def guard_memory(t: Tick, replicas: tuple[memguard.ReplicaMemory, ...] | None) -> None:
+def guard_memory(t: Tick, replicas: tuple[memstate.ReplicaMemory, ...] | None) -> None:
     """Step 6 (M1-M26): the memory guard's verdict on its view of the box, and its drains (D8, D10);
     a start the start guard stopped (step 5) is its pending change already. REPLICAS: the view's
     replicas as step 5 built them, if it did."""
@@ -121,7 +121,7 @@ def guard_memory(t: Tick, replicas: tuple[memguard.ReplicaMemory, ...] | None) -
     drain.mark_up_unasked(t, asked)
 
 
-def _take_memory_actions(t: Tick, actions: Iterable[memguard.MemAction]) -> set[str]:
+def _take_memory_actions(t: Tick, actions: Iterable[memstate.MemAction]) -> set[str]:
     """The memory guard's actions (and the start guard's), its drains kept here; returns the
     replicas it works on."""
     asked: set[str] = set()

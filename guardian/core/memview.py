@@ -29,7 +29,8 @@ from ..config import Config, ReplicaConfig
 from . import admission, drain, fleet, liveness
 from .drainstate import Drain, Phase
 from .liveness import Track
-from .memguard import MemoryView, MemTrack, ReplicaMemory, not_read
+from .memguard import not_read
+from .memstate import MemoryView, MemTrack, ReplicaMemory
 from .observations import MemoryObservation, ReplicaMemoryObservation, TickObservation
 from .rules import Refusal
 from .vocab import SERVING_STATES

@@ -45,7 +45,7 @@ import math
 from dataclasses import dataclass
 from enum import StrEnum
 
-from .memguard import grid, grid_below, highest_fit
+from .memstate import grid, grid_below, highest_fit
 from .observations import gib
 from .rules import Row, Rule, first_match
 

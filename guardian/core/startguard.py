@@ -34,7 +34,7 @@ from typing import Any
 
 from ..config import Config, MemoryConfig
 from .actions import HUNG_STOP_GRACE_S, LogLine, SetFraction
-from .memguard import Pending, choose_fraction, grid
+from .memstate import Pending, choose_fraction, grid
 from .observations import ReplicaObservation, gib
 from .rules import Refusal, Row, Rule, first_match
 from .vocab import ActiveState, Decision, Priority
@@ -229,8 +229,9 @@ ROWS: tuple[Row[_Look, Says | None], ...] = (
         lambda k: k.new is None,
         lambda k: (
             Priority.CRITICAL,
-            "no fraction between {highest:g} and the floor {floor:g} fits (total {total} x fraction must be <= headroom "
-            "+ the {held} it holds - reserve {reserve}), so its start is not stopped; free memory by hand ({rule})",
+            "no fraction between {highest:g} and the floor {floor:g} fits (total {total} x fraction must be <= "
+            "headroom + the {held} it holds - reserve {reserve}), so its start is not stopped; free memory by hand "
+            "({rule})",
         ),
     ),
     Row(

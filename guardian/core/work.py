@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..config import Config
-from . import bypass, memguard, startguard
+from . import bypass, memstate, startguard
 from .actions import AcquireSlot, Action, LogLine
 from .drainstate import Drain, Phase
 from .liveness import Track
@@ -25,7 +25,7 @@ class TickState:
     """What one tick hands the next (the daemon keeps it in memory; the state file is the shell's)."""
 
     tracks: dict[str, Track] = field(default_factory=dict)
-    mem: memguard.MemTrack = field(default_factory=memguard.MemTrack)
+    mem: memstate.MemTrack = field(default_factory=memstate.MemTrack)
     requests_taken: frozenset[str] = frozenset()  # operators' requests acted on, answer not yet recorded
     drains: dict[str, Drain] = field(default_factory=dict)  # replicas marked down at the proxy (core/drain.py)
     # request id -> why it waits (a fleet slot, or a refusal that passes by itself: A4), as last said

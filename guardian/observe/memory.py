@@ -13,7 +13,7 @@ import httpx
 import psutil
 
 from ..config import Config, ReplicaConfig
-from ..core.memguard import Pending
+from ..core.memstate import Pending
 from ..core.observations import MemoryObservation, ReplicaMemoryObservation, ReplicaObservation, gib
 from ..core.startguard import may_be_loading
 from ..core.wiring import EnvFile, cmdline_fraction, env_value, parse_fraction, wiring_problem

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 
 from ..config import Config, ReplicaConfig
-from ..core.memguard import Pending
+from ..core.memstate import Pending
 from ..core.observations import (
     CanaryResult,
     ConnView,
