@@ -1,6 +1,7 @@
 """`guardian pause`, `resume` and `restart`: what an operator asks of guardian, kept in the state
 file. A restart is asked of the running daemon, whose answer the command waits for; with no
-daemon running, the command puts the request through the tick itself (the one-shot path)."""
+daemon running, the command puts the request through the tick itself, and the request's actions
+through the executor, as the daemon would (Alone: the one-shot path)."""
 
 from __future__ import annotations
 
@@ -13,19 +14,37 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
-from typing import Any
+from typing import Any, assert_never
 
+import httpx
+
+from ..act.executor import Executor
 from ..act.journal import Journal
-from ..act.restart import RestartOrder, Tools, checked_restart
+from ..act.restart import Tools
 from ..act.state import STATUS_FILE, CorruptState, StateDoc, StateStore, stamp, view
 from ..config import Config
 from ..core import tick
-from ..core.actions import Action, AnswerRequest, LogLine, RequestWaits, RestartUnit
+from ..core.actions import (
+    AcquireSlot,
+    Action,
+    AnswerRequest,
+    LogLine,
+    RecordCanaryLatencies,
+    ReleaseSlot,
+    RequestWaits,
+    RestartUnit,
+    SetFraction,
+    StartCanary,
+    SyncProxy,
+    WarmUp,
+)
+from ..core.liveness import Track
 from ..core.observations import RestartRequest, TickObservation
 from ..core.vocab import Decision, Priority
 from ..observe import askers, clock
+from ..observe.clock import Now
 from ..observe.probes import make_client
 from ..observe.readback import read_back
 from ..observe.replicas import WorldObserver
@@ -33,6 +52,7 @@ from ..observe.systemd import Systemd, SystemdError
 from .common import STATUS_MAX_BYTES, Exit, load
 
 _REQUEST_DECISIONS = frozenset({Decision.REFUSED, Decision.RESTART, Decision.DRY_RUN, Decision.REQUEST})
+REQUEST_ID = "cli"  # the one request of a `guardian restart` that decides alone
 
 
 def _need_replica(cfg: Config, name: str) -> None:
@@ -247,9 +267,10 @@ async def _restart_without_daemon(cfg: Config, name: str, wait_s: float | None) 
 async def _decide_alone(cfg: Config, observer: WorldObserver, name: str, wait_s: float | None) -> int:
     """The request's ticks, as the daemon would run them, until it is answered or acted on."""
     store = StateStore(cfg.state_dir)
+    alone = Alone(Tools(observer.sd, store, Journal(), cfg), observer.client, name)
     asked = clock.now()
     until = asked.mono + wait_s if wait_s is not None else None
-    request = RestartRequest("cli", name, asked.mono, until)
+    request = RestartRequest(REQUEST_ID, name, asked.mono, until)
     state = tick.TickState()
     while True:
         now = clock.now()
@@ -263,7 +284,7 @@ async def _decide_alone(cfg: Config, observer: WorldObserver, name: str, wait_s:
         now = clock.now()
         observed = TickObservation(replicas, replace(pv, requests=(request,)))
         state, actions = tick.decide(state, observed, now.mono, cfg)
-        code = await _act_alone(cfg, observer.sd, store, name, actions)
+        code = await alone.act(actions, state.tracks, now)
         if code is not None:
             return code
         if until is None:
@@ -272,23 +293,65 @@ async def _decide_alone(cfg: Config, observer: WorldObserver, name: str, wait_s:
         await asyncio.sleep(cfg.interval_s)
 
 
-async def _act_alone(cfg: Config, sd: Systemd, store: StateStore, name: str, actions: list[Action]) -> int | None:
-    """What the daemon's executor would do with this command's request's actions; the exit status once
-    it is answered or restarted, None while it waits."""
-    journal = Journal()
-    for a in actions:
-        if isinstance(a, LogLine) and a.decision in _REQUEST_DECISIONS and a.replica == name:
-            journal.line(a)
-        elif isinstance(a, RequestWaits) and a.request_id == "cli":
-            print(f"waiting: {a.text}", flush=True)
-        elif isinstance(a, AnswerRequest) and a.request_id == "cli":
-            print(a.message, file=sys.stdout if a.ok else sys.stderr)
-            return Exit.OK if a.ok else Exit.WAITED_OUT if a.waited_out else Exit.PROBLEM
-        elif isinstance(a, RestartUnit) and a.request_id == "cli":
-            r = cfg.replica(a.replica)
-            assert r is not None
-            order = RestartOrder(r, "requested by an operator", announce=a.said, may_lower=a.may_lower)
-            outcome = await checked_restart(Tools(sd, store, journal, cfg), order)
-            print(f"{r.unit}: {outcome.result}")
-            return Exit.OK if outcome.ok else Exit.PROBLEM
-    return None
+class Alone:
+    """A `guardian restart NAME` that decides alone: its request's actions are performed by an
+    executor as the daemon's performs them (act/executor.py, the one dispatcher), and this command
+    is that executor's asker: what the request waits for is printed as it comes, and its answer
+    (the core's, or its restart's once the job ended) kept for the exit status. The executor has
+    no proxy, fleet or metrics part: nothing drains without the daemon (said before the first
+    tick), and with [fleet] the command refuses before it ticks."""
+
+    def __init__(self, tools: Tools, client: httpx.AsyncClient, name: str) -> None:
+        self.name = name
+        self.executor = Executor(tools, client, asker=self)
+        self.answered: AnswerRequest | None = None
+
+    def answer(self, answer: AnswerRequest) -> None:
+        self.answered = answer
+
+    def waits(self, action: RequestWaits) -> None:
+        print(f"waiting: {action.text}", flush=True)
+
+    async def act(self, actions: list[Action], tracks: Mapping[str, Track], at: Now) -> int | None:
+        """The tick's ACTIONS that this command takes (taken_alone), performed, and a restart among
+        them waited for as long as an admitted restart takes; the exit status once the request is
+        answered, None while it waits."""
+        taken = [a for a in actions if taken_alone(a, self.name)]
+        self.executor.perform(taken, tracks, at)
+        limit_s = _answer_margin_s(self.executor.cfg)
+        if await self.executor.stop(limit_s):
+            print(
+                f"guardian: the restart of {self.name} did not end within {limit_s:g} s; stopped waiting for it "
+                "(its systemd job may still run)",
+                file=sys.stderr,
+            )
+            return Exit.PROBLEM
+        answer, self.answered = self.answered, None
+        if answer is None:
+            return None
+        # a restart's answer is its unit's line ("vllm-a.service: done ..."): on stdout, as it always was
+        restarted = any(isinstance(a, RestartUnit) for a in taken)
+        print(answer.message, file=sys.stdout if answer.ok or restarted else sys.stderr)
+        return Exit.OK if answer.ok else Exit.WAITED_OUT if answer.waited_out else Exit.PROBLEM
+
+
+def taken_alone(action: Action, name: str) -> bool:
+    """Whether a `guardian restart NAME` deciding alone performs ACTION, which its tick decided.
+
+    It takes its request's own: the lines that say it, what it waits for, its answer, its restart;
+    and the proxy's and the fleet's actions, which its executor, with no part for them, performs as
+    no-ops. The rest is the watchdog's own work, which is the daemon's: the restarts it decides by
+    itself (another replica hung), canaries, warm-ups, the memory guard's fractions, the lines of
+    its verdicts; the command's one look must not restart or probe anything it was not asked to.
+    Matched exhaustively: an action type not sorted here is an error (mypy, and assert_never)."""
+    match action:
+        case LogLine():
+            return action.decision in _REQUEST_DECISIONS and action.replica == name
+        case RestartUnit() | AnswerRequest() | RequestWaits():
+            return action.request_id == REQUEST_ID
+        case SyncProxy() | AcquireSlot() | ReleaseSlot():
+            return True
+        case StartCanary() | WarmUp() | RecordCanaryLatencies() | SetFraction():
+            return False
+        case _:
+            assert_never(action)
