@@ -19,10 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from guardian import cli
+from guardian.cli import check as cli_check
+from guardian.cli import requests as cli_requests
 from guardian.act.state import StateStore, record_answer, record_waiting
 from guardian.cli import EXIT_STATUS, Exit, build_parser, main
-from guardian.observe import askers
+from guardian.config import ReplicaConfig
+from guardian.observe import askers, clock
 from guardian.core.actions import AnswerRequest
 from harness import Running, free_port, unit
 from systemd_box import wait_for
@@ -149,14 +151,14 @@ def test_check_json_of_an_invalid_config_is_a_document_too_with_exit_2(tmp_path,
 
 
 def test_a_replica_whose_unit_is_still_starting_is_not_serving_not_a_problem():
-    r = cli.ReplicaConfig(name="a", unit="vllm-a.service", url="http://127.0.0.1:8001", model="m",
+    r = ReplicaConfig(name="a", unit="vllm-a.service", url="http://127.0.0.1:8001", model="m",
                           startup_grace_s=600)
-    assert "activating" in cli._starting_now(r, unit(active_state="activating"), 100.0)
-    assert "within its startup grace of 600 s" in cli._starting_now(r, unit(inactive_exit_mono=90.0), 100.0)
-    assert cli._starting_now(r, unit(inactive_exit_mono=90.0), 700.0) is None  # past its grace: a problem
-    assert cli._starting_now(r, unit(active_state="failed"), 100.0) is None
-    assert cli._starting_now(r, None, 100.0) is None  # systemd not asked: cannot tell
-    report = cli.Report(json_out=True)
+    assert "activating" in cli_check._starting_now(r, unit(active_state="activating"), 100.0)
+    assert "within its startup grace of 600 s" in cli_check._starting_now(r, unit(inactive_exit_mono=90.0), 100.0)
+    assert cli_check._starting_now(r, unit(inactive_exit_mono=90.0), 700.0) is None  # past its grace: a problem
+    assert cli_check._starting_now(r, unit(active_state="failed"), 100.0) is None
+    assert cli_check._starting_now(r, None, 100.0) is None  # systemd not asked: cannot tell
+    report = cli_check.Report(json_out=True)
     report.not_serving("replica a: loading")
     assert report.exit_code() is Exit.NOT_SERVING
     report.problem("something")
@@ -251,7 +253,7 @@ def test_restart_wait_prints_what_it_waits_for_once_and_exits_4_when_the_wait_ra
         wait_for(lambda: reads[0] >= seen + 3, 30, "the command to read the same waiting text 3 times")
         answer = AnswerRequest(rid, "a", False, "refused (one-at-a-time): b is starting; after waiting 300 s (A4)",
                                waited_out=True)
-        store.update(lambda d: record_answer(d, answer, cli.clock.now()))
+        store.update(lambda d: record_answer(d, answer, clock.now()))
     finally:
         asking.join(20)
     out, err = capsys.readouterr()
@@ -271,7 +273,7 @@ def test_restart_without_wait_keeps_exit_1_for_a_refusal(tmp_path, capsys):
     try:
         rid, q = wait_for(lambda: next(iter(store.read()["requests"].items()), None), 30, "the request")
         assert q.get("wait_until") is None
-        store.update(lambda d: record_answer(d, AnswerRequest(rid, "a", False, "refused (masked): x"), cli.clock.now()))
+        store.update(lambda d: record_answer(d, AnswerRequest(rid, "a", False, "refused (masked): x"), clock.now()))
     finally:
         asking.join(20)
     assert result["rc"] == Exit.PROBLEM == 1 and "refused (masked)" in capsys.readouterr().err
@@ -288,7 +290,7 @@ def test_ctrl_c_while_waiting_withdraws_the_request(tmp_path, capsys, monkeypatc
         asked.append(dict(store.read()["requests"]))
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli.time, "sleep", interrupted)
+    monkeypatch.setattr(cli_requests.time, "sleep", interrupted)
     assert main(["--config", path, "restart", "a", "--wait", "1h"]) == Exit.INTERRUPTED
     assert len(asked) == 1 and len(asked[0]) == 1, asked  # it was asked, then
     assert store.read()["requests"] == {}
@@ -305,7 +307,7 @@ def test_wait_0_is_no_wait(tmp_path, capsys, monkeypatch):
         seen.append(next(iter(store.read()["requests"].values())))
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli.time, "sleep", once)
+    monkeypatch.setattr(cli_requests.time, "sleep", once)
     main(["--config", path, "restart", "a", "--wait", "0"])
     assert seen and seen[0].get("wait_until") is None
 
@@ -325,7 +327,7 @@ def test_restart_reads_the_status_file_bounded_a_fifo_or_dev_zero_there_means_no
     else:
         status.symlink_to("/dev/zero")
     got: list[object] = []
-    t = threading.Thread(target=lambda: got.append(cli._running_daemon(cfg)), daemon=True)
+    t = threading.Thread(target=lambda: got.append(cli_requests._running_daemon(cfg)), daemon=True)
     t.start()
     t.join(30)  # a deadline for a hang only
     if t.is_alive():
@@ -364,16 +366,16 @@ def test_check_reads_each_warmup_file_and_says_when_no_proxy_would_ever_send_it(
     good, bad = tmp_path / "good.jsonl", tmp_path / "bad.jsonl"
     good.write_text('{"prompt": "shared"}\n{"messages": [{"role": "system", "content": "s"}]}\n')
     bad.write_text('{"prompt": "x"}\n{oops\n')
-    reps = [cli.ReplicaConfig(name=n, unit=f"vllm-{n}.service", url=f"http://127.0.0.1:800{i}", model="m",
+    reps = [ReplicaConfig(name=n, unit=f"vllm-{n}.service", url=f"http://127.0.0.1:800{i}", model="m",
                               warmup_file=f) for i, (n, f) in enumerate((("a", good), ("b", bad)), 1)]
     proxied = Config(replicas=reps, proxy=ProxyConfig(drain_command=["/bin/true"]))
-    report = cli.Report(json_out=True)
-    cli._check_warmup(proxied, report)
+    report = cli_check.Report(json_out=True)
+    cli_check._check_warmup(proxied, report)
     (ok,) = [t for k, t in report.lines if k == ""]
     assert "replica a: 2 requests" in ok and "(1 chat)" in ok
     (problem,) = report.of("problem")
     assert "replica b:" in problem and "line 2: not JSON" in problem
-    report = cli.Report(json_out=True)
-    cli._check_warmup(Config(replicas=reps[:1]), report)
+    report = cli_check.Report(json_out=True)
+    cli_check._check_warmup(Config(replicas=reps[:1]), report)
     (warning,) = report.of("warning")
     assert "is never sent" in warning and "no [proxy]" in warning

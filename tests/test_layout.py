@@ -58,7 +58,8 @@ def test_the_layout_check_sees_a_missing_module_and_one_without_a_line():
     assert "memview.py" not in _parts(text.replace("- `memview.py`:", "- `memview`:"))["core"]
     no_line = re.sub(r"^- `memview.py`: .*$", "- `memview.py`:", text, flags=re.M)
     assert "memview.py" not in _parts(no_line)["core"]
-    assert "cli.py" in _parts(text)[""] and "cli.py" not in _parts(text)["core"]
+    assert "daemon.py" in _parts(text)[""] and "daemon.py" not in _parts(text)["core"]
+    assert "check.py" in _parts(text)["cli"] and "check.py" not in _parts(text)[""]
 
 
 def test_no_function_breaks_the_shape_limits():

@@ -166,7 +166,7 @@ def test_a_fifo_at_the_polkit_rule_is_replaced_by_the_rule_not_read(tmp_path, ca
 
 def test_status_shows_each_replicas_connections_flowing_and_waiting_clients():
     """issue 20: `guardian status` shows what the kernel sees of each replica's port."""
-    from guardian.cli import _connections_line
+    from guardian.cli.status import _connections_line
     from guardian.core.observations import ConnView, Peer, PeerKind, Probe, ReplicaObservation, TickObservation
     from guardian.core.tick import TickState
     from guardian.observe.clock import Now

@@ -8,6 +8,11 @@ slots (a SlotKeeper) are handed to those parts, and every action is counted for 
 Counter). Each part is given at construction; one not given (a test's executor) is a no-op at
 its one place in the match. Nothing here decides.
 
+An operator's request is answered (AnswerRequest, and a requested restart once its job ended)
+and told what it waits for (RequestWaits) in the state file, where its `guardian restart` reads
+them; with an Asker given (that command deciding alone, with no daemon running: cli/requests.py),
+it is told directly instead.
+
 A lowering (SetFraction with new < old) records where it lowered from as the replica's base
 fraction in the state file (act/state.py) right before the env file is written (after the gates
 of its restart pass: a lowering refused records none; before the write, so that a crash between
@@ -47,7 +52,7 @@ from ..observe import probes
 from ..observe.clock import Now
 from ..observe.memory import env_path
 from ..observe.replicas import Results
-from .part import Counter, SlotKeeper
+from .part import Asker, Counter, SlotKeeper
 from .proxy import ProxySync
 from .restart import RestartOrder, Tools, checked_restart, write_fraction
 from .state import (
@@ -70,12 +75,14 @@ class Executor:
         proxy: ProxySync | None = None,
         slots: SlotKeeper | None = None,
         counter: Counter | None = None,
+        asker: Asker | None = None,
     ) -> None:
         self.tools = tools
         self.client = client  # the canaries'
         self.proxy = proxy
         self.slots = slots
         self.counter = counter
+        self.asker = asker  # None: requests are answered in the state file (see the top)
         self.tasks: set[asyncio.Task[None]] = set()
         # What the tasks brought back, until the observer takes it.
         # A replica may have two canaries in flight (liveness: a closer look): their results are
@@ -169,12 +176,18 @@ class Executor:
         return None
 
     def _answer(self, answer: AnswerRequest) -> None:
+        if self.asker is not None:
+            self.asker.answer(answer)
+            return
         clock = self.tools.clock
         self._write_state(lambda d: record_answer(d, answer, clock()), "the answer to a restart request")
 
     def _record_waiting(self, action: RequestWaits) -> None:
         """What an open request waits for, for the waiting `guardian restart` to print. Not kept: said
         (the journal line of the wait was said too), and the request waits all the same."""
+        if self.asker is not None:
+            self.asker.waits(action)
+            return
         self._write_state(
             lambda d: record_waiting(d, action.request_id, action.text), "what a restart request waits for"
         )

@@ -8,7 +8,8 @@ the state file says it was told).
 
 SlotKeeper and Counter are what the executor hands the fleet's slot actions to (fleet/sync.py)
 and what it tells of every action it performs (export/metrics.py): they live in layers above
-act/, so the executor knows them only by these shapes.
+act/, so the executor knows them only by these shapes. So is an Asker: an operator's request
+answered where its command waits, when that is not the state file (cli/requests.py).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections.abc import Mapping
 from typing import Protocol
 
 from ..config import Config
-from ..core.actions import AcquireSlot, Action, ReleaseSlot
+from ..core.actions import AcquireSlot, Action, AnswerRequest, ReleaseSlot, RequestWaits
 from ..core.liveness import Track
 from ..observe.clock import Now
 
@@ -42,3 +43,13 @@ class SlotKeeper(Protocol):
 class Counter(Protocol):
     def count(self, action: Action, tracks: Mapping[str, Track], at: Now) -> None:
         """Count ACTION, performed AT, decided from the replicas' TRACKS."""
+
+
+class Asker(Protocol):
+    """The command that asked for a restart, told directly: a `guardian restart` that decides alone
+    (no daemon running) is the executor's asker. Without one, requests are answered in the state
+    file, where the asking command reads its answer."""
+
+    def answer(self, answer: AnswerRequest) -> None: ...
+
+    def waits(self, action: RequestWaits) -> None: ...
