@@ -16,7 +16,7 @@ import psutil
 from ..act import fit, proxy
 from ..act.state import STATUS_FILE, CorruptState, StateStore, view
 from ..config import Config, ConfigError, ReplicaConfig, config_path, load_config
-from ..core import gates, hazards, startfit, thresholds
+from ..core import bypass, drain, gates, hazards, startfit, thresholds
 from ..core import weights as core_weights
 from ..core.container import KEEPING_POLICIES, helper_unit, parse_run_line, unit_problems
 from ..core.observations import Probe, UnitInfo, VllmSample
@@ -179,7 +179,8 @@ async def _check_units(cfg: Config, sd: Systemd, report: Report) -> _Bus:
 async def _check_fit(cfg: Config, sd: Systemd, units: dict[str, UnitInfo | None], report: Report) -> None:
     """Each replica's next start as the fit step would judge it now (core/startfit.py)."""
     if not fit.unified(cfg):
-        report.say("start fit: not judged on this box (U1: the GPU's memory is not the box's, or no GPU)")
+        why = "the GPU's memory is not the box's, or no GPU"
+        report.say(f"start fit: not judged on this box ({startfit.NOT_UNIFIED.id}: {why})")
         return
     try:
         left = json.loads((cfg.runtime_dir / STATUS_FILE).read_text()).get("not_returned", {})
@@ -188,7 +189,8 @@ async def _check_fit(cfg: Config, sd: Systemd, units: dict[str, UnitInfo | None]
     for name, found in sorted(left.items()):
         report.problem(
             f"hazard: replica {name}: {found['bytes'] / 2**30:.1f} GiB its processes held did not come back when they "
-            "exited (U8, found by the running guardian): the driver, or a file in /dev/shm, still holds it; a reboot "
+            f"exited ({startfit.NOT_RETURNED.id}, found by the running guardian): the driver, or a file in /dev/shm, "
+            "still holds it; a reboot "
             "frees it"
         )
     for r in cfg.replicas:
@@ -241,7 +243,8 @@ def _check_warmup(cfg: Config, report: Report) -> None:
         try:
             found = warmup.load(r.warmup_file)
         except warmup.WarmupFileError as e:
-            report.problem(f"warm-up: replica {r.name}: {e}; it is marked up without a warm-up (D14 says why)")
+            without = f"it is marked up without a warm-up ({drain.WARMED.id} says why)"
+            report.problem(f"warm-up: replica {r.name}: {e}; {without}")
             continue
         if not cfg.proxy.enabled:
             report.problem(
@@ -472,7 +475,7 @@ def _check_unitless(r: ReplicaConfig, watch: ContainerWatch, report: Report, see
     if c.restart_policy not in KEEPING_POLICIES:
         report.problem(
             f"replica {r.name}: container {c.name} has restart policy {c.restart_policy or 'no'}: Docker "
-            "does not keep it, and guardian restarts only a kept container (G4); "
+            f"does not keep it, and guardian restarts only a kept container ({gates.NOT_KEPT.id}); "
             f"add: docker update --restart unless-stopped {c.name}"
         )
 
@@ -512,7 +515,7 @@ def _check_connections(cfg: Config, report: Report) -> None:
     if cfg.proxy.enabled and not proxy_configured(cfg):
         report.say(
             "connections: a proxy is driven by drain commands but its address is not known: set "
-            "watchdog.proxy_peers to it so that clients bypassing it can be told from it (B1)"
+            f"watchdog.proxy_peers to it so that clients bypassing it can be told from it ({bypass.NO_PROXY.id})"
         )
     for r in cfg.replicas:
         v = views.get(r.name)

@@ -13,6 +13,7 @@ from typing import Any
 
 from ..act.state import STATUS_FILE
 from ..config import Config, ConfigError
+from ..core import startfit
 from ..observe.readback import Refused, read_back
 from .common import STATUS_MAX_BYTES, Exit, load, one_line
 
@@ -61,7 +62,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     for name, left in sorted(data.get("not_returned", {}).items()):
         print(
             f"hazard: replica {name}: {left['bytes'] / 2**30:.1f} GiB its processes held did not come back when "
-            "they exited (U8): the driver, or a file in /dev/shm, still holds it; a reboot frees it"
+            f"they exited ({startfit.NOT_RETURNED.id}): the driver, or a file in /dev/shm, still holds it; a reboot "
+            "frees it"
         )
     for text in data.get("weights_differ", []):
         print(f"hazard: {text}")
