@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from ..config import MemoryConfig
 from .memstate import (
@@ -17,60 +17,149 @@ from .memstate import (
     held_of,
     highest_fit_between,
 )
-from .rules import Refusal, Rule
+from .rules import Refusal, Row, Rule, first_match
 from .vocab import SERVING_STATES, Gate, MemVerdict, State
 
-# M3-M8: a change of fraction in flight, a lowering or a raise (follow_change).
-LOWERING_RULES = (
-    Rule(
-        "M3",
-        MemVerdict.PENDING,
-        "a lowering (or a raise) is pending: issued, and the replica not serving since with a new start",
+
+@dataclass(frozen=True)
+class _Follow:
+    """What the rows of FOLLOW_ROWS read of the change in flight, each fact computed once."""
+
+    replica: ReplicaMemory
+    facts: Facts  # the line's numbers as far as they are known before a row is chosen
+    abandoned: str | None  # its restart's result, when the restart was not issued (refused, failed)
+    started: bool  # it serves, from a start after the change
+    overridden: bool  # ... and reports another fraction than the one written
+    owed: bool  # M18 held its restart back, and its unit has not started since
+    dropped: str | None  # why that owed restart is not issued at all (it serves again, or is paused)
+    failure: str | None  # why the new start failed; None while it may still succeed
+    lower: float | None  # the next fraction after a failed start (None: none fits)
+    refusal: Refusal | None  # admission's refusal (A1-A3) of the restart this change would issue now
+
+    @property
+    def failing(self) -> bool:
+        """The new start failed, and the change is not concluded otherwise."""
+        return self.abandoned is None and not self.started and not self.owed and self.failure is not None
+
+    @property
+    def retrying(self) -> bool:
+        """A restart at a lower fraction is due: after a failed start, or the one M18 held back."""
+        return (self.failing and self.lower is not None) or (self.owed and self.dropped is None)
+
+
+Followed = tuple[MemVerdict, Facts]
+
+
+def _failed(f: _Follow) -> Facts:
+    return replace(f.facts, failure=f.failure or "")
+
+
+def _retried(f: _Follow) -> Followed:
+    """M18: back-off and one at a time end by themselves (the restart waits); a spent budget may
+    last the window (the lowering is given up)."""
+    assert f.refusal is not None
+    verdict = MemVerdict.RETRY_GIVEN_UP if f.refusal.gate is Gate.BUDGET else MemVerdict.RETRY_WAITS
+    facts = f.facts if f.owed else replace(_failed(f), new=f.lower or 0.0)
+    return verdict, replace(facts, refusal=f.refusal)
+
+
+# M3-M8, M18, M19: a change of fraction in flight, a lowering or a raise. The first row that holds
+# is the verdict (each condition is written whole, so the order is only the table's); its evidence is
+# the verdict (M18 and M19 have two each) and the line's numbers.
+FOLLOW_ROWS: tuple[Row[_Follow, Followed], ...] = (
+    Row(
+        Rule(
+            "M3",
+            MemVerdict.PENDING,
+            "a lowering (or a raise) is pending: issued, and the replica not serving since with a new start",
+        ),
+        lambda f: f.abandoned is None and not f.started and not f.owed and f.failure is None,
+        lambda f: (MemVerdict.PENDING, f.facts),
     ),
-    Rule(
-        "M4",
-        MemVerdict.DONE,
-        "the pending replica serves (healthy or busy), was started after the change, and reports "
-        "the new fraction (or reports none)",
+    Row(
+        Rule(
+            "M4",
+            MemVerdict.DONE,
+            "the pending replica serves (healthy or busy), was started after the change, and reports "
+            "the new fraction (or reports none)",
+        ),
+        lambda f: f.abandoned is None and f.started and not f.overridden,
+        lambda f: (MemVerdict.DONE, f.facts),
     ),
-    Rule(
-        "M5",
-        MemVerdict.MISMATCH,
-        "the pending replica serves, was started after the change, and reports another "
-        "fraction than the one written: something overrides guardian's env file; no further change of it",
+    Row(
+        Rule(
+            "M5",
+            MemVerdict.MISMATCH,
+            "the pending replica serves, was started after the change, and reports another "
+            "fraction than the one written: something overrides guardian's env file; no further change of it",
+        ),
+        lambda f: f.abandoned is None and f.started and f.overridden,
+        lambda f: (MemVerdict.MISMATCH, f.facts),
     ),
-    Rule("M6", MemVerdict.ABANDONED, "the change's restart was refused by a gate or failed"),
-    Rule(
-        "M7",
-        MemVerdict.RETRY,
-        "the new start failed (vLLM's refusal in this start's journal, unit failed, or not serving "
-        "R.startup_grace_s after the change) AND a lower fraction >= M.floor fits (after a failed raise: the "
-        "highest that fits <= the fraction it was raised from): it is written at once, and the unit restarted "
-        "unless it is starting by itself (Restart=) or admission refuses (M18)",
+    Row(
+        Rule("M6", MemVerdict.ABANDONED, "the change's restart was refused by a gate or failed"),
+        lambda f: f.abandoned is not None,
+        lambda f: (MemVerdict.ABANDONED, replace(f.facts, failure=f.abandoned or "")),
     ),
-    Rule("M8", MemVerdict.GAVE_UP, "the new start failed AND no lower fraction >= M.floor fits: left to the operator"),
+    Row(
+        Rule(
+            "M7",
+            MemVerdict.RETRY,
+            "the new start failed (vLLM's refusal in this start's journal, unit failed, or not serving "
+            "R.startup_grace_s after the change) AND a lower fraction >= M.floor fits (after a failed raise: the "
+            "highest that fits <= the fraction it was raised from): it is written at once, and the unit restarted "
+            "unless it is starting by itself (Restart=) or admission refuses (M18)",
+        ),
+        lambda f: f.failing and f.lower is not None and f.refusal is None,
+        lambda f: (MemVerdict.RETRY, replace(_failed(f), new=f.lower or 0.0)),
+    ),
+    Row(
+        Rule(
+            "M8",
+            MemVerdict.GAVE_UP,
+            "the new start failed AND no lower fraction >= M.floor fits: left to the operator",
+        ),
+        lambda f: f.failing and f.lower is None,
+        lambda f: (MemVerdict.GAVE_UP, _failed(f)),
+    ),
 )
 
-# M18, M19: M7's restart through admission (follow_change).
-RETRY_RULES = (
-    RETRY_GIVEN_UP := Rule(
-        "M18",
-        MemVerdict.RETRY_WAITS,
-        "M7 holds, its unit is not starting by itself, AND restart admission refuses now: the lower fraction is "
-        "written at once (a file write is not a restart); for back-off or one at a time (A2, A3, which end by "
-        "themselves) the restart waits, said once per refusal; for the budget (A1: spent, when M7 holds or while "
-        "the restart waits) the lowering is given up (critical): the fraction stays written for the unit's next "
-        "start, nothing is pending",
+# M18, M19: M7's restart through admission. Rows of the same table as M3-M8 (FOLLOW_ROWS), kept
+# apart in the rule table only because the squeeze's rows came to be numbered before them.
+RETRY_ROWS: tuple[Row[_Follow, Followed], ...] = (
+    Row(
+        RETRY_HELD := Rule(
+            "M18",
+            MemVerdict.RETRY_WAITS,
+            "M7 holds, its unit is not starting by itself, AND restart admission refuses now: the lower fraction is "
+            "written at once (a file write is not a restart); for back-off or one at a time (A2, A3, which end by "
+            "themselves) the restart waits, said once per refusal; for the budget (A1: spent, when M7 holds or "
+            "while the restart waits) the lowering is given up (critical): the fraction stays written for the "
+            "unit's next start, nothing is pending",
+        ),
+        lambda f: f.retrying and f.refusal is not None,
+        _retried,
     ),
-    RETRY_DROPPED := Rule(
-        "M19",
-        MemVerdict.RETRY_RESTART,
-        "a restart that waited (M18), its unit not started since the fraction was written, the replica not "
-        "serving (healthy or busy) and not paused, AND admission (A1-A3) lets it through now: the unit is restarted "
-        "with that fraction. One that serves (its start finished after all) or is paused: the restart is dropped "
-        "and the change concluded (info); the fraction stays written for its next start",
+    Row(
+        RETRY_OWED := Rule(
+            "M19",
+            MemVerdict.RETRY_RESTART,
+            "a restart that waited (M18), its unit not started since the fraction was written, the replica not "
+            "serving (healthy or busy) and not paused, AND admission (A1-A3) lets it through now: the unit is "
+            "restarted with that fraction. One that serves (its start finished after all) or is paused: the "
+            "restart is dropped and the change concluded (info); the fraction stays written for its next start",
+        ),
+        lambda f: f.owed,
+        lambda f: (
+            (MemVerdict.RETRY_DROPPED, replace(f.facts, dropped=f.dropped))
+            if f.dropped is not None
+            else (MemVerdict.RETRY_RESTART, f.facts)
+        ),
     ),
 )
+LOWERING_RULES = tuple(row.rule for row in FOLLOW_ROWS)
+RETRY_RULES = tuple(row.rule for row in RETRY_ROWS)
+
 # What M18 heeds: admission's own rows (A1-A3). A failed start's unit is down already, so a
 # fleet slot (F3-F6, for a planned restart of a serving replica) does not hold it back. It waits
 # out back-off and one at a time (A2, A3), which end by themselves; a spent budget (A1) can last
@@ -82,66 +171,61 @@ _ADMISSION_GATES = frozenset({Gate.BUDGET, Gate.BACKOFF, Gate.ONE_AT_A_TIME})
 def follow_change(
     pending: Pending, view: MemoryView, now: float, memory: MemoryConfig
 ) -> tuple[MemVerdict, ReplicaMemory, Facts] | None:
-    """M3-M8, M18, M19 for the change in flight; None when its replica is no longer configured."""
+    """M3-M8, M18, M19 for the change in flight (the first row that holds); None when its replica
+    is no longer configured."""
     replica = next((r for r in view.replicas if r.name == pending.replica), None)
     if replica is None:
         return None
-    headroom = view.sample.available_bytes
+    found = first_match((*FOLLOW_ROWS, *RETRY_ROWS), _follow(pending, replica, view, now, memory))
+    assert found is not None, "the rows cover every case"
+    (verdict, facts) = found[1]
+    return verdict, replica, facts
+
+
+def _follow(pending: Pending, replica: ReplicaMemory, view: MemoryView, now: float, memory: MemoryConfig) -> _Follow:
     facts = Facts(
         written=pending.new,
         change="raise" if pending.raising else "lowering",
         since_lowering_s=now - pending.issued_at,
-        headroom_bytes=headroom,
+        headroom_bytes=view.sample.available_bytes,
     )
     outcome = (view.restart_results or {}).get(pending.replica)
-    if outcome is not None and not outcome.issued:
-        return MemVerdict.ABANDONED, replica, replace(facts, failure=outcome.result)
+    abandoned = outcome.result if outcome is not None and not outcome.issued else None
     restarted = replica.started_at is not None and replica.started_at >= pending.issued_at
-    if replica.state in SERVING_STATES and restarted:
-        running = replica.running_fraction
-        overridden = running is not None and abs(running - pending.new) > 1e-6
-        return (MemVerdict.MISMATCH if overridden else MemVerdict.DONE), replica, facts
-    if pending.restart_owed and not restarted:  # M18 held its restart back, and nobody has started it since
-        return _owed(pending, replica, view, facts)
+    running = replica.running_fraction
+    owed = pending.restart_owed and not restarted
+    if owed:  # what the restart M18 held back is said with
+        facts = replace(facts, written=pending.old, new=pending.new, failure=pending.failure)
     failure = _start_failure(replica, facts.since_lowering_s)
-    if failure is None:
-        return MemVerdict.PENDING, replica, facts
-    return _retry(pending, replica, view, replace(facts, failure=failure), memory)
+    started = replica.state in SERVING_STATES and restarted
+    failing = abandoned is None and not started and not owed and failure is not None
+    lower, facts = _lower(pending, replica, view, facts, memory) if failing else (None, facts)
+    # systemd restarts a unit still starting by itself (Restart=): only the file is written, no restart to admit
+    asks = owed or replica.state is not State.STARTING
+    return _Follow(
+        replica,
+        facts,
+        abandoned,
+        started=started,
+        overridden=running is not None and abs(running - pending.new) > 1e-6,
+        owed=owed,
+        dropped=_why_dropped(replica) if owed else None,
+        failure=failure,
+        lower=lower,
+        refusal=_admission_refusal(replica, view) if asks else None,
+    )
 
 
-def _retry(
+def _lower(
     pending: Pending, replica: ReplicaMemory, view: MemoryView, facts: Facts, memory: MemoryConfig
-) -> tuple[MemVerdict, ReplicaMemory, Facts]:
-    """M7, M8, M18: the new start failed. After a failed raise the retry goes back toward the
+) -> tuple[float | None, Facts]:
+    """M7, M8: the next fraction after a failed start. After a failed raise it goes back toward the
     fraction it was raised from (never above it), and that raise is not tried again."""
     held, headroom, total = held_of(replica, view.total_bytes), view.sample.available_bytes, view.total_bytes
     if pending.raising:
         lower = highest_fit_between(grid_below(pending.old), pending.new, held, headroom, total, memory)
-        facts = replace(facts, not_again=f"; it is not raised to {pending.new:g} again while guardian runs")
-    else:
-        lower = choose_fraction(pending.new, held, headroom, total, memory)
-    if lower is None:
-        return MemVerdict.GAVE_UP, replica, facts
-    facts = replace(facts, new=lower)
-    # systemd restarts a unit still starting by itself (Restart=): only the file is written, no restart to admit
-    refusal = _admission_refusal(replica, view) if replica.state is not State.STARTING else None
-    if refusal is not None:
-        return _waits_or_gives_up(refusal), replica, replace(facts, refusal=refusal)
-    return MemVerdict.RETRY, replica, facts
-
-
-def _owed(
-    pending: Pending, replica: ReplicaMemory, view: MemoryView, facts: Facts
-) -> tuple[MemVerdict, ReplicaMemory, Facts]:
-    """M18, M19: the restart M18 held back, its unit not started since the fraction was written."""
-    facts = replace(facts, written=pending.old, new=pending.new, failure=pending.failure)
-    dropped = _why_dropped(replica)
-    if dropped is not None:
-        return MemVerdict.RETRY_DROPPED, replica, replace(facts, dropped=dropped)
-    refusal = _admission_refusal(replica, view)
-    if refusal is not None:
-        return _waits_or_gives_up(refusal), replica, replace(facts, refusal=refusal)
-    return MemVerdict.RETRY_RESTART, replica, facts
+        return lower, replace(facts, not_again=f"; it is not raised to {pending.new:g} again while guardian runs")
+    return choose_fraction(pending.new, held, headroom, total, memory), facts
 
 
 def _why_dropped(replica: ReplicaMemory) -> str | None:
@@ -153,11 +237,6 @@ def _why_dropped(replica: ReplicaMemory) -> str | None:
         with_what = f"gpu_memory_utilization {running:g}" if running is not None else "the fraction it started with"
         return f"it serves again with {with_what}, from its start before the fraction was written"
     return None
-
-
-def _waits_or_gives_up(refusal: Refusal) -> MemVerdict:
-    """M18: back-off and one at a time end by themselves; a spent budget may last the window."""
-    return MemVerdict.RETRY_GIVEN_UP if refusal.gate is Gate.BUDGET else MemVerdict.RETRY_WAITS
 
 
 def _admission_refusal(replica: ReplicaMemory, view: MemoryView) -> Refusal | None:

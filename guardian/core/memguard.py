@@ -35,7 +35,7 @@ from typing import Any
 from ..config import Config
 from . import fleet
 from .actions import AcquireSlot, DrainReplica, LogLine, SetFraction
-from .memfollow import LOWERING_RULES, RETRY_DROPPED, RETRY_GIVEN_UP, RETRY_RULES, follow_change
+from .memfollow import LOWERING_RULES, RETRY_HELD, RETRY_OWED, RETRY_RULES, follow_change
 from .memrestore import RAISABLE, RAISE, RESTORE_ROWS, count_clear, restore_chain
 from .memsqueeze import DEFINITIONS, LOWER, OVERRIDDEN, SQUEEZE_ROWS, count_squeeze, is_squeezed, squeeze_chain
 from .memstate import Facts, MemAction, MemoryView, MemTrack, Pending, ReplicaMemory, choose_fraction
@@ -71,8 +71,8 @@ RULES: tuple[Rule, ...] = (
 _ID = {rule.outcome: rule.id for rule in RULES} | {
     MemVerdict.DRY_RUN: LOWER.id,
     MemVerdict.RESTORE_DRY_RUN: RAISE.id,
-    MemVerdict.RETRY_GIVEN_UP: RETRY_GIVEN_UP.id,
-    MemVerdict.RETRY_DROPPED: RETRY_DROPPED.id,
+    MemVerdict.RETRY_GIVEN_UP: RETRY_HELD.id,
+    MemVerdict.RETRY_DROPPED: RETRY_OWED.id,
 }
 
 
