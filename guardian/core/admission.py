@@ -9,7 +9,8 @@ restart is logged as what would be done, and not issued.
 
 An operator's `guardian restart NAME --wait D` waits through the refusals that pass by themselves
 (A4; PASSING_RULES below is the one list of them, each with why it passes): core/tick.py keeps
-such a request open and asks again every tick until it is admitted or D is over. Every other
+such a request open (core/requests.py, and the A4 functions at the bottom of this module) and
+asks again every tick until it is admitted or D is over. Every other
 refusal is answered at once, with or without a wait.
 """
 
@@ -141,7 +142,7 @@ PASSING_RULES: frozenset[str] = frozenset(
         gates.JOB_PENDING.id,  # a systemd job is pending for the unit: the job finishes
     }
 )
-WAIT_RULE = Rule(
+WAIT_RULE = Rule(  # enforced by waits_through(), passing_refusal() and say_wait() below, and drain._requeue()
     "A4",
     "waits",
     "an operator's `guardian restart NAME --wait D` is refused by a rule that passes by itself (A2 back-off, "
@@ -151,7 +152,7 @@ WAIT_RULE = Rule(
     "when its drain is over marks the replica up again and the request waits again (drained anew once it may "
     "go). Any other refusal (A1, G2-G5, G7-G9) is answered at once",
 )
-WITHDRAW_RULE = Rule(
+WITHDRAW_RULE = Rule(  # enforced by core/requests.py _withdraw(), before any other rule of a request
     "A5",
     "withdrawn",
     "an operator's request not acted on yet whose command is gone (the process that asked, by its pid and "

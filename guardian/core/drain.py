@@ -14,8 +14,10 @@ SyncProxy(that set) when a proxy is configured, and the shell makes the proxy ma
 (ProxyView); a drain waits for that report before it counts.
 
 Rules: RULES below (D1-D16), rendered into docs/rules.md; DRAINED_ROWS (D6, D7) and BACK_ROWS
-(D11, D13-D16: an away replica marked up, or warmed first) are checked in order, the others are
-the steps of core/tick.py that name them. ``P`` = the [proxy] config.
+(D11, D13-D16: an away replica marked up, or warmed first) are checked in order. The others are
+steps of a procedure (a drain begun, followed, given up, a hung replica marked down), each enforced
+by the function of this module its row names, at the bottom of this file; every line they say names
+its Rule. ``P`` = the [proxy] config.
 "Another replica of the model serves" means: a replica of this box with the same model that serves
 (liveness.serves: healthy or busy, or degraded only by a late probe, within the last
 SERVED_RECENTLY_S) and is not marked down; or a `memory.peer_urls` peer that answered with the model; or,
@@ -78,13 +80,13 @@ DRAINED_ROWS: tuple[Row[_Waited, str], ...] = (
 )
 
 RULES = (
-    DRAINING := Rule(
+    DRAINING := Rule(  # enforced by start_drain(), which requests._take asks once admission passes
         "D1",
         "draining",
         "a planned restart (`guardian restart`) passes admission AND the proxy is configured AND another "
         "replica of the model serves: the replica is marked down; no restart yet",
     ),
-    UNDRAINED := Rule(
+    UNDRAINED := Rule(  # enforced by start_drain(), whose reason is _undrained_why()
         "D2",
         "restart, not drained",
         "a planned restart passes admission AND the proxy is configured AND (it was asked with `--no-drain` OR "
@@ -92,7 +94,7 @@ RULES = (
         "model on another box of the fleet): restarted at once and not marked down (its clients see errors, "
         "said at warning); its stop is bounded as a drained one's (P.stop_timeout_s)",
     ),
-    NO_PEER := Rule(
+    NO_PEER := Rule(  # enforced by no_peer() and wait_for_peer(), asked before start_drain()
         "D3",
         "waits for a peer",
         "a planned restart passes admission AND the proxy is configured AND another replica of the model is "
@@ -100,33 +102,33 @@ RULES = (
         "refused; without, refused at once), said with who does not serve and why; never restarted undrained "
         "by accident",
     ),
-    PROXY_FAILED := Rule(
+    PROXY_FAILED := Rule(  # enforced by _follow_drain() (and _say_memory_drain_waits() for a memory drain)
         "D4",
         "drain abandoned",
         "draining for an operator AND the proxy reported that marking it down failed: marked up again, no "
         "restart, the request refused with the proxy's error (a memory guard's drain waits for the proxy's "
         "retry instead, said once)",
     ),
-    NONE_LEFT := Rule(
+    NONE_LEFT := Rule(  # enforced by _follow_drain(), after D4
         "D5",
         "drain abandoned",
         "draining AND no other replica of the model serves any more: marked up again, no restart, the request refused",
     ),
     *(row.rule for row in DRAINED_ROWS),
-    MEMORY_DRAIN := Rule(
+    MEMORY_DRAIN := Rule(  # enforced by lowering_at_the_proxy() and mark_up_unasked() (core/memstep.py)
         "D8",
         "memory drain: lowered, or given up",
         "a memory guard's drain (M16) that is drained (D6, D7): the memory guard lowers it on this tick (M17) "
         "and it is away; one the memory guard no longer asks for (the squeeze ended, it chose another): "
         "marked up again",
     ),
-    REFUSED_WHEN_DUE := Rule(
+    REFUSED_WHEN_DUE := Rule(  # enforced by _restart_drained(), after D6/D7 and A4 (_requeue())
         "D9",
         "marked up",
         "draining AND the restart is refused when it comes to it (admission A1-A3, G1-G9): marked up "
         "again, the request answered with the refusal",
     ),
-    MARKED_DOWN := Rule(
+    MARKED_DOWN := Rule(  # enforced by mark_down_hung() (step 3) and lowering_at_the_proxy()
         "D10",
         "away",
         "a hung replica's restart is issued (L8, L9, L13, L14, L15), or a critical lowering's (not drained): "
@@ -138,6 +140,7 @@ RULES = (
         "away AND no restart by guardian in flight AND the replica is healthy or busy (back) AND it has no "
         "R.warmup_file",
     ),
+    # enforced by core/work.py Tick.__init__, which drops the drain
     FORGOTTEN := Rule("D12", "forgotten", "the replica is no longer in the config: its server line goes with it"),
     WARMING := Rule(
         "D13",

@@ -14,7 +14,8 @@ from .observations import gib
 from .rules import Refusal, Row, Rule, first_match
 from .vocab import LOADING_STATES, SERVING_STATES, Gate, MemVerdict
 
-# M20: which replica a raise is for, and how far (_raisable).
+# M20: a definition, not a verdict: which replica a raise is for, and how far; enforced by
+# _raisable() and _raise_to(), whose choice the rows below (M21-M26) judge.
 RAISABLE = Rule(
     "M20",
     "raisable",

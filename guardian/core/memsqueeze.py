@@ -17,7 +17,8 @@ from .vocab import Gate, MemVerdict
 
 # --- the rules ------------------------------------------------------------------------------
 
-# M1, M2: when the box is squeezed (is_squeezed, _squeeze).
+# M1, M2: definitions, not verdicts: M1 is enforced by count_squeeze() and is_squeezed(), M2 by
+# _squeeze() (Squeeze.critical), which the rows below read.
 DEFINITIONS = (
     Rule(
         "M1",
@@ -28,7 +29,7 @@ DEFINITIONS = (
     Rule("M2", "critical", "squeezed AND headroom < M.critical_headroom_bytes on this tick"),
 )
 
-# M9: applied when the view is built (core/memview.py), so that M11 and M12 see it.
+# M9: enforced where the view is built (core/memview.py _overridden()), so that M11 and M12 see it.
 OVERRIDDEN = Rule(
     "M9",
     "not wired",

@@ -136,7 +136,7 @@ class _Look:
 
 # --- the rules ------------------------------------------------------------------------------
 
-WATCHED = Rule(
+WATCHED = Rule(  # enforced by decide(), which picks the starts to watch before ROWS judge each
     "S1",
     "watched",
     "M.enabled AND M.start_guard AND a configured replica's liveness is starting AND its unit is activating or "
