@@ -38,6 +38,7 @@ from .core.hazards import Hazard
 from .core.observations import MemorySample, TickObservation
 from .core.vocab import Priority
 from .core.weights import Weights
+from .core.wiring import problem_of
 from .export.exports import Exports
 from .fleet.sync import Fleet
 from .observe.askers import askers_checked
@@ -232,7 +233,7 @@ class Daemon:
             self.persistent.view(at),
             self.last_observation,
             self.memory,
-            self.observer.memory.wiring,
+            {name: problem_of(w) for name, w in self.observer.memory.wiring.items()},
             leftovers,
             self.weights_found,
             tuple(h.message for h in self.weights_differ),

@@ -38,8 +38,8 @@ from guardian.config import Config, FleetConfig, MemoryConfig, ProxyConfig, Repl
 from guardian.core import memguard, tick
 from guardian.core.actions import AnswerRequest, LogLine, SetFraction, RestartUnit, StartCanary
 from guardian.core.observations import (
-    ConnView, FleetMember, FleetView, MemoryObservation, MemorySample, PersistentView, Probe, ProxyView,
-    ReplicaMemoryObservation, ReplicaObservation, RestartRequest, TickObservation, UnitInfo, VllmSample,
+    ConnView, EnvFile, FleetMember, FleetView, MemoryObservation, MemorySample, PersistentView, Probe, ProxyView,
+    ReplicaMemoryObservation, ReplicaObservation, RestartRequest, TickObservation, UnitInfo, UnitWiring, VllmSample,
 )
 from guardian.core.rules import Refusal
 from guardian.core.vocab import ActiveState, Decision, HeldBy, LoadState, State, UnitFileState
@@ -176,13 +176,21 @@ def conns(flowing=0, bytes_out=0, waiting=0, oldest_wait_s=0.0, since_s=2.0, cpu
                     since_s=since_s, cpu_s=cpu_s, waits_s=(oldest_wait_s,) * waiting)
 
 
+def wired(name: str) -> UnitWiring:
+    """What a unit wired for the memory guard shows: guardian's env file last, and ExecStart= passing it."""
+    env = f"/run/guardian/{name}.env"
+    exec_start = ("vllm", "serve", "--gpu-memory-utilization", "${GPU_MEMORY_UTILIZATION}")
+    return UnitWiring(f"vllm-{name}.service", (EnvFile(env, "GPU_MEMORY_UTILIZATION=0.78"),), exec_start, env)
+
+
 def memory(headroom_gib: float, a=0.78, b=0.70, wiring=None, cmdline=None) -> MemoryObservation:
     """The memory guard's observation: HEADROOM_GIB available of TOTAL; replicas a and b at fractions
-    A and B (CMDLINE: the fraction a's command line shows; WIRING: a's wiring problem)."""
+    A and B (CMDLINE: the fraction a's command line shows; WIRING: why a's unit could not be looked at)."""
     s = MemorySample(TOTAL, int(headroom_gib * GiB), int(headroom_gib * GiB), None, None)
+    a_wiring = wired("a") if wiring is None else UnitWiring("vllm-a.service", unseen=wiring)
     return MemoryObservation(s, TOTAL, {
-        "a": ReplicaMemoryObservation(a, cmdline, None, wiring),
-        "b": ReplicaMemoryObservation(b, None, None, None),
+        "a": ReplicaMemoryObservation(a, cmdline, None, a_wiring),
+        "b": ReplicaMemoryObservation(b, None, None, wired("b")),
     })
 
 

@@ -267,3 +267,16 @@ def test_every_rule_is_in_its_own_familys_table():
                 if isinstance(first, ast.Constant) and isinstance(first.value, str):
                     built.add(first.value)
     assert built and built <= set(in_tables), f"rules in no table: {sorted(built - set(in_tables))}"
+
+
+def test_observers_bring_the_wiring_facts_and_the_core_judges_them():
+    """observe/ reads a unit's wiring (core/observations.py UnitWiring); the judgement
+    (core/wiring.py wiring_problem, problem_of) is made in the core, from those values. From
+    core/wiring.py an observer takes only the parsers of what it read."""
+    parsers = {"cmdline_fraction", "env_value", "parse_fraction", "VAR", "VAR_FORMS"}
+    for path in sorted((PKG / "observe").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.endswith("core.wiring"):
+                taken = {a.name for a in node.names}
+                assert taken <= parsers, f"{path.name} takes {sorted(taken - parsers)} of core/wiring.py"
+    assert "wiring_problem" not in (PKG / "observe" / "memory.py").read_text()

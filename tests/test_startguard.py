@@ -19,7 +19,7 @@ from guardian.core.observations import (
 from guardian.core.rules import Refusal
 from guardian.core.startguard import CGROUP, FALL, NVML, StartView, Starting
 from guardian.core.vocab import Decision, Gate, Priority, State
-from harness import TOTAL, Box, GiB, cfg, check_rule_ids, lines, obs, unit, with_memory
+from harness import TOTAL, Box, GiB, cfg, check_rule_ids, lines, obs, unit, wired, with_memory
 
 CRITICAL = 3 * GiB  # with_memory's critical line
 REFUSED = Probe(False, None, 0.0, "connection refused")  # a replica that is loading binds no port yet
@@ -284,8 +284,8 @@ def mem(headroom_gib: float, b_cgroup_gib: float | None = None, b=0.9, **extra: 
     s = MemorySample(TOTAL, int(headroom_gib * GiB), int(headroom_gib * GiB), None, None)
     cgroup = int(b_cgroup_gib * GiB) if b_cgroup_gib is not None else None
     return MemoryObservation(s, TOTAL, {
-        "a": ReplicaMemoryObservation(0.5, None, None, None),
-        "b": ReplicaMemoryObservation(b, None, None, None, cgroup_bytes=cgroup),
+        "a": ReplicaMemoryObservation(0.5, None, None, wired("a")),
+        "b": ReplicaMemoryObservation(b, None, None, wired("b"), cgroup_bytes=cgroup),
         **extra,
     }, consumers="build.service 20.0 GiB")
 
@@ -359,7 +359,7 @@ def test_never_a_unit_that_is_not_a_configured_replica():
     removed by a reload, another service) is the one growing: nothing is stopped, b is not blamed
     (its cgroup did not grow: S4), and the stray is never judged or named as a replica."""
     box = loading_box(config())
-    stray = ReplicaMemoryObservation(0.9, 0.9, None, None, cgroup_bytes=0)
+    stray = ReplicaMemoryObservation(0.9, 0.9, None, wired("c"), cgroup_bytes=0)
     box.tick(205.0, memory=mem(100, 0.5, x=stray), b=b_loading(205.0))
     box.tick(210.0, memory=mem(2, 0.5, x=replace(stray, cgroup_bytes=98 * GiB)), b=b_loading(210.0))
     assert set(box.core.starts) == {"b"}

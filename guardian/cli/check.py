@@ -21,6 +21,7 @@ from ..core import weights as core_weights
 from ..core.container import KEEPING_POLICIES, helper_unit, parse_run_line, unit_problems
 from ..core.observations import Probe, UnitInfo, VllmSample
 from ..core.vocab import ActiveState, HeldBy, Hidden, Nobody, PortOwner
+from ..core.wiring import problem_of
 from ..observe import clock, probes, warmup
 from ..observe import weights as observe_weights
 from ..observe.containers import ContainerWatch
@@ -210,7 +211,7 @@ async def _check_fit(cfg: Config, sd: Systemd, units: dict[str, UnitInfo | None]
 async def _check_wiring(cfg: Config, sd: Systemd, report: Report) -> None:
     report.say(f"memory guard: {Nvml().note}")
     for r in cfg.replicas:
-        problem = await wiring_of(sd, cfg, r)
+        problem = problem_of(await wiring_of(sd, cfg, r))
         if problem:
             report.problem(
                 f"memory guard: replica {r.name}: NOT wired, it will never be restarted to lower its "

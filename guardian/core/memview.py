@@ -34,6 +34,7 @@ from .memstate import MemoryView, MemTrack, ReplicaMemory
 from .observations import MemoryObservation, ReplicaMemoryObservation, TickObservation
 from .rules import Refusal
 from .vocab import SERVING_STATES
+from .wiring import problem_of
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ def _replica(tick: Inputs, replica: ReplicaConfig, found: ReplicaMemoryObservati
     started_at = seen.unit.inactive_exit_mono if seen.unit else None
     written_at = tick.previous_mem.unread.get(replica.name)
     unread = written_at is not None and not_read(started_at, written_at)
-    wiring = found.wiring_problem if found is not None else "not observed"
+    wiring = problem_of(found.wiring) if found is not None else "not observed"
     if wiring is None and not changing and not unread and track.state in SERVING_STATES:
         wiring = _overridden(configured, reported)
     down = tick.drains.get(replica.name)

@@ -256,13 +256,36 @@ class MemorySample:
 
 
 @dataclass(frozen=True)
+class EnvFile:
+    """One EnvironmentFile= entry of a unit, in the unit's order, with what the observer read."""
+
+    path: str
+    text: str | None  # None: the file does not exist (fine for an optional "-" entry)
+    error: str | None = None  # it exists but could not be read
+
+
+@dataclass(frozen=True)
+class UnitWiring:
+    """What a replica's unit shows of its wiring for the memory guard, which the core judges
+    (core/wiring.py): its EnvironmentFile= entries as read, its ExecStart=, and guardian's env file
+    for it; or why the unit could not be looked at (UNSEEN: a container without a unit, systemd
+    not answering), said as it is."""
+
+    unit: str
+    env_files: tuple[EnvFile, ...] = ()
+    exec_start: tuple[str, ...] = ()
+    env_path: str = ""
+    unseen: str | None = None
+
+
+@dataclass(frozen=True)
 class ReplicaMemoryObservation:
     """What the memory observer found about one replica."""
 
     configured_fraction: float | None  # GPU_MEMORY_UTILIZATION in guardian's env file for it
     cmdline_fraction: float | None  # --gpu-memory-utilization on its main process's command line
     usage_bytes: int | None  # NVML per-process memory of its process tree, when the driver says
-    wiring_problem: str | None  # None: wired for the memory guard
+    wiring: UnitWiring | None  # what its unit shows of its wiring; None: not looked at yet
     start_failure: str | None = None  # vLLM's refusal in this start's journal (asked only while a lowering is pending)
     # The unit's cgroup memory (systemd's MemoryCurrent), asked only while the replica may be loading, for
     # the start guard; never for a container replica (its unit holds only the engine's CLI). On GB10 CUDA

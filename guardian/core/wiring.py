@@ -18,9 +18,10 @@ replica that reports another fraction than guardian's file counts as not wired (
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
 from ..config import MIN_FRACTION
+from .observations import EnvFile as EnvFile  # the observed value it judges, named here too
+from .observations import UnitWiring
 
 VAR = "GPU_MEMORY_UTILIZATION"
 VAR_FORMS = ("${GPU_MEMORY_UTILIZATION}", "$GPU_MEMORY_UTILIZATION")
@@ -31,15 +32,6 @@ MAX_FRACTION = 1.0
 # What guardian writes ({:g} of a fraction >= MIN_FRACTION) and what vLLM's label and a person's
 # env file hold: digits and one point. No sign, exponent, underscore, inf or nan, as float() takes.
 _PLAIN_DECIMAL = re.compile(r"[0-9]{1,3}(\.[0-9]{0,17})?|\.[0-9]{1,17}")
-
-
-@dataclass(frozen=True)
-class EnvFile:
-    """One EnvironmentFile= entry of a unit, in the unit's order, with what the observer read."""
-
-    path: str
-    text: str | None  # None: the file does not exist (fine for an optional "-" entry)
-    error: str | None = None  # it exists but could not be read
 
 
 def env_value(text: str, key: str = VAR) -> str | None:
@@ -103,3 +95,12 @@ def cmdline_fraction(argv: tuple[str, ...]) -> float | None:
         if arg.startswith("--gpu-memory-utilization="):
             return parse_fraction(arg.partition("=")[2])
     return None
+
+
+def problem_of(wiring: UnitWiring | None) -> str | None:
+    """Why the memory guard cannot lower a replica whose unit shows WIRING, or None: wired."""
+    if wiring is None:
+        return "wiring not checked yet"
+    if wiring.unseen is not None:
+        return wiring.unseen
+    return wiring_problem(wiring.unit, wiring.env_files, wiring.exec_start, wiring.env_path)

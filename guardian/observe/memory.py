@@ -14,9 +14,16 @@ import psutil
 
 from ..config import Config, ReplicaConfig
 from ..core.memstate import Pending
-from ..core.observations import MemoryObservation, ReplicaMemoryObservation, ReplicaObservation, gib
+from ..core.observations import (
+    EnvFile,
+    MemoryObservation,
+    ReplicaMemoryObservation,
+    ReplicaObservation,
+    UnitWiring,
+    gib,
+)
 from ..core.startguard import may_be_loading
-from ..core.wiring import EnvFile, cmdline_fraction, env_value, parse_fraction, wiring_problem
+from ..core.wiring import cmdline_fraction, env_value, parse_fraction
 from . import modelfiles, probes, unitlog
 from .clock import Now
 from .meminfo import sample_memory
@@ -65,20 +72,23 @@ def read_env_file(path: str) -> EnvFile:
         return EnvFile(path, None, str(e))
 
 
-async def wiring_of(sd: Systemd, cfg: Config, r: ReplicaConfig) -> str | None:
-    """The wiring problem of R's unit (core/wiring.py), or None when wired."""
+async def wiring_of(sd: Systemd, cfg: Config, r: ReplicaConfig) -> UnitWiring:
+    """What R's unit shows of its wiring for the memory guard (judged by core/wiring.py)."""
     if r.unitless:
-        return (
-            f"container {r.container} runs without a unit: its --gpu-memory-utilization was fixed by `docker run` "
-            "when it was created, and changing it means creating it anew from a command guardian does not have; "
-            "run it from a unit (README, Replicas in containers) for the memory guard to lower it"
+        return UnitWiring(
+            r.unit,
+            unseen=(
+                f"container {r.container} runs without a unit: its --gpu-memory-utilization was fixed by `docker run` "
+                "when it was created, and changing it means creating it anew from a command guardian does not have; "
+                "run it from a unit (README, Replicas in containers) for the memory guard to lower it"
+            ),
         )
     try:
         d = await sd.service_details(r.unit)
     except SystemdError as e:
-        return f"systemd could not be asked about {r.unit}: {e}"
+        return UnitWiring(r.unit, unseen=f"systemd could not be asked about {r.unit}: {e}")
     files = await asyncio.to_thread(lambda: tuple(read_env_file(p) for p in d.environment_files))
-    return wiring_problem(r.unit, files, d.exec_start, str(env_path(cfg, r.name)))
+    return UnitWiring(r.unit, files, d.exec_start, str(env_path(cfg, r.name)))
 
 
 async def service_details(sd: Systemd, r: ReplicaConfig) -> ServiceDetails | None:
@@ -163,7 +173,7 @@ class MemoryObserver:
         self.sd = sd
         self.client = client
         self.nvml: Nvml | None = None
-        self.wiring: dict[str, str | None] = {}
+        self.wiring: dict[str, UnitWiring] = {}
         self._consumers: tuple[float, str] | None = None  # (when, what) last found
         self._peers_found: tuple[float, object, dict[str, tuple[str, ...]]] | None = None  # (when, asked, found)
 
@@ -211,7 +221,7 @@ class MemoryObserver:
                 configured_fraction=read_env_fraction(env_path(cfg, r.name)),
                 cmdline_fraction=cmdline_fraction(argv),
                 usage_bytes=usage,
-                wiring_problem=self.wiring.get(r.name, "wiring not checked yet"),
+                wiring=self.wiring.get(r.name),
                 start_failure=failure,
                 cgroup_bytes=await self._cgroup_while_loading(cfg, r, o, now.mono),
             )
