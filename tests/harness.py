@@ -9,12 +9,13 @@ Reading order:
    ``with_memory``, ``with_proxy``, ``with_fleet``), the memory and fleet observations.
 3. Reading actions: ``restarts``, ``logs``, ``rules``, ``of`` ...
 4. ``Box``: one box on a fake clock, driving the real ``tick.decide``; every rule id it sees is checked.
-5. ``run_memguard``: the memory guard's own ``memguard.decide`` on a fake clock, checked the same way.
+5. ``run_memguard``, ``run_startguard``: the memory guard's own ``memguard.decide`` and the start
+   guard's ``startguard.decide`` on a fake clock, checked the same way.
 6. Helpers of the shell-side tests: ``Recorder`` (a journal that keeps its lines), ``returns_within``,
    ``Running`` (the replica simulator in a subprocess).
 
 Only the core's public entry points are driven (``tick.decide``, ``tick.TickState``,
-``memguard.decide``, ``gates.unit_refusal``, ``fleet.slot_refusal``), never its private functions.
+``memguard.decide``, ``startguard.decide``, ``gates.unit_refusal``, ``fleet.slot_refusal``), never its private functions.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import psutil
 import guardian.core
 from guardian.act.journal import Journal
 from guardian.config import Config, FleetConfig, MemoryConfig, ProxyConfig, ReplicaConfig, WatchdogConfig
-from guardian.core import memguard, tick
+from guardian.core import memguard, startguard, tick
 from guardian.core.actions import AnswerRequest, LogLine, SetFraction, RestartUnit, StartCanary
 from guardian.core.observations import (
     ConnView, EnvFile, FleetMember, FleetView, MemoryObservation, MemorySample, PersistentView, Probe, ProxyView,
@@ -348,6 +349,18 @@ def run_memguard(config: Config, steps, track: memguard.MemTrack | None = None):
         check_rule_ids(last, mem_rule=t.rule)
         every += last
     return t, every, last
+
+
+def run_startguard(config: Config, steps, starts=None):
+    """startguard.decide over STEPS, [(now, StartView)], from STARTS (none if None): (the last
+    starts, every step's actions). Rule ids are checked."""
+    starts = starts or {}
+    every = []
+    for now, v in steps:
+        starts, actions = startguard.decide(starts, v, now, config)
+        check_rule_ids(actions)
+        every += actions
+    return starts, every
 
 
 # --- 6. helpers of the shell-side tests -------------------------------------------------------------

@@ -74,3 +74,11 @@ def test_the_shape_check_sees_a_long_function_and_many_parameters(tmp_path):
     found = check["offenders"](tmp_path)
     assert any("long is 61 lines long" in line for line in found)
     assert any("wide takes 7 parameters" in line for line in found)
+
+
+def test_the_readme_layout_names_every_package_and_points_at_the_page():
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("## Layout\n", 1)[1].split("\n## ", 1)[0]
+    assert "[docs/layout.md](docs/layout.md)" in section
+    packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    assert {name for name in packages if f"`{name}/`" not in section} == set()

@@ -19,7 +19,8 @@ from guardian.core.observations import (
 from guardian.core.rules import Refusal
 from guardian.core.startguard import CGROUP, FALL, NVML, StartView, Starting
 from guardian.core.vocab import Decision, Gate, Priority, State
-from harness import TOTAL, Box, GiB, cfg, check_rule_ids, lines, obs, unit, wired, with_memory
+from harness import TOTAL, Box, GiB, cfg, lines, obs, unit, wired, with_memory
+from harness import run_startguard as run
 
 CRITICAL = 3 * GiB  # with_memory's critical line
 REFUSED = Probe(False, None, 0.0, "connection refused")  # a replica that is loading binds no port yet
@@ -40,17 +41,6 @@ def starting(name="b", *, loading=True, start=("i1", 100.0), fraction=0.9, wirin
 def view(headroom_gib: float, *replicas: Starting, pending: Pending | None = None) -> StartView:
     return StartView(int(headroom_gib * GiB), TOTAL, replicas or (starting(),),
                      "build.service 20.0 GiB, vllm-b.service 90.0 GiB, make (pid 9) 3.0 GiB", pending)
-
-
-def run(config, steps, starts=None):
-    """startguard.decide over STEPS, [(now, StartView)]: (the last starts, every step's actions). Rule ids checked."""
-    starts = starts or {}
-    every = []
-    for now, v in steps:
-        starts, actions = startguard.decide(starts, v, now, config)
-        check_rule_ids(actions)
-        every += actions
-    return starts, every
 
 
 def stops(actions) -> list[SetFraction]:

@@ -491,7 +491,7 @@ class Track:
     last_notice: tuple[str, ...] | None = None  # stable key of the last refusal or notice logged
     metrics_error: str | None = None
     served_at: float | None = None  # the last tick with evidence that it serves (see serves())
-    said_state: State | None = None  # the verdict the journal last said (core/tick.py: a quiet journal)
+    said_state: State | None = None  # the verdict the journal last said (core/verdicts.py: a quiet journal)
     metrics_readable: bool = False  # /metrics was readable at its last answer (a probe in flight keeps it)
     steps: tuple[tuple[float, float], ...] = ()  # (a long step's bound in s, when learned): see longest_step_s
 

@@ -60,7 +60,7 @@ def may_be_loading(seen: ReplicaObservation, startup_grace_s: float, now: float)
 
 @dataclass(frozen=True)
 class Starting:
-    """One configured replica as the start guard sees it on this tick (built by core/tick.py)."""
+    """One configured replica as the start guard sees it on this tick (built by core/memstep.py)."""
 
     name: str
     unit: str
