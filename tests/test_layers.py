@@ -280,3 +280,12 @@ def test_observers_bring_the_wiring_facts_and_the_core_judges_them():
                 taken = {a.name for a in node.names}
                 assert taken <= parsers, f"{path.name} takes {sorted(taken - parsers)} of core/wiring.py"
     assert "wiring_problem" not in (PKG / "observe" / "memory.py").read_text()
+
+
+def test_no_class_of_the_core_holds_a_room_of_its_own():
+    """A class in core/ stays under 300 lines: the tick's steps live in the modules of their rules,
+    not in methods of one Tick (which held 753 lines once)."""
+    for path in sorted((PKG / "core").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                assert node.end_lineno - node.lineno < 300, f"core/{path.name}: class {node.name}"
