@@ -13,7 +13,8 @@ SyncProxy(that set) when a proxy is configured, and the shell makes the proxy ma
 (act/proxy.py: nginx's upstream file or the command hooks) and reports what it applied
 (ProxyView); a drain waits for that report before it counts.
 
-Rules: RULES below (D1-D16), rendered into docs/rules.md; DRAINED_ROWS (D6, D7) and BACK_ROWS
+Rules: RULES below (D1-D16), rendered into docs/rules.md; PLAN_ROWS (D1-D3: an admitted planned
+restart drained, restarted undrained, or waiting for a peer), DRAINED_ROWS (D6, D7) and BACK_ROWS
 (D11, D13-D16: an away replica marked up, or warmed first) are checked in order. The others are
 steps of a procedure (a drain begun, followed, given up, a hung replica marked down), each enforced
 by the function of this module its row names, at the bottom of this file; every line they say names
@@ -79,29 +80,56 @@ DRAINED_ROWS: tuple[Row[_Waited, str], ...] = (
     ),
 )
 
+
+@dataclass(frozen=True)
+class _Plan:
+    """A planned restart (an operator's) admitted, with a proxy configured, as D1-D3 read it."""
+
+    undrained: str | None  # why it goes undrained on purpose: asked with --no-drain, or no peer configured
+    serving: int  # other replicas of its model serving now (this box, M.peer_urls, the fleet)
+
+
+# D1-D3: an admitted planned restart under a proxy; the first row that holds is its plan (each
+# condition is whole). The evidence is D2's reason. Asked by core/requests.py through plan().
+PLAN_ROWS: tuple[Row[_Plan, str | None], ...] = (
+    Row(
+        DRAINING := Rule(
+            "D1",
+            "draining",
+            "a planned restart (`guardian restart`) passes admission AND the proxy is configured AND another "
+            "replica of the model serves: the replica is marked down; no restart yet",
+        ),
+        lambda p: p.undrained is None and p.serving > 0,
+        lambda p: None,
+    ),
+    Row(
+        UNDRAINED := Rule(
+            "D2",
+            "restart, not drained",
+            "a planned restart passes admission AND the proxy is configured AND (it was asked with `--no-drain` OR "
+            "no other replica of the model is configured at all: none on this box, no M.peer_urls, none of the "
+            "model on another box of the fleet): restarted at once and not marked down (its clients see errors, "
+            "said at warning); its stop is bounded as a drained one's (P.stop_timeout_s)",
+        ),
+        lambda p: p.undrained is not None,
+        lambda p: p.undrained,
+    ),
+    Row(
+        NO_PEER := Rule(
+            "D3",
+            "waits for a peer",
+            "a planned restart passes admission AND the proxy is configured AND another replica of the model is "
+            "configured AND none serves now: the request waits for one (A4: with `--wait D` until D is over, then "
+            "refused; without, refused at once), said with who does not serve and why; never restarted undrained "
+            "by accident",
+        ),
+        lambda p: p.undrained is None and p.serving <= 0,
+        lambda p: None,
+    ),
+)
+
 RULES = (
-    DRAINING := Rule(  # enforced by start_drain(), which requests._take asks once admission passes
-        "D1",
-        "draining",
-        "a planned restart (`guardian restart`) passes admission AND the proxy is configured AND another "
-        "replica of the model serves: the replica is marked down; no restart yet",
-    ),
-    UNDRAINED := Rule(  # enforced by start_drain(), whose reason is _undrained_why()
-        "D2",
-        "restart, not drained",
-        "a planned restart passes admission AND the proxy is configured AND (it was asked with `--no-drain` OR "
-        "no other replica of the model is configured at all: none on this box, no M.peer_urls, none of the "
-        "model on another box of the fleet): restarted at once and not marked down (its clients see errors, "
-        "said at warning); its stop is bounded as a drained one's (P.stop_timeout_s)",
-    ),
-    NO_PEER := Rule(  # enforced by no_peer() and wait_for_peer(), asked before start_drain()
-        "D3",
-        "waits for a peer",
-        "a planned restart passes admission AND the proxy is configured AND another replica of the model is "
-        "configured AND none serves now: the request waits for one (A4: with `--wait D` until D is over, then "
-        "refused; without, refused at once), said with who does not serve and why; never restarted undrained "
-        "by accident",
-    ),
+    *(row.rule for row in PLAN_ROWS),
     PROXY_FAILED := Rule(  # enforced by _follow_drain() (and _say_memory_drain_waits() for a memory drain)
         "D4",
         "drain abandoned",
@@ -519,14 +547,17 @@ def mark_down_hung(t: Tick, replica: ReplicaConfig, track: Track) -> None:
         )
 
 
-def no_peer(t: Tick, replica: ReplicaConfig, request: RestartRequest) -> Refusal | None:
-    """D3: why an admitted planned restart waits for another replica of its model to serve, or None
-    (one serves: D1; or it goes undrained on purpose: D2)."""
-    if _undrained_why(t, replica, request) is not None:
-        return None
+def plan(t: Tick, replica: ReplicaConfig, request: RestartRequest) -> tuple[Rule, str | None]:
+    """D1-D3 for an admitted planned restart under a proxy: its row, and D2's reason."""
     peers = serving_peer_count(t.obs, t.cfg, replica.model)
-    if others_serving(replica.name, t.cfg, t.tracks, t.drains, peers, t.now) > 0:
-        return None
+    serving = others_serving(replica.name, t.cfg, t.tracks, t.drains, peers, t.now)
+    found = first_match(PLAN_ROWS, _Plan(_undrained_why(t, replica, request), serving))
+    assert found is not None, "the rows cover every case"
+    return found
+
+
+def no_peer(t: Tick, replica: ReplicaConfig) -> Refusal:
+    """D3's refusal: an admitted planned restart waits for another replica of its model to serve."""
     others = not_serving(replica.name, t.cfg, t.tracks, t.drains)
     return Refusal(
         Gate.NO_PEER,
@@ -567,11 +598,10 @@ def wait_for_peer(t: Tick, replica: ReplicaConfig, request: RestartRequest, head
     return True
 
 
-def start_drain(t: Tick, replica: ReplicaConfig, request: RestartRequest, head: str) -> bool:
-    """D1: mark REPLICA down at the proxy instead of restarting it now; True if so. D2 says why not:
-    asked with --no-drain, or no other replica of its model is configured."""
+def start_drain(t: Tick, replica: ReplicaConfig, request: RestartRequest, head: str, why: str | None) -> bool:
+    """D1: mark REPLICA down at the proxy instead of restarting it now; True if so. D2 (WHY, its
+    reason) says why not: asked with --no-drain, or no other replica of its model is configured."""
     request_id = request.id
-    why = _undrained_why(t, replica, request)
     if why is not None:
         t.say(
             LogLine(

@@ -47,10 +47,10 @@ def _take(t: Tick, request: RestartRequest) -> bool:
     # finish a drain, so it is restarted at once.
     drain_first = t.cfg.proxy.enabled and t.obs.proxy is not None and not t.cfg.dry_run
     if drain_first and replica.name not in t.drains and admission.admitted(t, replica):
-        no_peer = drain.no_peer(t, replica, request)
-        if no_peer is not None:
-            return drain.wait_for_peer(t, replica, request, head, no_peer)
-        if drain.start_drain(t, replica, request, head):
+        rule, undrained = drain.plan(t, replica, request)
+        if rule is drain.NO_PEER:
+            return drain.wait_for_peer(t, replica, request, head, drain.no_peer(t, replica))
+        if drain.start_drain(t, replica, request, head, undrained):
             return True
     ask = RestartAsk(RestartKind.OPERATOR, head, "requested by an operator", request.id)
     refusal = restarts.restart(t, replica, ask, t.planned_restarts_blocked)
