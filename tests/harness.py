@@ -11,7 +11,8 @@ Reading order:
 4. ``Box``: one box on a fake clock, driving the real ``tick.decide``; every rule id it sees is checked.
 5. ``run_memguard``, ``run_startguard``: the memory guard's own ``memguard.decide`` and the start
    guard's ``startguard.decide`` on a fake clock, checked the same way.
-6. Helpers of the shell-side tests: ``Recorder`` (a journal that keeps its lines), ``returns_within``,
+6. Helpers of the shell-side tests: ``JobDone`` (systemd's bus whose jobs are done at once),
+   ``Recorder`` (a journal that keeps its lines), ``returns_within``,
    ``Running`` (the replica simulator in a subprocess).
 
 Only the core's public entry points are driven (``tick.decide``, ``tick.TickState``,
@@ -364,6 +365,18 @@ def run_startguard(config: Config, steps, starts=None):
 
 
 # --- 6. helpers of the shell-side tests -------------------------------------------------------------
+
+
+class JobDone:
+    """systemd's bus, as far as a restart needs it (act/units.py): the job is done at once."""
+
+    def __init__(self) -> None:
+        self.restarted: list[str] = []
+
+    async def run_job(self, member: str, name: str, timeout_s: float, during=None) -> str:
+        if member in ("TryRestartUnit", "RestartUnit"):
+            self.restarted.append(name)
+        return "done"
 
 
 class Recorder(Journal):

@@ -36,7 +36,7 @@ from guardian.core.actions import (
 from guardian.core.observations import PersistentView
 from guardian.core.vocab import Decision, Priority, RestartKind
 from guardian.observe.clock import Now
-from harness import Box, Recorder, cfg, request, unit, with_proxy
+from harness import Box, JobDone, Recorder, cfg, request, unit, with_proxy
 
 NOW = Now(mono=5000.0, wall=1_700_000_000.0)
 
@@ -128,17 +128,6 @@ def test_the_one_shot_path_sorts_every_action_type():
     assert not taken_alone(LogLine(Priority.INFO, "replica a: healthy", Decision.STATE, "a"), "a")
     assert not taken_alone(RestartUnit("b", "vllm-b.service", RestartKind.HANG, "hung"), "a")
     assert not taken_alone(AnswerRequest("r1", "a", True, "ok"), "a")
-
-
-class JobDone:
-    """systemd, as far as a restart needs it: the job is done at once."""
-
-    def __init__(self) -> None:
-        self.restarted: list[str] = []
-
-    async def restart(self, name: str, timeout_s: float, start_if_stopped: bool = False, kill=None) -> str:
-        self.restarted.append(name)
-        return "done"
 
 
 def alone_of(tmp_path, config) -> tuple[Alone, Recorder, JobDone]:

@@ -289,3 +289,14 @@ def test_no_class_of_the_core_holds_a_room_of_its_own():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ClassDef):
                 assert node.end_lineno - node.lineno < 300, f"core/{path.name}: class {node.name}"
+
+
+def test_observers_change_no_unit():
+    """observe/ reads; every restart, kill and stop guardian causes is in act/ (act/units.py). The
+    bus's one job primitive (Systemd.run_job) stays with the connection, for act/ and for the
+    container inspector's helper, which must start a unit to read."""
+    verbs = re.compile(r'"(TryRestartUnit|RestartUnit|KillUnit|StopUnit|ReloadUnit|StartUnit)"')
+    for path in sorted((PKG / "observe").glob("*.py")):
+        found = verbs.findall(path.read_text())
+        assert found == (["StartUnit"] if path.name == "containers.py" else []), f"{path.name}: {found}"
+    assert not re.search(r"async def (restart|kill)\(", (PKG / "observe" / "systemd.py").read_text())

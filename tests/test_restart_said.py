@@ -19,20 +19,9 @@ from guardian.core.observations import PersistentView
 from guardian.core.rules import Refusal
 from guardian.core.vocab import Decision, Gate
 from guardian.observe.clock import Now
-from harness import Box, Recorder, cfg, request, unit
+from harness import Box, JobDone, Recorder, cfg, request, unit
 
 NOW = Now(mono=5000.0, wall=1_700_000_000.0)
-
-
-class JobDone:
-    """systemd, as far as a restart needs it: the job is done at once."""
-
-    def __init__(self) -> None:
-        self.restarted: list[str] = []
-
-    async def restart(self, name: str, timeout_s: float, start_if_stopped: bool = False, kill=None) -> str:
-        self.restarted.append(name)
-        return "done"
 
 
 def operator_restart_actions() -> list:

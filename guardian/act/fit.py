@@ -21,6 +21,7 @@ from ..observe.meminfo import sample_memory
 from ..observe.memory import cmdline_of, env_path, process_tree, read_env_fraction, runs_with, service_details
 from ..observe.sockets import CGROUP_ROOT, cgroup_of_pid
 from ..observe.systemd import ServiceDetails, Systemd, SystemdError
+from . import units
 from .journal import Journal
 
 VLLM_DEFAULT_FRACTION = 0.9  # vLLM's --gpu-memory-utilization when none is given
@@ -301,7 +302,7 @@ class FitStep:
     async def _drop_caches(self) -> str | None:
         """The whole page cache, through the root helper's one unit; None when done, else why not."""
         try:
-            result = await self.sd.run_job("StartUnit", DROP_CACHES_UNIT, DROP_CACHES_TIMEOUT_S)
+            result = await units.run_job(self.sd, "StartUnit", DROP_CACHES_UNIT, DROP_CACHES_TIMEOUT_S)
         except SystemdError as e:
             return f"{DROP_CACHES_UNIT} could not be started: {e}"
         if result == "done":

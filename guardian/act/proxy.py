@@ -43,6 +43,7 @@ from ..observe.clock import Now
 from ..observe.readback import Refused, read_back
 from ..observe.systemd import JOB_DONE, Systemd, SystemdError
 from ..observe.unitlog import unit_lines
+from . import units
 from .journal import Journal
 from .state import CorruptState, StateStore, atomic_write
 
@@ -542,7 +543,7 @@ class ProxySync:
 
     async def _job(self, member: str, unit: str) -> str:
         try:
-            return await self.sd.run_job(member, unit, JOB_TIMEOUT_S)
+            return await units.run_job(self.sd, member, unit, JOB_TIMEOUT_S)
         except SystemdError as e:
             return f"could not be asked: {e}"
 

@@ -23,11 +23,12 @@ from ..core.rules import Refusal
 from ..core.vocab import ActiveState, Decision, Gate, HeldBy, Priority
 from ..observe.clock import Now
 from ..observe.clock import now as clock_now
-from ..observe.containers import ContainerWatch, run_helper
+from ..observe.containers import ContainerWatch
 from ..observe.meminfo import sample_memory
 from ..observe.memory import env_path
 from ..observe.replicas import port_owners, unit_or_error
 from ..observe.systemd import JOB_DONE, Systemd, SystemdError
+from . import units
 from .fit import FitStep, Fitted, NotReturned, Released, Start
 from .journal import Journal
 from .state import CorruptState, StateStore, atomic_write, record_fraction_base, record_restart
@@ -226,7 +227,8 @@ async def _issue(tools: Tools, order: RestartOrder, stop: Stop) -> RestartOutcom
     """Ask systemd for the restart job, help its stop along once it is queued, and say how it ended."""
     r = order.replica
     try:
-        result = await tools.sd.restart(
+        result = await units.restart(
+            tools.sd,
             r.unit,
             tools.cfg.watchdog.restart_job_timeout_s,
             start_if_stopped=order.allow_failed,
@@ -360,7 +362,7 @@ class Stop:
         is running, so a `docker stop` between the look and now still wins."""
         r = self.r
         helper = helper_unit("restart", r.name)
-        result = await run_helper(self.tools.sd, "restart", r.name, ACT_HELPER_TIMEOUT_S)
+        result = await units.run_helper(self.tools.sd, "restart", r.name, ACT_HELPER_TIMEOUT_S)
         elapsed_s = self.tools.clock().mono - self.issued.mono
         return _said(
             self.tools,
@@ -393,7 +395,7 @@ class Stop:
     async def _kill_unit(self, what: str) -> bool:
         r = self.r
         try:
-            await self.tools.sd.kill(r.unit)
+            await units.kill(self.tools.sd, r.unit)
             return True
         except SystemdError as e:
             # systemd may report a failure for the cgroup's other processes after the main one was
@@ -427,7 +429,7 @@ class Stop:
             journal.send(Priority.ERROR, f"replica {r.name}: cannot write {request}: {e}")
             with contextlib.suppress(OSError):  # an older request would make the helper spare the hung one
                 os.unlink(request)
-        result = await run_helper(self.tools.sd, "kill", r.name, ACT_HELPER_TIMEOUT_S)
+        result = await units.run_helper(self.tools.sd, "kill", r.name, ACT_HELPER_TIMEOUT_S)
         if result != JOB_DONE:
             journal.line(
                 LogLine(

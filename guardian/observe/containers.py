@@ -137,7 +137,9 @@ def read_report(r: ReplicaConfig, directory: Path = REPORT_DIR) -> EngineReport 
 
 
 async def run_helper(sd: Systemd, verb: str, replica: str, timeout_s: float = HELPER_TIMEOUT_S) -> str:
-    """Start guardian-container@VERB:REPLICA.service and wait for its result ("done" or why not)."""
+    """Start guardian-container@VERB:REPLICA.service and wait for its result ("done" or why not).
+    The observer's is "inspect" (the helper writes its report, read_report reads it); the helpers
+    that act (restart, kill) are started from act/units.py."""
     try:
         return await sd.run_job("StartUnit", helper_unit(verb, replica), timeout_s)
     except SystemdError as e:

@@ -113,9 +113,9 @@ class Systemd:
             await asyncio.wait_for(bus.connect(), self.call_timeout_s)
             bus.add_message_handler(self._on_message)
             self.bus = bus
-            await self._call(MANAGER, "Subscribe", "", [], path=SD_PATH)
+            await self.call(MANAGER, "Subscribe", "", [], path=SD_PATH)
             for member in ("JobRemoved", "Reloading", "UnitFilesChanged"):
-                await self._call(
+                await self.call(
                     "org.freedesktop.DBus",
                     "AddMatch",
                     "s",
@@ -206,7 +206,7 @@ class Systemd:
         elif msg.member == "Reloading" and msg.body and not msg.body[0]:  # the end of a daemon-reload
             self._notify(SystemdEvent.RELOADED)
 
-    async def _call(
+    async def call(
         self,
         interface: str,
         member: str,
@@ -237,30 +237,30 @@ class Systemd:
         return list(reply.body)
 
     async def unit_path(self, name: str) -> str:
-        (path,) = await self._call(MANAGER, "LoadUnit", "s", [name])
+        (path,) = await self.call(MANAGER, "LoadUnit", "s", [name])
         return str(path)
 
     async def active_state(self, name: str) -> ActiveState:
         try:
-            (path,) = await self._call(MANAGER, "GetUnit", "s", [name])
+            (path,) = await self.call(MANAGER, "GetUnit", "s", [name])
         except SystemdError as e:
             if "NoSuchUnit" in str(e):
                 return ActiveState.INACTIVE  # not loaded means not running
             raise
-        (v,) = await self._call(PROPS, "Get", "ss", [UNIT_IFACE, "ActiveState"], path=path)
+        (v,) = await self.call(PROPS, "Get", "ss", [UNIT_IFACE, "ActiveState"], path=path)
         return ActiveState.parse(str(_v(v)))
 
     async def _some_props(self, path: str, interface: str, names: tuple[str, ...]) -> dict[str, Any]:
-        values = await asyncio.gather(*(self._call(PROPS, "Get", "ss", [interface, n], path=path) for n in names))
+        values = await asyncio.gather(*(self.call(PROPS, "Get", "ss", [interface, n], path=path) for n in names))
         return {n: _v(v) for n, (v,) in zip(names, values, strict=False)}
 
     async def unit_fingerprints(self, names: list[str]) -> dict[str, tuple[str, ...]]:
         """Per unit (load, active, sub state, job id, invocation id): what changes when it starts,
         stops, restarts or gets a job. One call for all units plus one per unit, where unit_info
         makes 14, plus 2 per Conflicts=/ConflictedBy= entry."""
-        (rows,) = await self._call(MANAGER, "ListUnitsByNames", "as", [list(names)])
+        (rows,) = await self.call(MANAGER, "ListUnitsByNames", "as", [list(names)])
         invocations = await asyncio.gather(
-            *(self._call(PROPS, "Get", "ss", [UNIT_IFACE, "InvocationID"], path=row[6]) for row in rows)
+            *(self.call(PROPS, "Get", "ss", [UNIT_IFACE, "InvocationID"], path=row[6]) for row in rows)
         )
         out: dict[str, tuple[str, ...]] = {}
         for row, (inv,) in zip(rows, invocations, strict=False):
@@ -316,10 +316,10 @@ class Systemd:
 
     async def unit_by_pid(self, pid: int) -> str | None:
         try:
-            (path,) = await self._call(MANAGER, "GetUnitByPID", "u", [pid])
+            (path,) = await self.call(MANAGER, "GetUnitByPID", "u", [pid])
         except SystemdError:
             return None
-        (v,) = await self._call(PROPS, "Get", "ss", [UNIT_IFACE, "Id"], path=path)
+        (v,) = await self.call(PROPS, "Get", "ss", [UNIT_IFACE, "Id"], path=path)
         return str(_v(v))
 
     async def enabled_service_conflicts(self) -> dict[str, tuple[str, ...]]:
@@ -328,7 +328,7 @@ class Systemd:
         systemd loads units lazily, so a disabled-but-not-loaded or enabled-but-inactive unit's
         Conflicts= is invisible in the replica's ConflictedBy=; LoadUnit makes it visible.
         """
-        (files,) = await self._call(
+        (files,) = await self.call(
             MANAGER, "ListUnitFilesByPatterns", "asas", [["enabled", "enabled-runtime"], ["*.service"]]
         )
         result: dict[str, tuple[str, ...]] = {}
@@ -338,7 +338,7 @@ class Systemd:
                 continue  # a template: its instances are looked at when loaded
             try:
                 path = await self.unit_path(name)
-                (v,) = await self._call(PROPS, "Get", "ss", [UNIT_IFACE, "Conflicts"], path=path)
+                (v,) = await self.call(PROPS, "Get", "ss", [UNIT_IFACE, "Conflicts"], path=path)
             except SystemdError:
                 continue
             result[name] = tuple(str(x) for x in _v(v))
@@ -347,12 +347,12 @@ class Systemd:
     async def largest_units(self, n: int = 3) -> list[tuple[str, int]]:
         """The N running services with the most MemoryCurrent (cgroup memory: on GB10 a replica's
         GPU memory is not in it, a database's is)."""
-        (units,) = await self._call(MANAGER, "ListUnitsByPatterns", "asas", [["active"], ["*.service"]])
+        (units,) = await self.call(MANAGER, "ListUnitsByPatterns", "asas", [["active"], ["*.service"]])
         sizes = []
         for u in units:
             name, path = u[0], u[6]
             try:
-                (v,) = await self._call(PROPS, "Get", "ss", [SERVICE_IFACE, "MemoryCurrent"], path=path)
+                (v,) = await self.call(PROPS, "Get", "ss", [SERVICE_IFACE, "MemoryCurrent"], path=path)
             except SystemdError:
                 continue
             value = int(_v(v))
@@ -364,34 +364,21 @@ class Systemd:
         """NAME's MemoryCurrent (its cgroup's memory.current), or None when systemd does not know it
         (no memory accounting, the unit not loaded). Two calls: cheap enough for every tick of a start."""
         try:
-            (path,) = await self._call(MANAGER, "GetUnit", "s", [name])
+            (path,) = await self.call(MANAGER, "GetUnit", "s", [name])
         except SystemdError as e:
             if "NoSuchUnit" in str(e):
                 return None  # not loaded: nothing is running in it
             raise
-        (v,) = await self._call(PROPS, "Get", "ss", [SERVICE_IFACE, "MemoryCurrent"], path=path)
+        (v,) = await self.call(PROPS, "Get", "ss", [SERVICE_IFACE, "MemoryCurrent"], path=path)
         value = int(_v(v))
         return value if value < 2**64 - 1 else None  # UINT64_MAX: not known
-
-    async def restart(
-        self,
-        name: str,
-        timeout_s: float,
-        start_if_stopped: bool = False,
-        kill: Callable[[], Awaitable[None]] | None = None,
-    ) -> str:
-        """TryRestartUnit(name, "replace"), and wait for the job's JobRemoved result. A try-restart
-        does nothing to a unit that is not running, so an operator's stop between guardian's last
-        look and this call always wins. START_IF_STOPPED (RestartUnit) is for the memory guard's
-        retry of a start that failed after its own lowering. KILL runs once the job has begun (see
-        run_job): only then does systemd's own Restart= stand down for this stop."""
-        member = "RestartUnit" if start_if_stopped else "TryRestartUnit"
-        return await self.run_job(member, name, timeout_s, during=kill)
 
     async def run_job(
         self, member: str, name: str, timeout_s: float, during: Callable[[], Awaitable[None]] | None = None
     ) -> str:
-        """MEMBER (StartUnit, ReloadUnit, ...) of NAME in mode "replace", and wait for the job's
+        """The one primitive of the bus that starts a job, for act/units.py (every restart, kill and
+        job guardian causes) and for the container inspector's helper (observe/containers.py), which
+        must start a unit to read. MEMBER (StartUnit, ReloadUnit, ...) of NAME in mode "replace", and wait for the job's
         result ("done", "failed", ...; polkit verbs "start", "reload"). DURING runs once the job's
         State is "running", never while it waits: systemd answers the call before its run queue
         (the lowest priority) starts the job, so a kill sent at once could reach the unit's main
@@ -400,7 +387,7 @@ class Systemd:
         has called the unit's stop, which forbids that). A job that ends without running (it
         waited on another unit's job, then failed) skips DURING."""
         loop = asyncio.get_running_loop()
-        (job_path,) = await self._call(MANAGER, member, "ss", [name, "replace"])
+        (job_path,) = await self.call(MANAGER, member, "ss", [name, "replace"])
         job_path = str(job_path)
         fut: asyncio.Future[str] = loop.create_future()
         if job_path in self._finished:
@@ -423,7 +410,7 @@ class Systemd:
         loop = asyncio.get_running_loop()
         while not fut.done() and loop.time() < deadline_mono:
             try:
-                (v,) = await self._call(PROPS, "Get", "ss", [JOB_IFACE, "State"], path=job_path)
+                (v,) = await self.call(PROPS, "Get", "ss", [JOB_IFACE, "State"], path=job_path)
                 if str(_v(v)) == "running":
                     return True
             except SystemdError as e:
@@ -435,9 +422,5 @@ class Systemd:
 
     async def unit_processes(self, name: str) -> list[tuple[int, str]]:
         """(pid, command line) of each process in NAME's cgroup (GetUnitProcesses: no polkit verb)."""
-        (rows,) = await self._call(MANAGER, "GetUnitProcesses", "s", [name])
+        (rows,) = await self.call(MANAGER, "GetUnitProcesses", "s", [name])
         return [(int(pid), str(cmdline)) for _cgroup, pid, cmdline in rows]
-
-    async def kill(self, name: str, signal: int = 9) -> None:
-        """KillUnit(name, "all", SIGNAL): every process of the unit (polkit verb "kill")."""
-        await self._call(MANAGER, "KillUnit", "ssi", [name, "all", signal])
