@@ -1,5 +1,5 @@
 # The two commands of the README. Both need root (they boot a container with systemd-nspawn).
-.PHONY: demo test unit lint deb lock
+.PHONY: demo test unit lint fuzz deb lock
 
 demo:
 	scripts/setup.sh
@@ -22,6 +22,11 @@ lint:
 # tests mostly wait on local servers and timers): quick feedback while editing.
 unit: lint
 	.venv/bin/python -m pytest -q -n 4 -m "not system"
+
+# The core's decisions against an earlier tree's, on seeded scenarios (scripts/differential-fuzz: the
+# base revision is its --base; it needs the git history). For a change of the core's shape.
+fuzz:
+	scripts/differential-fuzz
 
 # guardian_<version>_arm64.deb (DGX OS: Ubuntu 24.04, Python 3.12) and _amd64.deb (Debian 12) in dist/
 deb:

@@ -82,8 +82,9 @@ def replica_memory(facts: dict[str, Any], **kw: Any) -> ob.ReplicaMemoryObservat
 
         files = tuple(wiring.EnvFile(*e) for e in facts["env_files"])
         kw["wiring_problem"] = wiring.wiring_problem(facts["unit"], files, facts["exec_start"], facts["env_path"])
-    else:  # the raw facts, by whatever names the tree gives them: add the mapping here
-        kw.update({k: v for k, v in facts.items() if k in have})
+    else:  # the raw facts, judged in the core (issue 32): the observation carries a UnitWiring
+        files = tuple(ob.EnvFile(*e) for e in facts["env_files"])
+        kw["wiring"] = ob.UnitWiring(facts["unit"], files, tuple(facts["exec_start"]), facts["env_path"])
     return make(ob.ReplicaMemoryObservation, **kw)
 
 
