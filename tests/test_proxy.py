@@ -113,7 +113,8 @@ def test_a_command_that_hangs_is_killed_at_its_time_limit(tmp_path):
 
 
 def test_check_says_who_includes_each_file_and_what_a_rewrite_would_change(tmp_path):
-    from guardian.act.proxy import describe, upstream_path
+    from guardian.act.proxy import upstream_path
+    from guardian.act.proxy_check import describe
 
     conf = tmp_path / "nginx"
     (conf / "conf.d").mkdir(parents=True)
@@ -130,7 +131,7 @@ def test_check_says_who_includes_each_file_and_what_a_rewrite_would_change(tmp_p
 
 
 def test_check_warns_where_a_request_with_no_byte_yet_would_not_go_to_the_peer(tmp_path):
-    from guardian.act.proxy import retry_warnings
+    from guardian.act.proxy_check import retry_warnings
 
     conf = tmp_path / "nginx"
     (conf / "sites-enabled").mkdir(parents=True)
@@ -243,7 +244,7 @@ def test_a_command_that_floods_its_output_keeps_a_bounded_tail_and_is_killed_at_
 
 
 def test_run_command_keeps_only_the_last_bytes_and_counts_the_rest(tmp_path):
-    from guardian.act.proxy import HOOK_OUTPUT_MAX_BYTES, run_command
+    from guardian.act.proxy_hook import HOOK_OUTPUT_MAX_BYTES, run_command
 
     run = asyncio.run(run_command(["/bin/sh", "-c", "head -c 1000000 /dev/zero; echo the end"], dict(), 10.0))
     assert run.returncode == 0 and not run.timed_out and not run.pipe_held
@@ -381,7 +382,8 @@ def test_check_reads_no_fifo_and_no_huge_file_and_follows_debians_links(tmp_path
     a huge file must not be read. sites-enabled/* are links to sites-available/*: followed."""
     import os
 
-    from guardian.act.proxy import describe, upstream_path
+    from guardian.act.proxy import upstream_path
+    from guardian.act.proxy_check import describe
 
     cfg = config(tmp_path, nginx_upstream_dir=str(tmp_path / "up"))
     conf = tmp_path / "nginx"

@@ -14,7 +14,8 @@ put back if the check fails.
 Any other proxy: ``P.drain_command`` and ``P.undrain_command``, run for one replica each, with
 GUARDIAN_REPLICA, GUARDIAN_UNIT, GUARDIAN_URL and GUARDIAN_ACTION in the environment, bounded by
 ``P.command_timeout_s`` (then killed with what they started; every wait after it is bounded
-too); the last HOOK_OUTPUT_MAX_BYTES of their output go to the journal.
+too); the last HOOK_OUTPUT_MAX_BYTES of their output go to the journal (act/proxy_hook.py runs them;
+act/proxy_check.py is what `guardian check` says of the proxy).
 
 What was applied is reported to the core (ProxyView) and kept in the state file ("proxy_down"),
 so that a guardian restarted in the middle of a drain marks the replica up once it serves.
@@ -26,16 +27,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import signal
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
-
 from ..config import Config, ReplicaConfig
-from ..core import drain, proxyretry
-from ..core.actions import HUNG_STOP_GRACE_S, LogLine
+from ..core import drain
+from ..core.actions import LogLine
 from ..core.drainstate import Drain, Phase
 from ..core.observations import ProxyView
 from ..core.vocab import Decision, Priority
@@ -45,6 +43,7 @@ from ..observe.systemd import JOB_DONE, Systemd, SystemdError
 from ..observe.unitlog import unit_lines
 from . import units
 from .journal import Journal
+from .proxy_hook import OUTPUT_CHARS, hook_report, run_command
 from .state import CorruptState, StateStore, atomic_write
 
 RETRY_S = 30.0
@@ -52,16 +51,9 @@ JOB_TIMEOUT_S = 30.0
 # nginx's reload job ends when the signal is sent; its new workers start a moment later.
 NGINX_TAKEOVER_S = 5.0
 NGINX_POLL_S = 0.05
-OUTPUT_CHARS = 2000
-# A drain or undrain command's output: only its last bytes are kept (it may write without end).
-HOOK_OUTPUT_MAX_BYTES = 4096
-# How long a command's output is read on after its own process ended (or was killed): a process it
-# left behind may hold the pipe for ever. Also how long a killed command is waited for.
-HOOK_GRACE_S = 1.0
 # An upstream file is a few lines per replica; an nginx configuration file is read by `guardian
 # check` only up to this size.
 UPSTREAM_MAX_BYTES = 2**20
-NGINX_CONF_MAX_BYTES = 2**20
 
 
 def upstreams(cfg: Config) -> dict[str, list[ReplicaConfig]]:
@@ -105,138 +97,6 @@ def nginx_workers(processes: list[tuple[int, str]]) -> frozenset[int]:
 def nginx_took_over(before: frozenset[int], current: frozenset[int]) -> bool:
     """A reload is in effect once every worker that takes requests (CURRENT) started after it."""
     return bool(current) and not current & before
-
-
-@dataclass(frozen=True)
-class CommandRun:
-    """How a hook command ended, as run_command saw it."""
-
-    returncode: int | None  # None: its own process had not exited even after it was killed
-    output: bytes  # the last HOOK_OUTPUT_MAX_BYTES of stdout and stderr
-    output_bytes: int  # all it wrote, kept or not
-    timed_out: bool  # still running at its limit, so it was killed with what it started
-    killed: int  # how many processes it had started that were killed with it
-    pipe_held: bool  # its output was still open (held by something it started) after it ended
-
-
-def hook_report(program: str, run: CommandRun, timeout_s: float, took_s: float) -> tuple[bool, str]:
-    """(done?, the journal's words) for one run of a drain or undrain command."""
-    text = run.output.decode(errors="replace").strip()[-OUTPUT_CHARS:]
-    if run.output_bytes > len(run.output):
-        text = f"[last {len(run.output)} of {run.output_bytes} bytes] {text}"
-    said = text or "(no output)"
-    if run.timed_out:
-        what = f"killed, with {run.killed} process(es) it started" if run.killed else "killed"
-        if run.returncode is None:
-            what += f", but its process had not exited {HOOK_GRACE_S:g} s later"
-        if run.pipe_held:
-            what += "; a process it started escaped the kill and still holds its output"
-        return False, f"{program} did not finish within {timeout_s:g} s ({what}): {said}"
-    note = (
-        "; note: a process it left running still holds its output (not waited for, not killed)" if run.pipe_held else ""
-    )
-    if run.returncode != 0:
-        return False, f"{program} exited with status {run.returncode}: {said}{note}"
-    return True, f"{program} done in {took_s:.1f} s: {said}{note}"
-
-
-class _Tail(asyncio.Protocol):
-    """Drains a pipe, keeping only its last MAX_BYTES: a command may write without end."""
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self.kept = bytearray()
-        self.total_bytes = 0
-        self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-
-    def data_received(self, data: bytes) -> None:
-        self.total_bytes += len(data)
-        self.kept += data
-        del self.kept[: -self.max_bytes]
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if not self.closed.done():
-            self.closed.set_result(None)
-
-
-def kill_tree(pid: int) -> int:
-    """SIGKILL the process PID, leader of its own session, and everything it started; the number
-    of processes it started that were signalled.
-
-    Its descendants are listed before anything dies: one that called setsid (an ssh
-    ControlPersist master) has left the process group and session, and is found only through
-    its parent, which must still be alive. Members of its session whose parent already exited
-    (reparented) are found by their session id. The group kill catches what forked meanwhile."""
-    found: dict[int, psutil.Process] = {}
-    try:
-        found.update((c.pid, c) for c in psutil.Process(pid).children(recursive=True))
-    except psutil.Error:
-        pass
-    for proc in psutil.process_iter():
-        with contextlib.suppress(OSError):
-            if proc.pid != pid and os.getsid(proc.pid) == pid:
-                found.setdefault(proc.pid, proc)
-    killed = 0
-    for proc in found.values():
-        with contextlib.suppress(psutil.Error):
-            proc.kill()  # psutil checks that the PID still names the process it listed
-            killed += 1
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGKILL)
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
-    return killed
-
-
-async def run_command(
-    argv: list[str], env: dict[str, str], timeout_s: float, max_bytes: int = HOOK_OUTPUT_MAX_BYTES
-) -> CommandRun:
-    """Run ARGV in its own session with stdout and stderr on one pipe, for at most TIMEOUT_S, and
-    return within about TIMEOUT_S + 2 * HOOK_GRACE_S whatever it or what it started does.
-
-    The pipe is guardian's own, not asyncio's subprocess pipes: asyncio (3.11) wakes
-    Process.wait() only once those reach EOF, and a process the command left behind (an ssh
-    ControlPersist master) may hold them for ever. OSError: the command could not be started."""
-    read_fd, write_fd = os.pipe()
-    try:
-        proc = await asyncio.create_subprocess_exec(
-            *argv,
-            env=env,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=write_fd,
-            stderr=asyncio.subprocess.STDOUT,
-            start_new_session=True,
-        )
-    except BaseException:
-        os.close(read_fd)
-        raise
-    finally:
-        os.close(write_fd)
-    loop = asyncio.get_running_loop()
-    tail = _Tail(max_bytes)
-    pipe = os.fdopen(read_fd, "rb", buffering=0)
-    try:
-        transport, _ = await loop.connect_read_pipe(lambda: tail, pipe)
-    except BaseException:
-        pipe.close()
-        kill_tree(proc.pid)
-        raise
-    timed_out, killed = False, 0
-    try:
-        try:
-            await asyncio.wait_for(proc.wait(), timeout_s)
-        except TimeoutError:
-            timed_out, killed = True, kill_tree(proc.pid)
-            with contextlib.suppress(TimeoutError):  # a process in uninterruptible sleep dies later
-                await asyncio.wait_for(proc.wait(), HOOK_GRACE_S)
-        # Whatever the command started may still hold the pipe: read on a moment, then stop.
-        await asyncio.wait([tail.closed], timeout=HOOK_GRACE_S)
-        pipe_held = not tail.closed.done()
-    finally:
-        transport.close()
-        if proc.returncode is None and not timed_out:  # cancelled: leave nothing running
-            kill_tree(proc.pid)
-    return CommandRun(proc.returncode, bytes(tail.kept), tail.total_bytes, timed_out, killed, pipe_held)
 
 
 @dataclass(frozen=True)
@@ -613,93 +473,3 @@ class ProxySync:
         self.journal.line(
             LogLine(priority, f"replica {r.name}: proxy {action} command: {text}", Decision.PROXY, r.name, r.unit)
         )
-
-
-NGINX_CONF_DIR = Path("/etc/nginx")
-
-
-def nginx_texts(conf_dir: Path = NGINX_CONF_DIR) -> Iterator[tuple[Path, str]]:
-    """Each file under CONF_DIR with its text. A link is followed (Debian's sites-enabled/* are
-    links), to a regular file of at most NGINX_CONF_MAX_BYTES only: a FIFO, a device or a huge file
-    is skipped, never read."""
-    for f in sorted(conf_dir.rglob("*")) if conf_dir.is_dir() else []:
-        try:
-            yield f, read_back(f, NGINX_CONF_MAX_BYTES, follow_symlinks=True).decode(errors="replace")
-        except OSError:
-            continue
-
-
-def includers(path: Path, conf_dir: Path = NGINX_CONF_DIR) -> list[Path]:
-    """Files under CONF_DIR with an `include` of PATH (exactly that path: no glob is expanded)."""
-    found = []
-    for f, text in nginx_texts(conf_dir):
-        for line in text.splitlines():
-            words = line.split("#", 1)[0].replace(";", " ").split()
-            if len(words) >= 2 and words[0] == "include" and words[1] == str(path):
-                found.append(f)
-                break
-    return found
-
-
-def describe(cfg: Config, down: frozenset[str], conf_dir: Path = NGINX_CONF_DIR) -> list[tuple[bool, str]]:
-    """For `guardian check`: each upstream file, who includes it, and what writing it now would
-    change. Each item is (a problem?, text)."""
-    out: list[tuple[bool, str]] = []
-    if cfg.proxy.nginx_upstream_dir is None:
-        return out
-    for upstream in upstreams(cfg):
-        path = upstream_path(cfg, upstream)
-        want = render_upstream(cfg, upstream, down)
-        planted = None
-        try:
-            have: str | None = read_back(path, UPSTREAM_MAX_BYTES).decode(errors="replace")
-        except FileNotFoundError:
-            have = None
-        except Refused as e:  # what the daemon does with it too
-            have, planted = None, e.strerror or str(e)
-        except OSError as e:
-            out.append((True, f"proxy: upstream {upstream}: cannot read {path}: {e}"))
-            continue
-        inc = includers(path, conf_dir)
-        where = (
-            f"included by {', '.join(str(f) for f in inc)}"
-            if inc
-            else f"NOT included by any file under {conf_dir} (add the snippet in README, Under a proxy)"
-        )
-        if planted is not None:
-            change = f"{planted}: not read; guardian replaces it with its own file and reloads nginx"
-        elif have is None:
-            change = "absent: guardian writes it at its next start"
-        elif have == want:
-            change = "as guardian would write it (a reload would change nothing)"
-        else:
-            old = {ln for ln in have.splitlines() if ln.startswith("server ")}
-            new = {ln for ln in want.splitlines() if ln.startswith("server ")}
-            diff = [f"- {ln}" for ln in sorted(old - new)] + [f"+ {ln}" for ln in sorted(new - old)]
-            change = "guardian would rewrite it and reload nginx: " + ("; ".join(diff) or "comments only")
-        out.append((not inc or planted is not None, f"proxy: upstream {upstream}: {path}, {where}; {change}"))
-    return out
-
-
-def kill_bound_s(cfg: Config, replicas: Iterable[ReplicaConfig]) -> float:
-    """The longest guardian takes from a replica's freeze to its kill: its server unresponsive (L8),
-    or its engine frozen with work queued while /health answers (L14: the stall canary's wait, then
-    its bound), then up to two ticks and the hung stop's grace."""
-    canary_s = max((r.canary_timeout_s for r in replicas), default=0.0)
-    w = cfg.watchdog
-    return max(w.unresponsive_after_s, w.stall_canary_after_s + canary_s) + 2 * cfg.interval_s + HUNG_STOP_GRACE_S
-
-
-def retry_warnings(cfg: Config, conf_dir: Path = NGINX_CONF_DIR) -> list[str]:
-    """For `guardian check`: where a file that proxy_passes to one of guardian's upstreams would not
-    send a request with no byte yet to the other replica (core/proxyretry.py)."""
-    if cfg.proxy.nginx_upstream_dir is None:
-        return []
-    out = []
-    texts = list(nginx_texts(conf_dir))
-    for upstream, replicas in upstreams(cfg).items():
-        bound_s = kill_bound_s(cfg, replicas)
-        for f, text in texts:
-            for finding in proxyretry.retry_findings(text, upstream, bound_s) or ():
-                out.append(f"proxy: upstream {upstream}: {f}: {finding} (README, Under a proxy)")
-    return out

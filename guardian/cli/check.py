@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import psutil
 
-from ..act import fit, proxy
+from ..act import fit, proxy_check
 from ..act.state import STATUS_FILE, CorruptState, StateStore, view
 from ..config import Config, ConfigError, ReplicaConfig, config_path, load_config
 from ..core import bypass, drain, gates, hazards, startfit, thresholds
@@ -266,12 +266,12 @@ def _check_proxy(cfg: Config, report: Report) -> None:
         down = frozenset(view(StateStore(cfg.state_dir).read(), clock.now()).proxy_down)
     except (OSError, CorruptState):
         down = frozenset()  # what the files say is still shown; the diff assumes nothing is marked down
-    for bad, text in proxy.describe(cfg, down):
+    for bad, text in proxy_check.describe(cfg, down):
         if bad:
             report.problem(text)
         else:
             report.say(text)
-    for text in proxy.retry_warnings(cfg):
+    for text in proxy_check.retry_warnings(cfg):
         report.problem(text, "warning")
 
 
