@@ -22,8 +22,6 @@ from guardian.observe.conns import (
     ConnObserver,
     Memory,
     Seen,
-    Sock,
-    Table,
     Who,
     classify,
     conn_views,
@@ -31,10 +29,8 @@ from guardian.observe.conns import (
     guardian_cgroup_of,
     parse_cpu_stat,
     parse_cpuacct_usage,
-    parse_sock,
-    port_filter,
-    read_table,
 )
+from guardian.observe.netlink import Sock, Table, parse_sock, port_filter, read_table
 from guardian.observe.sockets import DIAG_MSG_SIZE, CgroupMounts, Listener, cgroup_dirs, parse_mountinfo
 
 DEADLINE_S = 5.0
