@@ -97,5 +97,5 @@ def describe(unified: bool | str) -> str:
         )
     if n.device_total_bytes() is not None:
         return f"{n.note}; device 0 has memory of its own: a start's fit is not judged ({startfit.NOT_UNIFIED.id})"
-    unified = "memory.unified = true to judge it"
-    return f"{n.note}; no GPU seen: a start's fit is not judged ({startfit.NOT_UNIFIED.id}; {unified})"
+    how = "memory.unified = true to judge it"
+    return f"{n.note}; no GPU seen: a start's fit is not judged ({startfit.NOT_UNIFIED.id}; {how})"
