@@ -259,6 +259,10 @@ class WatchdogConfig(_Strict):
     restart_window_s: float = Field(default=1800.0, gt=0, le=MAX_WINDOW_S)
     backoff_s: float = Field(default=60.0, ge=0, le=MAX_WINDOW_S)
     restart_job_timeout_s: float = Field(default=300.0, gt=0, le=MAX_WINDOW_S)
+    # The longest a learned step keeps the stall window (L13) and a stall canary (L14) waiting: the
+    # field's own hang timeouts (vLLM's VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS, SGLang's
+    # --watchdog-timeout, TensorRT-LLM's) are 300 s, and a /metrics page can say anything.
+    max_step_s: float = Field(default=300.0, gt=0, le=MAX_WINDOW_S)
     # The kernel's view of each replica's connections (docs/rules.md, What the kernel shows): a client
     # whose request has had no byte of answer for this long, with nothing moving, is queued work.
     client_wait_s: float = Field(default=3.0, gt=0, le=MAX_WINDOW_S)

@@ -86,6 +86,7 @@ class Daemon:
         released = self.exports.metrics.released
         tools = Tools(self.sd, store, self.journal, cfg, clock, self.observer.containers, released)
         self.executor = Executor(tools, self.client, self.proxy, self.fleet, self.exports.metrics)
+        self.executor.address_of = self.observer.addresses.address_of
         # Stopped in order: the restarts under way, the proxy's change (so that the state file says
         # what the proxy has), the fleet (its lease revoked), the exports.
         self.parts: tuple[Part, ...] = (self.executor, self.proxy, self.fleet, self.exports)
@@ -197,6 +198,9 @@ class Daemon:
         self.executor.perform(actions, self.state.tracks, at)
         self.exports.metrics.gauges(self.cfg, self.state, obs, self.persistent.view(at), at)
         self.notices.kernel_view(self.observer.conns.unavailable)
+        partial = frozenset(n for n, seen in obs.replicas.items() if seen.conns is not None and seen.conns.truncated)
+        self.notices.partial_views(self.cfg, partial)
+        self.notices.addresses(self.cfg, self.observer.pins)
         self.last_observation = obs
         self.memory = obs.memory.sample if obs.memory else await asyncio.to_thread(sample_memory)
         await self._weights(obs)

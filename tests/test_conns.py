@@ -333,7 +333,7 @@ def test_an_unreadable_table_is_none_for_every_replica_and_says_why(monkeypatch,
     def refused(*_a: object, **_k: object) -> Table:
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(conns, "read_table", refused)
+    monkeypatch.setattr(conns, "read_sockets", refused)
     assert ob.look_now(cfg, 2.0) == {"a": None, "b": None}
     assert ob.unavailable is not None and "Permission denied" in ob.unavailable
     monkeypatch.undo()
@@ -344,7 +344,7 @@ def test_an_unreadable_table_is_none_for_every_replica_and_says_why(monkeypatch,
 
 def test_a_kernel_without_bytes_acked_gives_no_view(monkeypatch):
     old = Sock("127.0.0.1", 8000, "10.0.0.1", 5000, inode=1, last_sent_ms=5, last_recv_ms=3)
-    monkeypatch.setattr(conns, "read_table", lambda *_a, **_k: Table((old,)))
+    monkeypatch.setattr(conns, "read_sockets", lambda *_a, **_k: Table((old,)))
     ob = _observer()
     assert ob.look_now(_cfg(8000), 1.0) == {"a": None}
     assert ob.unavailable is not None and "tcp_info" in ob.unavailable
@@ -653,7 +653,7 @@ def test_cpu_of_the_unit_on_cgroup_v2(tmp_path, monkeypatch):
     unit_dir = tmp_path / "system.slice/vllm-a.service"
     unit_dir.mkdir(parents=True)
     (unit_dir / "cpu.stat").write_text("usage_usec 1000000\n")
-    monkeypatch.setattr(conns, "read_table", lambda *_a, **_k: Table(()))
+    monkeypatch.setattr(conns, "read_sockets", lambda *_a, **_k: Table(()))
     ob = ConnObserver(recognise_self=False, mounts=CgroupMounts(unified=str(tmp_path)))
     first = ob.look_now(_cfg(8000), 1.0)["a"]
     assert first is not None and first.cpu_s is None
@@ -666,7 +666,7 @@ def test_cpu_of_a_templated_unit_on_cgroup_v1_only(tmp_path, monkeypatch):
     unit_dir = tmp_path / "system.slice/system-vllm.slice/vllm@a.service"
     unit_dir.mkdir(parents=True)
     (unit_dir / "cpuacct.usage").write_text("2000000000\n")
-    monkeypatch.setattr(conns, "read_table", lambda *_a, **_k: Table(()))
+    monkeypatch.setattr(conns, "read_sockets", lambda *_a, **_k: Table(()))
     cfg = Config(replicas=[ReplicaConfig(name="a", unit="vllm@a.service", url="http://127.0.0.1:8000", model="m")])
     ob = ConnObserver(recognise_self=False, mounts=CgroupMounts(cpuacct=str(tmp_path)))
     assert ob.look_now(cfg, 1.0)["a"].cpu_s is None  # type: ignore[union-attr]
@@ -686,7 +686,7 @@ def test_a_removed_cgroup_is_not_looked_for_again(tmp_path, monkeypatch):
 
     socks = [_srv(remote="127.0.0.1", rport=41000), Sock("127.0.0.1", 41000, "10.0.0.1", PORT, inode=5, cgroup_id=10**9)]
     monkeypatch.setattr(conns, "cgroup_dirs", counting)
-    monkeypatch.setattr(conns, "read_table", lambda *_a, **_k: Table(tuple(socks)))
+    monkeypatch.setattr(conns, "read_sockets", lambda *_a, **_k: Table(tuple(socks)))
     ob = ConnObserver(recognise_self=False, mounts=CgroupMounts(unified=str(tmp_path)))
     cfg = Config(replicas=[ReplicaConfig(name="a", unit="batch.service", url=f"http://127.0.0.1:{PORT}", model="m")])
     ob.look_now(cfg, 1.0)
@@ -704,7 +704,7 @@ def test_local_peers_are_named_through_the_cgroup2_tree(tmp_path, monkeypatch):
     batch.mkdir(parents=True)
     server = _srv(remote="127.0.0.1", rport=41000, acked=5)
     client = Sock("127.0.0.1", 41000, "10.0.0.1", PORT, inode=500, cgroup_id=os.stat(batch).st_ino)
-    monkeypatch.setattr(conns, "read_table", lambda *_a, **_k: Table((server, client)))
+    monkeypatch.setattr(conns, "read_sockets", lambda *_a, **_k: Table((server, client)))
     monkeypatch.setattr(conns, "listener_table", lambda _ports: [Listener(socket.AF_INET, "0.0.0.0", PORT, 1)])
     ob = ConnObserver(recognise_self=False, mounts=CgroupMounts(unified=str(tmp_path)))
     view = ob.look_now(_cfg(PORT), 1.0)["a"]

@@ -18,7 +18,7 @@ from guardian.core.liveness import LEARNING_CANARIES
 from guardian.core.observations import (
     CanaryResult, Pause, PersistentView, Probe, ReplicaObservation, RestartOutcome, VllmSample,
 )
-from guardian.core.vocab import Decision, HeldBy, Hidden, Nobody, State
+from guardian.core.vocab import Decision, HeldBy, Hidden, Nobody, Priority, State
 from harness import (
     DEAD_503, OK, SLOW, SLOW_FAIL, TIMEOUT, Box, canaries, cfg, checked, conns, logs, obs, restarts, said, sample, unit,
 )
@@ -1247,7 +1247,7 @@ def test_a_long_step_is_learned_from_the_histogram_kept_in_the_state_file_and_bo
     acts = box.tick(102.0, a=obs(t=102.0, s=replace(buckets(5, 5, 5, 5, 6, 6), generation_tokens=1.0)))
     (record,) = [a for a in acts if isinstance(a, RecordCanaryLatencies)]
     assert record.steps == (("a", ((120.0, 102.0), (0.3, 0.0))),)  # longest first, the 0.3 s one from the state file
-    assert tick.liveness.longest_step_s(box.tracks["a"], 103.0) == STEP_MARGIN * 120.0
+    assert tick.liveness.longest_step_s(box.tracks["a"], 103.0, 300.0) == STEP_MARGIN * 120.0
     # L13 waits max(stall_window_s, 1.5 x 120 s) = 180 s of nothing moving with work queued
     flat = replace(buckets(5, 5, 5, 5, 6, 6), generation_tokens=1.0, running=2)
     for t in (104.0, 170.0, 283.0):
@@ -1398,3 +1398,62 @@ def test_a_container_replicas_port_held_by_a_unit_no_engine_uses_is_taken(unit, 
     box = Box(container_cfg())
     box.tick(100.0, a=obs(t=100.0, port=HeldBy(8001, 4242, unit)))
     assert (box.state() is State.PORT_TAKEN) is taken
+
+
+# --- a learned figure never blinds a rule (issue 41 item 2) --------------------------------------
+
+HUGE = (0.3, 1e300, INF)  # a fake /metrics page's prefill histogram (issue 41 row 2: le="1e300")
+
+
+@pytest.mark.parametrize("cap_s", [300.0, 90.0])
+def test_a_step_learned_from_a_page_that_says_1e300_s_keeps_l13_waiting_no_longer_than_the_cap(cap_s):
+    """Before, the bucket bound was learned as it was (1.5e300 s in memory, 7,680 s written to the
+    state file), and L13/L14 waited for it for 24 h."""
+    box = Box(cfg(1, stall_window_s=60, max_step_s=cap_s), LEARNED)
+    box.tick(100.0, a=obs(t=100.0, s=buckets(5, 5, 5, bounds=HUGE)))
+    acts = box.tick(102.0, a=obs(t=102.0, s=replace(buckets(5, 6, 6, bounds=HUGE), generation_tokens=1.0)))
+    (record,) = [a for a in acts if isinstance(a, RecordCanaryLatencies)]
+    assert record.steps == (("a", ((cap_s, 102.0), (0.3, 0.0))),)  # kept as the cap, not as 1e300
+    assert tick.liveness.longest_step_s(box.tracks["a"], 103.0, cap_s) == cap_s
+    (learned,) = [x for x in said(acts) if "learned a step" in x.message]
+    assert learned.priority is Priority.INFO and "vllm:request_prefill_time_seconds" in learned.message
+    assert f"at least {cap_s:g} s" in learned.message and f"max_step_s, {cap_s:g} s" in learned.message
+    flat = replace(buckets(5, 6, 6, bounds=HUGE), generation_tokens=1.0, running=2)
+    quiet_since = 103.0  # work first queued (L13 counts from max(last progress, that))
+    bound = max(60.0, cap_s)  # L13: max(stall_window_s, the learned wait at most the cap)
+    box.tick(103.0, a=obs(t=103.0, s=flat))
+    box.tick(quiet_since + bound - 1, a=obs(t=quiet_since + bound - 1, s=flat))
+    assert box.state() is not State.STALLED
+    box.tick(quiet_since + bound, a=obs(t=quiet_since + bound, s=flat))
+    assert (box.state(), box.rule()) == (State.STALLED, "L13")
+
+
+@pytest.mark.parametrize("kept, want", [
+    (((7680.0, 50.0),), ((300.0, 50.0),)),  # the old file's 7,680 s: read back as the cap
+    (((60.0, 50.0), (float("nan"), 40.0)), ((60.0, 50.0),)),  # not a number: dropped
+    (((-1.0, 50.0), (float("inf"), 50.0)), ()),
+])
+def test_steps_read_back_from_the_state_file_are_held_to_the_cap(kept, want):
+    box = Box(cfg(1, max_step_s=300.0), PersistentView(canary_latencies={"a": (0.1, 0.1, 0.1)},
+                                                       step_seconds={"a": kept}))
+    acts = box.tick(100.0, a=obs(t=100.0))
+    assert box.tracks["a"].steps == want
+    learned = [x.message for x in said(acts) if "learned a step" in x.message]
+    assert bool(learned) is bool(want) and all("the state file" in m for m in learned), learned
+
+
+@pytest.mark.parametrize("step_s", [float("nan"), float("inf"), -3.0, 0.0, None])
+def test_a_step_that_is_not_a_positive_finite_number_is_not_learned(step_s):
+    track = tick.liveness.Track(steps=((2.0, 99.0),))
+    assert tick.liveness.learn_step(track, step_s, 100.0, 300.0) is track
+
+
+def test_a_partial_kernel_view_is_not_said_to_show_nothing_flowing():
+    """Issue 41 row 3: a view truncated by others' sockets was read as 'nothing flowed'."""
+    box = Box(cfg(1, unresponsive_after_s=4), LEARNED)
+    healthy_start(box)
+    partial = replace(conns(), truncated=True)
+    for t in (101.0, 103.0, 105.0, 107.0):
+        box.tick(t, a=replace(obs(t=t, health=TIMEOUT), conns=partial))
+    l8 = [x.message for x in said(box.actions) if x.rule == "L8"]
+    assert l8 and all("nothing flowed" not in m and "partial" in m for m in l8), l8

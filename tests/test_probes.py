@@ -107,7 +107,7 @@ def test_a_large_metrics_page_is_parsed_off_the_event_loop(hostile, monkeypatch)
     async def fetch_ok(client, url):  # noqa: ANN001, ANN202
         return probes.Probe(True, 200, 0.0), page.encode()
 
-    monkeypatch.setattr(probes, "_get", lambda client, url, t, n: fetch_ok(client, url))
+    monkeypatch.setattr(probes, "_get", lambda client, url, t, n, address=None: fetch_ok(client, url))
 
     async def both(client):  # noqa: ANN001, ANN202
         parse = asyncio.create_task(probes.probe_metrics(client, hostile))

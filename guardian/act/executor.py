@@ -67,6 +67,10 @@ from .state import (
 from .warmup import warm_up
 
 
+def _unpinned(_name: str) -> str | None:
+    return None
+
+
 class Executor:
     def __init__(
         self,
@@ -83,6 +87,9 @@ class Executor:
         self.slots = slots
         self.counter = counter
         self.asker = asker  # None: requests are answered in the state file (see the top)
+        # Where a replica's canaries connect: the address its probes were pinned to at the last
+        # tick (observe/addresses.py, set by whoever runs the observer); None: its URL's host.
+        self.address_of: Callable[[str], str | None] = _unpinned
         self.tasks: set[asyncio.Task[None]] = set()
         # What the tasks brought back, until the observer takes it.
         # A replica may have two canaries in flight (liveness: a closer look): their results are
@@ -206,7 +213,7 @@ class Executor:
         r = self.cfg.replica(name)
         if r is not None:
             started = sent_at if sent_at is not None else self.tools.clock().mono
-            result = await probes.canary(self.client, r, started, timeout_s)
+            result = await probes.canary(self.client, r, started, timeout_s, self.address_of(name))
             self._canaries.setdefault(name, []).append(result)
 
     async def _warm(self, action: WarmUp) -> None:

@@ -4,6 +4,8 @@ back, and the watchdog no longer pinged, are said by act/notify.Watchdog.)"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from ..config import Config
 from ..core import weights
 from ..core.actions import LogLine
@@ -11,6 +13,7 @@ from ..core.hazards import Hazard, find_hazards
 from ..core.observations import FleetView
 from ..core.vocab import Decision, Priority
 from ..core.weights import Weights
+from ..observe.addresses import Pin
 from ..observe.replicas import UnitScan
 from .journal import Journal
 
@@ -22,6 +25,8 @@ class Notices:
         self.kernel_view_said: str | None = None  # why the kernel's view was last said to be missing
         self.weights_seen: dict[str, Weights | None] = {}  # each replica's fingerprint, as last read
         self.weights_said: dict[str, Hazard] = {}  # the weights hazards said (W1, W3), by key
+        self.partial_said: frozenset[str] = frozenset()  # replicas whose kernel view was last partial
+        self.split_said: dict[str, str] = {}  # replica -> the split of its URL's host, as last said
 
     def kernel_view(self, why_unavailable: str | None) -> None:
         """Once when the kernel's view of the replicas' connections is lost, once when it is back."""
@@ -36,6 +41,38 @@ class Notices:
         else:
             self.journal.send(Priority.INFO, "the kernel's view of the replicas' connections is available again")
         self.kernel_view_said = why_unavailable
+
+    def partial_views(self, cfg: Config, partial: frozenset[str]) -> None:
+        """Once when a replica's kernel view becomes partial (more of its own sockets than one look
+        reads: evidence of nothing), once when it is whole again."""
+        for name in sorted(partial ^ self.partial_said):
+            r = cfg.replica(name)
+            unit = r.unit if r is not None else None
+            if name in partial:
+                text = (
+                    f"replica {name}: the kernel's view of its connections is partial (more of its own sockets "
+                    "than one look reads): it is evidence of nothing, flowing or not, until it is whole again"
+                )
+                self.journal.line(LogLine(Priority.WARNING, text, Decision.NOTE, name, unit))
+            else:
+                text = f"replica {name}: the kernel's view of its connections is whole again"
+                self.journal.line(LogLine(Priority.INFO, text, Decision.NOTE, name, unit))
+        self.partial_said = partial
+
+    def addresses(self, cfg: Config, pins: Mapping[str, Pin]) -> None:
+        """A replica whose URL's host leads to listeners of different holders (observe/addresses.py):
+        a hazard said once when it begins, at info when it ends."""
+        now = {r.name: pins[r.name].split_text(r.unit) for r in cfg.replicas if r.name in pins and pins[r.name].split}
+        for r in cfg.replicas:
+            text, was = now.get(r.name), self.split_said.get(r.name)
+            if text is not None and was is None:
+                message = f"hazard: replica {r.name}: {text}"
+                self.journal.line(
+                    LogLine(Priority.ERROR, message, Decision.HAZARD, r.name, r.unit, hazard=f"address:{r.name}")
+                )
+            elif text is None and was is not None:
+                self.journal.send(Priority.INFO, f"replica {r.name}: its URL's host leads to one holder again")
+        self.split_said = now
 
     def hazards(self, cfg: Config, seen: UnitScan) -> list[Hazard]:
         """The hazards in what a scan SEEN (core/hazards.py), each said once, when a scan first

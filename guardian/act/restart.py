@@ -21,6 +21,7 @@ from ..core.container import helper_unit
 from ..core.observations import MemorySample, RestartOutcome, UnitInfo
 from ..core.rules import Refusal
 from ..core.vocab import ActiveState, Decision, Gate, HeldBy, Priority
+from ..observe.addresses import pin_of
 from ..observe.clock import Now
 from ..observe.clock import now as clock_now
 from ..observe.containers import ContainerWatch
@@ -198,7 +199,8 @@ async def _fresh_look(
     """The unit (or a unit-less container as one) and the port's holder looked at afresh, and the
     first gate that refuses. A container holding the port is judged on a fresh helper report."""
     unit, err = await containers.unitless_view(r) if r.unitless else await unit_or_error(sd, r.unit)
-    owner = (await port_owners(sd, {r.port: r.host}))[r.port]
+    pin = await pin_of(r)  # where its URL leads now, as the tick's probes were pinned
+    owner = (await port_owners(sd, {r.port: pin.address or r.host}))[r.port]
     if r.container is not None:
         if isinstance(owner, HeldBy) and owner.unit != r.unit:
             await containers.refresh(r, force=True)

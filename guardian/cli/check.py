@@ -24,6 +24,7 @@ from ..core.vocab import ActiveState, HeldBy, Hidden, Nobody, PortOwner
 from ..core.wiring import problem_of
 from ..observe import clock, probes, warmup
 from ..observe import weights as observe_weights
+from ..observe.addresses import pin_of
 from ..observe.containers import ContainerWatch
 from ..observe.memory import env_path, service_details, wiring_of
 from ..observe.nvml import Nvml
@@ -290,12 +291,15 @@ async def _check_replica(client: httpx.AsyncClient, r: ReplicaConfig, bus: _Bus 
     """One line for the replica: its probes, its model, who holds its port when it does not answer,
     and whether guardian could restart it; a problem, "not serving" (loading, restarting), or neither.
     A proxy suspected in front of it is a warning line of its own."""
-    health = await probes.probe_health(client, r)
-    mprobe, sample = await probes.probe_metrics(client, r)
-    models_probe, models = await probes.probe_models(client, r)
+    pin = await pin_of(r)  # where its URL leads: the address the daemon's probes and gates use
+    if pin.split:
+        report.problem(f"replica {r.name} ({r.url}, unit {r.unit}): {pin.split_text(r.unit)}")
+    health = await probes.probe_health(client, r, pin.address)
+    mprobe, sample = await probes.probe_metrics(client, r, None, pin.address)
+    models_probe, models = await probes.probe_models(client, r, pin.address)
     seen = _Probed(health, sample, mprobe, models, models_probe)
     # Without the bus the port's holder is looked up only to say why the replica does not answer.
-    owner = await _port_owner(r, bus) if bus is not None or not health.answered else None
+    owner = await _port_owner(r, bus, pin.address) if bus is not None or not health.answered else None
     unit = bus.units.get(r.unit) if bus is not None else None
     findings, wrong = _replica_findings(r, seen, owner)
     if bus is not None:
@@ -340,11 +344,12 @@ def _replica_findings(r: ReplicaConfig, seen: _Probed, owner: PortOwner | None) 
     return found, wrong
 
 
-async def _port_owner(r: ReplicaConfig, bus: _Bus | None) -> PortOwner:
-    """Who listens on the replica's port: with the bus, as the gates see it (containers too); without,
-    what the socket table and /proc tell (an unconnected Systemd names no unit: the cgroup does)."""
+async def _port_owner(r: ReplicaConfig, bus: _Bus | None, address: str | None) -> PortOwner:
+    """Who listens on the replica's port at ADDRESS (its pin; None: its URL's host): with the bus,
+    as the gates see it (containers too); without, what the socket table and /proc tell (an
+    unconnected Systemd names no unit: the cgroup does)."""
     sd = bus.sd if bus is not None else Systemd()
-    owners = await port_owners(sd, {r.port: r.host})
+    owners = await port_owners(sd, {r.port: address or r.host})
     if bus is not None:
         owners = await bus.watch.owners([r], owners)
     return owners[r.port]

@@ -268,6 +268,7 @@ async def _decide_alone(cfg: Config, observer: WorldObserver, name: str, wait_s:
     """The request's ticks, as the daemon would run them, until it is answered or acted on."""
     store = StateStore(cfg.state_dir)
     alone = Alone(Tools(observer.sd, store, Journal(), cfg), observer.client, name)
+    alone.executor.address_of = observer.addresses.address_of
     asked = clock.now()
     until = asked.mono + wait_s if wait_s is not None else None
     request = RestartRequest(REQUEST_ID, name, asked.mono, until)
@@ -280,6 +281,7 @@ async def _decide_alone(cfg: Config, observer: WorldObserver, name: str, wait_s:
             print(f"warning: {e}", file=sys.stderr)
             pv = view(store.update(lambda d: None), now)
         observer.invalidate()  # no daemon follows systemd's signals: every look asks afresh
+        await observer.pin(cfg)
         replicas = await observer.replicas(cfg, now.mono)
         now = clock.now()
         observed = TickObservation(replicas, replace(pv, requests=(request,)))

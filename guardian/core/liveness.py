@@ -55,6 +55,8 @@ applies afresh.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from ..config import ReplicaConfig, WatchdogConfig
@@ -129,7 +131,7 @@ class _Facts:
     @property
     def step_bound_s(self) -> float | None:
         """STEP_MARGIN x the longest step this replica was seen to take recently, or None: none learned."""
-        return longest_step_s(self.track, self.now)
+        return longest_step_s(self.track, self.now, self.wcfg.max_step_s)
 
     @property
     def health_said(self) -> str:
@@ -650,19 +652,28 @@ def longest_new_prefill(prev: VllmSample | None, cur: VllmSample | None) -> floa
     return None
 
 
-def learn_step(track: Track, step_s: float | None, now: float) -> Track:
-    """TRACK with STEP_S learned at NOW: the STEPS_KEPT longest of the last STEP_MEMORY_S."""
+def learn_step(track: Track, step_s: float | None, now: float, cap_s: float) -> Track:
+    """TRACK with STEP_S learned at NOW: the STEPS_KEPT longest of the last STEP_MEMORY_S. A step
+    that is not a positive finite number is dropped; one longer than CAP_S (W.max_step_s) is kept
+    as CAP_S: a page that says 1e300 s blinds no rule for longer than the cap."""
     recent = [s for s in track.steps if now - s[1] < STEP_MEMORY_S]
-    if step_s is not None:
-        recent.append((step_s, now))
+    if step_s is not None and math.isfinite(step_s) and step_s > 0:
+        recent.append((min(step_s, cap_s), now))
     kept = tuple(sorted(recent, key=lambda s: (-s[0], -s[1]))[:STEPS_KEPT])
     return track if kept == track.steps else replace(track, steps=kept)
 
 
-def longest_step_s(track: Track, now: float) -> float | None:
-    """STEP_MARGIN x the longest step learned in the last STEP_MEMORY_S, or None: none learned."""
+def kept_steps(steps: Iterable[tuple[float, float]], cap_s: float) -> tuple[tuple[float, float], ...]:
+    """Steps read back from the state file, as learn_step keeps them: positive and finite, at most CAP_S."""
+    ok = [(min(s, cap_s), at) for s, at in steps if math.isfinite(s) and s > 0 and math.isfinite(at)]
+    return tuple(sorted(ok, key=lambda s: (-s[0], -s[1]))[:STEPS_KEPT])
+
+
+def longest_step_s(track: Track, now: float, cap_s: float) -> float | None:
+    """STEP_MARGIN x the longest step learned in the last STEP_MEMORY_S, at most CAP_S (W.max_step_s),
+    or None: none learned."""
     recent = [bound for bound, at in track.steps if now - at < STEP_MEMORY_S]
-    return STEP_MARGIN * max(recent) if recent else None
+    return min(cap_s, STEP_MARGIN * max(recent)) if recent else None
 
 
 CANARY_LATENCIES_KEPT = 8
@@ -820,7 +831,7 @@ def _fold(
     came back, answers and 503s."""
     sample = obs.metrics
     counters_moved = _progressed(track.last_sample, sample)  # a counter that went down (new engine) counts too
-    track = learn_step(track, longest_new_prefill(track.last_sample, sample), now)
+    track = learn_step(track, longest_new_prefill(track.last_sample, sample), now, wcfg.max_step_s)
     waiting_clients, waiting_since = _waits(track, obs, now, wcfg)
     queued = _queued(sample, waiting_clients)
     ours = track.canary_in_flight_since is not None or obs.canary is not None  # a canary's token is not traffic
@@ -996,6 +1007,8 @@ def _kernel_quiet(obs: ReplicaObservation) -> str:
     conns = obs.conns
     if conns is None or conns.since_s is None:
         return ""
+    if conns.truncated:  # a partial view is evidence of nothing, flowing or not (issue 41 item 3)
+        return "; kernel: its view was partial (more of its sockets than one look reads), no evidence either way"
     cpu = f", its unit used {1000 * conns.cpu_s:.0f} ms of CPU" if conns.cpu_s is not None else ""
     return f"; kernel: nothing flowed to {conns.connections} connection(s) in {conns.since_s:.1f} s{cpu}"
 

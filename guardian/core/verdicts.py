@@ -21,7 +21,11 @@ def judge_liveness(t: Tick) -> None:
     """Step 1 (L1-L18): every replica's verdict, said when it changes; canaries asked for."""
     before = t.previous.tracks
     for replica in t.cfg.replicas:
-        old = before[replica.name] if replica.name in before else _new_track(replica.name, t.obs, t.now)
+        old = (
+            before[replica.name]
+            if replica.name in before
+            else _new_track(replica.name, t.obs, t.now, t.cfg.watchdog.max_step_s)
+        )
         _judge(t, replica, old)
     _record_canary_latencies(t)
     t.restart_under_way = any(track.restart_in_flight for track in t.tracks.values())
@@ -66,6 +70,7 @@ def _judge(t: Tick, replica: ReplicaConfig, old: Track) -> None:
                 rule=liveness.CANARY_LATE.id,
             )
         )
+    _learned(t, replica, old, new)
     if canary_timeout_s is not None:
         t.actions.append(StartCanary(replica.name, canary_timeout_s, t.now))
     t.tracks[replica.name] = new
@@ -94,12 +99,36 @@ def _kept(name: str, obs: TickObservation) -> tuple[float, ...]:
     return obs.persistent.canary_latencies.get(name, ())[-liveness.CANARY_LATENCIES_KEPT :]
 
 
-def _new_track(name: str, obs: TickObservation, now: float) -> Track:
+def _new_track(name: str, obs: TickObservation, now: float, cap_s: float) -> Track:
     """A replica guardian has no track of yet (guardian started, or the replica was added by a
     reload) starts from the canary latencies the state file kept: with 3 or more, its learned
-    deadline holds from its first canary, and it gets no learning canaries."""
-    steps = obs.persistent.step_seconds.get(name, ())[: liveness.STEPS_KEPT]
+    deadline holds from its first canary, and it gets no learning canaries. Its steps are those
+    kept, each at most CAP_S (W.max_step_s)."""
+    steps = liveness.kept_steps(obs.persistent.step_seconds.get(name, ()), cap_s)
     return Track(state_since=now, canary_latencies=_kept(name, obs), steps=steps)
+
+
+def _learned(t: Tick, replica: ReplicaConfig, old: Track, new: Track) -> None:
+    """Said once at info when a longer step is learned, with its source: how long the stall window
+    (L13) and a stall canary (L14) now wait, at most W.max_step_s."""
+    cap_s = t.cfg.watchdog.max_step_s
+    before = liveness.longest_step_s(old, t.now, cap_s) if old.observed else None
+    after = liveness.longest_step_s(new, t.now, cap_s)
+    if after is None or (before is not None and after <= before):
+        return
+    longest = max(s for s, _ in new.steps)
+    source = "vllm:request_prefill_time_seconds" if old.observed else "the state file (learned before)"
+    t.say(
+        LogLine(
+            Priority.INFO,
+            f"replica {replica.name}: learned a step of up to {longest:g} s from {source}: work queued with "
+            f"nothing moving is waited for at least {after:g} s before a stall verdict (at most watchdog.max_step_s, "
+            f"{cap_s:g} s)",
+            Decision.NOTE,
+            replica.name,
+            replica.unit,
+        )
+    )
 
 
 # A quiet journal (issue 35 item 6): a change between these verdicts is said only once it has held

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import ipaddress
 import os
 import threading
@@ -28,10 +29,29 @@ from typing import NamedTuple
 
 from ..config import Config
 from ..core.observations import ConnView, Peer, PeerKind
-from .netlink import MAX_SOCKETS, Key, Sock, Table, read_table
+from .addresses import Pin
+from .netlink import (
+    MAX_SOCKETS,
+    Bounds,
+    Clause,
+    Key,
+    Sock,
+    Table,
+    Test,
+    address_is,
+    cgroup_filter_refused,
+    cgroup_is,
+    cgroup_is_known,
+    ipv4_local,
+    port_is,
+    program,
+    read_filtered,
+    read_table,
+)
 from .sockets import (
     CgroupMounts,
     Listener,
+    SockDiagError,
     cgroup_dirs,
     cgroup_mounts,
     cgroup_v2_path,
@@ -298,6 +318,71 @@ def conn_views(
     return views, Memory(at=now, sockets=sockets)
 
 
+# --- what the kernel is asked for (pure) -------------------------------------------------------
+
+MAX_SHADOWED = 64  # other listeners' addresses a wildcard listener's clause leaves out
+MAX_PEER_PLACES = 64  # local addresses of accepted sockets whose local peers are asked for by address
+_WILDCARDS = frozenset({"0.0.0.0", "::"})
+
+
+def server_clause(listener: Listener, table: Iterable[Listener]) -> list[Test]:
+    """The sockets LISTENER accepted (issue 41 item 3): on its port, made in its cgroup (an accepted
+    socket takes its listener's; Linux >= 5.10 filters on it), at its address, or, for a wildcard,
+    in its family and at none of the addresses that other listeners on the port are bound to. So
+    another user's sockets on the port, however many, are never sent and never fill the look."""
+    tests = port_is(listener.port)
+    if listener.cgroup_id is not None and cgroup_is_known():
+        tests.append(cgroup_is(listener.cgroup_id))
+    if not listener.address:
+        return tests
+    if listener.address not in _WILDCARDS:
+        return [*tests, address_is(listener.address)]
+    if listener.address == "0.0.0.0":
+        tests.append(ipv4_local())
+    others = sorted({x.address for x in table if x.port == listener.port and x.address and x.address not in _WILDCARDS})
+    return tests + [address_is(a, negated=True) for a in others[:MAX_SHADOWED]]
+
+
+def peer_clauses(servers: Iterable[Sock]) -> list[Clause]:
+    """The client-side sockets of local peers of SERVERS (their remote end is a server socket's
+    local address and port), asked for by address where there are at most MAX_PEER_PLACES of them."""
+    places = sorted({(s.lport, s.local) for s in servers})
+    if len(places) > MAX_PEER_PLACES:
+        return [port_is(port, local=False) for port in sorted({port for port, _ in places})]
+    return [[*port_is(port, local=False), address_is(local, local=False)] for port, local in places]
+
+
+def read_owned(listeners: Iterable[Listener | None], table: Sequence[Listener], limit: int = MAX_SOCKETS) -> Table:
+    """The sockets that LISTENERS accepted, and their local peers' ends: two filtered dumps, at most
+    LIMIT messages together. Raises OSError."""
+    mine = list({x.inode: x for x in listeners if x is not None}.values())
+    if not mine:
+        return Table(())
+    ports = frozenset(x.port for x in mine)
+    try:
+        servers = read_filtered(program([server_clause(x, table) for x in mine]), ports, Bounds(limit))
+    except SockDiagError as e:
+        if e.errno != errno.EINVAL or not cgroup_is_known():
+            raise
+        cgroup_filter_refused()  # a kernel older than 5.10: the address tests and accepted_by remain
+        servers = read_filtered(program([server_clause(x, table) for x in mine]), ports, Bounds(limit))
+    if servers.truncated or not servers.socks:
+        return servers
+    left = max(1, limit - len(servers.socks))
+    peers = read_filtered(program(peer_clauses(servers.socks)), ports, Bounds(left))
+    return Table(servers.socks + peers.socks, truncated=peers.truncated)
+
+
+def read_sockets(
+    ports: Iterable[int], listeners: Iterable[Listener | None], table: Sequence[Listener] | None, limit: int
+) -> Table:
+    """The replicas' sockets of one look: those their LISTENERS accepted and their local peers'
+    (read_owned); without the listening sockets (TABLE None: unreadable), every socket on PORTS."""
+    if table is None:
+        return read_table(ports, limit)
+    return read_owned(listeners, table, limit)
+
+
 # --- a unit's CPU time (pure parts) ------------------------------------------------------------
 
 
@@ -460,10 +545,13 @@ class ConnObserver:
         self._guardian_cgroup: str | None = None
         self._lock = threading.Lock()  # a look abandoned by its caller still runs in its thread
 
-    async def look(self, cfg: Config, mono_now: float) -> dict[str, ConnView | None]:
+    async def look(
+        self, cfg: Config, mono_now: float, pins: Mapping[str, Pin] | None = None
+    ) -> dict[str, ConnView | None]:
         """Each replica's view at MONO_NOW (time.monotonic()), by replica name; None for every
-        replica when the kernel's socket table cannot be read (self.unavailable says why)."""
-        return await asyncio.to_thread(self.look_now, cfg, mono_now)
+        replica when the kernel's socket table cannot be read (self.unavailable says why). PINS:
+        where each replica's URL leads (observe/addresses.py); without them, its URL's host."""
+        return await asyncio.to_thread(self.look_now, cfg, mono_now, pins)
 
     def _trees(self) -> tuple[_Tree, _Tree]:
         if self._v2 is None or self._v1 is None:
@@ -477,19 +565,26 @@ class ConnObserver:
                     self._guardian_cgroup = None
         return self._v2, self._v1
 
-    def look_now(self, cfg: Config, mono_now: float) -> dict[str, ConnView | None]:
+    def look_now(
+        self, cfg: Config, mono_now: float, pins: Mapping[str, Pin] | None = None
+    ) -> dict[str, ConnView | None]:
         """look, in the caller's thread."""
         with self._lock:
-            return self._look(cfg, mono_now)
+            return self._look(cfg, mono_now, pins or {})
 
-    def _look(self, cfg: Config, mono_now: float) -> dict[str, ConnView | None]:
+    def _look(self, cfg: Config, mono_now: float, pins: Mapping[str, Pin]) -> dict[str, ConnView | None]:
         v2, v1 = self._trees()
         v2.new_look()
         v1.new_look()
         replicas = [(r.name, r.port) for r in cfg.replicas]
         ports = {port for _name, port in replicas}
+        found = listener_table(ports)
+        serves = {
+            r.name: pins[r.name].listener if r.name in pins else serving(found or [], r.host, r.port)
+            for r in cfg.replicas
+        }
         try:
-            table = read_table(ports, limit=self._limit)
+            table = read_sockets(ports, serves.values(), found, self._limit)
         except OSError as e:
             self.unavailable = f"the kernel's socket table could not be read (sock_diag: {e})"
             self._memory, self._cpu = Memory(), {}
@@ -502,13 +597,12 @@ class ConnObserver:
         self.unavailable = None
         peers = local_peers(table.socks, ports)
         ids = {s.cgroup_id for s in peers if s.cgroup_id is not None}
-        found = listener_table(ports)
         who = Who.of(
             cfg,
             cgroups=v2.paths(ids) if ids else {},
             guardian_cgroup=self._guardian_cgroup,
             guardian_sockets=own_socket_inodes() if peers and self._recognise_self else frozenset(),
-            listeners=None if found is None else {r.name: serving(found, r.host, r.port) for r in cfg.replicas},
+            listeners=None if found is None else serves,
         )
         cpu: dict[str, float | None] = {}
         samples: dict[str, CpuSample] = {}

@@ -7,10 +7,11 @@ Bytes to records only; observe/conns.py classifies them.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import socket
 import struct
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from .sockets import (
@@ -57,6 +58,8 @@ _V4_MAPPED = bytes(10) + b"\xff\xff"
 # inet_diag bytecode (include/uapi/linux/inet_diag.h), run by the kernel on each socket.
 _BC_OP = struct.Struct("=BBH")  # code, yes (bytes to the next op if true), no (if false)
 _BC_JMP, _BC_S_GE, _BC_S_LE, _BC_D_GE, _BC_D_LE = 1, 2, 3, 4, 5
+_BC_S_COND, _BC_D_COND, _BC_CGROUP_COND = 7, 8, 13  # CGROUP_COND: Linux >= 5.10
+_HOSTCOND = struct.Struct("=BBxxi")  # inet_diag_hostcond: family, prefix_len, port (-1: any); then the address
 
 Key = tuple[str, int, str, int]  # (local address, local port, remote address, remote port)
 
@@ -117,6 +120,79 @@ def port_filter(ports: Iterable[int]) -> bytes:
         if i < len(conds) - 1:
             out += _BC_OP.pack(_BC_JMP, 4, total - len(out))  # both true: to the end
     return bytes(out)
+
+
+# A filter as the kernel runs it: an OR of clauses, each an AND of tests (a test: its op code, its
+# operand, and whether it is negated). The kernel's audit of a filter (inet_diag_bc_audit) walks the
+# "yes" jumps only and wants them to end exactly at the end, so a test's yes is always the next op;
+# a false test jumps to the next clause, past the end after the last one (not sent); a negated test
+# is followed by a JMP (which always takes its "no") to the clause's failure.
+Test = tuple[int, bytes, bool]
+Clause = Sequence[Test]
+
+
+def program(clauses: Sequence[Clause]) -> bytes:
+    """The bytecode of CLAUSES (an OR of ANDs; a socket is sent when one clause holds)."""
+
+    def size(t: Test) -> int:
+        return 4 + len(t[1]) + (4 if t[2] else 0)
+
+    sizes = [sum(size(t) for t in c) + (4 if i < len(clauses) - 1 else 0) for i, c in enumerate(clauses)]
+    total = sum(sizes)
+    out = bytearray()
+    start = 0
+    for i, clause in enumerate(clauses):
+        fail = start + sizes[i] if i < len(clauses) - 1 else total + 4
+        for code, operand, negated in clause:
+            op_size = 4 + len(operand)
+            if negated:
+                out += _BC_OP.pack(code, op_size, op_size + 4) + operand
+                out += _BC_OP.pack(_BC_JMP, 4, fail - len(out))
+            else:
+                out += _BC_OP.pack(code, op_size, fail - len(out)) + operand
+        if i < len(clauses) - 1:
+            out += _BC_OP.pack(_BC_JMP, 4, total - len(out))  # the clause held: to the end (sent)
+        start += sizes[i]
+    return bytes(out)
+
+
+def port_is(port: int, local: bool = True) -> list[Test]:
+    """The socket's local (else remote) port is PORT: a >= and a <= test, as `ss` builds them."""
+    ge, le = (_BC_S_GE, _BC_S_LE) if local else (_BC_D_GE, _BC_D_LE)
+    operand = _BC_OP.pack(0, 0, port)
+    return [(ge, operand, False), (le, operand, False)]
+
+
+def address_is(address: str, local: bool = True, negated: bool = False) -> Test:
+    """The socket's local (else remote) address is ADDRESS (an IPv4 one matches its IPv4-mapped
+    form on an IPv6 socket too, as the kernel compares them)."""
+    ip = ipaddress.ip_address(address)
+    family = socket.AF_INET if ip.version == 4 else socket.AF_INET6
+    operand = _HOSTCOND.pack(family, 8 * len(ip.packed), -1) + ip.packed
+    return (_BC_S_COND if local else _BC_D_COND, operand, negated)
+
+
+def ipv4_local() -> Test:
+    """The socket's local address is IPv4 (or IPv4-mapped): a /0 IPv4 host condition."""
+    return (_BC_S_COND, _HOSTCOND.pack(socket.AF_INET, 0, -1) + bytes(4), False)
+
+
+_cgroup_filter = [True]  # until a kernel older than 5.10 refuses the cgroup test (EINVAL)
+
+
+def cgroup_is_known() -> bool:
+    """Whether the kernel takes a cgroup test in a filter (not refused yet)."""
+    return _cgroup_filter[0]
+
+
+def cgroup_filter_refused() -> None:
+    """The kernel refused a filter with a cgroup test: filters are built without one from now on."""
+    _cgroup_filter[0] = False
+
+
+def cgroup_is(cgroup_id: int) -> Test:
+    """The socket was made in the cgroup (v2) CGROUP_ID; an accepted socket has its listener's."""
+    return (_BC_CGROUP_COND, _U64.pack(cgroup_id), False)
 
 
 def _address(family: int, raw: bytes) -> str:
@@ -202,18 +278,33 @@ def read_table(
     wanted = frozenset(ports)
     if not wanted:
         return Table(())
-    bytecode = port_filter(wanted)
-    deadline = time.monotonic() + budget_s
+    return read_filtered(port_filter(wanted), wanted, Bounds(limit, timeout_s, budget_s))
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """How much one look reads: LIMIT messages, each read waiting TIMEOUT_S, all within BUDGET_S."""
+
+    limit: int = MAX_SOCKETS
+    timeout_s: float = READ_TIMEOUT_S
+    budget_s: float = READ_BUDGET_S
+
+
+def read_filtered(bytecode: bytes, ports: frozenset[int], bounds: Bounds = Bounds()) -> Table:
+    """The established TCP sockets (IPv4, then IPv6) that BYTECODE lets through, with tcp_info and
+    cgroup id, of those whose local or remote port is one of PORTS (the kernel's filter, checked):
+    one dump per family, within BOUNDS (past them, truncated). Raises OSError."""
+    deadline = time.monotonic() + bounds.budget_s
     socks: list[Sock] = []
     read = 0
     for family in (socket.AF_INET, socket.AF_INET6):
-        dump = sock_diag_dump(family, 1 << _TCP_ESTABLISHED, _EXT_INFO, bytecode, timeout_s)
+        dump = sock_diag_dump(family, 1 << _TCP_ESTABLISHED, _EXT_INFO, bytecode, bounds.timeout_s)
         with contextlib.closing(dump):
             for data, body, end in dump:
                 read += 1
-                if read > limit or time.monotonic() > deadline:
+                if read > bounds.limit or time.monotonic() > deadline:
                     return Table(tuple(socks), truncated=True)
                 sock = parse_sock(data, body, end)
-                if sock.lport in wanted or sock.rport in wanted:  # the kernel's filter, checked
+                if sock.lport in ports or sock.rport in ports:
                     socks.append(sock)
     return Table(tuple(socks))

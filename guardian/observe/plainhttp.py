@@ -14,7 +14,7 @@ is accepted (none is asked for). The caller bounds the time (asyncio.timeout).
 from __future__ import annotations
 
 import asyncio
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 import h11
 
@@ -30,13 +30,26 @@ class TooLarge(ValueError):
         self.status = status
 
 
-async def get(url: str, max_bytes: int) -> tuple[int, bytes]:
-    """GET URL (http://): its status and body. Raises OSError (cannot connect), TooLarge, or
-    h11.ProtocolError (not HTTP/1.x)."""
+def pinned(url: str, address: str | None) -> tuple[str, dict[str, str], dict[str, str]]:
+    """URL with its host replaced by ADDRESS (observe/addresses.py: where guardian connects), the
+    Host header that keeps the name the server was asked for, and httpx's extensions (the TLS
+    server name stays the URL's host); URL as it is where ADDRESS is None."""
+    parts = urlsplit(url)
+    if address is None or parts.hostname is None:
+        return url, {}, {}
+    host = f"[{address}]" if ":" in address else address
+    netloc = host + (f":{parts.port}" if parts.port is not None else "")
+    extensions = {"sni_hostname": parts.hostname} if parts.scheme == "https" else {}
+    return urlunsplit(parts._replace(netloc=netloc)), {"Host": parts.netloc}, extensions
+
+
+async def get(url: str, max_bytes: int, address: str | None = None) -> tuple[int, bytes]:
+    """GET URL (http://), connecting to ADDRESS where given (else to the URL's host): its status
+    and body. Raises OSError (cannot connect), TooLarge, or h11.ProtocolError (not HTTP/1.x)."""
     parts = urlsplit(url)
     host, port = parts.hostname or "", parts.port or 80
     target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    reader, writer = await asyncio.open_connection(host, port)
+    reader, writer = await asyncio.open_connection(address or host, port)
     try:
         conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD_BYTES)
         headers = [("Host", parts.netloc), ("Accept-Encoding", "identity"), ("Connection", "close")]

@@ -56,16 +56,21 @@ def _refused(e: plainhttp.TooLarge, start: float) -> tuple[Probe, bytes]:
 async def _request(
     client: httpx.AsyncClient,
     method: str,
-    url: str,
+    at: tuple[str, str | None],
     timeout_s: float,
     max_bytes: int,
     body: dict[str, object] | None = None,
 ) -> tuple[Probe, bytes]:
-    """One bounded request: the time by TIMEOUT_S, the bytes by MAX_BYTES (raw, never inflated)."""
+    """One bounded request to AT (a URL, and the address to connect to; None: the URL's host):
+    the time by TIMEOUT_S, the bytes by MAX_BYTES (raw, never inflated)."""
     start = time.monotonic()
+    target, host, extensions = plainhttp.pinned(*at)
+    headers = {**HEADERS, **host}
     try:
         async with asyncio.timeout(timeout_s):
-            async with client.stream(method, url, timeout=timeout_s, headers=HEADERS, json=body) as resp:
+            async with client.stream(
+                method, target, timeout=timeout_s, headers=headers, json=body, extensions=extensions
+            ) as resp:
                 status = resp.status_code
                 h = resp.headers
                 plainhttp.check_head(status, h.get("content-encoding", ""), h.get("content-length", ""), max_bytes)
@@ -83,15 +88,17 @@ async def _request(
     return Probe(ok, resp.status_code, latency, None if ok else f"HTTP {resp.status_code}"), bytes(data)
 
 
-async def _get(client: httpx.AsyncClient, url: str, timeout_s: float, max_bytes: int) -> tuple[Probe, bytes]:
-    """A bounded GET: over plain HTTP with h11 (a quarter of httpx's CPU, plainhttp.py), over
-    HTTPS with CLIENT."""
+async def _get(
+    client: httpx.AsyncClient, url: str, timeout_s: float, max_bytes: int, address: str | None = None
+) -> tuple[Probe, bytes]:
+    """A bounded GET, to ADDRESS where given: over plain HTTP with h11 (a quarter of httpx's CPU,
+    plainhttp.py), over HTTPS with CLIENT."""
     if not url.startswith("http://"):
-        return await _request(client, "GET", url, timeout_s, max_bytes)
+        return await _request(client, "GET", (url, address), timeout_s, max_bytes)
     start = time.monotonic()
     try:
         async with asyncio.timeout(timeout_s):
-            status, data = await plainhttp.get(url, max_bytes)
+            status, data = await plainhttp.get(url, max_bytes, address)
     except plainhttp.TooLarge as e:
         return _refused(e, start)
     except Exception as e:  # noqa: BLE001 - every failure is an observation, not a crash
@@ -100,20 +107,20 @@ async def _get(client: httpx.AsyncClient, url: str, timeout_s: float, max_bytes:
     return Probe(ok, status, time.monotonic() - start, None if ok else f"HTTP {status}"), data
 
 
-async def health_at(client: httpx.AsyncClient, base_url: str, timeout_s: float) -> Probe:
-    probe, _ = await _get(client, base_url + "/health", timeout_s, MAX_SMALL_BYTES)
+async def health_at(client: httpx.AsyncClient, base_url: str, timeout_s: float, address: str | None = None) -> Probe:
+    probe, _ = await _get(client, base_url + "/health", timeout_s, MAX_SMALL_BYTES, address)
     return probe
 
 
-async def probe_health(client: httpx.AsyncClient, r: ReplicaConfig) -> Probe:
-    return await health_at(client, r.url, r.health_timeout_s)
+async def probe_health(client: httpx.AsyncClient, r: ReplicaConfig, address: str | None = None) -> Probe:
+    return await health_at(client, r.url, r.health_timeout_s, address)
 
 
 async def probe_metrics(
-    client: httpx.AsyncClient, r: ReplicaConfig, timeout_s: float | None = None
+    client: httpx.AsyncClient, r: ReplicaConfig, timeout_s: float | None = None, address: str | None = None
 ) -> tuple[Probe, VllmSample | None]:
     bound_s = timeout_s if timeout_s is not None else r.metrics_timeout_s
-    probe, body = await _get(client, r.url + "/metrics", bound_s, MAX_METRICS_BYTES)
+    probe, body = await _get(client, r.url + "/metrics", bound_s, MAX_METRICS_BYTES, address)
     if not probe.ok:
         return probe, None
     try:
@@ -131,8 +138,10 @@ async def probe_metrics(
         return Probe(False, probe.status, probe.latency_s, f"unreadable: not parsed within {PARSE_TIMEOUT_S:g} s"), None
 
 
-async def models_at(client: httpx.AsyncClient, base_url: str, timeout_s: float) -> tuple[Probe, tuple[str, ...] | None]:
-    probe, body = await _get(client, base_url + "/v1/models", timeout_s, MAX_MODELS_BYTES)
+async def models_at(
+    client: httpx.AsyncClient, base_url: str, timeout_s: float, address: str | None = None
+) -> tuple[Probe, tuple[str, ...] | None]:
+    probe, body = await _get(client, base_url + "/v1/models", timeout_s, MAX_MODELS_BYTES, address)
     if not probe.ok:
         return probe, None
     try:
@@ -154,19 +163,26 @@ def _model_id(value: object) -> str:
     return value if len(value) <= MAX_MODEL_ID_CHARS else value[:MAX_MODEL_ID_CHARS] + "..."
 
 
-async def probe_models(client: httpx.AsyncClient, r: ReplicaConfig) -> tuple[Probe, tuple[str, ...] | None]:
-    return await models_at(client, r.url, r.health_timeout_s)
+async def probe_models(
+    client: httpx.AsyncClient, r: ReplicaConfig, address: str | None = None
+) -> tuple[Probe, tuple[str, ...] | None]:
+    return await models_at(client, r.url, r.health_timeout_s, address)
 
 
 async def canary(
-    client: httpx.AsyncClient, r: ReplicaConfig, started_at: float, timeout_s: float | None = None
+    client: httpx.AsyncClient,
+    r: ReplicaConfig,
+    started_at: float,
+    timeout_s: float | None = None,
+    address: str | None = None,
 ) -> CanaryResult:
     """A one-token completion: proves the engine, not just the API server, is alive. Bounded in
     time (TIMEOUT_S, the core's deadline; else canary_timeout_s) and in bytes (MAX_SMALL_BYTES):
     an answer that never ends, or is huge, is a failed canary."""
     body: dict[str, object] = {"model": r.model, "prompt": "ping", "max_tokens": 1, "temperature": 0}
     deadline_s = timeout_s if timeout_s is not None else r.canary_timeout_s
-    probe, data = await _request(client, "POST", r.url + "/v1/completions", deadline_s, MAX_SMALL_BYTES, body)
+    url = r.url + "/v1/completions"
+    probe, data = await _request(client, "POST", (url, address), deadline_s, MAX_SMALL_BYTES, body)
     if not probe.ok:
         return CanaryResult(False, started_at, probe.latency_s, probe.error)
     try:

@@ -29,6 +29,7 @@ from ..core.observations import (
 )
 from ..core.vocab import HeldBy, Hidden, Nobody, PortOwner, Unreadable
 from . import nvml, probes
+from .addresses import Addresses, Pin
 from .clock import Now
 from .conns import ConnObserver
 from .containers import ContainerWatch
@@ -198,15 +199,16 @@ class ProbeCarry:
         self.tasks: dict[str, dict[str, tuple[asyncio.Task[Any], float]]] = {}
 
     def start(
-        self, client: httpx.AsyncClient, r: ReplicaConfig, mono: float, bound_s: float = 0.0
+        self, client: httpx.AsyncClient, r: ReplicaConfig, mono: float, bound_s: float = 0.0, address: str | None = None
     ) -> list[asyncio.Task[Any]]:
-        """Send each probe of R that is not already in flight; the tasks to wait for. Each may run up
-        to the longer of its own timeout and BOUND_S (W.unresponsive_after_s): a late answer is an
-        answer (a starved box answered in 1-8 s); its latency still tells slow from in time."""
+        """Send each probe of R that is not already in flight, to ADDRESS (its pin; None: its URL's
+        host); the tasks to wait for. Each may run up to the longer of its own timeout and BOUND_S
+        (W.unresponsive_after_s): a late answer is an answer (a starved box answered in 1-8 s); its
+        latency still tells slow from in time."""
         slots = self.tasks.setdefault(r.name, {})
         for endpoint in self.ENDPOINTS:
             if endpoint not in slots:
-                slots[endpoint] = (asyncio.ensure_future(_send(client, r, endpoint, bound_s)), mono)
+                slots[endpoint] = (asyncio.ensure_future(_send(client, r, endpoint, (bound_s, address))), mono)
         return [task for task, _ in slots.values()]
 
     def take(self, name: str, mono: float) -> tuple[ProbeResults, float | None]:
@@ -236,12 +238,13 @@ class ProbeCarry:
                 task.cancel()
 
 
-async def _send(client: httpx.AsyncClient, r: ReplicaConfig, endpoint: str, bound_s: float) -> Any:
+async def _send(client: httpx.AsyncClient, r: ReplicaConfig, endpoint: str, at: tuple[float, str | None]) -> Any:
+    bound_s, address = at
     if endpoint == "health":
-        return await probes.health_at(client, r.url, max(r.health_timeout_s, bound_s))
+        return await probes.health_at(client, r.url, max(r.health_timeout_s, bound_s), address)
     if endpoint == "metrics":
-        return await probes.probe_metrics(client, r, max(r.metrics_timeout_s, bound_s))
-    return await probes.models_at(client, r.url, max(r.health_timeout_s, bound_s))
+        return await probes.probe_metrics(client, r, max(r.metrics_timeout_s, bound_s), address)
+    return await probes.models_at(client, r.url, max(r.health_timeout_s, bound_s), address)
 
 
 @dataclass(frozen=True)
@@ -309,6 +312,8 @@ class WorldObserver:
         self.memory = MemoryObserver(sd, client)
         self.conns = ConnObserver()
         self.containers = ContainerWatch(sd)
+        self.addresses = Addresses()
+        self.pins: dict[str, Pin] = {}  # where each replica's URL led at the last tick
 
     async def _look(self, cfg: Config, mono: float) -> dict[str, ConnView | None]:
         """The kernel's view, never an exception: beside the probes, a failure here would lose
@@ -317,7 +322,7 @@ class WorldObserver:
         scopes = {r.name: self.containers.scope_of(r) for r in cfg.replicas if r.engine == "docker" and r.container}
         self.conns.cpu_units = {name: scope for name, scope in scopes.items() if scope is not None}
         try:
-            return await self.conns.look(cfg, mono)
+            return await self.conns.look(cfg, mono, self.pins)
         except Exception as e:  # noqa: BLE001 - a surprise here is "no kernel view", said once by the daemon
             self.conns.unavailable = f"the kernel's view failed: {type(e).__name__}: {e}"[:300]
             return {}
@@ -362,6 +367,7 @@ class WorldObserver:
         wait_s: float | None = None,
     ) -> TickObservation:
         """The tick's observation, started AT. TAKE_RESULTS is called once the probes are in."""
+        await self.pin(cfg)
         # The kernel's view is taken beside the probes, at the tick's start: what flowed since the
         # last look is measured over the same span as the probes' wait.
         replicas, views = await asyncio.gather(
@@ -372,6 +378,20 @@ class WorldObserver:
         bases = persistent.fraction_bases
         memory = await self.memory.observe(cfg, replicas, pending, at, bases) if cfg.memory.enabled else None
         return TickObservation(replicas, persistent, memory)
+
+    async def pin(self, cfg: Config) -> dict[str, Pin]:
+        """Where each replica's URL leads this tick (observe/addresses.py), never an exception: a
+        replica whose pin could not be had is probed at its URL as it is."""
+        try:
+            self.pins = await self.addresses.pins(cfg)
+        except Exception as e:  # noqa: BLE001 - no pin is the URL as it is, not a lost tick
+            self.pins = {r.name: Pin(r.host, None, error=f"{type(e).__name__}: {e}"[:300]) for r in cfg.replicas}
+        return self.pins
+
+    def where(self, r: ReplicaConfig) -> str:
+        """The address R's port owner is judged at: its pin, else its URL's host."""
+        pin = self.pins.get(r.name)
+        return pin.address if pin is not None and pin.address is not None else r.host
 
     async def replicas(
         self,
@@ -384,7 +404,13 @@ class WorldObserver:
         ProbeCarry); with WAIT_S None, every probe is waited for (its own timeout bounds it)."""
         self.carry.forget({r.name for r in cfg.replicas})
         bound_s = cfg.watchdog.unresponsive_after_s
-        tasks = [task for r in cfg.replicas for task in self.carry.start(self.client, r, at_mono, bound_s)]
+        if not self.pins:
+            await self.pin(cfg)
+        tasks = [
+            task
+            for r in cfg.replicas
+            for task in self.carry.start(self.client, r, at_mono, bound_s, self.addresses.address_of(r.name))
+        ]
         (owners, units), _ = await asyncio.gather(
             self._views(cfg),
             asyncio.wait(tasks, timeout=wait_s) if tasks else asyncio.sleep(0),
@@ -402,7 +428,7 @@ class WorldObserver:
         """Who holds each replica's port, and each unit; the containers name the containers that
         hold ports and stand in for the unit of a unit-less container."""
         owners, units = await asyncio.gather(
-            self.port_cache.get(self.sd, {r.port: r.host for r in cfg.replicas}),
+            self.port_cache.get(self.sd, {r.port: self.where(r) for r in cfg.replicas}),
             self.unit_cache.get(self.sd, [r.unit for r in cfg.replicas if not r.unitless], time.monotonic()),
         )
         if any(r.container is not None for r in cfg.replicas):

@@ -1,0 +1,261 @@
+"""Where a replica's URL leads (issue 41 item 1): its host resolved as its HTTP client resolves
+it, and the one address that guardian's probes, its canaries, the kernel's view, L4 and G7 then
+all use, so that what guardian judges is what its probes reached.
+
+A name is resolved with getaddrinfo, as asyncio's and httpx's connections resolve it (/etc/hosts,
+then DNS), every address in the order a client tries them: stock Debian's `::1 localhost` makes a
+connection to `localhost` try [::1] first, and another user's listener on [::1]:P then answers
+for the replica. For each address, the listener that a connection to it reaches (sockets.serving:
+the address itself, then its family's wildcard). guardian connects to the first address whose
+listener is the replica's unit's, else to the first one that has a listener (where a client would
+land), else to the first address. A name whose addresses lead to different holders is a hazard:
+clients of that name may reach another's server (said once, and by `guardian check`).
+
+Lookups run on a thread of their own (never the default executor, which a hung resolver would
+fill), at most one per host at a time; a tick waits RESOLVE_WAIT_S for one, then uses the last
+answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import ipaddress
+import socket
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from ..config import Config, ReplicaConfig
+from .sockets import Listener, cgroup_dirs, cgroup_mounts, listener_table, serving, unit_of_cgroup
+
+RESOLVE_WAIT_S = 1.0  # a tick's wait for a name's lookup (/etc/hosts answers in microseconds)
+MAX_ADDRESSES = 16  # addresses of one name that are looked at (a client rarely tries more)
+
+Lookup = Callable[[str, int], list[str]]
+
+
+def getaddrinfo_lookup(host: str, port: int) -> list[str]:
+    """HOST's addresses in the order a TCP client tries them (getaddrinfo's, RFC 6724 sorted)."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    out: list[str] = []
+    for _family, _type, _proto, _name, sockaddr in infos:
+        address = str(sockaddr[0]).split("%", 1)[0]
+        if address not in out:
+            out.append(address)
+    return out[:MAX_ADDRESSES]
+
+
+def literal(host: str) -> str | None:
+    """HOST as an IP address, if it is one (an IPv4-mapped IPv6 address as IPv4)."""
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return str(ip.ipv4_mapped)
+    return str(ip)
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A host's addresses, in a client's order; ERROR says why there are none."""
+
+    addresses: tuple[str, ...] = ()
+    error: str | None = None
+
+
+class Resolver:
+    """Names looked up once per tick, each on a thread of its own, at most one per name at a time."""
+
+    def __init__(self, lookup: Lookup = getaddrinfo_lookup, wait_s: float = RESOLVE_WAIT_S) -> None:
+        self._lookup = lookup
+        self._wait_s = wait_s
+        self._last: dict[tuple[str, int], Resolved] = {}
+        self._running: dict[tuple[str, int], concurrent.futures.Future[Resolved]] = {}
+
+    def _run(self, key: tuple[str, int], done: concurrent.futures.Future[Resolved]) -> None:
+        try:
+            found = self._lookup(*key)
+            result = Resolved(tuple(found)) if found else Resolved(error=f"{key[0]} has no address")
+        except (OSError, UnicodeError) as e:
+            result = Resolved(error=f"{key[0]} does not resolve: {e}"[:300])
+        done.set_result(result)
+
+    async def resolve(self, host: str, port: int) -> Resolved:
+        ip = literal(host)
+        if ip is not None:
+            return Resolved((ip,))
+        key = (host.lower(), port)
+        running = self._running.get(key)
+        if running is None:
+            running = concurrent.futures.Future()
+            self._running[key] = running
+            threading.Thread(target=self._run, args=(key, running), daemon=True, name=f"resolve {host}").start()
+        try:
+            result = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(running)), self._wait_s)
+        except TimeoutError:
+            last = self._last.get(key)
+            if last is not None:
+                return last
+            return Resolved(error=f"the lookup of {host} has not answered in {self._wait_s:g} s")
+        self._running.pop(key, None)
+        self._last[key] = result
+        return result
+
+
+# --- the choice (pure) -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Place:
+    """One address of a replica's host, and the listener a connection to it reaches (None: none)."""
+
+    address: str
+    listener: Listener | None
+    holder: str | None = None  # the unit that made that listener, where it was looked up
+
+
+@dataclass(frozen=True)
+class Pin:
+    """Where guardian connects for one replica: ADDRESS (None: its host did not resolve, and its
+    URL is used as it is), the listener there, every place its host leads to, and why it could not
+    be resolved."""
+
+    host: str
+    address: str | None
+    listener: Listener | None = None
+    places: tuple[Place, ...] = ()
+    error: str | None = None
+
+    @property
+    def split(self) -> bool:
+        """The host's addresses lead to listeners of different holders."""
+        return len({_holder_key(p) for p in self.places if p.listener is not None}) > 1
+
+    def split_text(self, unit: str) -> str:
+        """What the split is, for the hazard line and `guardian check`."""
+        where = "; ".join(
+            f"{_bracketed(p.address)} -> {_where(p.listener)} held by {p.holder or 'an unnamed process'}"
+            for p in self.places
+            if p.listener is not None
+        )
+        chosen = next((p for p in self.places if p.address == self.address), None)
+        whose = f" ({unit}'s listener)" if chosen is not None and chosen.holder == unit else ""
+        return (
+            f"its URL's host {self.host} leads to listeners of different holders ({where}): guardian probes "
+            f"{_bracketed(self.address or '?')}{whose}; a client of that name may reach another's server: "
+            "put one address in the URL"
+        )
+
+
+def _holder_key(p: Place) -> object:
+    if p.holder is not None:
+        return p.holder
+    if p.listener is not None and p.listener.cgroup_id is not None:
+        return p.listener.cgroup_id
+    return p.listener.inode if p.listener is not None else None
+
+
+def _bracketed(address: str) -> str:
+    return f"[{address}]" if ":" in address else address
+
+
+def _where(x: Listener) -> str:
+    return f"{_bracketed(x.address or '?')}:{x.port}"
+
+
+def choose(host: str, resolved: Resolved, table: Sequence[Listener], port: int, own: Callable[[Place], bool]) -> Pin:
+    """The pin of a replica whose URL names HOST:PORT, from its RESOLVED addresses and the
+    listening sockets (TABLE): the first address whose listener is the replica's own (OWN),
+    else the first that has a listener, else the first address."""
+    if not resolved.addresses:
+        return Pin(host, None, error=resolved.error)
+    places = tuple(Place(a, serving(table, a, port)) for a in resolved.addresses)
+    return _pick(host, places, own)
+
+
+def _pick(host: str, places: tuple[Place, ...], own: Callable[[Place], bool]) -> Pin:
+    heard = [p for p in places if p.listener is not None]
+    mine = next((p for p in heard if own(p)), None)
+    chosen = mine or (heard[0] if heard else places[0])
+    return Pin(host, chosen.address, chosen.listener, places)
+
+
+def named(places: Iterable[Place], holders: Mapping[int, str]) -> tuple[Place, ...]:
+    """PLACES with each listener's holder (its cgroup's unit, HOLDERS: cgroup id -> unit)."""
+    out = []
+    for p in places:
+        cg = p.listener.cgroup_id if p.listener is not None else None
+        out.append(Place(p.address, p.listener, holders.get(cg) if cg is not None else None))
+    return tuple(out)
+
+
+# --- the observer ------------------------------------------------------------------------------
+
+
+class Addresses:
+    """Each replica's pin, once per tick (pins()); the latest is kept for the canaries and warm-ups
+    the executor sends between ticks (address_of)."""
+
+    def __init__(self, resolver: Resolver | None = None) -> None:
+        self.resolver = resolver or Resolver()
+        self.latest: dict[str, Pin] = {}
+        self.table: list[Listener] | None = None  # the listening sockets of the last look
+
+    def address_of(self, name: str) -> str | None:
+        pin = self.latest.get(name)
+        return pin.address if pin is not None else None
+
+    async def pins(self, cfg: Config) -> dict[str, Pin]:
+        resolved = await asyncio.gather(*(self.resolver.resolve(r.host, r.port) for r in cfg.replicas))
+        ports = {r.port for r in cfg.replicas}
+        table = await asyncio.to_thread(listener_table, ports) if ports else []
+        self.table = table
+        out = await asyncio.to_thread(pin_all, cfg.replicas, resolved, table or [])
+        self.latest = out
+        return out
+
+
+def pin_all(
+    replicas: Sequence[ReplicaConfig], resolved: Sequence[Resolved], table: Sequence[Listener]
+) -> dict[str, Pin]:
+    """Each replica's pin; the cgroup tree is walked (to name holders) only for a host whose
+    addresses lead to more than one listener."""
+    holders: dict[int, str] | None = None
+    out: dict[str, Pin] = {}
+    for r, res in zip(replicas, resolved, strict=True):
+        pin = choose(r.host, res, table, r.port, _nobody)
+        if len({p.listener.inode for p in pin.places if p.listener is not None}) > 1:
+            holders = holders if holders is not None else _holders()
+            pin = _pick(r.host, named(pin.places, holders), _held_by(r.unit))
+        out[r.name] = pin
+    return out
+
+
+def _nobody(_place: Place) -> bool:
+    return False
+
+
+def _held_by(unit: str) -> Callable[[Place], bool]:
+    return lambda place: place.holder == unit
+
+
+def _holders() -> dict[int, str]:
+    """cgroup id -> the unit it belongs to, for the whole cgroup2 tree."""
+    root = cgroup_mounts().unified
+    if root is None:
+        return {}
+    out: dict[int, str] = {}
+    for ino, path in cgroup_dirs(root).items():
+        unit = unit_of_cgroup(path)
+        if unit is not None:
+            out[ino] = unit
+    return out
+
+
+async def pin_of(r: ReplicaConfig, resolver: Resolver | None = None) -> Pin:
+    """R's pin looked at now (the re-check before a restart, `guardian check`)."""
+    resolved = await (resolver or Resolver()).resolve(r.host, r.port)
+    table = await asyncio.to_thread(listener_table, {r.port})
+    return (await asyncio.to_thread(pin_all, [r], [resolved], table or []))[r.name]
