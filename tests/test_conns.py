@@ -877,3 +877,93 @@ def test_a_squatter_on_another_family_is_left_out_by_a_real_look(loop):
     finally:
         for s in (client, served, squat, replica):
             s.close()
+
+
+# --- another user's sockets never fill the replica's view (issue 41 item 3, row 3) --------------
+
+FLOOD = """
+import socket, sys, time
+family, host, port, n = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+listener = socket.socket(family)
+if family == socket.AF_INET6:
+    listener.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+listener.bind((host, port))
+listener.listen(4096)
+pairs = []
+for _ in range(n):
+    client = socket.create_connection((host, port))
+    served, _ = listener.accept()
+    pairs.append((client, served))
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+def _as_nobody() -> None:
+    os.setgroups([])
+    os.setgid(65534)
+    os.setuid(65534)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="runs a process as user nobody: needs root (make test runs as root)")
+@pytest.mark.parametrize(("replica_host", "flood"), [
+    ("127.0.0.1", (socket.AF_INET, "127.0.0.2")),  # the issue's row: nobody on 127.0.0.2:P
+    ("0.0.0.0", (socket.AF_INET6, "::1")),  # a wildcard replica, nobody on [::1]:P beside it
+])
+def test_another_users_sockets_on_the_port_neither_fill_nor_hide_the_replicas_own(replica_host, flood):
+    """Row 3 of issue 41: nobody's 54,000 sockets on 127.0.0.2-4:P truncated the view (its bound),
+    the replica's own flowing connections were not in it, and a serving replica was restarted.
+    Here 300 of nobody's connections (600 sockets) against a bound of 100: the replica's three
+    connections are all seen, and the view is whole."""
+    import subprocess
+    import sys
+
+    lp = Loop(host=replica_host)
+    family, host = flood
+    # the system's python3: the venv's may lie under /root, which nobody cannot enter
+    python = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
+    hog = subprocess.Popen([python, "-c", FLOOD, str(int(family)), host, str(lp.port), "300"],
+                           stdout=subprocess.PIPE, text=True, preexec_fn=_as_nobody)
+    try:
+        assert hog.stdout is not None and hog.stdout.readline().strip() == "ready", hog.poll()
+        for _ in range(3):
+            lp.connect()
+        cfg = _cfg(lp.port)
+        ob = ConnObserver(recognise_self=False, mounts=CgroupMounts(), limit=100)
+        view = _look(ob, cfg)
+        assert not view.truncated and view.connections == 3, view
+        before = read_table({lp.port}, limit=100)  # the port alone, as the look read it before
+        assert before.truncated
+    finally:
+        hog.kill()
+        hog.wait()
+        lp.close()
+
+
+def test_the_filter_the_kernel_runs_keeps_to_the_listeners_address_and_cgroup():
+    """The bytecode is accepted by the kernel (a bad jump is EINVAL) and does what it says: a
+    clause of the listener's port, cgroup and address; a wildcard's clause leaves out the
+    addresses other listeners hold."""
+    from guardian.observe.netlink import program, read_filtered
+    from guardian.observe.sockets import listener_table
+
+    lp = Loop()
+    try:
+        lp.connect()
+        (mine,) = listener_table({lp.port})
+        assert mine.cgroup_id is not None
+        got = read_filtered(program([conns.server_clause(mine, [mine])]), frozenset({lp.port}))
+        assert [(s.local, s.lport) for s in got.socks] == [("127.0.0.1", lp.port)]
+        other = replace_cgroup(mine, mine.cgroup_id + 1)
+        assert read_filtered(program([conns.server_clause(other, [other])]), frozenset({lp.port})).socks == ()
+        wild = Listener(socket.AF_INET, "0.0.0.0", lp.port, mine.inode, mine.cgroup_id)
+        shadowed = Listener(socket.AF_INET, "127.0.0.1", lp.port, 1, None)
+        assert read_filtered(program([conns.server_clause(wild, [wild, shadowed])]), frozenset({lp.port})).socks == ()
+        two = [conns.server_clause(other, [other]), conns.server_clause(mine, [mine])]  # the second clause holds
+        assert len(read_filtered(program(two), frozenset({lp.port})).socks) == 1
+    finally:
+        lp.close()
+
+
+def replace_cgroup(x: Listener, cgroup_id: int) -> Listener:
+    return Listener(x.family, x.address, x.port, x.inode, cgroup_id)

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from systemd_box import wait_for
-from world import PROXY, PROXY_URL, World
+from world import PROXY, PROXY_URL, Replica, World
 
 pytestmark = pytest.mark.system
 
@@ -263,3 +263,52 @@ def test_another_users_listeners_on_the_replicas_port_neither_keep_it_busy_nor_h
              "a to be restarted")
     world.wait_states({"a": "healthy"}, timeout_s=40)
     assert world.box.prop("squat.service", "ActiveState") == "active"  # nobody's listeners were left alone
+
+
+SQUATTERS = SQUATTER.replace("port = int(sys.argv[1])\npairs = []\nfor family, host in",
+                             "pairs = []\nfor port, (family, host) in ((int(p), fh) for p in sys.argv[1:] for fh in")
+SQUATTERS = SQUATTERS.replace('(socket.AF_INET, "127.0.0.2")):', '(socket.AF_INET, "127.0.0.2"))):', 1)
+STOCK_HOSTS = "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n127.0.0.1\t{name}\n"
+
+
+def test_replicas_named_by_localhost_and_by_the_host_name_are_restarted_as_one_named_by_address(world):
+    """Issue 41 rows 1 and 2. Stock Debian's /etc/hosts (`::1 localhost`, the box's name on
+    loopback); user nobody listens on [::1]:P and 127.0.0.2:P beside each replica's 127.0.0.1:P.
+    Before: `localhost` sent the probes to nobody's [::1] listener, and a URL by host name took
+    nobody's listener (the first in the dump) for the replica's: port-taken, G7 refused, no
+    restart. Now each name is resolved as a client resolves it and the probes, the kernel's view
+    and the gates all use the address chosen: each frozen replica is restarted by L8."""
+    name = world.box.run(["hostname"]).stdout.strip()
+    assert name, "the box has a host name"
+    world.replicas = [Replica("a", 8001), Replica("b", 8002, url_host="localhost"), Replica("c", 8003, url_host=name)]
+    world.box.write("/etc/hosts", STOCK_HOSTS.format(name=name))
+    assert SQUATTERS != SQUATTER and "sys.argv[1:]" in SQUATTERS
+    world.box.write("/tmp/squat.py", SQUATTERS)
+    world.setup(start_guardian=False)
+    world.box.run(["systemd-run", "--unit=squat", "-p", "User=nobody", "-p", "Restart=no",
+                   "/usr/bin/python3", "/tmp/squat.py", *(str(r.port) for r in world.replicas)])
+    world.extra_units.append("squat.service")
+    wait_for(lambda: "squatting" in world.box.messages(unit="squat.service")
+             or world.box.prop("squat.service", "ActiveState") != "active", 30, "the squatter to listen")
+    assert "squatting" in world.box.messages(unit="squat.service"), world.box.messages(unit="squat.service")
+    world.start_guardian()  # all three healthy: each probed at its own replica's address
+    check = world.box.run(["guardian", "check"], check=False)
+    b_lines = [ln for ln in check.stdout.splitlines() if "replica b " in ln and "different holders" in ln]
+    assert b_lines and "squat.service" in b_lines[0] and "guardian probes 127.0.0.1" in b_lines[0], check.stdout
+    assert not [ln for ln in check.stdout.splitlines() if "different holders" in ln and "replica b " not in ln]
+    hazard = wait_for(lambda: next(iter(world.guardian_lines("GUARDIAN_HAZARD=address:b")), None), 30,
+                      "the split of localhost to be said")
+    assert hazard["PRIORITY"] == "3" and "[::1]:8002 held by squat.service" in hazard["MESSAGE"], hazard["MESSAGE"]
+    for r in world.replicas:
+        old = world.box.identity(r.unit)
+        frozen_at = time.time()
+        world.kill(r.unit, "STOP")
+        wait_for(lambda r=r: decision_after(world, r, frozen_at) is not None, 90, f"{r.name}'s restart")
+        print(f"{r.url} frozen -> restart decision {decision_after(world, r, frozen_at):.1f} s")
+        (line,) = world.restarts_of(r)
+        assert line["GUARDIAN_RULE"] == "L8" and "unresponsive" in line["MESSAGE"], line["MESSAGE"]
+        assert not world.guardian_lines(f"GUARDIAN_REPLICA={r.name}", "GUARDIAN_DECISION=refused")
+        wait_for(lambda r=r, old=old: world.box.identity(r.unit) != old
+                 and world.box.prop(r.unit, "ActiveState") == "active", 40, f"{r.name} to be restarted")
+        world.wait_states({r.name: "healthy"}, timeout_s=40)
+    assert world.box.prop("squat.service", "ActiveState") == "active"

@@ -68,6 +68,7 @@ class Replica:
     env_after: bool = False  # the unit also reads /etc/vllm/NAME.env, listed after guardian's file
     config: dict = field(default_factory=dict)  # more of its [[replicas]] keys (warmup_file, ...)
     model_path: str | None = None  # loads this path (--model), served as `model` (--served-model-name)
+    url_host: str = "127.0.0.1"  # the host its URL names (a name is resolved in the box)
 
     @property
     def unit(self) -> str:
@@ -75,7 +76,7 @@ class Replica:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.url_host}:{self.port}"
 
 
 def toml_value(v) -> str:
