@@ -379,3 +379,38 @@ def test_check_reads_each_warmup_file_and_says_when_no_proxy_would_ever_send_it(
     cli_check._check_warmup(Config(replicas=reps[:1]), report)
     (warning,) = report.of("warning")
     assert "is never sent" in warning and "no [proxy]" in warning
+
+
+def _as_nobody() -> None:
+    os.setgroups([])
+    os.setgid(65534)
+    os.setuid(65534)
+
+
+WRITE_DEEP = "import sys; open(sys.argv[1], 'w').write('{\"prompt\": \"x\"}\\n' + '[' * 100000 + ']' * 100000 + '\\n')"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="runs a process as user nobody: needs root (make test runs as root)")
+def test_check_names_a_warmup_file_nested_100000_deep_and_checks_the_rest(tmp_path, capsys):
+    """Issue 41 row 5: user nobody writes, in a warm-up file guardian reads, a line nested 100,000
+    deep; `guardian check` died with a RecursionError traceback and checked nothing after it."""
+    import shutil
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(prefix="guardian-warmup-"))
+    try:
+        base.chmod(0o755)
+        os.chown(base, 65534, 65534)
+        deep = base / "warmup.jsonl"
+        python = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
+        subprocess.run([python, "-c", WRITE_DEEP, str(deep)], check=True, timeout=30, preexec_fn=_as_nobody)
+        assert deep.stat().st_uid == 65534
+        path = Path(config(tmp_path, ("a", f"http://127.0.0.1:{free_port()}"), ("b", f"http://127.0.0.1:{free_port()}")))
+        path.write_text(path.read_text().replace('model = "m"\n', f'model = "m"\nwarmup_file = "{deep}"\n', 1))
+        rc, lines = check(capsys, str(path), "--no-systemd")
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    (bad,) = [x for x in lines if "warm-up: replica a" in x]
+    assert bad.startswith("problem: ") and f"{deep} line 2: not JSON: nested too deep" in bad, bad
+    assert any("nothing listens on port" in x and "replica b" in x for x in lines), lines  # and it went on
+    assert rc == 1

@@ -352,6 +352,8 @@ NEW = unit(inactive_exit_mono=111.0)
     [
         (WarmupResult(116, 3, 0, 0.4), "D14", Priority.INFO),
         (WarmupResult(116, 2, 1, 0.4, "request 3: HTTP 400"), "D14", Priority.WARNING),
+        # issue 41 row 5: a warm-up that raised (act/executor.py makes it this result)
+        (WarmupResult(116, 0, 0, 0.0, "the warm-up raised RuntimeError: x"), "D14", Priority.WARNING),
         (WarmupResult(90, 3, 0, 0.4), None, None),  # an earlier warm-up's result: not this drain's
     ],
 )

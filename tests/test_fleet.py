@@ -43,6 +43,16 @@ def test_the_wait_names_who_holds_the_slots():
     assert "box7/x" in b.text
 
 
+def test_the_wait_names_the_key_of_a_slot_held_by_no_guardians_lease():
+    """Issue 41 row 6: a slot that reads as a guardian's but is bound to no lease (it never expires)
+    still counts, and the wait line says which key it is and why it is not a guardian's."""
+    ghost = FleetSlot("ghost", "x", "m", key="/guardian/f/slots/0", not_leased="bound to no lease, so it never expires")
+    b = checked(fleet.slot_refusal("a", "m", fleet_view(SERVING_ELSEWHERE, [ghost]), with_fleet(cfg(2))))
+    assert b.rule == "F4" and "ghost/x" in b.text
+    assert "'/guardian/f/slots/0'" in b.text and "not a guardian's lease: bound to no lease" in b.text
+    assert "deleting it frees the slot" in b.text
+
+
 def test_an_operators_restart_asks_for_a_slot_waits_and_goes_once_it_holds_one_then_gives_it_back():
     box = Box(with_fleet(cfg(2)))
     free = fleet_view(SERVING_ELSEWHERE)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import signal
 import time
 
@@ -262,3 +263,100 @@ def test_check_reads_the_fleet_and_counts_an_unreachable_etcd_as_a_problem(etcd,
     assert "at most 1 planned restart(s) in the fleet at once" in ok.stdout
     down = check(["http://127.0.0.1:9"])
     assert down.returncode == 1 and "problem: fleet: etcd cannot be read" in down.stdout, down.stdout
+
+
+# --- issue 41 row 6: a slot key that is not a guardian's -----------------------------------------
+PUT_AS_NOBODY = """
+import base64, json, sys, urllib.request
+endpoint, key, value = sys.argv[1:]
+b = lambda s: base64.b64encode(s.encode()).decode()
+body = json.dumps({"key": b(key), "value": b(value)}).encode()
+req = urllib.request.Request(endpoint + "/v3/kv/put", body, {"Content-Type": "application/json"})
+print(urllib.request.urlopen(req, timeout=10).status)
+"""
+
+
+def _as_nobody() -> None:
+    import os
+
+    os.setgroups([])
+    os.setgid(65534)
+    os.setuid(65534)
+
+
+def put_as_nobody(cluster: EtcdCluster, key: str, value: str) -> None:
+    """A client of the cluster that is no guardian: a process of user nobody, with no lease."""
+    import os
+    import subprocess
+    import sys
+
+    python = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
+    as_nobody = _as_nobody if os.geteuid() == 0 else None
+    out = subprocess.run([python, "-c", PUT_AS_NOBODY, cluster.endpoints[0], key, value], capture_output=True,
+                         text=True, timeout=30, preexec_fn=as_nobody)
+    assert out.stdout.strip() == "200", out.stderr
+
+
+async def status_fleet(cfg: Config, tmp_path) -> str:
+    import subprocess
+    import sys
+
+    conf = tmp_path / "guardian.toml"
+    conf.write_text(f'[fleet]\nendpoints = {cfg.fleet.endpoints!r}\nname = "{cfg.fleet.name}"\n'.replace("'", '"'))
+    out = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-m", "guardian", "--config", str(conf), "status", "--fleet"],
+        capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_garbage_at_the_one_slot_key_holds_no_slot_and_a_planned_restart_takes_it(etcd, tmp_path):
+    """Issue 41 row 6: `{garbage` at slots/0 (max_planned_restarts = 1) was skipped by the view ("0 of 1
+    held") but counted as taken by the slot request: every planned restart in the fleet waited and was
+    refused (A4), and no line named the key. One parse now decides for both: the key holds no slot, and
+    the slot request takes that index over, in a transaction that compares the key's revision as read."""
+    async def go():
+        name = fleet_name()
+        good, other = box(etcd, "good", name, ttl=30), box(etcd, "other", name, ttl=30)
+        key = f"/guardian/{name}/slots/0"
+        put_as_nobody(etcd, key, "{garbage")
+        await step(good)
+        await step(other)
+        v = await step(good)
+        assert v.ok and v.slots == ()
+        before = await status_fleet(good.cfg, tmp_path)
+        assert "planned restarts 0 of 1 slot(s) held" in before and f"ignored {key!r}" in before, before
+        await good.acquire("a", "m")
+        assert "a" in (await step(good)).mine, "the garbage key was counted as a taken slot"
+        (said,) = [ln.message for ln, _ in good.journal.lines if "taken over" in ln.message]
+        assert key in said and "not JSON" in said and "replica a" in said, said
+        assert "slot 0: held by good/a (m)" in await status_fleet(good.cfg, tmp_path)
+        await other.acquire("a", "m")  # and the one slot is still one: the other box waits
+        assert (await step(other)).mine == frozenset() and len(other.view.slots) == 1
+        await good.release("a")
+        assert (await step(other)).slots == () and key not in other.kvs  # the garbage went with the slot
+        await good.close()
+        await other.close()
+    run(go())
+
+
+def test_a_well_formed_slot_bound_to_no_guardians_lease_is_named_in_the_wait_and_in_status(etcd, tmp_path):
+    """Issue 41 row 6: a slot that reads as a guardian's but is held by no guardian's lease (put by a
+    client with no lease: it never expires) is counted, so planned restarts wait, and the wait line and
+    `guardian status --fleet` name its key and why it is not a guardian's."""
+    from guardian.core import fleet as core_fleet
+
+    async def go():
+        name = fleet_name()
+        good = box(etcd, "good", name, ttl=30)
+        key = f"/guardian/{name}/slots/0"
+        put_as_nobody(etcd, key, json.dumps({"box": "ghost", "replica": "x", "model": "m", "since": 1.0}))
+        await step(good)
+        v = await step(good)
+        assert v.ok and [(s.box, s.replica) for s in v.slots] == [("ghost", "x")]
+        why = core_fleet.slot_refusal("a", "m", v, good.cfg)
+        assert why is not None and key in why.reason and "no lease" in why.reason, why
+        out = await status_fleet(good.cfg, tmp_path)
+        assert "slot 0: held by ghost/x (m)" in out and "no lease" in out and "not a guardian's" in out, out
+        await good.close()
+    run(go())

@@ -153,6 +153,7 @@ class Gateway:
     def __init__(self) -> None:
         self.routes: dict[str, Handler] = dict(GOOD)
         self.requests: list[tuple[str, dict[str, str]]] = []
+        self.bodies: list[tuple[str, bytes]] = []
         self.sent: dict[str, int] = {}
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -169,8 +170,9 @@ class Gateway:
             while (line := await reader.readline()) not in (b"\r\n", b""):
                 k, v = line.decode().split(":", 1)
                 headers[k.strip().lower()] = v.strip()
-            await reader.readexactly(int(headers.get("content-length", "0")))
+            body = await reader.readexactly(int(headers.get("content-length", "0")))
             self.requests.append((path, headers))
+            self.bodies.append((path, body))
             await self.routes[path](writer, self, path)
         except (ConnectionError, ValueError, asyncio.IncompleteReadError):
             pass  # the client went away, which is what several tests want of it
@@ -605,9 +607,12 @@ def test_a_step_reads_past_hostile_values_and_says_each_once(gw):
     run(go())
 
 
-def test_a_slot_key_holding_garbage_counts_as_taken_and_no_doomed_transaction_is_sent(gw):
+def test_a_slot_key_holding_garbage_holds_no_slot_and_is_taken_over_by_its_revision_as_read(gw):
+    """Issue 41 row 6: it counted as taken (the view skipped it, the slot request did not): every
+    planned restart waited on it. The slot request now skips it as the view does, and takes its
+    index in a transaction that compares the key's mod revision as read, said at warning."""
     gw.routes["/v3/kv/range"] = answer(
-        range_answer(kv(PREFIX + "replicas/box2/a", member("box2")), kv(PREFIX + "slots/0", "[" * 5_000))
+        range_answer(kv(PREFIX + "replicas/box2/a", member("box2")), kv(PREFIX + "slots/0", "[" * 5_000, mod=5))
     )
 
     async def go() -> None:
@@ -615,7 +620,31 @@ def test_a_slot_key_holding_garbage_counts_as_taken_and_no_doomed_transaction_is
         v = await step(s)
         assert v.ok and v.slots == () and said(s, "slots/0' ignored")
         await s.acquire("a", "m")
-        assert [p for p, _ in gw.requests if p == "/v3/kv/txn"] == []
+        (txn,) = [json.loads(b) for p, b in gw.bodies if p == "/v3/kv/txn"]
+        slot, epoch = txn["compare"]
+        assert (base64.b64decode(slot["key"]).decode(), slot["target"], slot["mod_revision"]) == (
+            PREFIX + "slots/0", "MOD", "5")
+        assert base64.b64decode(epoch["key"]).decode() == PREFIX + "models/m"
+        assert base64.b64decode(txn["success"][0]["request_put"]["key"]).decode() == PREFIX + "slots/0"
+        (line,) = said(s, "taken over")
+        assert "slots/0" in line and "RecursionError" in line
+        await s.close()
+
+    run(go())
+
+
+def test_a_free_slot_key_is_taken_before_one_holding_garbage(gw):
+    gw.routes["/v3/kv/range"] = answer(range_answer(kv(PREFIX + "slots/0", "{garbage")))
+
+    async def go() -> None:
+        s = FleetSync(config(gw.url).model_copy(update={"fleet": config(gw.url).fleet.model_copy(
+            update={"max_planned_restarts": 2})}), Recorder(), lambda: Now(time.time(), time.monotonic()))
+        assert (await step(s)).ok
+        await s.acquire("a", "m")
+        (txn,) = [json.loads(b) for p, b in gw.bodies if p == "/v3/kv/txn"]
+        slot = txn["compare"][0]
+        assert (base64.b64decode(slot["key"]).decode(), slot["target"]) == (PREFIX + "slots/1", "CREATE")
+        assert not said(s, "taken over")
         await s.close()
 
     run(go())

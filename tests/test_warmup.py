@@ -124,3 +124,65 @@ def test_an_unreadable_file_is_the_result_and_nothing_is_sent(sim, tmp_path):
     result = _run(r)
     assert (result.served, result.failed) == (0, 0) and "cannot be read" in (result.error or "")
     assert sim.get("/_sim/state").json()["prefix_cache"]["query_tokens"] == 0
+
+
+# --- issue 41 row 5: a line nested 100,000 deep -----------------------------------------------
+DEEP = {
+    "array": "[" * 100_000 + "]" * 100_000,
+    "object": '{"a":' * 100_000 + "1" + "}" * 100_000,
+}
+
+
+@pytest.mark.parametrize("kind", sorted(DEEP))
+def test_a_line_nested_100000_deep_is_a_file_error_naming_its_line_and_the_nesting(tmp_path, kind):
+    """It raised RecursionError out of load (ValueError alone was caught): `guardian check` died with a
+    traceback and the daemon's warm-up task ended with no result."""
+    path = tmp_path / "w.jsonl"
+    path.write_text('{"prompt": "x"}\n' + DEEP[kind] + "\n")
+    with pytest.raises(warmup.WarmupFileError, match=r"line 2: not JSON: nested too deep") as e:
+        warmup.load(path)
+    assert str(path) in str(e.value) and len(str(e.value)) < 1000  # the cause, never the line itself
+
+
+def _executor(cfg):
+    from guardian.act.executor import Executor
+    from guardian.act.restart import Tools
+
+    return Executor(Tools(None, None, None, cfg, lambda: None), httpx.AsyncClient())  # type: ignore[arg-type]
+
+
+def _warm_through_the_executor(r: ReplicaConfig):
+    """The daemon's path: a WarmUp action performed by the executor, its result taken as the observer takes it."""
+    from guardian.config import Config
+    from guardian.core.actions import WarmUp
+
+    async def go():
+        ex = _executor(Config(replicas=[r]))
+        ex.perform([WarmUp(r.name, 116.0, 5.0)], {}, None)  # type: ignore[arg-type]
+        await asyncio.wait(set(ex.tasks), timeout=30)  # a deadline for a hang only
+        await ex.client.aclose()
+        return ex.take_results().warmups.get(r.name)
+
+    return asyncio.run(go())
+
+
+def test_a_deep_line_in_the_daemon_is_a_failed_warmup_with_its_cause_not_a_task_that_died(tmp_path):
+    path = tmp_path / "w.jsonl"
+    path.write_text(DEEP["array"] + "\n")
+    r = ReplicaConfig(name="a", unit="vllm-a.service", url="http://127.0.0.1:9", model="m", warmup_file=path)
+    result = _warm_through_the_executor(r)
+    assert result is not None, "the warm-up task died with no result: D14 never comes"
+    assert (result.started_at, result.served) == (116.0, 0) and "line 1: not JSON: nested too deep" in result.error
+
+
+def test_a_warmup_that_raises_anything_ends_as_a_failed_warmup(tmp_path, monkeypatch):
+    def broken(path):
+        raise RuntimeError("something no one foresaw")
+
+    monkeypatch.setattr(warmup, "load", broken)
+    r = ReplicaConfig(name="a", unit="vllm-a.service", url="http://127.0.0.1:9", model="m",
+                      warmup_file=tmp_path / "w.jsonl")
+    result = _warm_through_the_executor(r)
+    assert result is not None, "the warm-up task died with no result: D14 never comes"
+    assert result.started_at == 116.0 and result.served == 0
+    assert "RuntimeError: something no one foresaw" in (result.error or "")

@@ -24,6 +24,7 @@ and the lowering goes on).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Coroutine, Iterable, Mapping
 from dataclasses import replace
 from typing import Any, assert_never
@@ -65,6 +66,10 @@ from .state import (
     record_waiting,
 )
 from .warmup import warm_up
+
+# What a warm-up that raised says of its exception, in its D14 line: the cause, never a whole
+# structure a hostile file could make of it (the journal would cut it at 8 KiB anyway).
+MAX_WARMUP_ERROR_CHARS = 500
 
 
 def _unpinned(_name: str) -> str | None:
@@ -219,7 +224,12 @@ class Executor:
     async def _warm(self, action: WarmUp) -> None:
         r = self.cfg.replica(action.replica)
         if r is not None and r.warmup_file is not None:
-            result = await warm_up(self.client, r, action.started_at, action.timeout_s)
+            began = time.monotonic()
+            try:
+                result = await warm_up(self.client, r, action.started_at, action.timeout_s)
+            except Exception as e:  # noqa: BLE001 - a warm-up that raises is a failed one (D14 at warning), never silence
+                cause = f"the warm-up raised {type(e).__name__}: {e}"[:MAX_WARMUP_ERROR_CHARS]
+                result = WarmupResult(action.started_at, 0, 0, time.monotonic() - began, cause)
             kept = self._warmups.get(r.name)
             if kept is None or kept.started_at <= result.started_at:  # a late older one never hides a newer one
                 self._warmups[r.name] = result

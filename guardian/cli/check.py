@@ -62,6 +62,9 @@ def cmd_check(args: argparse.Namespace) -> int:
 # The kinds of line `guardian check` prints that are a problem to fix, each counted once.
 PROBLEM_KINDS = ("problem", "hazard", "warning")
 NOT_SERVING = "not serving"
+# A finding says its cause in one line: an unforeseen exception's text is cut here (a hostile file
+# could make it long), as the daemon's warm-up cuts its own (act/executor.py).
+MAX_CAUSE_CHARS = 500
 
 
 @dataclass
@@ -244,9 +247,10 @@ def _check_warmup(cfg: Config, report: Report) -> None:
             continue
         try:
             found = warmup.load(r.warmup_file)
-        except warmup.WarmupFileError as e:
+        except Exception as e:  # noqa: BLE001 - WarmupFileError, or anything unforeseen: a finding, and on to the rest
+            cause = str(e) if isinstance(e, warmup.WarmupFileError) else f"{r.warmup_file}: {type(e).__name__}: {e}"
             without = f"it is marked up without a warm-up ({drain.WARMED.id} says why)"
-            report.problem(f"warm-up: replica {r.name}: {e}; {without}")
+            report.problem(f"warm-up: replica {r.name}: {cause[:MAX_CAUSE_CHARS]}; {without}")
             continue
         if not cfg.proxy.enabled:
             report.problem(

@@ -166,6 +166,8 @@ def _fleet_status(args: argparse.Namespace) -> int:
         since = s.get("since")
         held = f" for {now - since:.0f} s" if isinstance(since, int | float) else ""
         print(f"  slot {s.get('slot')}: held by {s.get('box')}/{s.get('replica')} ({s.get('model')}){held}")
+        if s.get("not_leased"):
+            print(f"    not a guardian's lease: {s['not_leased']}; deleting {s.get('key')!r} frees the slot")
     for box in sorted(data["boxes"]):
         for name, r in sorted(data["boxes"][box].items()):
             print(f"  {box + '/' + name:<24} {r.get('state')!s:<13} {r.get('unit')!s:<28} {r.get('model')}")

@@ -39,7 +39,16 @@ class _Planned:
 
     @property
     def holders(self) -> str:
-        return ", ".join(f"{slot.box}/{slot.replica}" for slot in self.view.slots)
+        """Who holds the slots; a slot held by no guardian's lease is named by its key, and why."""
+        return ", ".join(
+            f"{slot.box}/{slot.replica}"
+            + (
+                f" (key {slot.key!r}, not a guardian's lease: {slot.not_leased}; deleting it frees the slot)"
+                if slot.not_leased
+                else ""
+            )
+            for slot in self.view.slots
+        )
 
     @property
     def serving(self) -> list[str]:
@@ -84,7 +93,12 @@ ROWS: tuple[Row[_Planned, Why | None], ...] = (
         ),
     ),
     Row(
-        Rule("F4", "wait: slots", "slots held in the fleet >= F.max_planned_restarts (the line names who holds them)"),
+        Rule(
+            "F4",
+            "wait: slots",
+            "slots held in the fleet >= F.max_planned_restarts (the line names who holds them, and the key of one "
+            "held by no guardian's lease); a key under slots/ that is not a guardian's slot holds none",
+        ),
         lambda p: len(p.view.slots) >= p.fleet.max_planned_restarts,
         lambda p: Why(
             f"waiting for a fleet slot: {len(p.view.slots)} of {p.fleet.max_planned_restarts} held, by {p.holders}",
@@ -101,9 +115,10 @@ ROWS: tuple[Row[_Planned, Why | None], ...] = (
         ASK_SLOT := Rule(
             "F6",
             "ask",
-            "otherwise a slot is asked for: one etcd transaction creates a free slot key, bound to this guardian's "
-            "lease, only if no slot was taken for the same model since the view was read; the restart begins on a "
-            "later tick, once the view shows the slot held",
+            "otherwise a slot is asked for: one etcd transaction creates a free slot key (or writes over one that "
+            "holds no guardian's slot, compared at its revision as read), bound to this guardian's lease, only if no "
+            "slot was taken for the same model since the view was read; the restart begins on a later tick, once "
+            "the view shows the slot held",
         ),
         lambda p: True,
         lambda p: Why("asking the fleet for a planned-restart slot", priority=Priority.INFO),

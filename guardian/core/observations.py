@@ -335,6 +335,12 @@ class FleetSlot:
     box: str
     replica: str
     model: str
+    key: str = ""  # its etcd key
+    # Why its key is held by no guardian's lease ("": it is bound to the lease BOX publishes its
+    # replicas with): one that reads as a guardian's but is bound to no lease, or to another's. It
+    # still counts as held (the safe side: a guardian's slot skipped by mistake would let one more
+    # planned restart run than max_planned_restarts); it is named, for an operator to delete.
+    not_leased: str = ""
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,8 @@ prefix (one range request). Slots are asked for and given back as the core says 
 ReleaseSlot), as tasks, each under the same bound. When etcd cannot be reached, or answers what is
 not etcd's, or anything at all goes wrong in the step, this is said once; the view says so to the
 core, which holds planned restarts (core/fleet.py F3). A value under the prefix that is not a
-guardian's is skipped, said once, and the rest of the view is used.
+guardian's is skipped, said once, and the rest of the view is used; the slot request skips it too
+(parse_view decides for both): garbage at a slot key holds no slot (issue 41 row 6).
 
 FleetSync is one membership (one lease); Fleet is the daemon's part that holds it across reloads.
 """
@@ -112,6 +113,16 @@ def read_slot(value: str) -> tuple[FleetSlot, dict[str, Any]]:
     return FleetSlot(_text(data, "box"), _text(data, "replica"), _text(data, "model")), data
 
 
+def not_leased(slot: FleetSlot, kv: KV, leases: Mapping[str, set[int]]) -> str:
+    """Why SLOT's key KV is held by no guardian's lease ("": it is): a guardian binds its slot to the
+    lease it publishes its replicas with (LEASES: box -> the leases of its replicas' keys)."""
+    if kv.lease == 0:
+        return "bound to no lease, so it never expires"
+    if kv.lease not in leases.get(slot.box, set()):
+        return f"bound to lease {kv.lease:x}, with which box {slot.box[:40]!r} publishes no replica"
+    return ""
+
+
 def _scalars(data: dict[str, Any]) -> dict[str, Any]:
     """What `guardian status --fleet` may show of DATA: its short text and its numbers."""
     return {
@@ -128,6 +139,7 @@ def parse_view(
     """Members and slots from the keys under PREFIX. A value that is not ours is skipped, never
     raised about: (key, why) is added to SKIPPED when it is given."""
     members, slots = [], []
+    leases: dict[str, set[int]] = {}
     for kv in kvs:
         if not kv.key.startswith(prefix):
             if skipped is not None:
@@ -136,13 +148,17 @@ def parse_view(
         rest = kv.key[len(prefix) :]
         try:
             if rest.startswith("replicas/"):
-                members.append(read_member(kv.value)[0])
+                member = read_member(kv.value)[0]
+                members.append(member)
+                leases.setdefault(member.box, set()).add(kv.lease)
             elif rest.startswith("slots/"):
                 slots.append((read_slot(kv.value)[0], kv))
         except NotOurs as e:
             if skipped is not None:
                 skipped.append((kv.key, str(e)))
-    return members, slots
+    # Every key is read by then: whether a slot is bound to its box's lease needs the box's replicas.
+    held = [(replace(s, key=kv.key[:MAX_FIELD_CHARS], not_leased=not_leased(s, kv, leases)), kv) for s, kv in slots]
+    return members, held
 
 
 def _reason(e: Exception, deadline: asyncio.Timeout, deadline_s: float) -> str:
@@ -171,6 +187,7 @@ class FleetSync:
         self.weights: Mapping[str, Weights | None] = {}  # this box's replicas' fingerprints, published with them
         self.down_said = False
         self.skipped_said: set[str] = set()  # keys whose value is not a guardian's, said once each
+        self.skipped: dict[str, str] = {}  # of the last view: key -> why it is not a guardian's
         self.lock = asyncio.Lock()
         self.tasks: set[asyncio.Task[None]] = set()
 
@@ -267,6 +284,7 @@ class FleetSync:
         skipped: list[tuple[str, str]] = []
         members, self.slot_kvs = parse_view(self.box, self.prefix, kvs, skipped)
         self._say_skipped(skipped)
+        self.skipped = dict(skipped)
         self.view = FleetView(self.box, True, None, tuple(members), tuple(s for s, _ in self.slot_kvs))
 
     def _say_skipped(self, skipped: list[tuple[str, str]]) -> None:
@@ -302,29 +320,54 @@ class FleetSync:
         if failed is not None:  # the next view tells
             self._say(Priority.ERROR, f"replica {replica}: asking etcd for a fleet slot failed: {failed}", replica)
 
+    def _slot_to_take(self) -> tuple[str, Compare] | None:
+        """The slot key to take and the comparison that makes the take atomic, or None (all held).
+
+        A slot is one of the keys slots/0 .. slots/(F.max_planned_restarts - 1): so however many
+        boxes ask at once, at most that many slots are held, each key taken by one transaction that
+        compares it as it was read. Held means what the view reads as a guardian's slot (parse_view,
+        one rule for both): a key there that is not one (garbage) holds no slot. Its index is free,
+        but the key exists, so it is taken over by comparing its revision as read (written again or
+        deleted since: the transaction fails, and the next view tells); a key absent in the view is
+        taken only if it was never created since. Absent keys are taken first: garbage is written
+        over only when the fleet would otherwise wait on it."""
+        held = {kv.key for _, kv in self.slot_kvs}
+        keys = [f"{self.prefix}slots/{i}" for i in range(self.cfg.fleet.max_planned_restarts)]
+        for key in keys:
+            if key not in self.kvs:
+                return key, Compare(key, "CREATE", "EQUAL", 0)
+        for key in keys:
+            if key not in held:
+                return key, Compare(key, "MOD", "EQUAL", self.kvs[key].mod_revision)
+        return None
+
     async def _acquire(self, replica: str, model: str) -> None:
         if self.etcd is None or self.lease is None or not self.view.ok:
             return
-        taken = {k for k in self.kvs if k.startswith(f"{self.prefix}slots/")}  # one not a guardian's too
-        free = [
-            k for k in (f"{self.prefix}slots/{i}" for i in range(self.cfg.fleet.max_planned_restarts)) if k not in taken
-        ]
-        if not free:
+        found = self._slot_to_take()
+        if found is None:
             return
+        key, compare = found
         epoch = f"{self.prefix}models/{model}"
         seen = self.kvs.get(epoch)
         value = json.dumps({"box": self.box, "replica": replica, "model": model, "since": round(self.clock().wall, 3)})
         ok = await self.etcd.txn(
-            [
-                Compare(free[0], "CREATE", "EQUAL", 0),
-                Compare(epoch, "MOD", "EQUAL", seen.mod_revision if seen else 0),
-            ],
-            [put_op(free[0], value, self.lease), put_op(epoch, value)],
+            [compare, Compare(epoch, "MOD", "EQUAL", seen.mod_revision if seen else 0)],
+            [put_op(key, value, self.lease), put_op(epoch, value)],
         )
-        if ok:
-            n = free[0].rsplit("/", 1)[1]
-            said = f"replica {replica}: fleet slot {n} taken for a planned restart ({fleet_rules.ASK_SLOT.id})"
-            self._say(Priority.INFO, said, replica)
+        if not ok:
+            return
+        said = f"replica {replica}: fleet slot {key.rsplit('/', 1)[1]} taken for a planned restart"
+        if compare.target == "CREATE":
+            self._say(Priority.INFO, f"{said} ({fleet_rules.ASK_SLOT.id})", replica)
+            return
+        why = self.skipped.get(key, "not a guardian's")
+        self._say(
+            Priority.WARNING,
+            f"{said} ({fleet_rules.ASK_SLOT.id}): its etcd key {key[:200]!r} held no guardian's slot ({why}); "
+            "taken over, the value there written over",
+            replica,
+        )
 
     async def release(self, replica: str) -> None:
         """F7: delete this box's slot of REPLICA, if it is still the one we read."""
@@ -439,20 +482,22 @@ async def fleet_status(cfg: Config) -> dict[str, Any]:
         raise EtcdError(f"etcd did not answer within {deadline_s:g} s") from e
     finally:
         await etcd.aclose()
+    # The daemon's parse (parse_view): what it skips is ignored here, and a slot is held here as there.
+    skipped: list[tuple[str, str]] = []
+    _members, held = parse_view("", prefix, kvs, skipped)
+    ignored = [{"key": key[:MAX_FIELD_CHARS], "why": why} for key, why in skipped]
+    slots = [
+        _scalars(read_slot(kv.value)[1])
+        | {"slot": kv.key[len(prefix) + len("slots/") :][:MAX_FIELD_CHARS], "key": s.key}
+        | ({"not_leased": s.not_leased} if s.not_leased else {})
+        for s, kv in held
+    ]
     boxes: dict[str, dict[str, Any]] = {}
-    slots = []
-    ignored = []
+    skipped_keys = {key for key, _ in skipped}
     for kv in kvs:
-        rest = kv.key[len(prefix) :] if kv.key.startswith(prefix) else ""
-        try:
-            if rest.startswith("replicas/"):
-                m, data = read_member(kv.value)
-                boxes.setdefault(m.box, {})[m.name] = _scalars(data)
-            elif rest.startswith("slots/"):
-                _, data = read_slot(kv.value)
-                slots.append(_scalars(data) | {"slot": rest.split("/", 1)[1][:MAX_FIELD_CHARS]})
-        except NotOurs as e:
-            ignored.append({"key": kv.key[:MAX_FIELD_CHARS], "why": str(e)})
+        if kv.key.startswith(f"{prefix}replicas/") and kv.key not in skipped_keys:
+            m, data = read_member(kv.value)
+            boxes.setdefault(m.box, {})[m.name] = _scalars(data)
     return {
         "fleet": cfg.fleet.name,
         "endpoints": cfg.fleet.endpoints,

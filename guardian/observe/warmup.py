@@ -5,9 +5,11 @@ Each line is a JSON object with "prompt" (a string: a completion) or "messages" 
 of {"role", "content"} objects: a chat completion); other keys are the request's own (tools,
 temperature...), but "model", "max_tokens", "max_completion_tokens", "stream", "stream_options" and
 "n" are guardian's: the replica's model, one token, one choice, not streamed. NaN and Infinity are
-refused (they are not JSON, and could not be sent). Blank lines and lines starting with "#" are
-skipped. At most MAX_BYTES and MAX_REQUESTS: a file larger than that is not read (a warm-up is a
-handful of shared prefixes).
+refused (they are not JSON, and could not be sent), and so is a line nested deeper than the JSON
+parser goes (issue 41 row 5: a line of 100,000 "[" raised RecursionError out of here, and killed
+`guardian check` and the daemon's warm-up). Blank lines and lines starting with "#" are skipped.
+At most MAX_BYTES and MAX_REQUESTS: a file larger than that is not read (a warm-up is a handful of
+shared prefixes), so no line is longer than MAX_BYTES either.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ def _request(line: str, where: str) -> WarmupRequest:
         body = json.loads(line, parse_constant=_no_constant)
     except ValueError as e:
         raise WarmupFileError(f"{where}: not JSON ({e})") from None
+    except RecursionError as e:  # the C decoder's own bound on nesting (the interpreter's recursion limit)
+        raise WarmupFileError(f"{where}: not JSON: nested too deep ({e})") from None
     if not isinstance(body, dict):
         raise WarmupFileError(f"{where}: not a JSON object")
     body = {k: v for k, v in body.items() if k not in GUARDIANS_KEYS}
