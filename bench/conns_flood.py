@@ -55,10 +55,10 @@ def main(flood: int = 27_000, per_replica: int = 20, looks: int = 30) -> dict[st
         srv.listen(per_replica + 16)
         replicas.append(srv)
     ports = [s.getsockname()[1] for s in replicas]
-    held = [_hold("127.0.0.1", ports, 2 * per_replica)]  # the replicas' own clients, as nginx would
+    clients = [socket.create_connection(("127.0.0.1", p)) for p in ports for _ in range(per_replica)]
     accepted = [s.accept()[0] for s in replicas for _ in range(per_replica)]
     hosts = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
-    held += [_hold(h, ports, flood // len(hosts)) for h in hosts]
+    held = [_hold(h, ports, flood // len(hosts)) for h in hosts]
     try:
         cfg = Config(
             replicas=[
@@ -87,7 +87,7 @@ def main(flood: int = 27_000, per_replica: int = 20, looks: int = 30) -> dict[st
             assert proc.stdin is not None
             proc.stdin.close()
             proc.wait(60)
-        for s in [*accepted, *replicas]:
+        for s in [*clients, *accepted, *replicas]:
             s.close()
 
 

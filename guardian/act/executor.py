@@ -226,7 +226,7 @@ class Executor:
         if r is not None and r.warmup_file is not None:
             began = time.monotonic()
             try:
-                result = await warm_up(self.client, r, action.started_at, action.timeout_s)
+                result = await warm_up(self.client, r, action.started_at, action.timeout_s, self.address_of(r.name))
             except Exception as e:  # noqa: BLE001 - a warm-up that raises is a failed one (D14 at warning), never silence
                 cause = f"the warm-up raised {type(e).__name__}: {e}"[:MAX_WARMUP_ERROR_CHARS]
                 result = WarmupResult(action.started_at, 0, 0, time.monotonic() - began, cause)

@@ -15,9 +15,13 @@ import httpx
 from ..config import ReplicaConfig
 from ..core.observations import WarmupResult
 from ..observe import warmup
+from ..observe.plainhttp import pinned
 
 
-async def warm_up(client: httpx.AsyncClient, r: ReplicaConfig, started_at: float, timeout_s: float) -> WarmupResult:
+async def warm_up(
+    client: httpx.AsyncClient, r: ReplicaConfig, started_at: float, timeout_s: float, address: str | None = None
+) -> WarmupResult:
+    """R's warm-up, each request sent to ADDRESS (its pin, observe/addresses.py; None: its URL's host)."""
     began = time.monotonic()
     assert r.warmup_file is not None, "only a replica with a warm-up file is warmed"
     try:
@@ -35,7 +39,8 @@ async def warm_up(client: httpx.AsyncClient, r: ReplicaConfig, started_at: float
         body = {**req.body, "model": r.model, "max_tokens": 1, "stream": False}
         try:
             async with asyncio.timeout(left_s):  # the whole request, not each of its reads
-                resp = await client.post(r.url + req.path, json=body, timeout=left_s)
+                url, host, extensions = pinned(r.url + req.path, address)
+                resp = await client.post(url, json=body, timeout=left_s, headers=host, extensions=extensions)
         except TimeoutError:
             failed += 1
             error = error or f"request {at + 1}: no answer within the {timeout_s:g} s bound"
