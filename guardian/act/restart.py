@@ -142,7 +142,7 @@ async def _fit(tools: Tools, step: FitStep, order: RestartOrder, unit: UnitInfo 
                 Priority.WARNING,
                 f"replica {r.name}: the start's fit step did not end within {step.bound_s:g} s (it was "
                 f"{step.doing}); restarting {r.unit} without it: skipped the judgement of whether its start fits "
-                "(U2-U7) and any release of the page cache not done by then",
+                "and any release of the page cache not done by then",
                 Decision.CACHE,
                 r.name,
                 r.unit,
