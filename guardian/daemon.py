@@ -51,7 +51,9 @@ from .observe.systemd import Systemd, SystemdError, SystemdEvent
 from .observe.weights import WeightsWatch
 from .status import LoopStats, Snapshot, status_dict, status_line
 
-WEIGHTS_LOOK_S = 10.0  # the replicas' weights fingerprints, at most, in one tick
+# the replicas' weights fingerprints, at most, in one tick (the D-Bus questions, then each look's own
+# bound, observe/weights.py LOOK_S: a look past it runs on in its own thread, one per replica at a time)
+WEIGHTS_LOOK_S = 10.0
 
 
 class StartupError(Exception):

@@ -5,6 +5,7 @@ it cannot fit. Nothing here decides: `startfit.judge` does."""
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -25,7 +26,18 @@ from . import units
 from .journal import Journal
 
 VLLM_DEFAULT_FRACTION = 0.9  # vLLM's --gpu-memory-utilization when none is given
-DROP_CACHES_TIMEOUT_S = 60.0
+# The root helper's drop of the page cache, waited for at most this long (its unit's TimeoutStartSec=
+# is the same): `echo 1 > drop_caches` frees clean pages only and waits on no writeback (the helper no
+# longer runs `sync`, which any user's steady writes held for its whole 60 s, issue 41); dropping a
+# 100 GiB cache takes seconds. Well under FIT_STEP_S, which it is a part of.
+DROP_CACHES_TIMEOUT_S = 10.0
+# A restart's whole fit step (its unit asked, its figures measured, its releases done and measured
+# again), at most: past it the restart goes on without the fit, said at warning (act/restart.py),
+# and the step's threads stop at this deadline too. Its parts are bounded well under it (a walk of the
+# model files WALK_MAX_S = 2 s, up to three times; the drop 10 s; a D-Bus call 5 s), and a hung
+# replica's restart must not wait on a model path built to be slow (issue 41 row 4: 13.7 s for 800
+# files of a deep tree, about 20 min for 20,000).
+FIT_STEP_S = 30.0
 
 # replica, how ("own", "all"), bytes: the metric's hook (export/metrics.py)
 Released = Callable[[str, str, int], None]
@@ -109,15 +121,22 @@ class Start:
 
 
 def measure(
-    cfg: Config, r: ReplicaConfig, unit: UnitInfo | None, details: ServiceDetails | None, start: Start = Start()
+    cfg: Config,
+    r: ReplicaConfig,
+    unit: UnitInfo | None,
+    details: ServiceDetails | None,
+    start: Start = Start(),
+    deadline_mono: float = math.inf,
 ) -> Measured:
-    """The figures of R's next START, right now (blocking: run in a thread)."""
+    """The figures of R's next START, right now (blocking: run in a thread); its model files' walk
+    and measure stop at DEADLINE_MONO (time.monotonic's). The files are those its unit declares
+    (RunsWith.declared), never those its live command line names."""
     sample = sample_memory()
     total = cfg.memory.device_total_bytes or sample.total_bytes
     pid = unit.main_pid if unit is not None else 0
     runs = runs_with(pid, details)
     argv, env_files, env = runs.argv, runs.env_files, runs.env
-    files = modelfiles.find(argv, env, runs.home)
+    files = modelfiles.find(runs.declared, env, runs.home, deadline_mono)
     returned = max(cgroup_held_bytes(pid), process_held_bytes(pid), nvml_bytes(pid))
     own_fraction = _own_fraction(cfg, r, argv, env)
     fraction = start.new or own_fraction or VLLM_DEFAULT_FRACTION
@@ -127,8 +146,8 @@ def measure(
         # would start with, as a refusal on too small a hold would leave a hung replica unrestarted
         running = _running_fraction(pid) or own_fraction or VLLM_DEFAULT_FRACTION
         held = max(returned, int(running * total))
-    cached = modelfiles.cached_bytes(files.paths)
-    own = cached.bytes if cached.measured else 0 if start.own_released else min(cached.bytes, sample.file_cache_bytes)
+    cached = modelfiles.cached_bytes(files.paths, files.top, deadline_mono)
+    own_measured = cached.measured and not files.cut
     fit = StartFit(
         replica=r.name,
         unit=r.unit,
@@ -137,8 +156,8 @@ def measure(
         free_bytes=sample.free_bytes,
         returned_bytes=returned,
         held_bytes=held,
-        own_cached_bytes=own,
-        own_measured=cached.measured,
+        own_cached_bytes=_own_cached_bytes(files, cached, sample, start),
+        own_measured=own_measured,
         own_files=len(files.paths),
         cache_bytes=sample.file_cache_bytes,
         release_own=cfg.memory.release_cache,
@@ -154,6 +173,19 @@ def measure(
         reserve_bytes=cfg.memory.reserve_bytes,
     )
     return Measured(fit, files)
+
+
+def _own_cached_bytes(
+    files: modelfiles.ModelFiles, cached: modelfiles.Cached, sample: MemorySample, start: Start
+) -> int:
+    """Its own files' page cache: measured; else 0 once released (what the kernel would not say);
+    else at most their size and the whole cache, or the whole cache where the search for them was
+    cut short (the files it did not reach may hold any of it)."""
+    if cached.measured and not files.cut:
+        return cached.bytes
+    if start.own_released:
+        return 0
+    return sample.file_cache_bytes if files.cut else min(cached.bytes, sample.file_cache_bytes)
 
 
 def _wired(cfg: Config, r: ReplicaConfig, details: ServiceDetails | None, env_files: tuple[EnvFile, ...]) -> bool:
@@ -212,12 +244,18 @@ class FitStep:
     released: Released | None = None
     leftovers: dict[str, NotReturned] = field(default_factory=dict)  # U8's findings, by replica (shared)
     said: dict[str, str] = field(default_factory=dict)  # replica -> the U7 episode said (shared: once each)
+    bound_s: float = FIT_STEP_S  # the whole step's, past which the restart goes on without it (act/restart.py)
+    doing: str = field(default="not yet begun", init=False)  # what the step is at: said if it outlives its bound
+    deadline_mono: float = field(default=math.inf, init=False)  # its threads stop here (time.monotonic's)
 
     async def run(self, r: ReplicaConfig, unit: UnitInfo | None, start: Start) -> Fitted:
         if not unified(self.cfg):
             return Fitted(None)  # U1, without measuring anything
+        self.deadline_mono = time.monotonic() + self.bound_s
+        self.doing = f"asking systemd for {r.unit}'s ExecStart= and environment"
         details = await service_details(self.sd, r)
-        m = await asyncio.to_thread(measure, self.cfg, r, unit, details, start)
+        self.doing = "measuring its start's memory and walking its model files"
+        m = await asyncio.to_thread(measure, self.cfg, r, unit, details, start, self.deadline_mono)
         verdict = startfit.judge(m.fit)
         if verdict.release is not Release.NOTHING:
             m = await self._release(r, unit, details, replace(start, own_released=True), m, verdict)
@@ -271,8 +309,10 @@ class FitStep:
         before = m.fit
         if before.release_own and m.files.paths:
             began = time.monotonic()
-            await asyncio.to_thread(modelfiles.release, m.files.paths)
-            after = await asyncio.to_thread(measure, self.cfg, r, unit, details, start)
+            self.doing = f"releasing its model files' page cache ({len(m.files.paths)} files, {m.files.source})"
+            await asyncio.to_thread(modelfiles.release, m.files.paths, m.files.top, self.deadline_mono)
+            self.doing = "measuring its start's memory again after that release"
+            after = await asyncio.to_thread(measure, self.cfg, r, unit, details, start, self.deadline_mono)
             freed = max(0, before.cache_bytes - after.fit.cache_bytes)
             self._said_release(r, Freed("own", freed, time.monotonic() - began), m, verdict, after.fit)
             m, before = after, after.fit
@@ -280,8 +320,10 @@ class FitStep:
         # policy says whether the whole cache is still wanted (U4, U5), or it fits now (U2)
         if startfit.judge(before).release is Release.ALL:
             began = time.monotonic()
+            self.doing = f"dropping the whole page cache ({DROP_CACHES_UNIT})"
             result = await self._drop_caches()
-            after = await asyncio.to_thread(measure, self.cfg, r, unit, details, start)
+            self.doing = "measuring its start's memory again after the drop"
+            after = await asyncio.to_thread(measure, self.cfg, r, unit, details, start, self.deadline_mono)
             freed = max(0, before.cache_bytes - after.fit.cache_bytes)
             if result is None:
                 self._said_release(r, Freed("all", freed, time.monotonic() - began), m, verdict, after.fit)

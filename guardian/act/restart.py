@@ -132,9 +132,24 @@ def fraction_text(new: float) -> bytes:
 
 
 async def _fit(tools: Tools, step: FitStep, order: RestartOrder, unit: UnitInfo | None) -> Fitted:
+    """The fit step, bounded by its STEP.bound_s: past it (a model path built to be slow, a file
+    system that hangs, a drop of the cache that lasts) the restart goes on without it, said at warning."""
     r = order.replica
     try:
-        return await step.run(r, unit, Start(order.fraction, order.may_lower))
+        return await asyncio.wait_for(step.run(r, unit, Start(order.fraction, order.may_lower)), step.bound_s)
+    except TimeoutError:
+        tools.journal.line(
+            LogLine(
+                Priority.WARNING,
+                f"replica {r.name}: the start's fit step did not end within {step.bound_s:g} s (it was "
+                f"{step.doing}); restarting {r.unit} without it: skipped the judgement of whether its start fits "
+                "and any release of the page cache not done by then",
+                Decision.CACHE,
+                r.name,
+                r.unit,
+            )
+        )
+        return Fitted(None)
     except Exception as e:  # noqa: BLE001 - a fit step that fails (hostile model paths, /proc gone) never stops a restart
         tools.journal.line(
             LogLine(

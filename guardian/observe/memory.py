@@ -104,12 +104,16 @@ async def service_details(sd: Systemd, r: ReplicaConfig) -> ServiceDetails | Non
 @dataclass(frozen=True)
 class RunsWith:
     """What a replica's main process runs: its command line (the live one, else its unit's
-    ExecStart=), its unit's environment files and environment, and its user's home."""
+    ExecStart=), its unit's environment files and environment, and its user's home. DECLARED: its
+    unit's ExecStart= as systemd runs it (its ${VAR}s expanded from that environment; () without
+    its unit's details): what the files guardian measures and releases come from, as a process may
+    rewrite its live command line (`exec -a`) to name another model's tree (issue 41 row 4)."""
 
     argv: tuple[str, ...]
     env_files: tuple[EnvFile, ...]
     env: dict[str, str]
     home: str
+    declared: tuple[str, ...] = ()
 
 
 def runs_with(pid: int, details: ServiceDetails | None) -> RunsWith:
@@ -118,7 +122,8 @@ def runs_with(pid: int, details: ServiceDetails | None) -> RunsWith:
     argv = live or (details.exec_start if details is not None else ())
     env_files = tuple(read_env_file(p) for p in details.environment_files) if details is not None else ()
     env = modelfiles.unit_env(details.environment if details is not None else (), tuple(e.text for e in env_files))
-    return RunsWith(argv, env_files, env, modelfiles.home_of(details.user if details is not None else None))
+    declared = modelfiles.unit_argv(details.exec_start, env) if details is not None else ()
+    return RunsWith(argv, env_files, env, modelfiles.home_of(details.user if details is not None else None), declared)
 
 
 def process_tree(pid: int) -> list[int]:

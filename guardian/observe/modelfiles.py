@@ -1,6 +1,9 @@
-"""A replica's own model files, found from what it runs, and how much of them the page cache holds.
+"""A replica's own model files, found from what its unit declares, and how much of them the page cache holds.
 
-Where vLLM reads its weights from (its command line and its unit's environment):
+Where vLLM reads its weights from (its unit's ExecStart=, its ${VAR}s expanded from the unit's
+Environment= and EnvironmentFile= as systemd expands them, and that environment): never a live
+command line, which its process may rewrite (`exec -a vllm ... serve ANOTHER-TREE` made guardian
+walk and release another model's files, issue 41 row 4):
 
 - `vllm serve MODEL` or `--model MODEL`: a path (a directory, or one file such as a GGUF) is read
   as it is; anything else is a Hugging Face repo id, whose files are in the hub cache as
@@ -12,10 +15,16 @@ Where vLLM reads its weights from (its command line and its unit's environment):
   container's paths: each is found on the host through the container's `-v`/`--mount` binds and
   named volumes, the longest mount first; one under no mount is not on the host.
 
-Only regular files are counted, each once (a snapshot's links and their blobs are one file), at
-most MAX_FILES of them among at most MAX_ENTRIES directory entries, never through a FIFO or a
-device (os.stat first, then O_NONBLOCK and fstat): a command line is the replica user's to write,
-and guardian must not block on it.
+Only regular files are counted, each once (a snapshot's links and their blobs are one file), and
+only those whose real path (links resolved) lies under the model path's real path: a link out of
+it is not followed. The walk is breadth first (a model's files lie near its top, so a deep tree
+beside them cannot hide them) and bounded: at most MAX_FILES files among at most MAX_ENTRIES
+directory entries in at most MAX_DIRS directories, for at most WALK_MAX_S; never through a FIFO or
+a device (os.stat first, then O_NONBLOCK and fstat). A model path may hold other users' files
+(issue 41 row 4: a tree of nobody's 1,000-1,800 deep cost 60 ms a file), and guardian must not
+block on them. A file is released (and measured) only through a read-only descriptor guardian
+opens with its own rights, whose real path (the kernel's, read back from /proc/self/fd) still lies
+under the model path: a file swapped for a link after the walk is left alone.
 
 How much of a file is cached: cachestat(2) (Linux >= 6.5) without mapping it, else mincore(2) on
 a read-only mapping, a chunk at a time, for at most MINCORE_MAX_BYTES of files per measure (the
@@ -24,17 +33,30 @@ rest count at their size, unmeasured).
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import ctypes.util
+import math
 import os
+import re
 import stat
-from collections.abc import Iterator, Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from ..core.container import parse_run_line
 
 MAX_FILES = 20_000
 MAX_ENTRIES = 200_000  # directory entries looked at in one search, files or not
+# Directories read in one search: a hub folder has blobs/, refs/, snapshots/ and one per snapshot,
+# a model directory a handful; 10,000 is far past any model and bounds a tree of someone else's
+# directories (one directory read is at least one open, a getdents and a close).
+MAX_DIRS = 10_000
+# One search's time, whatever the tree: a model of 20,000 files is walked in about 0.1 s on a local
+# disk; a tree built to be slow (1,000-1,800 deep: 60 ms a file, issue 41 row 4) is cut here, with
+# what was found so far (the fit then counts its own files as unmeasured). Well under the fit
+# step's bound (act/fit.py FIT_STEP_S), which may walk three times.
+WALK_MAX_S = 2.0
 MINCORE_CHUNK_BYTES = 2**30  # mapped at a time: its residency vector is 256 KiB (4 KiB pages)
 MINCORE_MAX_BYTES = 256 * 2**30  # asked of mincore in one measure; beyond it files count at their size
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
@@ -65,11 +87,16 @@ class _Stat(ctypes.Structure):
 
 @dataclass(frozen=True)
 class ModelFiles:
-    """Where a replica's weights are, as found; PATHS are regular files, each once."""
+    """Where a replica's weights are, as found; PATHS are regular files, each once, each under TOP."""
 
     source: str  # "/models/qwen (--model)", "Qwen/Qwen3-8B in /root/.cache/huggingface/hub"; "" if none found
     paths: tuple[str, ...]
-    truncated: bool = False  # more than MAX_FILES: the first MAX_FILES only
+    cut: str = ""  # why the search stopped short ("more than 20000 files", ...): PATHS are those found first
+    top: str = ""  # the model path's real path: every one of PATHS lies under it
+
+    @property
+    def truncated(self) -> bool:
+        return bool(self.cut)
 
 
 def option(argv: tuple[str, ...], name: str) -> str | None:
@@ -108,30 +135,87 @@ def _regular(path: str) -> tuple[int, int] | None:
     return (st.st_dev, st.st_ino) if stat.S_ISREG(st.st_mode) else None
 
 
-def _walk(top: str) -> Iterator[str | None]:
-    """The files under TOP (TOP itself if it is a file), then None if MAX_ENTRIES ran out first: a
-    model path is the replica's to name, and "/" (or one directory of millions) must not be read
-    through. Entries are counted as they are read; links to directories are not followed."""
+def under(path: str, top: str) -> bool:
+    """PATH is TOP or lies below it (both real paths)."""
+    return path == top or path.startswith(top.rstrip("/") + "/")
+
+
+@dataclass(frozen=True)
+class Walked:
+    """A search's files (real paths, regular, each once) and why it stopped short ("": it did not)."""
+
+    paths: tuple[str, ...]
+    cut: str
+
+
+def _walk(top: str, deadline_mono: float, clock: Callable[[], float]) -> Walked:
+    """The regular files under real path TOP (TOP itself if it is one), breadth first. A model path
+    is the replica's to name and may hold anyone's files: "/" (or one directory of millions, or a
+    tree thousands deep) must not be read through. Links to directories are not followed, links to
+    files only where their target lies under TOP."""
     if _regular(top) is not None:
-        yield top
-        return
-    left, dirs = MAX_ENTRIES, [top]
-    while dirs:
+        return Walked((top,), "")
+    walk = _Walk(top, deadline_mono, clock)
+    dirs = collections.deque([top])
+    while dirs and not walk.cut:
+        dirs.extend(walk.read(dirs.popleft()))
+    return Walked(tuple(walk.paths), walk.cut)
+
+
+class _Walk:
+    """One search's state: what it found, what it has left of each bound."""
+
+    def __init__(self, top: str, deadline_mono: float, clock: Callable[[], float]) -> None:
+        self.top, self.deadline_mono, self.clock = top, deadline_mono, clock
+        self.entries_left, self.dirs_left = MAX_ENTRIES, MAX_DIRS
+        self.paths: list[str] = []
+        self.seen: set[tuple[int, int]] = set()
+        self.cut = ""
+
+    def read(self, path: str) -> list[str]:
+        """The directories in directory PATH; its files added to what was found."""
+        self.dirs_left -= 1
+        if self._late():
+            return []
+        if self.dirs_left < 0:
+            self.cut = f"more than {MAX_DIRS} directories"
+            return []
+        found, dirs = [], []
         try:
-            with os.scandir(dirs.pop()) as it:
-                found = []
+            with os.scandir(path) as it:
                 for entry in it:
-                    left -= 1
-                    if left < 0:
-                        yield None
-                        return
+                    self.entries_left -= 1
+                    if self.entries_left < 0:
+                        self.cut = f"more than {MAX_ENTRIES} directory entries"
+                        return []
+                    if self._late():
+                        return []
                     if entry.is_dir(follow_symlinks=False):
                         dirs.append(entry.path)
                     else:
-                        found.append(entry.path)
+                        found.append((entry.path, entry.is_symlink()))
         except OSError:
-            continue
-        yield from sorted(found)
+            return []
+        for file, link in sorted(found):
+            if self.cut or (link and self._late()):
+                break
+            self._add(os.path.realpath(file) if link else file)  # a link's target: its real path read
+        return dirs
+
+    def _late(self) -> bool:
+        if self.clock() >= self.deadline_mono:
+            self.cut = f"its time ({WALK_MAX_S:g} s at most) spent"
+        return bool(self.cut)
+
+    def _add(self, real: str) -> None:
+        key = _regular(real) if under(real, self.top) else None
+        if key is None or key in self.seen:
+            return
+        if len(self.paths) >= MAX_FILES:
+            self.cut = f"more than {MAX_FILES} files"
+            return
+        self.seen.add(key)
+        self.paths.append(real)
 
 
 def on_host(path: str, mounts: tuple[tuple[str, str], ...]) -> str | None:
@@ -164,10 +248,21 @@ def locate(argv: tuple[str, ...], env: Mapping[str, str], home: str = "/root") -
     return _locate(run.command, run_env, "/root", run.mounts)
 
 
-def find(argv: tuple[str, ...], env: Mapping[str, str], home: str = "/root") -> ModelFiles:
-    """The model files of a replica whose main process runs ARGV with ENV."""
+def find(
+    argv: tuple[str, ...],
+    env: Mapping[str, str],
+    home: str = "/root",
+    deadline_mono: float = math.inf,
+    clock: Callable[[], float] = time.monotonic,
+) -> ModelFiles:
+    """The model files of a replica whose unit runs ARGV (its ExecStart=, expanded) with ENV, searched
+    for at most WALK_MAX_S and not past DEADLINE_MONO (CLOCK's)."""
     found = locate(argv, env, home)
-    return ModelFiles("", ()) if found is None else _files(found)
+    if found is None:
+        return ModelFiles("", ())
+    top = os.path.realpath(found.top)
+    walked = _walk(top, min(deadline_mono, clock() + WALK_MAX_S), clock)
+    return ModelFiles(found.source, walked.paths, walked.cut, top)
 
 
 def _locate(
@@ -199,34 +294,27 @@ def _locate(
     return None
 
 
-def _files(found: Located) -> ModelFiles:
-    seen: set[tuple[int, int]] = set()
-    paths: list[str] = []
-    for path in _walk(found.top):
-        if path is None:
-            return ModelFiles(found.source, tuple(paths), truncated=True)
-        key = _regular(path)
-        if key is None or key in seen:
-            continue
-        if len(paths) >= MAX_FILES:
-            return ModelFiles(found.source, tuple(paths), truncated=True)
-        seen.add(key)
-        paths.append(os.path.realpath(path))
-    return ModelFiles(found.source, tuple(paths))
-
-
-def open_regular(path: str) -> int | None:
-    """A read-only descriptor of regular file PATH, or None; never blocks on a FIFO."""
+def open_regular(path: str, within: str = "") -> int | None:
+    """A read-only descriptor of regular file PATH, or None; never blocks on a FIFO. WITHIN (a real
+    path): only a file whose real path, as the kernel resolved the open, lies under it."""
     if _regular(path) is None:
         return None
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     except OSError:
         return None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    if not stat.S_ISREG(os.fstat(fd).st_mode) or (within and not _opened_under(fd, within)):
         os.close(fd)
         return None
     return fd
+
+
+def _opened_under(fd: int, top: str) -> bool:
+    """FD's file, as the kernel opened it (links resolved at that moment), lies under TOP."""
+    try:
+        return under(os.readlink(f"/proc/self/fd/{fd}"), top)
+    except OSError:
+        return False
 
 
 def _may_measure(fd: int, path: str) -> bool:
@@ -280,12 +368,20 @@ class Cached:
     measured: bool
 
 
-def cached_bytes(paths: tuple[str, ...]) -> Cached:
-    """How much of PATHS the page cache holds now: measured where the kernel tells, each file that it
-    does not counted at its size (an upper bound)."""
+def cached_bytes(
+    paths: tuple[str, ...],
+    within: str = "",
+    deadline_mono: float = math.inf,
+    clock: Callable[[], float] = time.monotonic,
+) -> Cached:
+    """How much of PATHS (those under WITHIN) the page cache holds now: measured where the kernel
+    tells, each file that it does not counted at its size (an upper bound); unmeasured when
+    DEADLINE_MONO (CLOCK's) came before the last file."""
     total, measured, mincore_left = 0, True, MINCORE_MAX_BYTES
     for path in paths:
-        fd = open_regular(path)
+        if clock() >= deadline_mono:
+            return Cached(total, False)
+        fd = open_regular(path, within)
         if fd is None:
             continue
         try:
@@ -303,12 +399,21 @@ def cached_bytes(paths: tuple[str, ...]) -> Cached:
     return Cached(total, measured)
 
 
-def release(paths: tuple[str, ...]) -> int:
-    """Ask the kernel to drop PATHS' clean pages from the page cache (posix_fadvise DONTNEED: any
-    reader may); how many of the files it was asked for."""
+def release(
+    paths: tuple[str, ...],
+    within: str = "",
+    deadline_mono: float = math.inf,
+    clock: Callable[[], float] = time.monotonic,
+) -> int:
+    """Ask the kernel to drop the clean pages of PATHS under WITHIN from the page cache (posix_fadvise
+    DONTNEED: any reader may, so only through a descriptor guardian opens with its own rights); how
+    many of the files it was asked for. None after DEADLINE_MONO (CLOCK's): a start that went on
+    without its fit must not lose its files' cache while it loads."""
     done = 0
     for path in paths:
-        fd = open_regular(path)
+        if clock() >= deadline_mono:
+            break
+        fd = open_regular(path, within)
         if fd is None:
             continue
         try:
@@ -331,6 +436,24 @@ def home_of(user: str | None) -> str:
         return pwd.getpwnam(user).pw_dir
     except KeyError:
         return "/root"
+
+
+_BRACED = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}|\$\$")
+_BARE = re.compile(r"\$([A-Za-z_][A-Za-z0-9_]*)")
+
+
+def unit_argv(exec_start: tuple[str, ...], env: Mapping[str, str]) -> tuple[str, ...]:
+    """A unit's ExecStart= (as systemd's D-Bus gives it: unexpanded) as systemd runs it with ENV:
+    `${VAR}` is VAR's value in its word, a word `$VAR` is VAR's value split at whitespace (zero or
+    more words), `$$` is `$`; an unset VAR is empty (systemd.service(5), "Command lines")."""
+    out: list[str] = []
+    for arg in exec_start:
+        bare = _BARE.fullmatch(arg)
+        if bare is not None:
+            out.extend(env.get(bare[1], "").split())
+        else:
+            out.append(_BRACED.sub(lambda m: "$" if m[0] == "$$" else env.get(m[1], ""), arg))
+    return tuple(out)
 
 
 def unit_env(pairs: tuple[str, ...], files: tuple[str | None, ...]) -> dict[str, str]:

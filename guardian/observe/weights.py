@@ -9,7 +9,12 @@ through its binds), never from its served name. Judged in core/weights.py.
 - a Hugging Face repo: the commit its snapshot resolves to: `--revision` when it is a commit,
   else `refs/<revision or main>` in its hub folder.
 
-Recomputed only when the replica's process changes (its main pid or its unit's start).
+Recomputed only when the replica's process changes (its main pid or its unit's start). Each look
+runs in a daemon thread of its own, never the event loop's default executor, and at most one per
+replica at a time: on a file system that hangs, a look that outlives its bound (LOOK_S) leaves the
+replica's fingerprint unknown and is not started again until it ends, so that no tick starts
+another and the default pool that every other `to_thread` of the tick needs is never used up
+(issue 41).
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ import asyncio
 import hashlib
 import os
 import re
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
 
 from ..config import Config, ReplicaConfig
 from ..core.observations import UnitInfo
@@ -26,13 +32,19 @@ from ..core.weights import Weights
 from . import modelfiles
 from .memory import runs_with, service_details
 from .readback import read_back
-from .systemd import Systemd
+from .systemd import ServiceDetails, Systemd
 
 META_MAX_BYTES = 16 << 20  # a config.json or an index is far smaller
 INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 HEAD_BYTES = 64 << 10
 _COMMIT = re.compile(r"[0-9a-f]{40}")
+# A look's wait, at most: a fingerprint is a few capped reads (milliseconds); past it the replica's
+# is unknown for this tick, its thread left to end by itself. Half the daemon's WEIGHTS_LOOK_S (10 s,
+# the whole step's bound), which also holds the D-Bus questions for the units' details.
+LOOK_S = 5.0
+_Key = tuple[int, float | None]  # a replica's process: (main pid, its unit's start)
+_Ended = tuple[Weights | None, Exception | None]  # a look's answer, or what it raised
 
 
 def _read(path: str, max_bytes: int = META_MAX_BYTES) -> bytes | None:
@@ -128,35 +140,99 @@ def fingerprint(argv: tuple[str, ...], env: Mapping[str, str] | None = None, hom
     return _of_file(found.top, found.source)
 
 
+def _in_own_thread(name: str, read: Callable[[], Weights | None]) -> asyncio.Future[_Ended]:
+    """READ run in a daemon thread of its own (never the loop's default executor, which a read that
+    hangs would hold); its answer, or what it raised, comes back on the running loop."""
+    loop = asyncio.get_running_loop()
+    ended: asyncio.Future[_Ended] = loop.create_future()
+
+    def settle(answer: _Ended) -> None:
+        if not ended.done():
+            ended.set_result(answer)
+
+    def run() -> None:
+        try:
+            answer: _Ended = (read(), None)
+        except Exception as e:  # noqa: BLE001 - said by whoever awaits it (the daemon: once, at error)
+            answer = (None, e)
+        try:
+            loop.call_soon_threadsafe(settle, answer)
+        except RuntimeError:
+            pass  # the loop is closed: nobody waits for it any more
+
+    threading.Thread(target=run, name=f"guardian-weights-{name}", daemon=True).start()
+    return ended
+
+
 class WeightsWatch:
-    """Each replica's fingerprint, read again only when its process changes."""
+    """Each replica's fingerprint, read again only when its process changes; at most one look per
+    replica at a time, each in its own thread."""
 
     def __init__(self) -> None:
-        self._seen: dict[str, tuple[tuple[int, float | None], Weights | None]] = {}
+        self._seen: dict[str, tuple[_Key, Weights | None]] = {}
+        self._running: dict[str, asyncio.Future[_Ended]] = {}  # replica -> its look still in flight
 
-    async def look(self, cfg: Config, sd: Systemd, units: Mapping[str, UnitInfo | None]) -> dict[str, Weights | None]:
+    async def look(
+        self, cfg: Config, sd: Systemd, units: Mapping[str, UnitInfo | None], bound_s: float = LOOK_S
+    ) -> dict[str, Weights | None]:
+        """Each replica's fingerprint: kept while its process is the same, else read anew, waited for
+        at most BOUND_S (all together); one still running from an earlier look is unknown (None),
+        not waited for and not started again. Raises what a look that ended raised."""
         out: dict[str, Weights | None] = {}
+        started: dict[str, asyncio.Future[_Ended]] = {}
         for r in cfg.replicas:
             unit = units.get(r.name)
-            key = (unit.main_pid, unit.inactive_exit_mono) if unit is not None else (0, None)
+            key: _Key = (unit.main_pid, unit.inactive_exit_mono) if unit is not None else (0, None)
             kept = self._seen.get(r.name)
             if kept is not None and kept[0] == key:
                 out[r.name] = kept[1]
-                continue
-            found = await of_replica(sd, r, unit)
-            self._seen[r.name] = (key, found)
-            out[r.name] = found
+            elif r.name in self._running:
+                out[r.name] = None  # its look outlived its bound: one at a time
+            else:
+                started[r.name] = await self._start(sd, r, unit, key)
+        if started:
+            await asyncio.wait(started.values(), timeout=bound_s)
+        for name, ended in started.items():
+            found, error = ended.result() if ended.done() else (None, None)
+            if error is not None:
+                raise error
+            out[name] = found
         self._seen = {n: v for n, v in self._seen.items() if n in out}
         return out
 
+    async def _start(self, sd: Systemd, r: ReplicaConfig, unit: UnitInfo | None, key: _Key) -> asyncio.Future[_Ended]:
+        """R's look begun; its answer kept (for KEY) whenever it ends, and R free for the next."""
+        details = await service_details(sd, r)
+        ended = _in_own_thread(r.name, _reader(unit.main_pid if unit is not None else 0, details))
+        self._running[r.name] = ended
 
-async def of_replica(sd: Systemd, r: ReplicaConfig, unit: UnitInfo | None) -> Weights | None:
-    """R's fingerprint from its running process's command line, else its unit's ExecStart=."""
-    details = await service_details(sd, r)
-    pid = unit.main_pid if unit is not None else 0
+        def done(_: asyncio.Future[_Ended]) -> None:
+            self._running.pop(r.name, None)
+            found, error = ended.result()
+            if error is None:
+                self._seen[r.name] = (key, found)
 
+        ended.add_done_callback(done)
+        return ended
+
+
+def _reader(pid: int, details: ServiceDetails | None) -> Callable[[], Weights | None]:
     def read() -> Weights | None:
         runs = runs_with(pid, details)
         return fingerprint(runs.argv, runs.env, runs.home)
 
-    return await asyncio.to_thread(read)
+    return read
+
+
+async def of_replica(sd: Systemd, r: ReplicaConfig, unit: UnitInfo | None, bound_s: float = LOOK_S) -> Weights | None:
+    """R's fingerprint from its running process's command line, else its unit's ExecStart= (None:
+    unknown, or not read within BOUND_S: its thread is left to end by itself)."""
+    details = await service_details(sd, r)
+    ended = _in_own_thread(r.name, _reader(unit.main_pid if unit is not None else 0, details))
+    try:
+        found, error = await asyncio.wait_for(asyncio.shield(ended), bound_s)
+    except TimeoutError:
+        return None
+    if error is not None:
+        raise error
+    return found
