@@ -400,8 +400,8 @@ ROWS: tuple[Row[_Facts, str], ...] = (
             "L13",
             State.STALLED,
             "/metrics readable AND queued work (running + waiting > 0, or clients waiting >= W.client_wait_s) "
-            "AND now - max(last progress, work first queued) >= max(W.stall_window_s, STEP_MARGIN x the "
-            "replica's longest recent step)",
+            "AND now - max(last progress, work first queued) >= max(W.stall_window_s, min(W.max_step_s, "
+            "STEP_MARGIN x the replica's longest recent step))",
         ),
         lambda f: f.work_queued and f.now - f.quiet_since >= max(f.wcfg.stall_window_s, f.step_bound_s or 0.0),
         lambda f: f"{f.work_said} and no counter progress for {f.now - f.quiet_since:.0f} s (/health {f.health_said})",
@@ -412,8 +412,9 @@ ROWS: tuple[Row[_Facts, str], ...] = (
             State.STALLED,
             "/metrics readable AND queued work (as L13) AND a canary sent after the last progress (and "
             "after work was first queued) failed with no progress while it ran (C4) AND now - max(last "
-            "progress, work first queued) >= STEP_MARGIN x the replica's longest recent step (W.stall_window_s "
-            "while none is learned): a stall canary never ends a step shorter than the replica's own",
+            "progress, work first queued) >= min(W.max_step_s, STEP_MARGIN x the replica's longest recent step) "
+            "(W.stall_window_s while none is learned): a stall canary never ends a step shorter than the "
+            "replica's own",
         ),
         _stall_proven,
         _stall_proof,

@@ -31,6 +31,7 @@ from ..config import Config
 from ..core.observations import ConnView, Peer, PeerKind
 from .addresses import Pin
 from .netlink import (
+    BOTH_FAMILIES,
     MAX_SOCKETS,
     Bounds,
     Clause,
@@ -359,13 +360,16 @@ def read_owned(listeners: Iterable[Listener | None], table: Sequence[Listener], 
     if not mine:
         return Table(())
     ports = frozenset(x.port for x in mine)
+    # A listener's accepted sockets are of its own family (an IPv6 one's IPv4 clients are mapped):
+    # the kernel walks its whole table for each family dumped.
+    families = [f for f in BOTH_FAMILIES if any(x.family == f for x in mine)]
     try:
-        servers = read_filtered(program([server_clause(x, table) for x in mine]), ports, Bounds(limit))
+        servers = read_filtered(program([server_clause(x, table) for x in mine]), ports, Bounds(limit), families)
     except SockDiagError as e:
         if e.errno != errno.EINVAL or not cgroup_is_known():
             raise
         cgroup_filter_refused()  # a kernel older than 5.10: the address tests and accepted_by remain
-        servers = read_filtered(program([server_clause(x, table) for x in mine]), ports, Bounds(limit))
+        servers = read_filtered(program([server_clause(x, table) for x in mine]), ports, Bounds(limit), families)
     if servers.truncated or not servers.socks:
         return servers
     left = max(1, limit - len(servers.socks))

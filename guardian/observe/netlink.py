@@ -290,14 +290,19 @@ class Bounds:
     budget_s: float = READ_BUDGET_S
 
 
-def read_filtered(bytecode: bytes, ports: frozenset[int], bounds: Bounds = Bounds()) -> Table:
-    """The established TCP sockets (IPv4, then IPv6) that BYTECODE lets through, with tcp_info and
-    cgroup id, of those whose local or remote port is one of PORTS (the kernel's filter, checked):
-    one dump per family, within BOUNDS (past them, truncated). Raises OSError."""
+BOTH_FAMILIES = (socket.AF_INET, socket.AF_INET6)
+
+
+def read_filtered(
+    bytecode: bytes, ports: frozenset[int], bounds: Bounds = Bounds(), families: Sequence[int] = BOTH_FAMILIES
+) -> Table:
+    """The established TCP sockets of FAMILIES (IPv4, then IPv6) that BYTECODE lets through, with
+    tcp_info and cgroup id, of those whose local or remote port is one of PORTS (the kernel's
+    filter, checked): one dump per family, within BOUNDS (past them, truncated). Raises OSError."""
     deadline = time.monotonic() + bounds.budget_s
     socks: list[Sock] = []
     read = 0
-    for family in (socket.AF_INET, socket.AF_INET6):
+    for family in families:
         dump = sock_diag_dump(family, 1 << _TCP_ESTABLISHED, _EXT_INFO, bytecode, bounds.timeout_s)
         with contextlib.closing(dump):
             for data, body, end in dump:
