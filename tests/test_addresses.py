@@ -16,7 +16,7 @@ import pytest
 
 from guardian.config import ReplicaConfig
 from guardian.observe import addresses, probes
-from guardian.observe.addresses import Pin, Place, Resolved, Resolver, choose, pin_all
+from guardian.observe.addresses import Holders, Pin, Place, Resolved, Resolver, choose, pin_all
 from guardian.observe.sockets import Listener, serving
 
 P = 8001
@@ -42,7 +42,7 @@ def test_localhost_is_pinned_to_the_replicas_own_listener_and_the_split_is_a_haz
     """Row 2: stock Debian's `::1 localhost` made the probes try [::1] first: nobody's server."""
     monkeypatch.setattr(addresses, "_holders", lambda: HOLDERS)
     r = replica(f"http://localhost:{P}")
-    (pin,) = pin_all([r], [Resolved(("::1", "127.0.0.1"))], [NOBODY_V6, NOBODY_V4, REPLICA]).values()
+    (pin,) = pin_all([r], [Resolved(("::1", "127.0.0.1"))], [NOBODY_V6, NOBODY_V4, REPLICA], Holders().of).values()
     assert pin.address == "127.0.0.1" and pin.listener is REPLICA
     assert pin.split
     text = pin.split_text(r.unit)
@@ -54,13 +54,15 @@ def test_localhost_is_pinned_to_the_replicas_own_listener_and_the_split_is_a_haz
 def test_two_listeners_of_the_replicas_own_unit_are_no_split(monkeypatch):
     monkeypatch.setattr(addresses, "_holders", lambda: HOLDERS)
     v6 = Listener(socket.AF_INET6, "::", P, 14, cgroup_id=700)
-    (pin,) = pin_all([replica(f"http://localhost:{P}")], [Resolved(("::1", "127.0.0.1"))], [v6, REPLICA]).values()
+    (pin,) = pin_all([replica(f"http://localhost:{P}")], [Resolved(("::1", "127.0.0.1"))], [v6, REPLICA],
+                     Holders().of).values()
     assert pin.address == "::1" and not pin.split  # a client's first: the replica's too
 
 
 def test_with_no_listener_of_its_own_the_first_address_a_client_reaches_is_judged(monkeypatch):
     monkeypatch.setattr(addresses, "_holders", lambda: HOLDERS)
-    (pin,) = pin_all([replica(f"http://localhost:{P}")], [Resolved(("::1", "127.0.0.1"))], [NOBODY_V6]).values()
+    (pin,) = pin_all([replica(f"http://localhost:{P}")], [Resolved(("::1", "127.0.0.1"))], [NOBODY_V6],
+                     Holders().of).values()
     assert pin.address == "::1" and pin.listener is NOBODY_V6  # where clients land: L4 names its holder
 
 
@@ -191,3 +193,18 @@ def test_an_ipv6_pin_is_bracketed():
 def test_places_are_named_by_their_listeners_cgroup():
     named = addresses.named([Place("::1", NOBODY_V6), Place("127.0.0.9", None)], HOLDERS)
     assert [p.holder for p in named] == ["squat.service", None]
+
+
+def test_holders_are_walked_for_once_per_unknown_cgroup(monkeypatch):
+    walks: list[int] = []
+
+    def walk() -> dict[int, str]:
+        walks.append(1)
+        return dict(HOLDERS)
+
+    monkeypatch.setattr(addresses, "_holders", walk)
+    h = Holders()
+    assert h.of({500, 700}) == HOLDERS and h.of({700}) == HOLDERS and len(walks) == 1
+    h.of({999})  # a cgroup no walk finds (removed since): walked for once, not at every tick
+    h.of({999})
+    assert len(walks) == 2

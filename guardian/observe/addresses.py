@@ -194,12 +194,34 @@ def named(places: Iterable[Place], holders: Mapping[int, str]) -> tuple[Place, .
 # --- the observer ------------------------------------------------------------------------------
 
 
+class Holders:
+    """cgroup id -> the unit it belongs to, walked for only when an id is not known yet (cgroup ids
+    are never reused: a name, once found, holds; an id not found by a walk is not walked for again)."""
+
+    MAX_TRIED = 10_000
+
+    def __init__(self) -> None:
+        self.names: dict[int, str] = {}
+        self._tried: set[int] = set()
+
+    def of(self, ids: Iterable[int]) -> Mapping[int, str]:
+        missing = set(ids) - self.names.keys() - self._tried
+        if missing:
+            self.names.update(_holders())
+            if len(self._tried) > self.MAX_TRIED:
+                self._tried.clear()
+            self._tried |= missing - self.names.keys()
+        return self.names
+
+
 class Addresses:
     """Each replica's pin, once per tick (pins()); the latest is kept for the canaries and warm-ups
-    the executor sends between ticks (address_of)."""
+    the executor sends between ticks (address_of), and the listening sockets it was chosen from
+    (table), for the kernel's view of the same tick."""
 
     def __init__(self, resolver: Resolver | None = None) -> None:
         self.resolver = resolver or Resolver()
+        self.holders = Holders()
         self.latest: dict[str, Pin] = {}
         self.table: list[Listener] | None = None  # the listening sockets of the last look
 
@@ -210,25 +232,27 @@ class Addresses:
     async def pins(self, cfg: Config) -> dict[str, Pin]:
         resolved = await asyncio.gather(*(self.resolver.resolve(r.host, r.port) for r in cfg.replicas))
         ports = {r.port for r in cfg.replicas}
-        table = await asyncio.to_thread(listener_table, ports) if ports else []
-        self.table = table
-        out = await asyncio.to_thread(pin_all, cfg.replicas, resolved, table or [])
-        self.latest = out
-        return out
+        self.table = await asyncio.to_thread(listener_table, ports) if ports else []
+        # Inline: the cgroup tree is walked only the first time a split host's holder is unknown.
+        self.latest = pin_all(cfg.replicas, resolved, self.table or [], self.holders.of)
+        return self.latest
 
 
 def pin_all(
-    replicas: Sequence[ReplicaConfig], resolved: Sequence[Resolved], table: Sequence[Listener]
+    replicas: Sequence[ReplicaConfig],
+    resolved: Sequence[Resolved],
+    table: Sequence[Listener],
+    holders: Callable[[Iterable[int]], Mapping[int, str]],
 ) -> dict[str, Pin]:
-    """Each replica's pin; the cgroup tree is walked (to name holders) only for a host whose
-    addresses lead to more than one listener."""
-    holders: dict[int, str] | None = None
+    """Each replica's pin; its listeners' holders are asked of HOLDERS (cgroup ids -> units) only
+    for a host whose addresses lead to more than one listener."""
     out: dict[str, Pin] = {}
     for r, res in zip(replicas, resolved, strict=True):
         pin = choose(r.host, res, table, r.port, _nobody)
-        if len({p.listener.inode for p in pin.places if p.listener is not None}) > 1:
-            holders = holders if holders is not None else _holders()
-            pin = _pick(r.host, named(pin.places, holders), _held_by(r.unit))
+        heard = [p.listener for p in pin.places if p.listener is not None]
+        if len({x.inode for x in heard}) > 1:
+            names = holders({x.cgroup_id for x in heard if x.cgroup_id is not None})
+            pin = _pick(r.host, named(pin.places, names), _held_by(r.unit))
         out[r.name] = pin
     return out
 
@@ -258,4 +282,4 @@ async def pin_of(r: ReplicaConfig, resolver: Resolver | None = None) -> Pin:
     """R's pin looked at now (the re-check before a restart, `guardian check`)."""
     resolved = await (resolver or Resolver()).resolve(r.host, r.port)
     table = await asyncio.to_thread(listener_table, {r.port})
-    return (await asyncio.to_thread(pin_all, [r], [resolved], table or []))[r.name]
+    return (await asyncio.to_thread(pin_all, [r], [resolved], table or [], Holders().of))[r.name]

@@ -550,12 +550,17 @@ class ConnObserver:
         self._lock = threading.Lock()  # a look abandoned by its caller still runs in its thread
 
     async def look(
-        self, cfg: Config, mono_now: float, pins: Mapping[str, Pin] | None = None
+        self,
+        cfg: Config,
+        mono_now: float,
+        pins: Mapping[str, Pin] | None = None,
+        listening: list[Listener] | None = None,
     ) -> dict[str, ConnView | None]:
         """Each replica's view at MONO_NOW (time.monotonic()), by replica name; None for every
         replica when the kernel's socket table cannot be read (self.unavailable says why). PINS:
-        where each replica's URL leads (observe/addresses.py); without them, its URL's host."""
-        return await asyncio.to_thread(self.look_now, cfg, mono_now, pins)
+        where each replica's URL leads (observe/addresses.py), and LISTENING the listening sockets
+        they were chosen from; without them, its URL's host, and the listening sockets read here."""
+        return await asyncio.to_thread(self.look_now, cfg, mono_now, pins, listening)
 
     def _trees(self) -> tuple[_Tree, _Tree]:
         if self._v2 is None or self._v1 is None:
@@ -570,19 +575,25 @@ class ConnObserver:
         return self._v2, self._v1
 
     def look_now(
-        self, cfg: Config, mono_now: float, pins: Mapping[str, Pin] | None = None
+        self,
+        cfg: Config,
+        mono_now: float,
+        pins: Mapping[str, Pin] | None = None,
+        listening: list[Listener] | None = None,
     ) -> dict[str, ConnView | None]:
         """look, in the caller's thread."""
         with self._lock:
-            return self._look(cfg, mono_now, pins or {})
+            return self._look(cfg, mono_now, pins or {}, listening)
 
-    def _look(self, cfg: Config, mono_now: float, pins: Mapping[str, Pin]) -> dict[str, ConnView | None]:
+    def _look(
+        self, cfg: Config, mono_now: float, pins: Mapping[str, Pin], listening: list[Listener] | None
+    ) -> dict[str, ConnView | None]:
         v2, v1 = self._trees()
         v2.new_look()
         v1.new_look()
         replicas = [(r.name, r.port) for r in cfg.replicas]
         ports = {port for _name, port in replicas}
-        found = listener_table(ports)
+        found = listening if listening is not None and pins else listener_table(ports)
         serves = {
             r.name: pins[r.name].listener if r.name in pins else serving(found or [], r.host, r.port)
             for r in cfg.replicas

@@ -322,7 +322,7 @@ class WorldObserver:
         scopes = {r.name: self.containers.scope_of(r) for r in cfg.replicas if r.engine == "docker" and r.container}
         self.conns.cpu_units = {name: scope for name, scope in scopes.items() if scope is not None}
         try:
-            return await self.conns.look(cfg, mono, self.pins)
+            return await self.conns.look(cfg, mono, self.pins, self.addresses.table)
         except Exception as e:  # noqa: BLE001 - a surprise here is "no kernel view", said once by the daemon
             self.conns.unavailable = f"the kernel's view failed: {type(e).__name__}: {e}"[:300]
             return {}
