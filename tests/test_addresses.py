@@ -203,8 +203,98 @@ def test_holders_are_walked_for_once_per_unknown_cgroup(monkeypatch):
         return dict(HOLDERS)
 
     monkeypatch.setattr(addresses, "_holders", walk)
-    h = Holders()
+    h = Holders(every_s=0)
     assert h.of({500, 700}) == HOLDERS and h.of({700}) == HOLDERS and len(walks) == 1
     h.of({999})  # a cgroup no walk finds (removed since): walked for once, not at every tick
     h.of({999})
     assert len(walks) == 2
+
+
+def test_a_hung_lookup_with_an_earlier_answer_does_not_hold_the_tick():
+    """With an answer from an earlier tick, a lookup that hangs is not waited for (RESOLVE_WAIT_S is
+    for a name with no answer yet): a resolver that hangs must not slow every tick."""
+    release = threading.Event()
+    calls: list[str] = []
+
+    def lookup(host: str, _port: int) -> list[str]:
+        calls.append(host)
+        if len(calls) > 1:
+            release.wait(60)
+        return ["127.0.0.1"]
+
+    async def ticks() -> list[Resolved]:
+        r = Resolver(lookup, wait_s=30)
+        first = await r.resolve("box", P)
+        r._running.clear()  # the next tick's lookup: this one hangs
+        try:
+            return [first, *[await asyncio.wait_for(r.resolve("box", P), 5) for _ in range(3)]]
+        finally:
+            release.set()
+
+    got = asyncio.run(ticks())
+    assert got == [Resolved(("127.0.0.1",))] * 4 and len(calls) == 2
+
+
+def test_a_lookup_that_fails_any_way_is_an_answer_and_not_kept():
+    state = {"fail": True}
+
+    def lookup(_host: str, _port: int) -> list[str]:
+        if state["fail"]:
+            raise RuntimeError("resolver plugin crashed")
+        return ["127.0.0.1"]
+
+    async def go() -> tuple[Resolved, Resolved, Resolved]:
+        r = Resolver(lookup, wait_s=5)
+        failed = await r.resolve("box", P)
+        state["fail"] = False
+        ok = await r.resolve("box", P)  # not stuck: a new lookup ran
+        state["fail"] = True
+        again = await r.resolve("box", P)
+        return failed, ok, again
+
+    failed, ok, again = asyncio.run(go())
+    assert failed.addresses == () and failed.error is not None and "RuntimeError" in failed.error
+    assert ok == Resolved(("127.0.0.1",))
+    assert again.error is not None  # a failure is this tick's answer; the last good one is kept for timeouts only
+
+
+def test_a_scoped_link_local_address_is_not_a_place(monkeypatch):
+    infos = [(socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("fe80::1%eth0", P, 0, 2)),
+             (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.1.1", P))]
+    monkeypatch.setattr(addresses.socket, "getaddrinfo", lambda *_a, **_k: infos)
+    assert addresses.getaddrinfo_lookup("box", P) == ["127.0.1.1"]
+
+
+@pytest.mark.parametrize("holder", ["docker.service", "docker-0123abcd.scope", "init.scope", None])
+def test_a_listener_that_may_be_the_replicas_own_is_chosen_over_another_units(monkeypatch, holder):
+    """A Docker replica's port is held by docker-proxy (docker.service), a socket-activated one's by
+    init.scope: neither is the replica's unit, but nobody's [::1] listener must not win for it."""
+    names = {500: "squat.service"} | ({700: holder} if holder is not None else {})
+    r = replica(f"http://localhost:{P}")
+    (pin,) = pin_all([r], [Resolved(("::1", "127.0.0.1"))], [NOBODY_V6, REPLICA], lambda _ids: names).values()
+    assert pin.address == "127.0.0.1" and pin.listener is REPLICA
+
+
+def test_an_unresolved_pin_fails_the_probes_at_once_without_resolving_by_name():
+    from guardian.observe import replicas as observe_replicas
+
+    pin = Pin("nowhere.invalid", None, error="nowhere.invalid does not resolve: Name or service not known")
+    r = replica("http://nowhere.invalid:8001")
+
+    async def go() -> tuple:
+        async with probes.make_client() as client:
+            return (await observe_replicas._send(client, r, "health", (1.0, pin)),
+                    await observe_replicas._send(client, r, "metrics", (1.0, pin)))
+
+    health, (metrics, sample) = asyncio.run(go())
+    assert not health.ok and health.status is None and "does not resolve" in (health.error or "")
+    assert not metrics.ok and sample is None
+
+
+def test_holders_are_walked_at_most_once_per_period(monkeypatch):
+    walks: list[int] = []
+    monkeypatch.setattr(addresses, "_holders", lambda: walks.append(1) or {})
+    h = Holders(every_s=3600)
+    h.of({1})
+    h.of({2})  # a new unknown id within the period: not walked for (a user making cgroups at every tick)
+    assert len(walks) == 1

@@ -967,3 +967,32 @@ def test_the_filter_the_kernel_runs_keeps_to_the_listeners_address_and_cgroup():
 
 def replace_cgroup(x: Listener, cgroup_id: int) -> Listener:
     return Listener(x.family, x.address, x.port, x.inode, cgroup_id)
+
+
+def test_a_pin_without_an_address_falls_back_to_its_urls_host(loop):
+    """A host that did not resolve this tick: the replica's view is its URL's host's listener, as
+    before pins, not an empty view that would hide its flowing responses."""
+    from guardian.observe.addresses import Pin
+
+    loop.connect()
+    cfg = _cfg(loop.port)
+    view = _observer().look_now(cfg, time.monotonic(), {"a": Pin("127.0.0.1", None, error="no answer")})["a"]
+    assert view is not None and view.connections == 1
+
+
+def test_many_local_addresses_ask_for_loopback_by_prefix_and_a_partial_peer_read_leaves_the_view_whole(monkeypatch):
+    from guardian.observe.sockets import listener_table
+
+    monkeypatch.setattr(conns, "MAX_PEER_PLACES", 0)
+    lp = Loop()
+    try:
+        pairs = [lp.connect() for _ in range(3)]
+        (mine,) = listener_table({lp.port})
+        clauses = conns.peer_clauses([_kernel(server) for _client, server in pairs])  # type: ignore[misc]
+        assert len(clauses) == 1  # 127.0.0.0/8 on the port: no clause of the port alone
+        table = conns.read_owned([mine], [mine], limit=4)  # 3 server ends, room for 1 peer end
+        assert not table.truncated and len([s for s in table.socks if s.lport == lp.port]) == 3
+        table = conns.read_owned([mine], [mine])
+        assert len([s for s in table.socks if s.rport == lp.port]) == 3  # the peers' ends, by the prefix
+    finally:
+        lp.close()

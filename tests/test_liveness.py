@@ -1405,31 +1405,40 @@ def test_a_container_replicas_port_held_by_a_unit_no_engine_uses_is_taken(unit, 
 HUGE = (0.3, 1e300, INF)  # a fake /metrics page's prefill histogram (issue 41 row 2: le="1e300")
 
 
-@pytest.mark.parametrize("cap_s", [300.0, 90.0])
-def test_a_step_learned_from_a_page_that_says_1e300_s_keeps_l13_waiting_no_longer_than_the_cap(cap_s):
+def test_a_step_learned_from_a_page_that_says_1e300_s_is_dropped_and_l13_waits_its_window():
     """Before, the bucket bound was learned as it was (1.5e300 s in memory, 7,680 s written to the
     state file), and L13/L14 waited for it for 24 h."""
-    box = Box(cfg(1, stall_window_s=60, max_step_s=cap_s), LEARNED)
+    box = Box(cfg(1, stall_window_s=60, max_step_s=300.0), LEARNED)
     box.tick(100.0, a=obs(t=100.0, s=buckets(5, 5, 5, bounds=HUGE)))
     acts = box.tick(102.0, a=obs(t=102.0, s=replace(buckets(5, 6, 6, bounds=HUGE), generation_tokens=1.0)))
-    (record,) = [a for a in acts if isinstance(a, RecordCanaryLatencies)]
-    assert record.steps == (("a", ((cap_s, 102.0), (0.3, 0.0))),)  # kept as the cap, not as 1e300
-    assert tick.liveness.longest_step_s(box.tracks["a"], 103.0, cap_s) == cap_s
-    (learned,) = [x for x in said(acts) if "learned a step" in x.message]
-    assert learned.priority is Priority.INFO and "vllm:request_prefill_time_seconds" in learned.message
-    assert f"at least {cap_s:g} s" in learned.message and f"max_step_s, {cap_s:g} s" in learned.message
+    assert box.tracks["a"].steps == ((0.3, 0.0),)  # only the state file's short step: 1e300 taught nothing
+    assert not [a for a in acts if isinstance(a, RecordCanaryLatencies) and a.steps]
+    assert not [x for x in said(acts) if "learned a step" in x.message]
     flat = replace(buckets(5, 6, 6, bounds=HUGE), generation_tokens=1.0, running=2)
-    quiet_since = 103.0  # work first queued (L13 counts from max(last progress, that))
-    bound = max(60.0, cap_s)  # L13: max(stall_window_s, the learned wait at most the cap)
-    box.tick(103.0, a=obs(t=103.0, s=flat))
-    box.tick(quiet_since + bound - 1, a=obs(t=quiet_since + bound - 1, s=flat))
+    box.tick(103.0, a=obs(t=103.0, s=flat))  # work first queued: L13 counts from here
+    box.tick(162.0, a=obs(t=162.0, s=flat))
     assert box.state() is not State.STALLED
-    box.tick(quiet_since + bound, a=obs(t=quiet_since + bound, s=flat))
+    box.tick(163.0, a=obs(t=163.0, s=flat))
     assert (box.state(), box.rule()) == (State.STALLED, "L13")
 
 
+@pytest.mark.parametrize("cap_s, learned", [(300.0, True), (100.0, False)])
+def test_a_step_within_the_cap_is_learned_and_said_once_with_its_source(cap_s, learned):
+    box = Box(cfg(1, stall_window_s=60, max_step_s=cap_s), LEARNED)
+    box.tick(100.0, a=obs(t=100.0, s=buckets(5, 5, 5, 5, 5, 5)))
+    acts = box.tick(102.0, a=obs(t=102.0, s=replace(buckets(5, 5, 5, 5, 6, 6), generation_tokens=1.0)))  # le=120
+    lines = [x for x in said(acts) if "learned a step" in x.message]
+    assert bool(lines) is learned and (box.tracks["a"].steps[0][0] == 120.0) is learned
+    if learned:
+        (line,) = lines
+        assert line.priority is Priority.INFO and "up to 120 s from vllm:request_prefill_time_seconds" in line.message
+        assert "stall window (L13) is now 180 s" in line.message and "(L14) waits 180 s" in line.message
+        again = box.tick(104.0, a=obs(t=104.0, s=replace(buckets(5, 5, 5, 5, 7, 7), generation_tokens=2.0)))
+        assert not [x for x in said(again) if "learned a step" in x.message]  # the same step: said once
+
+
 @pytest.mark.parametrize("kept, want", [
-    (((7680.0, 50.0),), ((300.0, 50.0),)),  # the old file's 7,680 s: read back as the cap
+    (((7680.0, 50.0), (60.0, 40.0)), ((60.0, 40.0),)),  # the old file's 7,680 s: past the cap, dropped
     (((60.0, 50.0), (float("nan"), 40.0)), ((60.0, 50.0),)),  # not a number: dropped
     (((-1.0, 50.0), (float("inf"), 50.0)), ()),
 ])
@@ -1442,7 +1451,7 @@ def test_steps_read_back_from_the_state_file_are_held_to_the_cap(kept, want):
     assert bool(learned) is bool(want) and all("the state file" in m for m in learned), learned
 
 
-@pytest.mark.parametrize("step_s", [float("nan"), float("inf"), -3.0, 0.0, None])
+@pytest.mark.parametrize("step_s", [float("nan"), float("inf"), -3.0, 0.0, None, 300.5])
 def test_a_step_that_is_not_a_positive_finite_number_is_not_learned(step_s):
     track = tick.liveness.Track(steps=((2.0, 99.0),))
     assert tick.liveness.learn_step(track, step_s, 100.0, 300.0) is track

@@ -454,6 +454,8 @@ RULES = tuple(row.rule for row in ROWS)
 _NO_NEWS_RULE = next(rule.id for rule in RULES if rule.outcome == UNCHANGED)  # evidence of nothing
 # A replica not observed yet is starting, as by the first rule that says so.
 _NOT_OBSERVED_RULE = next(rule.id for rule in RULES if rule.outcome == State.STARTING)
+# The two rules a learned step holds back: the stall window, then the stall canary's shortcut.
+STALL_WINDOW, STALL_CANARY = (rule for rule in RULES if rule.outcome == State.STALLED)
 
 
 @dataclass(frozen=True)
@@ -655,19 +657,23 @@ def longest_new_prefill(prev: VllmSample | None, cur: VllmSample | None) -> floa
 
 def learn_step(track: Track, step_s: float | None, now: float, cap_s: float) -> Track:
     """TRACK with STEP_S learned at NOW: the STEPS_KEPT longest of the last STEP_MEMORY_S. A step
-    that is not a positive finite number is dropped; one longer than CAP_S (W.max_step_s) is kept
-    as CAP_S: a page that says 1e300 s blinds no rule for longer than the cap."""
+    that is not a number in (0, CAP_S] (W.max_step_s) is dropped: a page that says 1e300 s (or a
+    bucket bound past what guardian would wait anyway) teaches nothing."""
     recent = [s for s in track.steps if now - s[1] < STEP_MEMORY_S]
-    if step_s is not None and math.isfinite(step_s) and step_s > 0:
-        recent.append((min(step_s, cap_s), now))
+    if step_s is not None and _in_range(step_s, cap_s):
+        recent.append((step_s, now))
     kept = tuple(sorted(recent, key=lambda s: (-s[0], -s[1]))[:STEPS_KEPT])
     return track if kept == track.steps else replace(track, steps=kept)
 
 
 def kept_steps(steps: Iterable[tuple[float, float]], cap_s: float) -> tuple[tuple[float, float], ...]:
-    """Steps read back from the state file, as learn_step keeps them: positive and finite, at most CAP_S."""
-    ok = [(min(s, cap_s), at) for s, at in steps if math.isfinite(s) and s > 0 and math.isfinite(at)]
+    """Steps read back from the state file, as learn_step keeps them: each in (0, CAP_S], others dropped."""
+    ok = [(s, at) for s, at in steps if _in_range(s, cap_s) and math.isfinite(at)]
     return tuple(sorted(ok, key=lambda s: (-s[0], -s[1]))[:STEPS_KEPT])
+
+
+def _in_range(step_s: float, cap_s: float) -> bool:
+    return math.isfinite(step_s) and 0 < step_s <= cap_s
 
 
 def longest_step_s(track: Track, now: float, cap_s: float) -> float | None:

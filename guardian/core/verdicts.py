@@ -109,11 +109,11 @@ def _new_track(name: str, obs: TickObservation, now: float, cap_s: float) -> Tra
 
 
 def _learned(t: Tick, replica: ReplicaConfig, old: Track, new: Track) -> None:
-    """Said once at info when a longer step is learned, with its source: how long the stall window
-    (L13) and a stall canary (L14) now wait, at most W.max_step_s."""
-    cap_s = t.cfg.watchdog.max_step_s
-    before = liveness.longest_step_s(old, t.now, cap_s) if old.observed else None
-    after = liveness.longest_step_s(new, t.now, cap_s)
+    """Said at info when a longer step is learned, with its source: how long the stall window (L13)
+    and a stall canary (L14) now wait (at most W.max_step_s)."""
+    wcfg = t.cfg.watchdog
+    before = liveness.longest_step_s(old, t.now, wcfg.max_step_s) if old.observed else None
+    after = liveness.longest_step_s(new, t.now, wcfg.max_step_s)
     if after is None or (before is not None and after <= before):
         return
     longest = max(s for s, _ in new.steps)
@@ -121,9 +121,10 @@ def _learned(t: Tick, replica: ReplicaConfig, old: Track, new: Track) -> None:
     t.say(
         LogLine(
             Priority.INFO,
-            f"replica {replica.name}: learned a step of up to {longest:g} s from {source}: work queued with "
-            f"nothing moving is waited for at least {after:g} s before a stall verdict (at most watchdog.max_step_s, "
-            f"{cap_s:g} s)",
+            f"replica {replica.name}: learned a step of up to {longest:g} s from {source}: with work queued and "
+            f"nothing moving, the stall window ({liveness.STALL_WINDOW.id}) is now "
+            f"{max(wcfg.stall_window_s, after):g} s and a stall canary ({liveness.STALL_CANARY.id}) waits {after:g} s "
+            f"(a step's wait is at most watchdog.max_step_s, {wcfg.max_step_s:g} s)",
             Decision.NOTE,
             replica.name,
             replica.unit,

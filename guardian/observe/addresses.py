@@ -23,13 +23,16 @@ import concurrent.futures
 import ipaddress
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ..config import Config, ReplicaConfig
 from .sockets import Listener, cgroup_dirs, cgroup_mounts, listener_table, serving, unit_of_cgroup
 
-RESOLVE_WAIT_S = 1.0  # a tick's wait for a name's lookup (/etc/hosts answers in microseconds)
+RESOLVE_WAIT_S = 1.0  # a tick's wait for a name's lookup with no earlier answer (/etc/hosts: microseconds)
+QUICK_WAIT_S = 0.1  # ... and with one: a resolver that hangs must not slow every tick by a second
+HOLDERS_WALK_EVERY_S = 10.0  # the cgroup tree is walked (to name a listener's holder) at most this often
 MAX_ADDRESSES = 16  # addresses of one name that are looked at (a client rarely tries more)
 
 Lookup = Callable[[str, int], list[str]]
@@ -40,7 +43,9 @@ def getaddrinfo_lookup(host: str, port: int) -> list[str]:
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     out: list[str] = []
     for _family, _type, _proto, _name, sockaddr in infos:
-        address = str(sockaddr[0]).split("%", 1)[0]
+        address = str(sockaddr[0])
+        if "%" in address:  # a scoped (link-local) address: never a replica's loopback or its own
+            continue
         if address not in out:
             out.append(address)
     return out[:MAX_ADDRESSES]
@@ -80,6 +85,8 @@ class Resolver:
             result = Resolved(tuple(found)) if found else Resolved(error=f"{key[0]} has no address")
         except (OSError, UnicodeError) as e:
             result = Resolved(error=f"{key[0]} does not resolve: {e}"[:300])
+        except BaseException as e:  # noqa: BLE001 - a lookup that fails any other way is an answer too
+            result = Resolved(error=f"the lookup of {key[0]} failed: {type(e).__name__}: {e}"[:300])
         done.set_result(result)
 
     async def resolve(self, host: str, port: int) -> Resolved:
@@ -92,15 +99,17 @@ class Resolver:
             running = concurrent.futures.Future()
             self._running[key] = running
             threading.Thread(target=self._run, args=(key, running), daemon=True, name=f"resolve {host}").start()
+        last = self._last.get(key)
+        wait_s = self._wait_s if last is None else min(self._wait_s, QUICK_WAIT_S)
         try:
-            result = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(running)), self._wait_s)
+            result = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(running)), wait_s)
         except TimeoutError:
-            last = self._last.get(key)
             if last is not None:
                 return last
             return Resolved(error=f"the lookup of {host} has not answered in {self._wait_s:g} s")
         self._running.pop(key, None)
-        self._last[key] = result
+        if result.addresses:  # a failed lookup is this tick's answer, never kept for the next
+            self._last[key] = result
         return result
 
 
@@ -165,21 +174,33 @@ def _where(x: Listener) -> str:
     return f"{_bracketed(x.address or '?')}:{x.port}"
 
 
-def choose(host: str, resolved: Resolved, table: Sequence[Listener], port: int, own: Callable[[Place], bool]) -> Pin:
+def choose(host: str, resolved: Resolved, table: Sequence[Listener], port: int, rank: Callable[[Place], int]) -> Pin:
     """The pin of a replica whose URL names HOST:PORT, from its RESOLVED addresses and the
-    listening sockets (TABLE): the first address whose listener is the replica's own (OWN),
-    else the first that has a listener, else the first address."""
+    listening sockets (TABLE): the first address whose listener ranks lowest (RANK: 0 the
+    replica's own), else the first address."""
     if not resolved.addresses:
         return Pin(host, None, error=resolved.error)
     places = tuple(Place(a, serving(table, a, port)) for a in resolved.addresses)
-    return _pick(host, places, own)
+    return _pick(host, places, rank)
 
 
-def _pick(host: str, places: tuple[Place, ...], own: Callable[[Place], bool]) -> Pin:
+def _pick(host: str, places: tuple[Place, ...], rank: Callable[[Place], int]) -> Pin:
+    """The first heard place of the lowest RANK (0: the replica's own), else the first place."""
     heard = [p for p in places if p.listener is not None]
-    mine = next((p for p in heard if own(p)), None)
-    chosen = mine or (heard[0] if heard else places[0])
+    chosen = min(heard, key=rank) if heard else places[0]  # min keeps the first of equal rank
     return Pin(host, chosen.address, chosen.listener, places)
+
+
+# Holders a replica's own listener may have other than its unit: a container engine's (docker-proxy
+# in docker.service, a container's scope, conmon's), systemd's socket activation (init.scope), or
+# none named (the root cgroup, no cgroup v2). Any other unit's listener is another's.
+_ENGINE_UNITS = frozenset({"docker.service", "containerd.service", "init.scope"})
+
+
+def _plausible(holder: str | None) -> bool:
+    if holder is None or holder in _ENGINE_UNITS:
+        return True
+    return holder.endswith(".scope") and holder.startswith(("docker-", "libpod-"))
 
 
 def named(places: Iterable[Place], holders: Mapping[int, str]) -> tuple[Place, ...]:
@@ -200,17 +221,34 @@ class Holders:
 
     MAX_TRIED = 10_000
 
-    def __init__(self) -> None:
+    def __init__(self, every_s: float = HOLDERS_WALK_EVERY_S) -> None:
         self.names: dict[int, str] = {}
         self._tried: set[int] = set()
+        self._every_s = every_s
+        self._walked_at: float | None = None
+
+    def missing(self, ids: Iterable[int]) -> bool:
+        """Whether a walk would name one of IDS that no walk has tried, and one may run now (a user
+        who makes a cgroup for each listener cannot have the tree walked at every tick)."""
+        now = time.monotonic()
+        if self._walked_at is not None and now - self._walked_at < self._every_s:
+            return False
+        return bool(set(ids) - self.names.keys() - self._tried)
 
     def of(self, ids: Iterable[int]) -> Mapping[int, str]:
-        missing = set(ids) - self.names.keys() - self._tried
-        if missing:
+        """The names known of IDS, after a walk if one is missing and may run (blocking: call it
+        in a thread where it may walk)."""
+        wanted = set(ids)
+        if self.missing(wanted):
+            self._walked_at = time.monotonic()
             self.names.update(_holders())
             if len(self._tried) > self.MAX_TRIED:
                 self._tried.clear()
-            self._tried |= missing - self.names.keys()
+            self._tried |= wanted - self.names.keys()
+        return self.names
+
+    def known(self, _ids: Iterable[int]) -> Mapping[int, str]:
+        """The names known, never walking (on the event loop)."""
         return self.names
 
 
@@ -233,8 +271,12 @@ class Addresses:
         resolved = await asyncio.gather(*(self.resolver.resolve(r.host, r.port) for r in cfg.replicas))
         ports = {r.port for r in cfg.replicas}
         self.table = await asyncio.to_thread(listener_table, ports) if ports else []
-        # Inline: the cgroup tree is walked only the first time a split host's holder is unknown.
-        self.latest = pin_all(cfg.replicas, resolved, self.table or [], self.holders.of)
+        first = pin_all(cfg.replicas, resolved, self.table or [], self.holders.known)
+        ids = {x.cgroup_id for pin in first.values() if needs_names(pin) for x in _heard(pin)}
+        if self.holders.missing(i for i in ids if i is not None):  # in a thread: the walk of the cgroup tree
+            await asyncio.to_thread(self.holders.of, [i for i in ids if i is not None])
+            first = pin_all(cfg.replicas, resolved, self.table or [], self.holders.known)
+        self.latest = first
         return self.latest
 
 
@@ -248,21 +290,30 @@ def pin_all(
     for a host whose addresses lead to more than one listener."""
     out: dict[str, Pin] = {}
     for r, res in zip(replicas, resolved, strict=True):
-        pin = choose(r.host, res, table, r.port, _nobody)
-        heard = [p.listener for p in pin.places if p.listener is not None]
-        if len({x.inode for x in heard}) > 1:
-            names = holders({x.cgroup_id for x in heard if x.cgroup_id is not None})
-            pin = _pick(r.host, named(pin.places, names), _held_by(r.unit))
+        pin = choose(r.host, res, table, r.port, _first)
+        if needs_names(pin):
+            names = holders({x.cgroup_id for x in _heard(pin) if x.cgroup_id is not None})
+            pin = _pick(r.host, named(pin.places, names), _rank_for(r.unit))
         out[r.name] = pin
     return out
 
 
-def _nobody(_place: Place) -> bool:
-    return False
+def _heard(pin: Pin) -> list[Listener]:
+    return [p.listener for p in pin.places if p.listener is not None]
 
 
-def _held_by(unit: str) -> Callable[[Place], bool]:
-    return lambda place: place.holder == unit
+def needs_names(pin: Pin) -> bool:
+    """PIN's host leads to more than one listener: which is the replica's is told by their holders."""
+    return len({x.inode for x in _heard(pin)}) > 1
+
+
+def _first(_place: Place) -> int:
+    return 0
+
+
+def _rank_for(unit: str) -> Callable[[Place], int]:
+    """0: the replica's unit's listener; 1: one that may be its own (_plausible); 2: another's."""
+    return lambda place: 0 if place.holder == unit else 1 if _plausible(place.holder) else 2
 
 
 def _holders() -> dict[int, str]:

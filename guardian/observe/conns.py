@@ -349,9 +349,16 @@ def peer_clauses(servers: Iterable[Sock]) -> list[Clause]:
     """The client-side sockets of local peers of SERVERS (their remote end is a server socket's
     local address and port), asked for by address where there are at most MAX_PEER_PLACES of them."""
     places = sorted({(s.lport, s.local) for s in servers})
-    if len(places) > MAX_PEER_PLACES:
-        return [port_is(port, local=False) for port in sorted({port for port, _ in places})]
-    return [[*port_is(port, local=False), address_is(local, local=False)] for port, local in places]
+    if len(places) <= MAX_PEER_PLACES:
+        return [[*port_is(port, local=False), address_is(local, local=False)] for port, local in places]
+    # Many addresses (a local user connecting through each of 127.0.0.0/8): IPv4 loopback as one
+    # prefix per port; the rest by port alone.
+    out: list[Clause] = []
+    for port in sorted({port for port, _ in places}):
+        out.append([*port_is(port, local=False), address_is("127.0.0.0", local=False, prefix_len=8)])
+        if any(p == port and not local.startswith("127.") for p, local in places):
+            out.append(port_is(port, local=False))
+    return out
 
 
 def read_owned(listeners: Iterable[Listener | None], table: Sequence[Listener], limit: int = MAX_SOCKETS) -> Table:
@@ -378,7 +385,9 @@ def read_owned(listeners: Iterable[Listener | None], table: Sequence[Listener], 
     # each family dumped costs a walk of the kernel's whole table (14 ms measured on a 24 GiB box).
     peer_families = [f for f in BOTH_FAMILIES if any((":" in s.local) == (f == socket.AF_INET6) for s in servers.socks)]
     peers = read_filtered(program(peer_clauses(servers.socks)), ports, Bounds(left), peer_families)
-    return Table(servers.socks + peers.socks, truncated=peers.truncated)
+    # The peers' ends only name the clients: a partial read of them leaves those unnamed (named by
+    # address), never the replica's own view partial.
+    return Table(servers.socks + peers.socks)
 
 
 def read_sockets(
@@ -599,7 +608,10 @@ class ConnObserver:
         ports = {port for _name, port in replicas}
         found = listening if listening is not None and pins else listener_table(ports)
         serves = {
-            r.name: pins[r.name].listener if r.name in pins else serving(found or [], r.host, r.port)
+            # A pin without an address (its host did not resolve this tick): its URL's host, as before.
+            r.name: pins[r.name].listener
+            if r.name in pins and pins[r.name].address is not None
+            else serving(found or [], r.host, r.port)
             for r in cfg.replicas
         }
         try:

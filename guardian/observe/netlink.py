@@ -163,12 +163,13 @@ def port_is(port: int, local: bool = True) -> list[Test]:
     return [(ge, operand, False), (le, operand, False)]
 
 
-def address_is(address: str, local: bool = True, negated: bool = False) -> Test:
-    """The socket's local (else remote) address is ADDRESS (an IPv4 one matches its IPv4-mapped
-    form on an IPv6 socket too, as the kernel compares them)."""
+def address_is(address: str, local: bool = True, negated: bool = False, prefix_len: int | None = None) -> Test:
+    """The socket's local (else remote) address is ADDRESS, or within ADDRESS/PREFIX_LEN (an IPv4
+    one matches its IPv4-mapped form on an IPv6 socket too, as the kernel compares them)."""
     ip = ipaddress.ip_address(address)
     family = socket.AF_INET if ip.version == 4 else socket.AF_INET6
-    operand = _HOSTCOND.pack(family, 8 * len(ip.packed), -1) + ip.packed
+    bits = 8 * len(ip.packed) if prefix_len is None else prefix_len
+    operand = _HOSTCOND.pack(family, bits, -1) + ip.packed
     return (_BC_S_COND if local else _BC_D_COND, operand, negated)
 
 

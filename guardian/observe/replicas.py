@@ -199,16 +199,16 @@ class ProbeCarry:
         self.tasks: dict[str, dict[str, tuple[asyncio.Task[Any], float]]] = {}
 
     def start(
-        self, client: httpx.AsyncClient, r: ReplicaConfig, mono: float, bound_s: float = 0.0, address: str | None = None
+        self, client: httpx.AsyncClient, r: ReplicaConfig, mono: float, bound_s: float = 0.0, pin: Pin | None = None
     ) -> list[asyncio.Task[Any]]:
-        """Send each probe of R that is not already in flight, to ADDRESS (its pin; None: its URL's
-        host); the tasks to wait for. Each may run up to the longer of its own timeout and BOUND_S
-        (W.unresponsive_after_s): a late answer is an answer (a starved box answered in 1-8 s); its
-        latency still tells slow from in time."""
+        """Send each probe of R that is not already in flight, to its PIN's address (None, or a pin
+        without one: its URL's host); the tasks to wait for. Each may run up to the longer of its
+        own timeout and BOUND_S (W.unresponsive_after_s): a late answer is an answer (a starved box
+        answered in 1-8 s); its latency still tells slow from in time."""
         slots = self.tasks.setdefault(r.name, {})
         for endpoint in self.ENDPOINTS:
             if endpoint not in slots:
-                slots[endpoint] = (asyncio.ensure_future(_send(client, r, endpoint, (bound_s, address))), mono)
+                slots[endpoint] = (asyncio.ensure_future(_send(client, r, endpoint, (bound_s, pin))), mono)
         return [task for task, _ in slots.values()]
 
     def take(self, name: str, mono: float) -> tuple[ProbeResults, float | None]:
@@ -238,8 +238,14 @@ class ProbeCarry:
                 task.cancel()
 
 
-async def _send(client: httpx.AsyncClient, r: ReplicaConfig, endpoint: str, at: tuple[float, str | None]) -> Any:
-    bound_s, address = at
+async def _send(client: httpx.AsyncClient, r: ReplicaConfig, endpoint: str, at: tuple[float, Pin | None]) -> Any:
+    bound_s, pin = at
+    address = pin.address if pin is not None else None
+    if pin is not None and address is None and pin.error is not None:
+        # Its host did not resolve this tick: no probe resolves it again (by name, on the default
+        # thread pool, which a hung resolver would fill).
+        failed = Probe(False, None, 0.0, f"cannot connect: {pin.error}")
+        return failed if endpoint == "health" else (failed, None)
     if endpoint == "health":
         return await probes.health_at(client, r.url, max(r.health_timeout_s, bound_s), address)
     if endpoint == "metrics":
@@ -384,8 +390,9 @@ class WorldObserver:
         replica whose pin could not be had is probed at its URL as it is."""
         try:
             self.pins = await self.addresses.pins(cfg)
-        except Exception as e:  # noqa: BLE001 - no pin is the URL as it is, not a lost tick
-            self.pins = {r.name: Pin(r.host, None, error=f"{type(e).__name__}: {e}"[:300]) for r in cfg.replicas}
+        except Exception:  # noqa: BLE001 - no pin is the URL as it is, not a lost tick (nor a failed probe)
+            self.pins = {r.name: Pin(r.host, None) for r in cfg.replicas}
+            self.addresses.latest = dict(self.pins)
         return self.pins
 
     def where(self, r: ReplicaConfig) -> str:
@@ -409,7 +416,7 @@ class WorldObserver:
         tasks = [
             task
             for r in cfg.replicas
-            for task in self.carry.start(self.client, r, at_mono, bound_s, self.addresses.address_of(r.name))
+            for task in self.carry.start(self.client, r, at_mono, bound_s, self.pins.get(r.name))
         ]
         (owners, units), _ = await asyncio.gather(
             self._views(cfg),
