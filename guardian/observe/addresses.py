@@ -7,8 +7,9 @@ then DNS), every address in the order a client tries them: stock Debian's `::1 l
 connection to `localhost` try [::1] first, and another user's listener on [::1]:P then answers
 for the replica. For each address, the listener that a connection to it reaches (sockets.serving:
 the address itself, then its family's wildcard). guardian connects to the first address whose
-listener is the replica's unit's, else to the first one that has a listener (where a client would
-land), else to the first address. A name whose addresses lead to different holders is a hazard:
+listener is the replica's unit's, else to the first whose listener may be its own (a container
+engine's, socket activation's, unnamed: _plausible), else to the first one that has a listener
+(where a client would land), else to the first address. A name whose addresses lead to different holders is a hazard:
 clients of that name may reach another's server (said once, and by `guardian check`).
 
 Lookups run on a thread of their own (never the default executor, which a hung resolver would
