@@ -110,6 +110,18 @@ DRAIN_S = 120.0  # with_proxy's drain timeout
 BOX = "box1"  # with_fleet's name for this box
 
 
+# Tests that play another user run a real process as nobody (uid and gid 65534, no groups), with
+# the system's python3: the venv's may lie under /root, which nobody cannot enter.
+NOBODY_PYTHON = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
+
+
+def as_nobody() -> None:
+    """A subprocess's preexec_fn: drop to user nobody."""
+    os.setgroups([])
+    os.setgid(65534)
+    os.setuid(65534)
+
+
 def cfg(n: int = 2, **watchdog) -> Config:
     """N replicas a, b, ... of model m, vllm-X.service at 127.0.0.1:800i; WATCHDOG overrides [watchdog]."""
     reps = [ReplicaConfig(name=x, unit=f"vllm-{x}.service", url=f"http://127.0.0.1:800{i}", model="m",

@@ -26,7 +26,7 @@ from guardian.cli import EXIT_STATUS, Exit, build_parser, main
 from guardian.config import ReplicaConfig
 from guardian.observe import askers, clock
 from guardian.core.actions import AnswerRequest
-from harness import Running, free_port, unit
+from harness import NOBODY_PYTHON, Running, as_nobody, free_port, unit
 from systemd_box import wait_for
 
 MAN_PAGE = Path(__file__).resolve().parent.parent / "packaging" / "debian" / "guardian.1"
@@ -381,12 +381,6 @@ def test_check_reads_each_warmup_file_and_says_when_no_proxy_would_ever_send_it(
     assert "is never sent" in warning and "no [proxy]" in warning
 
 
-def _as_nobody() -> None:
-    os.setgroups([])
-    os.setgid(65534)
-    os.setuid(65534)
-
-
 WRITE_DEEP = "import sys; open(sys.argv[1], 'w').write('{\"prompt\": \"x\"}\\n' + '[' * 100000 + ']' * 100000 + '\\n')"
 
 
@@ -402,8 +396,8 @@ def test_check_names_a_warmup_file_nested_100000_deep_and_checks_the_rest(tmp_pa
         base.chmod(0o755)
         os.chown(base, 65534, 65534)
         deep = base / "warmup.jsonl"
-        python = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
-        subprocess.run([python, "-c", WRITE_DEEP, str(deep)], check=True, timeout=30, preexec_fn=_as_nobody)
+        python = NOBODY_PYTHON
+        subprocess.run([python, "-c", WRITE_DEEP, str(deep)], check=True, timeout=30, preexec_fn=as_nobody)
         assert deep.stat().st_uid == 65534
         path = Path(config(tmp_path, ("a", f"http://127.0.0.1:{free_port()}"), ("b", f"http://127.0.0.1:{free_port()}")))
         path.write_text(path.read_text().replace('model = "m"\n', f'model = "m"\nwarmup_file = "{deep}"\n', 1))

@@ -32,6 +32,7 @@ from guardian.observe.conns import (
 )
 from guardian.observe.netlink import Sock, Table, parse_sock, port_filter, read_table
 from guardian.observe.sockets import DIAG_MSG_SIZE, CgroupMounts, Listener, cgroup_dirs, parse_mountinfo
+from harness import NOBODY_PYTHON, as_nobody
 
 DEADLINE_S = 5.0
 
@@ -899,12 +900,6 @@ time.sleep(120)
 """
 
 
-def _as_nobody() -> None:
-    os.setgroups([])
-    os.setgid(65534)
-    os.setuid(65534)
-
-
 @pytest.mark.skipif(os.geteuid() != 0, reason="runs a process as user nobody: needs root (make test runs as root)")
 @pytest.mark.parametrize(("replica_host", "flood"), [
     ("127.0.0.1", (socket.AF_INET, "127.0.0.2")),  # the issue's row: nobody on 127.0.0.2:P
@@ -916,14 +911,13 @@ def test_another_users_sockets_on_the_port_neither_fill_nor_hide_the_replicas_ow
     Here 300 of nobody's connections (600 sockets) against a bound of 100: the replica's three
     connections are all seen, and the view is whole."""
     import subprocess
-    import sys
 
     lp = Loop(host=replica_host)
     family, host = flood
     # the system's python3: the venv's may lie under /root, which nobody cannot enter
-    python = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
+    python = NOBODY_PYTHON
     hog = subprocess.Popen([python, "-c", FLOOD, str(int(family)), host, str(lp.port), "300"],
-                           stdout=subprocess.PIPE, text=True, preexec_fn=_as_nobody)
+                           stdout=subprocess.PIPE, text=True, preexec_fn=as_nobody)
     try:
         assert hog.stdout is not None and hog.stdout.readline().strip() == "ready", hog.poll()
         for _ in range(3):

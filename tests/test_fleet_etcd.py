@@ -19,7 +19,7 @@ from guardian.core.observations import FleetView
 from guardian.core.vocab import State
 from guardian.fleet.sync import FleetSync, fleet_status
 from guardian.observe.clock import Now
-from harness import Recorder
+from harness import NOBODY_PYTHON, Recorder, as_nobody
 
 pytestmark = pytest.mark.system
 NAMES = itertools.count()
@@ -276,24 +276,15 @@ print(urllib.request.urlopen(req, timeout=10).status)
 """
 
 
-def _as_nobody() -> None:
-    import os
-
-    os.setgroups([])
-    os.setgid(65534)
-    os.setuid(65534)
-
-
 def put_as_nobody(cluster: EtcdCluster, key: str, value: str) -> None:
     """A client of the cluster that is no guardian: a process of user nobody, with no lease."""
     import os
     import subprocess
-    import sys
 
-    python = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
-    as_nobody = _as_nobody if os.geteuid() == 0 else None
+    python = NOBODY_PYTHON
+    drop = as_nobody if os.geteuid() == 0 else None
     out = subprocess.run([python, "-c", PUT_AS_NOBODY, cluster.endpoints[0], key, value], capture_output=True,
-                         text=True, timeout=30, preexec_fn=as_nobody)
+                         text=True, timeout=30, preexec_fn=drop)
     assert out.stdout.strip() == "200", out.stderr
 
 

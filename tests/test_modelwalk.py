@@ -29,18 +29,12 @@ from guardian.core.weights import Weights
 from guardian.observe import modelfiles
 from guardian.observe import weights as weights_module
 from guardian.observe.systemd import ServiceDetails, SystemdError
-from harness import Recorder
+from harness import NOBODY_PYTHON, Recorder, as_nobody
 
 GiB = 2**30
 REPO = Path(__file__).resolve().parent.parent
-PYTHON = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else "python3"  # nobody cannot enter /root
+PYTHON = NOBODY_PYTHON
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="runs a process as user nobody: needs root (make test runs as root)")
-
-
-def _as_nobody() -> None:
-    os.setgroups([])
-    os.setgid(65534)
-    os.setuid(65534)
 
 
 @pytest.fixture
@@ -76,7 +70,7 @@ def test_a_rewritten_command_line_is_never_what_is_walked_or_released(shared) ->
     ours, other = cached_file(shared / "ours" / "model.safetensors"), cached_file(shared / "other" / "model.safetensors")
     proc = subprocess.Popen(
         ["bash", "-c", f'exec -a vllm {PYTHON} -c "import time; time.sleep(60)" serve {other.parent}'],
-        preexec_fn=_as_nobody,
+        preexec_fn=as_nobody,
     )
     try:
         deadline = time.monotonic() + 20
@@ -116,7 +110,7 @@ def deep_tree(model: Path, depth: int, files: int, nobody: bool) -> None:
     cached_file(model / "config.json", 100)
     cached_file(model / "model.safetensors", 4096)
     subprocess.run([PYTHON, "-c", DEEP, str(model), str(depth), str(files)], check=True, timeout=120,
-                   preexec_fn=_as_nobody if nobody else None)
+                   preexec_fn=as_nobody if nobody else None)
 
 
 @as_root

@@ -13,6 +13,7 @@ from guardian.act.state import (
     view,
 )
 from guardian.observe.clock import Now, boot_id
+from harness import NOBODY_PYTHON, as_nobody
 
 NOW = Now(mono=5000.0, wall=1_700_000_000.0)  # in the past: reads clamp the future
 
@@ -477,19 +478,12 @@ time.sleep(60)
 """
 
 
-def _as_nobody() -> None:
-    os.setgroups([])
-    os.setgid(65534)
-    os.setuid(65534)
-
-
 @pytest.mark.skipif(os.geteuid() != 0, reason="runs a process as user nobody: needs root (make test runs as root)")
 def test_a_user_who_is_not_guardian_cannot_open_the_lock_and_so_cannot_stop_a_state_write():
     """The attack: user nobody opened the 0644 lock file read-only and held LOCK_EX; root's
     `guardian pause` blocked, and so did the daemon's start. Here a real process as nobody tries."""
     import shutil
     import subprocess
-    import sys
     import tempfile
     import threading
 
@@ -499,9 +493,9 @@ def test_a_user_who_is_not_guardian_cannot_open_the_lock_and_so_cannot_stop_a_st
         store = StateStore(base / "state")
         store.update(lambda d: None)
         # the system's python3: the venv's may lie under /root, which nobody cannot enter
-        python = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
+        python = NOBODY_PYTHON
         attacker = subprocess.Popen([python, "-c", HOLD, str(store.lock_path)], stdout=subprocess.PIPE,
-                                    text=True, preexec_fn=_as_nobody)
+                                    text=True, preexec_fn=as_nobody)
         try:
             said = attacker.stdout.readline().strip()  # type: ignore[union-attr]
             done: list[bool] = []
