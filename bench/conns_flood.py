@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from typing import Any
 
 HOLDER = """
 import resource, socket, sys
@@ -44,9 +45,25 @@ def _hold(host: str, ports: list[int], n: int) -> subprocess.Popen[str]:
     return proc
 
 
+def per_look(cfg: Any, looks: int) -> tuple[float, float, dict[str, Any]]:
+    """CPU and wall ms per look of a fresh ConnObserver over CFG's replicas (one look first, so
+    that nothing is counted from before), and the last look's views: bench/run.py's `conns` too."""
+    from guardian.observe.conns import ConnObserver
+
+    observer = ConnObserver()
+    observer.look_now(cfg, time.monotonic())
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
+    t0 = time.monotonic()
+    views: dict[str, Any] = {}
+    for _ in range(looks):
+        views = observer.look_now(cfg, time.monotonic())
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    cpu_ms = 1000 * ((r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)) / looks
+    return cpu_ms, 1000 * (time.monotonic() - t0) / looks, views
+
+
 def main(flood: int = 27_000, per_replica: int = 20, looks: int = 30) -> dict[str, object]:
     from guardian.config import Config, ReplicaConfig
-    from guardian.observe.conns import ConnObserver
 
     replicas = []
     for _ in range(2):
@@ -66,18 +83,11 @@ def main(flood: int = 27_000, per_replica: int = 20, looks: int = 30) -> dict[st
                 for i, p in enumerate(ports)
             ]
         )
-        observer = ConnObserver()
-        observer.look_now(cfg, time.monotonic())
-        r0 = resource.getrusage(resource.RUSAGE_SELF)
-        t0 = time.monotonic()
-        for _ in range(looks):
-            views = observer.look_now(cfg, time.monotonic())
-        r1 = resource.getrusage(resource.RUSAGE_SELF)
-        cpu_ms = 1000 * ((r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)) / looks
+        cpu_ms, wall_ms, views = per_look(cfg, looks)
         return {
             "flood_sockets": 2 * (flood // len(hosts)) * len(hosts),
             "cpu_ms_per_look": round(cpu_ms, 2),
-            "wall_ms_per_look": round(1000 * (time.monotonic() - t0) / looks, 2),
+            "wall_ms_per_look": round(wall_ms, 2),
             "connections_seen": sum(v.connections for v in views.values() if v is not None),
             "truncated": any(v.truncated for v in views.values() if v is not None),
             "connections": 2 * per_replica,

@@ -517,11 +517,11 @@ class Bench:
         connections to each of N replicas' ports, on this machine: another process holds the
         listeners and both ends of every connection (as replicas and nginx would), so the table
         has 2 x N x PER_REPLICA sockets on the replicas' ports."""
-        import resource
         import subprocess
 
+        from conns_flood import per_look
+
         from guardian.config import Config, ReplicaConfig
-        from guardian.observe.conns import ConnObserver
 
         holder = (
             "import socket, sys, resource\n"
@@ -550,16 +550,9 @@ class Bench:
                 cfg = Config(replicas=[ReplicaConfig(name=f"r{i}", unit=f"r{i}.service",
                                                      url=f"http://127.0.0.1:{port}", model="m")
                                        for i, port in enumerate(ports)])
-                observer = ConnObserver()
-                observer.look_now(cfg, time.monotonic())
-                r0 = resource.getrusage(resource.RUSAGE_SELF)
-                t0 = time.monotonic()
-                for _ in range(looks):
-                    views = observer.look_now(cfg, time.monotonic())
-                r1 = resource.getrusage(resource.RUSAGE_SELF)
-                cpu_ms = 1000 * ((r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)) / looks
+                cpu_ms, wall_ms, views = per_look(cfg, looks)
                 seen = sum(v.connections for v in views.values() if v is not None)
-                out[str(n)] = {"cpu_ms_per_look": cpu_ms, "wall_ms_per_look": 1000 * (time.monotonic() - t0) / looks,
+                out[str(n)] = {"cpu_ms_per_look": cpu_ms, "wall_ms_per_look": wall_ms,
                                "connections_seen": seen, "connections": n * per_replica,
                                "cpu_pct_at_2s": cpu_ms / 2000 * 100}
                 self.say(f"  conns: {n} replicas x {per_replica}: {cpu_ms:.2f} ms of CPU per look, saw {seen}")
