@@ -319,7 +319,6 @@ class WorldObserver:
         self.conns = ConnObserver()
         self.containers = ContainerWatch(sd)
         self.addresses = Addresses()
-        self.pins: dict[str, Pin] = {}  # where each replica's URL led at the last tick
 
     async def _look(self, cfg: Config, mono: float) -> dict[str, ConnView | None]:
         """The kernel's view, never an exception: beside the probes, a failure here would lose
@@ -389,11 +388,15 @@ class WorldObserver:
         """Where each replica's URL leads this tick (observe/addresses.py), never an exception: a
         replica whose pin could not be had is probed at its URL as it is."""
         try:
-            self.pins = await self.addresses.pins(cfg)
+            return await self.addresses.pins(cfg)
         except Exception:  # noqa: BLE001 - no pin is the URL as it is, not a lost tick (nor a failed probe)
-            self.pins = {r.name: Pin(r.host, None) for r in cfg.replicas}
-            self.addresses.latest = dict(self.pins)
-        return self.pins
+            self.addresses.latest = {r.name: Pin(r.host, None) for r in cfg.replicas}
+            return self.addresses.latest
+
+    @property
+    def pins(self) -> dict[str, Pin]:
+        """Where each replica's URL led at the last tick (observe/addresses.py)."""
+        return self.addresses.latest
 
     def where(self, r: ReplicaConfig) -> str:
         """The address R's port owner is judged at: its pin, else its URL's host."""
