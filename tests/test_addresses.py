@@ -17,6 +17,7 @@ import pytest
 from guardian.config import ReplicaConfig
 from guardian.observe import addresses, probes
 from guardian.observe.addresses import Holders, Pin, Place, Resolved, Resolver, choose, pin_all
+from guardian.observe.plainhttp import pinned
 from guardian.observe.sockets import Listener, serving
 
 P = 8001
@@ -171,21 +172,14 @@ def test_the_probes_and_the_canary_connect_to_the_pinned_address_and_keep_the_na
 
 
 def test_a_pinned_https_request_keeps_the_name_for_tls():
-    url, headers, extensions = addresses_pinned("https://box.example:8443/v1")
+    url, headers, extensions = pinned("https://box.example:8443/v1", "127.0.0.1")
     assert url == "https://127.0.0.1:8443/v1" and headers == {"Host": "box.example:8443"}
     assert extensions == {"sni_hostname": "box.example"}
-    assert isinstance(httpx.Request("GET", url, headers=headers, extensions=extensions).url, httpx.URL)
-
-
-def addresses_pinned(url: str) -> tuple[str, dict[str, str], dict[str, str]]:
-    from guardian.observe.plainhttp import pinned
-
-    return pinned(url, "127.0.0.1")
+    request = httpx.Request("GET", url, headers=headers, extensions=extensions)
+    assert request.headers["Host"] == "box.example:8443" and request.url.host == "127.0.0.1"
 
 
 def test_an_ipv6_pin_is_bracketed():
-    from guardian.observe.plainhttp import pinned
-
     assert pinned("http://localhost:8001", "::1")[0] == "http://[::1]:8001"
     assert pinned("http://localhost:8001", None) == ("http://localhost:8001", {}, {})
 

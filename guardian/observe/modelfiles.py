@@ -407,8 +407,8 @@ def release(
 ) -> int:
     """Ask the kernel to drop the clean pages of PATHS under WITHIN from the page cache (posix_fadvise
     DONTNEED: any reader may, so only through a descriptor guardian opens with its own rights); how
-    many of the files it was asked for. None after DEADLINE_MONO (CLOCK's): a start that went on
-    without its fit must not lose its files' cache while it loads."""
+    many of the files it was asked for. It stops at DEADLINE_MONO (CLOCK's), counting what it did by
+    then: a start that went on without its fit must not lose its files' cache while it loads."""
     done = 0
     for path in paths:
         if clock() >= deadline_mono:
