@@ -292,3 +292,24 @@ def test_holders_are_walked_at_most_once_per_period(monkeypatch):
     h.of({1})
     h.of({2})  # a new unknown id within the period: not walked for (a user making cgroups at every tick)
     assert len(walks) == 1
+
+
+def test_a_split_host_is_said_once_as_a_hazard_and_once_when_it_ends(monkeypatch):
+    from guardian.act.notices import Notices
+    from guardian.config import Config
+    from guardian.core.vocab import Priority
+    from harness import Recorder
+
+    monkeypatch.setattr(addresses, "_holders", lambda: HOLDERS)
+    r = replica(f"http://localhost:{P}")
+    cfg = Config(replicas=[r])
+    split = pin_all([r], [Resolved(("::1", "127.0.0.1"))], [NOBODY_V6, REPLICA], Holders().of)
+    whole = pin_all([r], [Resolved(("::1", "127.0.0.1"))], [REPLICA], Holders().of)
+    journal = Recorder()
+    notices = Notices(journal)
+    for pins in (split, split, whole, whole):
+        notices.addresses(cfg, pins)
+    said = [(line.priority, line.hazard, line.unit, line.message) for line, _ in journal.lines]
+    assert [s[:3] for s in said] == [(Priority.ERROR, "address:a", "vllm-a.service"),
+                                     (Priority.INFO, "address:a", "vllm-a.service")], said
+    assert "held by squat.service" in said[0][3] and "leads to one holder again" in said[1][3]

@@ -71,7 +71,10 @@ class Notices:
                     LogLine(Priority.ERROR, message, Decision.HAZARD, r.name, r.unit, hazard=f"address:{r.name}")
                 )
             elif text is None and was is not None:
-                self.journal.send(Priority.INFO, f"replica {r.name}: its URL's host leads to one holder again")
+                again = f"replica {r.name}: its URL's host leads to one holder again"
+                self.journal.line(
+                    LogLine(Priority.INFO, again, Decision.NOTE, r.name, r.unit, hazard=f"address:{r.name}")
+                )
         self.split_said = now
 
     def hazards(self, cfg: Config, seen: UnitScan) -> list[Hazard]:
