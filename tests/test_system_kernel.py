@@ -216,6 +216,7 @@ port = int(sys.argv[1])
 pairs = []
 for family, host in ((socket.AF_INET6, "::1"), (socket.AF_INET, "127.0.0.2")):
     listener = socket.socket(family)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # an earlier test's connections in TIME_WAIT
     if family == socket.AF_INET6:
         listener.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
     listener.bind((host, port))
@@ -283,22 +284,22 @@ def test_replicas_named_by_localhost_and_by_the_host_name_are_restarted_as_one_n
     world.replicas = [Replica("a", 8001), Replica("b", 8002, url_host="localhost"), Replica("c", 8003, url_host=name)]
     world.box.write("/etc/hosts", STOCK_HOSTS.format(name=name))
     assert SQUATTERS != SQUATTER and "sys.argv[1:]" in SQUATTERS
-    world.box.write("/tmp/squat.py", SQUATTERS)
+    world.box.write("/tmp/squat-names.py", SQUATTERS)
     world.setup(start_guardian=False)
-    world.box.run(["systemd-run", "--unit=squat", "-p", "User=nobody", "-p", "Restart=no",
-                   "/usr/bin/python3", "/tmp/squat.py", *(str(r.port) for r in world.replicas)])
-    world.extra_units.append("squat.service")
-    wait_for(lambda: "squatting" in world.box.messages(unit="squat.service")
-             or world.box.prop("squat.service", "ActiveState") != "active", 30, "the squatter to listen")
-    assert "squatting" in world.box.messages(unit="squat.service"), world.box.messages(unit="squat.service")
+    world.box.run(["systemd-run", "--unit=squat-names", "-p", "User=nobody", "-p", "Restart=no",
+                   "/usr/bin/python3", "/tmp/squat-names.py", *(str(r.port) for r in world.replicas)])
+    world.extra_units.append("squat-names.service")
+    wait_for(lambda: "squatting" in world.box.messages(unit="squat-names.service")
+             or world.box.prop("squat-names.service", "ActiveState") != "active", 30, "the squatter to listen")
+    assert "squatting" in world.box.messages(unit="squat-names.service"), world.box.messages(unit="squat-names.service")
     world.start_guardian()  # all three healthy: each probed at its own replica's address
     check = world.box.run(["guardian", "check"], check=False)
     b_lines = [ln for ln in check.stdout.splitlines() if "replica b " in ln and "different holders" in ln]
-    assert b_lines and "squat.service" in b_lines[0] and "guardian probes 127.0.0.1" in b_lines[0], check.stdout
+    assert b_lines and "squat-names.service" in b_lines[0] and "guardian probes 127.0.0.1" in b_lines[0], check.stdout
     assert not [ln for ln in check.stdout.splitlines() if "different holders" in ln and "replica b " not in ln]
     hazard = wait_for(lambda: next(iter(world.guardian_lines("GUARDIAN_HAZARD=address:b")), None), 30,
                       "the split of localhost to be said")
-    assert hazard["PRIORITY"] == "3" and "[::1]:8002 held by squat.service" in hazard["MESSAGE"], hazard["MESSAGE"]
+    assert hazard["PRIORITY"] == "3" and "[::1]:8002 held by squat-names.service" in hazard["MESSAGE"], hazard["MESSAGE"]
     for r in world.replicas:
         old = world.box.identity(r.unit)
         frozen_at = time.time()
@@ -311,4 +312,4 @@ def test_replicas_named_by_localhost_and_by_the_host_name_are_restarted_as_one_n
         wait_for(lambda r=r, old=old: world.box.identity(r.unit) != old
                  and world.box.prop(r.unit, "ActiveState") == "active", 40, f"{r.name} to be restarted")
         world.wait_states({r.name: "healthy"}, timeout_s=40)
-    assert world.box.prop("squat.service", "ActiveState") == "active"
+    assert world.box.prop("squat-names.service", "ActiveState") == "active"
