@@ -266,6 +266,16 @@ class WatchdogConfig(_Strict):
     # The kernel's view of each replica's connections (docs/rules.md, What the kernel shows): a client
     # whose request has had no byte of answer for this long, with nothing moving, is queued work.
     client_wait_s: float = Field(default=3.0, gt=0, le=MAX_WINDOW_S)
+    # A replica's own processes (observe/procs.py; docs/rules.md L19-L22, C5): a group is quiet at a
+    # look when it used at most quiet_cpu of one core (CPU plus run-queue wait) since the previous
+    # look AND none of its processes was running, runnable or in uninterruptible wait. Quiet through
+    # engine_quiet_s with nothing moving proves a hang. 4 s: two looks at the default 2 s interval
+    # (one look may fall in a pause), 40x the longest pause a working engine makes between steps
+    # (a decode step is 10-100 ms; a long prefill chunk burns CPU all through), and short enough
+    # that a frozen engine with work is restarted within 10 s. 0.01 of a core: a frozen process
+    # uses 0; the clock counts CPU in 10 ms ticks, so 20 ms a look is the least it can tell from 0.
+    engine_quiet_s: float = Field(default=4.0, gt=0, le=MAX_WINDOW_S)
+    quiet_cpu: float = Field(default=0.01, ge=0, le=1)
     # Peers that are not clients of their own: units ("x.service") or addresses. [proxy]'s
     # nginx_unit counts as a proxy when [proxy] is on.
     proxy_peers: list[str] = Field(default_factory=list, max_length=64)

@@ -61,7 +61,7 @@ from dataclasses import dataclass, replace
 
 from ..config import ReplicaConfig, WatchdogConfig
 from .container import engine_holder
-from .observations import CanaryResult, Pause, Probe, ReplicaObservation, UnitInfo, VllmSample
+from .observations import Activity, CanaryResult, Pause, Probe, ProcView, ReplicaObservation, UnitInfo, VllmSample
 from .rules import UNCHANGED, Row, Rule, first_match
 from .vocab import SERVING_STATES, ActiveState, HeldBy, PortOwner, State
 
@@ -134,6 +134,18 @@ class _Facts:
         return longest_step_s(self.track, self.now, self.wcfg.max_step_s)
 
     @property
+    def engine_quiet_for_s(self) -> float:
+        """How long the engine's processes have been quiet at this look (observe/procs.py); -inf:
+        not quiet, not known, or not told apart from the API server."""
+        return _quiet_for_s(self.obs.procs, self.track.engine_quiet_since)
+
+    @property
+    def api_quiet_for_s(self) -> float:
+        """How long the API server's processes (the whole replica where the engine is not told
+        apart) have been quiet at this look; -inf: not quiet or not known."""
+        return _quiet_for_s(self.obs.procs, self.track.api_quiet_since)
+
+    @property
     def health_said(self) -> str:
         return "200" if self.obs.health.ok else str(self.obs.health.error)
 
@@ -170,6 +182,10 @@ class _Facts:
 def _age_s(now: float, since: float | None) -> float:
     """Seconds since SINCE; -inf when it has not begun, so that no `age >= limit` holds."""
     return now - since if since is not None else float("-inf")
+
+
+def _quiet_for_s(view: ProcView | None, since: float | None) -> float:
+    return view.at - since if view is not None and since is not None else float("-inf")
 
 
 def _ago(now: float, at: float | None) -> str:
@@ -223,6 +239,39 @@ def _stall_proof(facts: _Facts) -> str:
         f"{facts.work_said}, nothing moved for {facts.now - facts.quiet_since:.0f} s, and a canary sent "
         f"{proof_age_s:.0f} s ago failed with nothing moving (/health {facts.health_said})"
     )
+
+
+def _engine_quiet(facts: _Facts) -> str:
+    return (
+        f"{facts.work_said}, nothing moved for {facts.now - facts.quiet_since:.0f} s, and "
+        f"{_used(facts.obs.procs, 'engine', facts.engine_quiet_for_s)} (/health {facts.health_said})"
+    )
+
+
+def _engine_proof(facts: _Facts) -> str:
+    proof_at = facts.track.engine_proof_at
+    assert proof_at is not None, "said only after a canary the engine never touched"
+    return (
+        f"{facts.work_said if facts.seen.queued else 'idle'}; a canary sent {facts.now - proof_at:.0f} s ago got "
+        f"nothing while {_used(facts.obs.procs, 'engine', facts.engine_quiet_for_s)} (/health {facts.health_said})"
+    )
+
+
+def _api_quiet(facts: _Facts) -> str:
+    return (
+        f"no HTTP answer for {facts.failing_for_s:.0f} s (/health: {facts.obs.health.error}), last progress "
+        f"{_ago(facts.now, facts.track.last_progress_at)}, and "
+        f"{_used(facts.obs.procs, 'api', facts.api_quiet_for_s)}{_kernel_quiet(facts.obs)}"
+    )
+
+
+def _used(view: ProcView | None, group: str, quiet_s: float) -> str:
+    """How a group's quiet reads in a journal line: "its engine (2 processes) used 0 ms of CPU in 4 s"."""
+    act: Activity | None = None if view is None else (view.engine if group == "engine" else view.api)
+    whole = group == "api" and view is not None and not view.engine_named
+    who = "its processes" if whole else ("its engine" if group == "engine" else "its API server")
+    procs = f" ({act.procs} process{'es' if act.procs != 1 else ''})" if act is not None else ""
+    return f"{who}{procs} used no CPU and waited for none in {quiet_s:.1f} s"
 
 
 def port_taken_by(owner: PortOwner | None, rcfg: ReplicaConfig) -> HeldBy | None:
@@ -343,6 +392,23 @@ ROWS: tuple[Row[_Facts, str], ...] = (
         lambda f: f"/v1/models lists {', '.join(f.obs.models or ()) or 'nothing'}, expected {f.rcfg.model}",
     ),
     Row(
+        API_QUIET := Rule(
+            "L22",
+            State.UNRESPONSIVE,
+            "no probe got any HTTP answer for >= W.engine_quiet_s (counted from the last answer) AND no "
+            "progress for >= W.engine_quiet_s AND the API server's processes (every process of the replica "
+            "not named as its engine's; all of them where none is) quiet for >= W.engine_quiet_s: at each look "
+            "CPU plus run-queue wait <= W.quiet_cpu of a core AND none running, runnable or in uninterruptible "
+            "wait (a frozen server; a starved one waits on the run queue, a busy one computes)",
+        ),
+        lambda f: (
+            f.failing_for_s >= f.wcfg.engine_quiet_s
+            and f.quiet_for_s >= f.wcfg.engine_quiet_s
+            and f.api_quiet_for_s >= f.wcfg.engine_quiet_s
+        ),
+        _api_quiet,
+    ),
+    Row(
         Rule(
             "L8",
             State.UNRESPONSIVE,
@@ -396,7 +462,34 @@ ROWS: tuple[Row[_Facts, str], ...] = (
         _healthy_progressing,
     ),
     Row(
+        ENGINE_QUIET := Rule(
+            "L19",
+            State.STALLED,
+            "/metrics readable AND running + waiting > 0 (the engine's own count) AND now - max(last progress, "
+            "work first queued) >= W.engine_quiet_s AND the engine's processes (named: observe/procs.py) quiet "
+            "for >= W.engine_quiet_s, as L22 measures it: work in the engine that its processes do not touch "
+            "(an engine that burns CPU while nothing moves is left to L13 and L14)",
+        ),
+        lambda f: (
+            f.obs.metrics is not None
+            and f.obs.metrics.queued > 0
+            and f.now - f.quiet_since >= f.wcfg.engine_quiet_s
+            and f.engine_quiet_for_s >= f.wcfg.engine_quiet_s
+        ),
+        _engine_quiet,
+    ),
+    Row(
         Rule(
+            "L20",
+            State.STALLED,
+            "/metrics readable AND queued work (as L13) AND a canary sent after the last progress (and after "
+            "work was first queued) failed by C5 (its engine never touched it)",
+        ),
+        lambda f: f.work_queued and f.track.engine_proof_at is not None and f.track.engine_proof_at >= f.quiet_since,
+        _engine_proof,
+    ),
+    Row(
+        STALL_WINDOW := Rule(
             "L13",
             State.STALLED,
             "/metrics readable AND queued work (running + waiting > 0, or clients waiting >= W.client_wait_s) "
@@ -407,7 +500,7 @@ ROWS: tuple[Row[_Facts, str], ...] = (
         lambda f: f"{f.work_said} and no counter progress for {f.now - f.quiet_since:.0f} s (/health {f.health_said})",
     ),
     Row(
-        Rule(
+        STALL_CANARY := Rule(
             "L14",
             State.STALLED,
             "/metrics readable AND queued work (as L13) AND a canary sent after the last progress (and "
@@ -418,6 +511,21 @@ ROWS: tuple[Row[_Facts, str], ...] = (
         ),
         _stall_proven,
         _stall_proof,
+    ),
+    Row(
+        Rule(
+            "L21",
+            State.IDLE_DEAD,
+            "/metrics readable AND no queued work AND the last canary failed by C5 (its engine never touched "
+            "it) AND no progress since it was sent: one such canary is proof enough",
+        ),
+        lambda f: (
+            f.obs.metrics is not None
+            and f.seen.queued == 0
+            and f.track.engine_proof_at is not None
+            and (f.track.last_progress_at is None or f.track.last_progress_at <= f.track.engine_proof_at)
+        ),
+        _engine_proof,
     ),
     Row(
         Rule(
@@ -454,8 +562,7 @@ RULES = tuple(row.rule for row in ROWS)
 _NO_NEWS_RULE = next(rule.id for rule in RULES if rule.outcome == UNCHANGED)  # evidence of nothing
 # A replica not observed yet is starting, as by the first rule that says so.
 _NOT_OBSERVED_RULE = next(rule.id for rule in RULES if rule.outcome == State.STARTING)
-# The two rules a learned step holds back: the stall window, then the stall canary's shortcut.
-STALL_WINDOW, STALL_CANARY = (rule for rule in RULES if rule.outcome == State.STALLED)
+# STALL_WINDOW and STALL_CANARY (in the rows above) are the two rules a learned step holds back.
 
 
 @dataclass(frozen=True)
@@ -499,6 +606,12 @@ class Track:
     said_state: State | None = None  # the verdict the journal last said (core/verdicts.py: a quiet journal)
     metrics_readable: bool = False  # /metrics was readable at its last answer (a probe in flight keeps it)
     steps: tuple[tuple[float, float], ...] = ()  # (a long step's bound in s, when learned): see longest_step_s
+    # The replica's own processes (observe/procs.py): when each group's quiet spell began (None: not quiet)
+    api_quiet_since: float | None = None
+    engine_quiet_since: float | None = None
+    health_in_time_since: float | None = None  # /health answered 2xx in time at every tick since then
+    engine_proof_at: float | None = None  # the send time of a canary its engine never touched (C5)
+    judged_canary: float | None = None  # the send time of the canary C5 judged while it was still out
 
 
 def _progressed(prev: VllmSample | None, cur: VllmSample | None) -> bool:
@@ -623,7 +736,50 @@ CANARY_ROWS: tuple[Row[_CanaryBack, str], ...] = (
         lambda b: f"a canary failed ({b.canary.error}) with nothing moving",
     ),
 )
-CANARY_RULES = tuple(row.rule for row in CANARY_ROWS)
+
+
+@dataclass(frozen=True)
+class _CanaryOut:
+    """The canary still in flight at a tick with no result for it, as C5 reads it."""
+
+    track: Track
+    view: ProcView
+    sent: float
+    wcfg: WatchdogConfig
+
+
+def _untouched(o: _CanaryOut) -> bool:
+    t = o.track
+    return (
+        t.engine_quiet_since is not None
+        and t.engine_quiet_since <= o.sent
+        and o.view.at - o.sent >= o.wcfg.engine_quiet_s
+        and (t.last_progress_at is None or t.last_progress_at <= o.sent)
+        and t.health_in_time_since is not None
+        and t.health_in_time_since <= o.sent
+    )
+
+
+# A canary still out (issue 43): its engine's processes say at once what its bound would say 15 s later.
+CANARY_OUT_ROWS: tuple[Row[_CanaryOut, str], ...] = (
+    Row(
+        CANARY_UNTOUCHED := Rule(
+            "C5",
+            "failed",
+            "the canary has been out for >= W.engine_quiet_s with no progress since it was sent, the engine's "
+            "processes (named: observe/procs.py) quiet from before it was sent until now (as L22 measures it), "
+            "AND /health answered 2xx in < R.health_timeout_s at every tick from its send on (the API server was "
+            "not starved: it handed the canary on): it fails now, not at R.canary_timeout_s; its late answer, if "
+            "one comes, is progress, its failure is not counted again",
+        ),
+        _untouched,
+        lambda o: (
+            f"a canary out for {o.view.at - o.sent:.1f} s was never touched: "
+            f"{_used(o.view, 'engine', o.view.at - o.sent)}"
+        ),
+    ),
+)
+CANARY_RULES = (*(row.rule for row in CANARY_ROWS), *(row.rule for row in CANARY_OUT_ROWS))
 _SLOW_CANARY, _FAILED_CANARY = CANARY_RULES[1].id, CANARY_RULES[3].id
 
 # A replica's longest recent step (issue 35 item 8): a long prompt's prefill is one step in which
@@ -836,6 +992,7 @@ def _fold(
 ) -> tuple[Track, _Seen]:
     """The bookkeeping that every rule may read: progress, queued work, traffic, the canary that
     came back, answers and 503s."""
+    track = _fold_procs(track, obs.procs, wcfg.quiet_cpu)
     sample = obs.metrics
     counters_moved = _progressed(track.last_sample, sample)  # a counter that went down (new engine) counts too
     track = learn_step(track, longest_new_prefill(track.last_sample, sample), now, wcfg.max_step_s)
@@ -873,8 +1030,55 @@ def _fold(
     health_in_time = obs.health.ok and obs.health.latency_s < rcfg.health_timeout_s
     if health_in_time and not track.healthy_since_start:
         track = replace(track, healthy_since_start=True)
+    in_time_since = (
+        (track.health_in_time_since if track.health_in_time_since is not None else now) if health_in_time else None
+    )
+    track = replace(track, health_in_time_since=in_time_since)
+    if obs.canary is None:
+        track, untouched = _judge_canary_out(track, obs, queued, wcfg)
+        canary_failed = canary_failed or untouched
     seen = _Seen(counters_moved, progressed, waiting_clients, waiting_since, queued, health_in_time, canary_failed)
     return track, seen
+
+
+def _quiet_from(since: float | None, act: Activity | None, view: ProcView, quiet_cpu: float) -> float | None:
+    """When a group's quiet spell began, as of VIEW; None: it was not quiet at this look, or it is not known."""
+    if act is None or view.since_s is None or view.since_s <= 0:
+        return None
+    if act.running or act.used_s > quiet_cpu * view.since_s:
+        return None
+    return since if since is not None else view.at - view.since_s
+
+
+def _fold_procs(track: Track, view: ProcView | None, quiet_cpu: float) -> Track:
+    """TRACK with this look at the replica's processes folded in: a look that could not be had ends both spells."""
+    if view is None:
+        api, engine = None, None
+    else:
+        api = _quiet_from(track.api_quiet_since, view.api, view, quiet_cpu)
+        engine = _quiet_from(track.engine_quiet_since, view.engine, view, quiet_cpu)
+    if (api, engine) == (track.api_quiet_since, track.engine_quiet_since):
+        return track
+    return replace(track, api_quiet_since=api, engine_quiet_since=engine)
+
+
+def _judge_canary_out(track: Track, obs: ReplicaObservation, queued: float, wcfg: WatchdogConfig) -> tuple[Track, bool]:
+    """The canary in flight judged before its result comes (C5): (track, it failed now)."""
+    sent, view = track.canary_in_flight_since, obs.procs
+    if sent is None or view is None:
+        return track, False
+    found = first_match(CANARY_OUT_ROWS, _CanaryOut(track, view, sent, wcfg))
+    if found is None:
+        return track, False
+    track = _canary_back(track, False, view.at)
+    track = replace(
+        track,
+        canary_failures=track.canary_failures + 1,
+        engine_proof_at=sent,
+        judged_canary=sent,
+        stall_proof_at=sent if obs.metrics is not None and queued > 0 else track.stall_proof_at,
+    )
+    return track, True
 
 
 def _canary_back(track: Track, closer: bool, ended_at: float) -> Track:
@@ -898,6 +1102,10 @@ def _fold_canary(track: Track, obs: ReplicaObservation, queued: float, moving_no
     canary = obs.canary
     if canary is None or (track.start_ts is not None and canary.started_at < track.start_ts):
         return track, False, False  # none, or one sent to the engine before this start: not this one's
+    if canary.started_at == track.judged_canary:  # judged by C5 while out: an answer is still progress
+        if not canary.ok:
+            return track, False, False
+        return replace(track, canary_failures=0, engine_proof_at=None, judged_canary=None), True, False
     closer = track.closer_since is not None and canary.started_at == track.closer_since
     late_at = None if closer else track.canary_late_at
     late_after_s = late_at - canary.started_at if late_at is not None else None
@@ -913,6 +1121,7 @@ def _fold_canary(track: Track, obs: ReplicaObservation, queued: float, moving_no
         track = replace(
             track,
             canary_failures=0,
+            engine_proof_at=None,
             canary_latencies=kept,
             last_canary_ok_at=canary.started_at,
             slow_spell=slow,

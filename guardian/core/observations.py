@@ -174,6 +174,29 @@ class ConnView:
 
 
 @dataclass(frozen=True)
+class Activity:
+    """What one group of a replica's processes did between two looks (observe/procs.py)."""
+
+    used_s: float  # CPU time plus time waiting on a run queue (a starved process waits there; a frozen one does not)
+    running: bool  # one of them was running, runnable or in uninterruptible wait (R, D) at the look
+    procs: int
+
+
+@dataclass(frozen=True)
+class ProcView:
+    """A replica's own processes at one look: its API server and its engine, each an Activity
+    (None: not known at this look: a process of the group began or ended since the last one, or
+    nothing could be read). ENGINE is None too where no process is named as the engine's
+    (observe/procs.ENGINE_NAMES): API is then the whole replica."""
+
+    at: float  # when they were read (monotonic)
+    since_s: float | None  # seconds since the previous look (None: the first look: nothing is known yet)
+    api: Activity | None
+    engine: Activity | None
+    engine_named: bool = False  # some process is named as the engine's
+
+
+@dataclass(frozen=True)
 class ReplicaObservation:
     name: str
     at: float
@@ -192,6 +215,7 @@ class ReplicaObservation:
     # tick, and the three probes above are placeholders.
     probes_pending_s: float | None = None
     conns: ConnView | None = None  # None: the kernel's view could not be read (said once)
+    procs: ProcView | None = None  # None: the replica's processes could not be read
 
     @property
     def all_probes_failed(self) -> bool:

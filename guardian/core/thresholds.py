@@ -4,7 +4,7 @@ gives one line per part of guardian (the loop, the watchdog, restarts ...), limi
 from __future__ import annotations
 
 from ..config import Config
-from . import startfit
+from . import liveness, startfit
 from .observations import gib
 
 
@@ -23,7 +23,12 @@ def describe(cfg: Config) -> list[str]:
         f"stalled also when work is queued, nothing moves for >= {watchdog.stall_canary_after_s:g} s "
         "and a canary then fails; "
         f"canary deadline {watchdog.canary_deadline_factor:g} x the slowest of the last 8 good ones, within "
-        f"[{watchdog.canary_deadline_floor_s:g} s, canary_timeout_s] once 3 succeeded",
+        f"[{watchdog.canary_deadline_floor_s:g} s, canary_timeout_s] once 3 succeeded; "
+        f"a replica's processes are quiet when they use <= {watchdog.quiet_cpu:g} of a core (CPU plus run-queue "
+        "wait) and none runs, waits to run or waits uninterruptibly; "
+        f"quiet for >= {watchdog.engine_quiet_s:g} s with nothing moving: stalled with work in the engine "
+        f"({liveness.ENGINE_QUIET.id}), a canary out that long fails at once ({liveness.CANARY_UNTOUCHED.id}), "
+        f"unresponsive with no answer as long ({liveness.API_QUIET.id})",
         f"restarts: at most {watchdog.restart_budget} per replica in {watchdog.restart_window_s:g} s, "
         f"back-off {watchdog.backoff_s:g} s "
         f"doubling per restart, job result awaited for {watchdog.restart_job_timeout_s:g} s; one at a time per box",

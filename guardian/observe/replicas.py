@@ -20,6 +20,7 @@ from ..core.observations import (
     ConnView,
     PersistentView,
     Probe,
+    ProcView,
     ReplicaObservation,
     RestartOutcome,
     TickObservation,
@@ -33,6 +34,7 @@ from .addresses import Addresses, Pin
 from .clock import Now
 from .conns import ConnObserver
 from .containers import ContainerWatch
+from .procs import ProcObserver
 from .sockets import (
     CGROUP_ROOT,
     Listening,
@@ -317,15 +319,26 @@ class WorldObserver:
         self.carry = ProbeCarry()
         self.memory = MemoryObserver(sd, client)
         self.conns = ConnObserver()
+        self.procs = ProcObserver()
         self.containers = ContainerWatch(sd)
         self.addresses = Addresses()
+
+    def _cpu_units(self, cfg: Config) -> dict[str, str]:
+        """A Docker replica's work is done in its container's scope, not in its unit (the docker CLI)."""
+        scopes = {r.name: self.containers.scope_of(r) for r in cfg.replicas if r.engine == "docker" and r.container}
+        return {name: scope for name, scope in scopes.items() if scope is not None}
+
+    async def _procs(self, cfg: Config, mono: float) -> dict[str, ProcView | None]:
+        """The replicas' own processes (observe/procs.py), never an exception: none is then known."""
+        scopes = {r.name: self.containers.scope_of(r) for r in cfg.replicas if r.container}
+        try:
+            return await asyncio.to_thread(self.procs.look_now, cfg, mono, scopes)
+        except Exception:  # noqa: BLE001 - unreadable processes prove nothing: no view, no rule that needs one
+            return {}
 
     async def _look(self, cfg: Config, mono: float) -> dict[str, ConnView | None]:
         """The kernel's view, never an exception: beside the probes, a failure here would lose
         their results and the executor's (taken as they are read)."""
-        # A Docker replica's work is done in its container's scope, not in its unit (the docker CLI).
-        scopes = {r.name: self.containers.scope_of(r) for r in cfg.replicas if r.engine == "docker" and r.container}
-        self.conns.cpu_units = {name: scope for name, scope in scopes.items() if scope is not None}
         try:
             return await self.conns.look(cfg, mono, self.pins, self.addresses.table)
         except Exception as e:  # noqa: BLE001 - a surprise here is "no kernel view", said once by the daemon
@@ -375,11 +388,13 @@ class WorldObserver:
         await self.pin(cfg)
         # The kernel's view is taken beside the probes, at the tick's start: what flowed since the
         # last look is measured over the same span as the probes' wait.
-        replicas, views = await asyncio.gather(
+        self.conns.cpu_units = self._cpu_units(cfg)
+        replicas, views, procs = await asyncio.gather(
             self.replicas(cfg, at.mono, take_results, cfg.probe_wait_s if wait_s is None else wait_s),
             self._look(cfg, at.mono),
+            self._procs(cfg, at.mono),
         )
-        replicas = {n: replace(o, conns=views.get(n)) for n, o in replicas.items()}
+        replicas = {n: replace(o, conns=views.get(n), procs=procs.get(n)) for n, o in replicas.items()}
         bases = persistent.fraction_bases
         memory = await self.memory.observe(cfg, replicas, pending, at, bases) if cfg.memory.enabled else None
         return TickObservation(replicas, persistent, memory)
