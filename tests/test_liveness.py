@@ -16,7 +16,7 @@ from guardian.core.actions import LogLine, RecordCanaryLatencies
 from guardian.core.hazards import find_hazards
 from guardian.core.liveness import LEARNING_CANARIES
 from guardian.core.observations import (
-    CanaryResult, Pause, PersistentView, Probe, ReplicaObservation, RestartOutcome, VllmSample,
+    Activity, CanaryResult, Pause, PersistentView, Probe, ProcView, ReplicaObservation, RestartOutcome, VllmSample,
 )
 from guardian.core.vocab import Decision, HeldBy, Hidden, Nobody, Priority, State
 from harness import (
@@ -1466,3 +1466,152 @@ def test_a_partial_kernel_view_is_not_said_to_show_nothing_flowing():
         box.tick(t, a=replace(obs(t=t, health=TIMEOUT), conns=partial))
     l8 = [x.message for x in said(box.actions) if x.rule == "L8"]
     assert l8 and all("nothing flowed" not in m and "partial" in m for m in l8), l8
+
+
+# --- a replica's own processes as evidence (issue 43: L19-L22, C5) ----------------------------------
+
+def procs(t, engine_ms=0.0, api_ms=30.0, since_s=2.0, named=True, engine_running=False, api_running=False):
+    """A look at the replica's processes at T: what its engine and its API server used (CPU plus
+    run-queue wait) in the SINCE_S before it; NAMED=False: no process named as the engine's (API is the
+    whole replica)."""
+    engine = Activity(engine_ms / 1000, engine_running, 1) if named else None
+    return ProcView(t, since_s, Activity(api_ms / 1000, api_running, 1), engine, named)
+
+
+def with_procs(o, view):
+    return replace(o, procs=view)
+
+
+FROZEN_4 = sample(gen=50, running=4)  # the streams' counters, frozen
+
+
+def engine_frozen_with_streams(until: float, **look) -> Box:
+    """4 streams last seen moving at 100 (the engine busy then); from there its counters stand still while its
+    processes are looked at every 2 s (LOOK: what procs() says of each look)."""
+    box = Box(cfg(1), LEARNED)
+    healthy_start(box, a=with_procs(obs(t=100, s=FROZEN_4), procs(100, engine_ms=200)))
+    t = 102.0
+    while t <= until:
+        box.tick(t, a=with_procs(obs(t=t, s=FROZEN_4), procs(t, **look)))
+        t += 2.0
+    return box
+
+
+@pytest.mark.parametrize("until, state, rule", [(102, State.HEALTHY, "L18"), (104, State.STALLED, "L19")])
+def test_work_in_an_engine_whose_processes_stay_quiet_is_stalled_at_engine_quiet_s(until, state, rule):
+    box = engine_frozen_with_streams(until)
+    assert (box.state(), box.rule()) == (state, rule)
+    assert bool(restarts(box.actions)) == (state is State.STALLED)
+    if state is State.STALLED:
+        ev = box.tracks["a"].evidence
+        assert "4 running, 0 waiting, nothing moved for 4 s" in ev
+        assert "its engine (1 process) used no CPU and waited for none in 4.0 s" in ev
+
+
+@pytest.mark.parametrize("look", [
+    {"engine_ms": 30.0},  # 30 ms in 2 s is 1.5 % of a core: above quiet_cpu (1 %): it works
+    {"engine_running": True},  # runnable at the look (a starved engine waits on the run queue)
+    {"named": False},  # no process named as the engine's: its quiet is not told apart
+], ids=["busy", "runnable", "not-named"])
+def test_an_engine_that_computes_waits_to_run_or_is_not_told_apart_is_left_to_the_stall_window(look):
+    box = engine_frozen_with_streams(130, **look)
+    assert box.state() is State.HEALTHY and restarts(box.actions) == []
+    box = engine_frozen_with_streams(160, **look)
+    assert (box.state(), box.rule()) == (State.STALLED, "L13")  # the backstop still holds
+
+
+def test_a_look_that_could_not_be_had_ends_the_quiet_spell():
+    box = Box(cfg(1), LEARNED)
+    healthy_start(box, a=with_procs(obs(t=100, s=FROZEN_4), procs(100, engine_ms=200)))
+    box.tick(102, a=with_procs(obs(t=102, s=FROZEN_4), procs(102)))
+    box.tick(104, a=obs(t=104, s=FROZEN_4))  # no view of its processes at this tick
+    box.tick(106, a=with_procs(obs(t=106, s=FROZEN_4), procs(106)))
+    assert box.state() is State.HEALTHY  # quiet since 104 only: 2 s
+    box.tick(108, a=with_procs(obs(t=108, s=FROZEN_4), procs(108)))
+    assert (box.state(), box.rule()) == (State.STALLED, "L19")
+
+
+def idle_canary_untouched(until: float, health=lambda t: OK, engine_ms=lambda t: 0.0) -> Box:
+    """An idle replica whose canary is sent at 100 (its first idle one); looked at every 2 s after."""
+    box = Box(cfg(1, canary_interval_s=10), LEARNED)
+    healthy_start(box, a=with_procs(obs(t=100), procs(100)))
+    assert canaries(box.actions)
+    t = 102.0
+    while t <= until:
+        box.tick(t, a=with_procs(obs(t=t, health=health(t)), procs(t, engine_ms=engine_ms(t))))
+        t += 2.0
+    return box
+
+
+@pytest.mark.parametrize("until, state, rule", [(102, State.HEALTHY, "L18"), (104, State.IDLE_DEAD, "L21")])
+def test_an_idle_canary_its_engine_never_touches_fails_at_engine_quiet_s_and_proves_idle_dead(until, state, rule):
+    box = idle_canary_untouched(until)
+    assert (box.state(), box.rule()) == (state, rule)
+    assert bool(restarts(box.actions)) == (state is State.IDLE_DEAD)
+    if state is State.IDLE_DEAD:
+        assert "a canary sent 4 s ago got nothing while its engine (1 process) used no CPU" in box.tracks["a"].evidence
+        assert box.tracks["a"].engine_proof_at == 100.0 and box.tracks["a"].canary_failures == 1  # C5
+
+
+@pytest.mark.parametrize("case", ["health-late", "engine-worked"])
+def test_a_canary_out_is_not_judged_early_while_health_is_late_or_the_engine_worked(case):
+    health = (lambda t: SLOW) if case == "health-late" else (lambda t: OK)
+    engine_ms = (lambda t: 50.0 if t == 102 else 0.0) if case == "engine-worked" else (lambda t: 0.0)
+    box = idle_canary_untouched(112, health=health, engine_ms=engine_ms)
+    t = box.tracks["a"]
+    assert t.canary_in_flight_since == 100.0 and t.canary_failures == 0  # still out: its bound decides
+    assert box.state() is not State.IDLE_DEAD and restarts(box.actions) == []
+
+
+def test_the_late_failure_of_a_canary_judged_early_is_not_counted_again_and_a_late_answer_is_progress():
+    box = idle_canary_untouched(104)
+    assert box.tracks["a"].canary_failures == 1
+    box.tick(115, a=with_procs(obs(t=115, canary=CanaryResult(False, 100.0, 15.0, "timeout")), procs(115)))
+    assert box.tracks["a"].canary_failures == 1
+    box = idle_canary_untouched(104)
+    box.tick(106, a=with_procs(obs(t=106, canary=CanaryResult(True, 100.0, 6.0)), procs(106, engine_ms=40)))
+    assert box.tracks["a"].canary_failures == 0 and box.tracks["a"].engine_proof_at is None
+
+
+def test_clients_waiting_on_an_engine_frozen_between_steps_get_a_canary_that_c5_fails_then_l20():
+    """0 running, 0 waiting (the engine's own gauges, frozen), clients waiting: a stall canary goes out
+    after stall_canary_after_s, and its engine never touching it is the proof (L20), not its bound."""
+    box = Box(cfg(1, stall_canary_after_s=10, client_wait_s=3), LEARNED)
+    healthy_start(box, a=with_procs(obs(t=100), procs(100)))
+    box.tick(101, a=with_procs(obs(t=101, canary=CanaryResult(True, 100.0, 0.1)), procs(101, since_s=1.0)))
+    t = 102.0
+    sent = None
+    while t <= 130 and box.state() is not State.STALLED:
+        box.actions.clear()
+        view = conns(waiting=4, oldest_wait_s=t - 102.0)
+        box.tick(t, a=with_procs(replace(obs(t=t), conns=view), procs(t)))
+        if canaries(box.actions):
+            sent = t
+        t += 2.0
+    assert sent is not None and (box.state(), box.rule()) == (State.STALLED, "L20")
+    assert box.tracks["a"].engine_proof_at == sent
+    assert "a canary sent 4 s ago got nothing" in box.tracks["a"].evidence
+
+
+@pytest.mark.parametrize("until, state, rule", [(102, State.DEGRADED, "L17"), (104, State.UNRESPONSIVE, "L22")])
+def test_no_answer_and_an_api_server_that_neither_runs_nor_waits_is_unresponsive_at_engine_quiet_s(until, state, rule):
+    box = Box(cfg(1), LEARNED)
+    healthy_start(box, a=with_procs(obs(t=100), procs(100)))
+    t = 102.0
+    while t <= until:
+        box.tick(t, a=with_procs(obs(t=t, health=TIMEOUT), procs(t, api_ms=0.0)))
+        t += 2.0
+    assert (box.state(), box.rule()) == (state, rule)
+    if state is State.UNRESPONSIVE:
+        assert "and its API server (1 process) used no CPU and waited for none in 4.0 s" in box.tracks["a"].evidence
+
+
+@pytest.mark.parametrize("look", [{"api_ms": 30.0}, {"api_running": True}], ids=["computes", "waits-to-run"])
+def test_a_starved_or_busy_api_server_with_no_answer_is_left_to_l8(look):
+    box = Box(cfg(1), LEARNED)
+    healthy_start(box, a=with_procs(obs(t=100), procs(100)))
+    for t in (102.0, 104.0, 106.0, 108.0):
+        box.tick(t, a=with_procs(obs(t=t, health=TIMEOUT), procs(t, **look)))
+        assert box.state() is not State.UNRESPONSIVE
+    box.tick(110.0, a=with_procs(obs(t=110.0, health=TIMEOUT), procs(110.0, **look)))
+    assert (box.state(), box.rule()) == (State.UNRESPONSIVE, "L8")
