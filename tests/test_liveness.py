@@ -16,7 +16,8 @@ from guardian.core.actions import LogLine, RecordCanaryLatencies
 from guardian.core.hazards import find_hazards
 from guardian.core.liveness import LEARNING_CANARIES
 from guardian.core.observations import (
-    Activity, CanaryResult, Pause, PersistentView, Probe, ProcView, ReplicaObservation, RestartOutcome, VllmSample,
+    Activity, CanaryResult, GpuLife, Pause, PersistentView, Probe, ProcView, ReplicaObservation, RestartOutcome,
+    VllmSample,
 )
 from guardian.core.vocab import Decision, HeldBy, Hidden, Nobody, Priority, State
 from harness import (
@@ -1615,3 +1616,13 @@ def test_a_starved_or_busy_api_server_with_no_answer_is_left_to_l8(look):
         assert box.state() is not State.UNRESPONSIVE
     box.tick(110.0, a=with_procs(obs(t=110.0, health=TIMEOUT), procs(110.0, **look)))
     assert (box.state(), box.rule()) == (State.UNRESPONSIVE, "L8")
+
+
+def test_the_gpus_own_sign_of_life_is_in_the_evidence_where_nvml_reports_it():
+    box = engine_frozen_with_streams(102)
+    gpus = (GpuLife(0, 21.4, 96.0), GpuLife(1, None, 3.0))
+    box.tick(104, a=replace(with_procs(obs(t=104, s=FROZEN_4), procs(104)), gpus=gpus))
+    assert box.rule() == "L19"
+    assert box.tracks["a"].evidence.endswith("; GPU 0: 21 W, 96 % busy; GPU 1: 3 % busy")
+    box = engine_frozen_with_streams(104)  # no NVML: the same verdict, nothing said of a GPU
+    assert box.rule() == "L19" and "GPU" not in box.tracks["a"].evidence

@@ -144,3 +144,36 @@ def test_real_processes_a_stopped_one_is_quiet_and_a_computing_one_is_not():
         for c in (spin, stopped):
             c.kill()
             c.wait()
+
+
+class _NotSupported(Exception):
+    pass
+
+
+class _Driver:
+    """What a driver answers through pynvml: device 0 reports power (in mW) and utilization, device 1
+    only utilization (as GB10 answers NOT_SUPPORTED for some queries), device 2 neither."""
+
+    def nvmlDeviceGetHandleByIndex(self, i):  # noqa: N802 - pynvml's names
+        return i
+
+    def nvmlDeviceGetPowerUsage(self, h):  # noqa: N802
+        if h != 0:
+            raise _NotSupported()
+        return 21400
+
+    def nvmlDeviceGetUtilizationRates(self, h):  # noqa: N802
+        if h == 2:
+            raise _NotSupported()
+        return type("Util", (), {"gpu": 96 if h == 0 else 3})()
+
+
+def test_nvml_life_reads_power_and_utilization_and_leaves_out_what_is_not_reported():
+    from guardian.core.observations import GpuLife
+    from guardian.observe.nvml import Nvml
+
+    n = Nvml.__new__(Nvml)
+    n.available, n.count, n._n = True, 3, _Driver()
+    assert n.life() == (GpuLife(0, 21.4, 96.0), GpuLife(1, None, 3.0))
+    n.available = False
+    assert n.life() == ()

@@ -237,15 +237,27 @@ def _stall_proof(facts: _Facts) -> str:
     proof_age_s = _age_s(facts.now, facts.track.stall_proof_at)
     return (
         f"{facts.work_said}, nothing moved for {facts.now - facts.quiet_since:.0f} s, and a canary sent "
-        f"{proof_age_s:.0f} s ago failed with nothing moving (/health {facts.health_said})"
+        f"{proof_age_s:.0f} s ago failed with nothing moving (/health {facts.health_said}){_gpus(facts.obs)}"
     )
 
 
 def _engine_quiet(facts: _Facts) -> str:
     return (
         f"{facts.work_said}, nothing moved for {facts.now - facts.quiet_since:.0f} s, and "
-        f"{_used(facts.obs.procs, 'engine', facts.engine_quiet_for_s)} (/health {facts.health_said})"
+        f"{_used(facts.obs.procs, 'engine', facts.engine_quiet_for_s)} (/health {facts.health_said}){_gpus(facts.obs)}"
     )
+
+
+def _gpus(obs: ReplicaObservation) -> str:
+    """Each GPU's own sign of life where NVML reports it: "; GPU 0: 21 W, 96 % busy"; "" without."""
+    said = []
+    for g in obs.gpus:
+        parts = [
+            f"{g.power_w:.0f} W" if g.power_w is not None else "",
+            f"{g.util_pct:.0f} % busy" if g.util_pct is not None else "",
+        ]
+        said.append(f"GPU {g.index}: " + ", ".join(p for p in parts if p))
+    return "; " + "; ".join(said) if said else ""
 
 
 def _engine_proof(facts: _Facts) -> str:
@@ -254,6 +266,7 @@ def _engine_proof(facts: _Facts) -> str:
     return (
         f"{facts.work_said if facts.seen.queued else 'idle'}; a canary sent {facts.now - proof_at:.0f} s ago got "
         f"nothing while {_used(facts.obs.procs, 'engine', facts.engine_quiet_for_s)} (/health {facts.health_said})"
+        f"{_gpus(facts.obs)}"
     )
 
 
@@ -497,7 +510,10 @@ ROWS: tuple[Row[_Facts, str], ...] = (
             "STEP_MARGIN x the replica's longest recent step))",
         ),
         lambda f: f.work_queued and f.now - f.quiet_since >= max(f.wcfg.stall_window_s, f.step_bound_s or 0.0),
-        lambda f: f"{f.work_said} and no counter progress for {f.now - f.quiet_since:.0f} s (/health {f.health_said})",
+        lambda f: (
+            f"{f.work_said} and no counter progress for {f.now - f.quiet_since:.0f} s (/health {f.health_said})"
+            f"{_gpus(f.obs)}"
+        ),
     ),
     Row(
         STALL_CANARY := Rule(

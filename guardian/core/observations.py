@@ -197,6 +197,17 @@ class ProcView:
 
 
 @dataclass(frozen=True)
+class GpuLife:
+    """One GPU's own sign of life, where NVML reports it (observe/nvml.py): evidence shown, not judged.
+    A wedged GB10 drew 16-27 W against about 45 W healthy while its utilization read about 96 %
+    either way (eugr/spark-vllm-docker #260): power says more than utilization there."""
+
+    index: int
+    power_w: float | None  # nvmlDeviceGetPowerUsage; None: not reported
+    util_pct: float | None  # nvmlDeviceGetUtilizationRates().gpu; None: not reported
+
+
+@dataclass(frozen=True)
 class ReplicaObservation:
     name: str
     at: float
@@ -216,6 +227,7 @@ class ReplicaObservation:
     probes_pending_s: float | None = None
     conns: ConnView | None = None  # None: the kernel's view could not be read (said once)
     procs: ProcView | None = None  # None: the replica's processes could not be read
+    gpus: tuple[GpuLife, ...] = ()  # each GPU's power and utilization; (): no NVML, or it reports neither
 
     @property
     def all_probes_failed(self) -> bool:

@@ -4,8 +4,10 @@ is NOT_SUPPORTED for device memory on GB10 (per-process memory still works there
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 from ..core import startfit
+from ..core.observations import GpuLife
 
 
 class Nvml:
@@ -46,6 +48,31 @@ class Nvml:
         except Exception:  # noqa: BLE001 - NVMLError_NotSupported (GB10) and its siblings: NVML cannot say
             return None
         return out
+
+    def life(self) -> tuple[GpuLife, ...]:
+        """Each device's power draw and utilization, each None where the driver does not report it;
+        () without NVML, or when no device reports either."""
+        if not self.available:
+            return ()
+        out = [self._life_of(i) for i in range(self.count)]
+        return tuple(g for g in out if g is not None and (g.power_w is not None or g.util_pct is not None))
+
+    def _life_of(self, index: int) -> GpuLife | None:
+        n = self._n
+        try:
+            h = n.nvmlDeviceGetHandleByIndex(index)
+        except Exception:  # noqa: BLE001 - a device NVML cannot open says nothing
+            return None
+        power_w = _asked(lambda: n.nvmlDeviceGetPowerUsage(h) / 1000.0)  # milliwatts
+        util_pct = _asked(lambda: n.nvmlDeviceGetUtilizationRates(h).gpu)
+        return GpuLife(index, power_w, util_pct)
+
+
+def _asked(query: Callable[[], float]) -> float | None:
+    try:
+        return float(query())
+    except Exception:  # noqa: BLE001 - NVMLError_NotSupported and its siblings: not reported
+        return None
 
 
 # Devices whose memory is the box's: NVML answers NOT_SUPPORTED for their memory on most drivers

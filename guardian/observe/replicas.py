@@ -394,7 +394,8 @@ class WorldObserver:
             self._look(cfg, at.mono),
             self._procs(cfg, at.mono),
         )
-        replicas = {n: replace(o, conns=views.get(n), procs=procs.get(n)) for n, o in replicas.items()}
+        gpus = await asyncio.to_thread(nvml.shared().life) if nvml.shared().available else ()
+        replicas = {n: replace(o, conns=views.get(n), procs=procs.get(n), gpus=gpus) for n, o in replicas.items()}
         bases = persistent.fraction_bases
         memory = await self.memory.observe(cfg, replicas, pending, at, bases) if cfg.memory.enabled else None
         return TickObservation(replicas, persistent, memory)
