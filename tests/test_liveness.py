@@ -1626,3 +1626,20 @@ def test_the_gpus_own_sign_of_life_is_in_the_evidence_where_nvml_reports_it():
     assert box.tracks["a"].evidence.endswith("; GPU 0: 21 W, 96 % busy; GPU 1: 3 % busy")
     box = engine_frozen_with_streams(104)  # no NVML: the same verdict, nothing said of a GPU
     assert box.rule() == "L19" and "GPU" not in box.tracks["a"].evidence
+
+
+@pytest.mark.parametrize("engine_ms, first_canary_at", [(0.0, 106), (50.0, 112)])
+def test_clients_waiting_on_a_quiet_engine_get_their_stall_canary_at_engine_quiet_s(engine_ms, first_canary_at):
+    """Clients waiting from 102 (counted once they waited client_wait_s, 3 s: work queued from 102): a
+    stall canary after stall_canary_after_s (10 s: at 112), or after engine_quiet_s (4 s: at 106)
+    when the engine's processes have been quiet that long too."""
+    box = Box(cfg(1, stall_canary_after_s=10, client_wait_s=3), LEARNED)
+    healthy_start(box, a=with_procs(obs(t=100), procs(100)))
+    box.tick(101, a=with_procs(obs(t=101, canary=CanaryResult(True, 100.0, 0.1)), procs(101, since_s=1.0)))
+    sent = []
+    for t in range(102, 116, 2):
+        box.actions.clear()
+        view = conns(waiting=2, oldest_wait_s=t - 102.0)
+        box.tick(t, a=with_procs(replace(obs(t=t), conns=view), procs(t, engine_ms=engine_ms)))
+        sent += [t] * len(canaries(box.actions))
+    assert sent[:1] == [first_canary_at]

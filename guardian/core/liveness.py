@@ -32,7 +32,8 @@ flight and the last look's was), /health answered or is in flight, and none is i
 - idle and now - max(last progress, last canary, start) >= W.canary_interval_s
   (W.canary_retry_s after a failure);
 - work queued (running + waiting > 0) and nothing moved for >= W.stall_canary_after_s, and no
-  canary yet in this quiet spell (W.canary_retry_s after a failure).
+  canary yet in this quiet spell (W.canary_retry_s after a failure); for >= W.engine_quiet_s only,
+  when the engine's processes have been quiet that long too (its answer, or C5, then says).
 - learning: healthy or degraded (idle or not), and fewer than 3 canaries have succeeded: one at once,
   at every tick, at most LEARNING_CANARIES (3) times per replica per guardian run (a restart of the
   replica does not give it more), so that its deadline is learned within seconds of it first
@@ -1229,7 +1230,10 @@ def _canary_due(facts: _Facts) -> bool:
         last = max(at for at in (track.last_progress_at, track.last_canary_at, track.start_ts, 0.0) if at is not None)
         return now - last >= wcfg.canary_interval_s
     quiet_since = facts.quiet_since
-    if now - quiet_since < wcfg.stall_canary_after_s:
+    after_s = wcfg.stall_canary_after_s
+    if facts.engine_quiet_for_s >= wcfg.engine_quiet_s:
+        after_s = min(after_s, wcfg.engine_quiet_s)  # an engine that touches nothing: ask it now (C5 then judges)
+    if now - quiet_since < after_s:
         return False
     asked = track.last_canary_at is not None and track.last_canary_at >= quiet_since
     return not asked or now - (track.last_canary_at or 0.0) >= wcfg.canary_retry_s
