@@ -37,7 +37,12 @@ GiB = 2**30
 PARTS = ("detection", "false", "prefill", "stall", "starved", "slowpeer", "cost", "many", "conns", "memory", "memloop",
          "scrape", "clients", "fleet", "containers", "cachefit", "warmup")
 # between-steps-fresh: between-steps with guardian started 20 s before the fault with nothing learned
-FAULTS = ("frozen", "dead-200", "stalled", "between-steps", "between-steps-fresh", "idle-dead")
+# engine-frozen: the engine core SIGSTOPped with 4 streams running; engine-frozen-idle: the same with
+# nothing queued; api-frozen-load: the API server (the unit's main process) SIGSTOPped under 8 streams;
+# spinning: the engine burns CPU with 4 streams running while nothing moves (a wedged GPU kernel)
+FAULTS = ("frozen", "dead-200", "stalled", "between-steps", "between-steps-fresh", "idle-dead",
+          "engine-frozen", "engine-frozen-idle", "api-frozen-load", "spinning")
+WINDOWS_S = {"frozen": 90, "engine-frozen": 90, "engine-frozen-idle": 90, "api-frozen-load": 90}  # others 150
 BASELINE = "baseline-prober"
 
 
@@ -48,6 +53,8 @@ class Series:
     window_s: float = 0.0
 
     def cell(self) -> str:
+        if not self.values and not self.missed:
+            return "not run"
         if not self.values:
             return f"not detected in {self.window_s:.0f} s ({self.missed} of {self.missed} trials)"
         v = sorted(self.values)
@@ -106,8 +113,12 @@ class Bench:
     def inject(self, fault: str) -> None:
         w = self.world
         for r in (self.a, self.b):
-            if fault == "frozen":
-                w.kill(r.unit, "STOP")
+            if fault in ("frozen", "api-frozen-load"):
+                w.kill(r.unit, "STOP")  # the unit's main process: the API server
+            elif fault in ("engine-frozen", "engine-frozen-idle"):
+                w.fault(r, "engine-frozen")
+            elif fault == "spinning":
+                w.fault(r, "spinning", busy=0.5)
             elif fault in ("between-steps", "between-steps-fresh"):
                 w.fault(r, "between-steps")
             else:  # dead-200, stalled, idle-dead: the engine dies, /health stays 200; they differ in the load
@@ -120,11 +131,16 @@ class Bench:
                 w.sim(r, "load", "2", json.dumps({"max_tokens": 100000}))
             elif fault == "stalled":
                 w.sim(r, "load", "16", json.dumps({"max_tokens": 100000}))  # 12 running, 4 waiting
+            elif fault in ("engine-frozen", "spinning"):
+                w.sim(r, "load", "4", json.dumps({"max_tokens": 100000}))
+            elif fault == "api-frozen-load":
+                w.sim(r, "load", "8", json.dumps({"max_tokens": 100000}))
             elif fault in ("between-steps", "between-steps-fresh"):
                 w.sim(r, "load", "3", json.dumps({"max_tokens": 20}))  # short requests: the batch ends within 1 s
         if fault == "between-steps-fresh":
             self.fresh_guardian(20.0)
-        if fault in ("dead-200", "stalled", "between-steps", "between-steps-fresh"):
+        if fault in ("dead-200", "stalled", "between-steps", "between-steps-fresh", "engine-frozen", "spinning",
+                     "api-frozen-load"):
             wait_for(lambda: w.states().get(self.a.name) == "healthy" and self.running(self.a) > 0
                      and self.running(self.b) > 0, 30, "load to run")
 
@@ -152,7 +168,8 @@ class Bench:
         stop = Series(window_s=60)
         for i in range(trials):
             self.clean(both=True)
-            self.baseline(True)
+            if base_window_s > 0:
+                self.baseline(True)
             self.prepare(fault)
             t0, start = time.time(), time.monotonic()
             self.inject(fault)
@@ -167,6 +184,8 @@ class Bench:
             self.baseline(False)
             text = []
             for who, at, series, win in (("guardian", g_at, g, window_s), ("baseline", k_at, k, base_window_s)):
+                if win <= 0:
+                    continue  # not run (--baseline-window-s 0)
                 if at is None:
                     series.missed += 1
                     text.append(f"{who} not in {win:.0f} s")
@@ -995,6 +1014,8 @@ def main() -> int:
                    help=f"comma-separated subset of {','.join(PARTS)}; the others are kept from the last run's JSON")
     p.add_argument("--faults", default=",".join(FAULTS),
                    help="with the detection part: the faults to measure again (the others are kept)")
+    p.add_argument("--baseline-window-s", type=float, default=75.0,
+                   help="the baseline's window per detection trial; 0: the baseline is not run (its cells say so)")
     args = p.parse_args()
     raw = Path(args.out).with_suffix(".json")
     if args.report_only:
@@ -1021,12 +1042,11 @@ def main() -> int:
             b.box.run(["guardian", "pause", b.b.name])  # b is the baseline's during detection
             # The baseline restarts a failing /health within 3 periods + its timeout (31 s at
             # worst): 75 s gives it more than twice that.
-            for fault, window in (("frozen", 90), ("dead-200", 150), ("stalled", 150), ("between-steps", 150),
-                                  ("between-steps-fresh", 150), ("idle-dead", 150)):
+            for fault in FAULTS:
                 if fault not in args.faults.split(","):
                     continue
                 b.say(f"detection: {fault}")
-                results[fault] = b.detection(fault, trials, window, 75)
+                results[fault] = b.detection(fault, trials, WINDOWS_S.get(fault, 150), args.baseline_window_s)
                 save(raw, results, args, started)
             b.box.run(["guardian", "resume", b.b.name])
         for part, what, run in (("false", "false restarts under load", lambda: b.false_restarts(load_s)),
@@ -1101,7 +1121,9 @@ def write_report(path: Path, r: dict, quick: bool, took_s: float, date: str | No
     rows = []
     targets = {"frozen": ("<= 10 s", 10.0), "dead-200": ("<= 30 s", 30.0), "stalled": ("<= 30 s", 30.0),
                "between-steps": ("<= 30 s", 30.0), "between-steps-fresh": ("<= 30 s", 30.0),
-               "idle-dead": ("<= 30 s", 30.0)}
+               "idle-dead": ("<= 30 s", 30.0), "engine-frozen": ("<= 10 s", 10.0),
+               "engine-frozen-idle": ("<= 15 s", 15.0), "api-frozen-load": ("<= 10 s", 10.0),
+               "spinning": ("<= 30 s", 30.0)}
     faults = [f for f in FAULTS if f in r]
     for fault in faults:
         g, k = r[fault][0], r[fault][1]
