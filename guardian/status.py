@@ -12,7 +12,7 @@ from typing import Any
 from .config import Config, ReplicaConfig
 from .core.admission import budget
 from .core.liveness import Track
-from .core.observations import MemorySample, PersistentView, ReplicaObservation, TickObservation, gib
+from .core.observations import Activity, MemorySample, PersistentView, ReplicaObservation, TickObservation, gib
 from .core.tick import TickState
 from .core.weights import Weights
 from .observe.clock import Now
@@ -72,6 +72,27 @@ def _connections(o: ReplicaObservation | None) -> dict[str, Any] | None:
         "cpu_s": c.cpu_s,
         "peers": [{"kind": str(p.kind), "name": p.name, "connections": p.connections} for p in c.peers],
         "truncated": c.truncated,
+    }
+
+
+def _processes(o: ReplicaObservation | None, track: Track | None) -> dict[str, Any] | None:
+    """The replica's own processes at the last look (observe/procs.py): each group's activity since
+    the look before, and how long it has been quiet (L19-L22, C5)."""
+    v = o.procs if o is not None else None
+    if v is None:
+        return None
+
+    def group(act: Activity | None, since: float | None) -> dict[str, Any] | None:
+        if act is None:
+            return None
+        quiet_s = v.at - since if since is not None else None
+        return {"processes": act.procs, "used_s": act.used_s, "running": act.running, "quiet_s": quiet_s}
+
+    return {
+        "over_s": v.since_s,
+        "engine_named": v.engine_named,
+        "api": group(v.api, track.api_quiet_since if track is not None else None),
+        "engine": group(v.engine, track.engine_quiet_since if track is not None else None),
     }
 
 
@@ -149,6 +170,7 @@ def _replica_status(cfg: Config, r: ReplicaConfig, snapshot: Snapshot, now: Now)
         if cfg.memory.enabled
         else "not checked (memory guard off)",
         "connections": _connections(observed),
+        "processes": _processes(observed, snapshot.state.tracks.get(r.name)),
     }
 
 

@@ -196,3 +196,30 @@ def test_status_shows_each_replicas_connections_flowing_and_waiting_clients():
     bypassing = TickState(bypassing=(Bypass("a", "batch.service", 2, 5.0),))
     data = status_dict(cfg, "x", Snapshot(bypassing, PersistentView(), None, None, {}), LoopStats(), True, now)
     assert len(data["bypassing"]) == 1 and "batch.service talks to it directly" in data["bypassing"][0]
+
+
+def test_status_shows_each_replicas_processes_and_how_long_each_group_has_been_quiet():
+    """issue 43: `guardian status` shows what the replica's API server and engine did at the last look."""
+    from guardian.cli.status import _processes_line
+    from guardian.core.liveness import Track
+    from guardian.core.observations import (
+        Activity, PersistentView, Probe, ProcView, ReplicaObservation, TickObservation,
+    )
+    from guardian.core.tick import TickState
+    from guardian.observe.clock import Now
+    from guardian.status import LoopStats, Snapshot, status_dict
+
+    cfg = Config(replicas=[ReplicaConfig(name="a", unit="vllm-a.service", url="http://127.0.0.1:8001", model="m")])
+    ok = Probe(True, 200, 0.01)
+    view = ProcView(50.0, 2.0, Activity(0.04, True, 1), Activity(0.0, False, 2), engine_named=True)
+    o = ReplicaObservation(name="a", at=50.0, unit=None, health=ok, metrics_probe=ok, metrics=None, models_probe=ok,
+                           models=None, procs=view)
+    state = TickState(tracks={"a": Track(engine_quiet_since=44.0)})
+    data = status_dict(cfg, "x", Snapshot(state, PersistentView(), TickObservation({"a": o}, PersistentView()), None, {}),
+                       LoopStats(), True, Now(mono=51.0, wall=1000.0))
+    p = data["replicas"]["a"]["processes"]
+    assert p["engine"] == {"processes": 2, "used_s": 0.0, "running": False, "quiet_s": 6.0}
+    assert p["api"]["quiet_s"] is None and p["api"]["running"]
+    assert _processes_line(p) == "processes in 2.0 s: API server x1 40 ms, running; engine x2 0 ms, quiet 6 s"
+    whole = dict(p, engine_named=False, engine=None)
+    assert _processes_line(whole) == "processes in 2.0 s: processes x1 40 ms, running; engine not told apart"

@@ -80,6 +80,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         conns = r.get("connections")
         if isinstance(conns, dict):
             print(f"  {'':<12} {_connections_line(conns)}")
+        procs = r.get("processes")
+        if isinstance(procs, dict):
+            print(f"  {'':<12} {_processes_line(procs)}")
     return Exit.OK if not stale else Exit.NOT_SERVING
 
 
@@ -135,6 +138,22 @@ def _connections_line(c: dict[str, Any]) -> str:
     peers = ", ".join(f"{p['kind']} {p['name']} x{p['connections']}" for p in c.get("peers", [])[:6])
     partial = " (partial: too many sockets)" if c.get("truncated") else ""
     return line + (f"; peers: {peers}" if peers else "") + partial
+
+
+def _processes_line(p: dict[str, Any]) -> str:
+    """The replica's own processes, as `guardian status` prints them."""
+
+    def group(name: str, g: dict[str, Any] | None) -> str:
+        if g is None:
+            return f"{name} not known"
+        quiet = f", quiet {g['quiet_s']:.0f} s" if g.get("quiet_s") is not None else ""
+        running = ", running" if g.get("running") else ""
+        return f"{name} x{g['processes']} {1000 * g['used_s']:.0f} ms{running}{quiet}"
+
+    over = f" in {p['over_s']:.1f} s" if p.get("over_s") is not None else ""
+    api = "processes" if not p.get("engine_named") else "API server"
+    engine = group("engine", p.get("engine")) if p.get("engine_named") else "engine not told apart"
+    return f"processes{over}: {group(api, p.get('api'))}; {engine}"
 
 
 def _fleet_status(args: argparse.Namespace) -> int:
