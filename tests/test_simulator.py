@@ -13,10 +13,10 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-
-from guardian.observe.metrics import parse_vllm_metrics
 from harness import Running
 from systemd_box import wait_for
+
+from guardian.observe.metrics import parse_vllm_metrics
 
 # A complete /metrics page from a real vLLM 0.32 server (copied from shared/).
 SAMPLE = Path(__file__).resolve().parent.parent / "vllm_sim" / "data" / "vllm-0.32-metrics-sample.txt"
@@ -96,8 +96,8 @@ def test_serves_vllms_endpoints_and_counters_move(sim):
     assert after.generation_tokens >= before.generation_tokens + 5
     assert after.prompt_tokens > before.prompt_tokens and after.request_success == before.request_success + 1
     assert after.gpu_memory_utilization == 0.74 and after.model_names == ("m",)
-    with httpx.stream("POST", s.url + "/v1/chat/completions", timeout=5,
-                      json={"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "stream": True}) as resp:
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", s.url + "/v1/chat/completions", timeout=5, json=chat) as resp:
         events = [line for line in resp.iter_lines() if line.startswith("data: ")]
     assert len(events) == 4 and events[-1] == "data: [DONE]"
 
@@ -109,7 +109,9 @@ def test_metrics_page_uses_the_real_servers_names():
 
 def test_metric_families_match_the_real_sample(sim):
     s = sim().wait_up()
-    names = lambda text: {l.split()[2] for l in text.splitlines() if l.startswith("# TYPE vllm:")}
+
+    def names(text: str) -> set[str]:
+        return {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE vllm:")}
     mine, real = names(s.get("/metrics").text), names(SAMPLE.read_text())
     assert {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
             "vllm:generation_tokens_total", "vllm:prompt_tokens_total", "vllm:request_success_total",
@@ -121,7 +123,9 @@ def test_metrics_page_is_the_size_and_shape_of_the_real_one(sim):
     """What guardian parses, and what that costs, must be measured on a real-size page."""
     s = sim("--gpu-memory-utilization", "0.74").wait_up()
     page, real = s.get("/metrics").text, SAMPLE.read_text()
-    samples = lambda text: sum(1 for line in text.splitlines() if line and not line.startswith("#"))
+
+    def samples(text: str) -> int:
+        return sum(1 for line in text.splitlines() if line and not line.startswith("#"))
     assert 0.8 * len(real) <= len(page) <= 1.2 * len(real), (len(page), len(real))
     assert 0.8 * samples(real) <= samples(page) <= 1.2 * samples(real)
     assert 'model_name="tiny"' not in page and 'model_name="m"' in page
@@ -309,7 +313,7 @@ def test_starved_delays_every_answer_while_streams_keep_their_pace(sim):
         answered = [f.result() for f in gets]
         done, done_at = canary.result()
     assert [got for got, _ in answered] == [200, 200, 200, 200] and done.status_code == 200
-    first = min(at for _, at in answered + [(None, done_at)])
+    first = min(at for _, at in [*answered, (None, done_at)])
     assert first - t0 >= 1.0  # none was answered before its delay (a lower bound: load only adds to it)
     assert sum(1 for at in stream if t0 < at < first) > 0  # tokens flowed while every answer was held
     assert s.get("/_sim/state", timeout=5).json()["fault"]["fault"] == "starved"  # the simulator's own: not held
