@@ -96,9 +96,11 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    gc_collector,
     generate_latest,
+    platform_collector,
+    process_collector,
 )
-from prometheus_client import gc_collector, platform_collector, process_collector
 from prometheus_client.parser import text_string_to_metric_families
 
 VERSION = "0.32.0+sim"
@@ -127,13 +129,15 @@ class Metrics:
         lab = ["engine", "model_name"]
         self.labels = {"engine": "0", "model_name": model}
         r = registry
-        self.running = Gauge("vllm:num_requests_running", "Number of requests in model execution batches.", lab, registry=r)
-        self.waiting = Gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", lab, registry=r)
+        self.running = Gauge("vllm:num_requests_running", "Number of requests in model execution batches.", lab,
+                             registry=r)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", lab,
+                             registry=r)
         self.kv = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", lab, registry=r)
         self.prompt = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", lab, registry=r)
         self.gen = Counter("vllm:generation_tokens", "Number of generation tokens processed.", lab, registry=r)
         self.success = Counter("vllm:request_success", "Count of successfully processed requests.",
-                               lab + ["finished_reason"], registry=r)
+                               [*lab, "finished_reason"], registry=r)
         self.iteration = Histogram("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.", lab,
                                    buckets=[1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384], registry=r)
         # vLLM 0.32's own buckets (vllm/v1/metrics/loggers.py, request_latency_buckets)
@@ -158,8 +162,8 @@ class Metrics:
 
 SAMPLE_PAGE = Path(__file__).resolve().parent / "data" / "vllm-0.32-metrics-sample.txt"
 # vLLM 0.32's own (the real page's vllm:time_to_first_token_seconds)
-TTFT_BUCKETS_S = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
-                  80.0, 160.0, 640.0, 2560.0]
+TTFT_BUCKETS_S = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                  40.0, 80.0, 160.0, 640.0, 2560.0]
 PREFIX_BLOCK_TOKENS = 16  # vLLM's default block size: a prefix is cached, and hit, in whole blocks
 PREFILL_BUCKETS_S = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                      480.0, 960.0, 1920.0, 7680.0]
@@ -729,7 +733,8 @@ def parse_args(argv=None):
     p.add_argument("--sim-prefill-s-per-token", type=float, default=0.0,
                    help="seconds of prefill per prompt token not in the prefix cache (0: one engine step)")
     p.add_argument("--shutdown-timeout", type=float, default=0.0,
-                   help="as vLLM >= 0.32: on SIGTERM, stop accepting and give running requests up to N s (0: abort them)")
+                   help="as vLLM >= 0.32: on SIGTERM, stop accepting and give running requests up to N s "
+                        "(0: abort them)")
     p.add_argument("--hang-on-sigterm", action="store_true",
                    help="while the engine is dead or the process frozen, SIGTERM does not end the process")
     p.add_argument("--sim-total-memory-bytes", type=int, default=0, help="pretend total memory (0: MemTotal)")
@@ -764,10 +769,12 @@ def raise_fd_limit(target: int = 65536) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     model = args.served_model_name or args.model
-    log(f"vLLM API server version {VERSION}; model={model} gpu_memory_utilization={args.gpu_memory_utilization} pid={os.getpid()}")
+    log(f"vLLM API server version {VERSION}; model={model} gpu_memory_utilization={args.gpu_memory_utilization} "
+        f"pid={os.getpid()}")
     raise_fd_limit()
     if args.fault == "fail-startup":
-        print("ERROR [sim] EngineCore failed to start: RuntimeError: simulated startup failure", file=sys.stderr, flush=True)
+        print("ERROR [sim] EngineCore failed to start: RuntimeError: simulated startup failure", file=sys.stderr,
+              flush=True)
         return 1
     if args.check_memory:
         problem = startup_memory_check(args)
