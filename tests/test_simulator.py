@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import threading
@@ -72,6 +73,47 @@ def read_for(conn: socket.socket, seconds: float) -> tuple[bytes, bool]:
     return got, False
 
 
+def cpu_s(pids: list[int]) -> float:
+    """The CPU time PIDS have used (utime + stime: fields 14 and 15 of /proc/PID/stat), in seconds."""
+    ticks = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()  # from field 3 on
+        ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def engine_pids(s: Running) -> list[int]:
+    return s.get("/_sim/state").json()["engine_pids"]
+
+
+def gone(pids: list[int]) -> bool:
+    """None of PIDS runs any more (a zombie left to a non-reaping init counts as gone)."""
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                return False
+        except psutil.NoSuchProcess:
+            pass
+    return True
+
+
+def cpu_rises(pids: list[int], by_s: float, what: str) -> None:
+    """Wait until PIDS have used BY_S more seconds of CPU."""
+    base = cpu_s(pids)
+    wait_for(lambda: cpu_s(pids) >= base + by_s, 30, what, interval_s=0.05)
+
+
+def cpu_flat(pids: list[int], window_s: float = 2.0) -> float:
+    """The CPU PIDS use over WINDOW_S: an observation window, not a wait for a condition."""
+    base = cpu_s(pids)
+    time.sleep(window_s)
+    return cpu_s(pids) - base
+
+
+def stopped(pids: list[int]) -> bool:
+    return all(psutil.Process(pid).status() == psutil.STATUS_STOPPED for pid in pids)
+
+
 @pytest.fixture
 def sim():
     started: list[Running] = []
@@ -82,7 +124,10 @@ def sim():
         return r
     yield start
     for r in started:
+        kids = psutil.Process(r.proc.pid).children(recursive=True) if r.proc.poll() is None else []
         r.stop()
+        # the engine core and its workers die with the API server: no test leaves an orphan
+        wait_for(lambda kids=kids: gone([k.pid for k in kids]), 10, "the engine processes to go")
 
 
 def test_serves_vllms_endpoints_and_counters_move(sim):
@@ -455,3 +500,64 @@ def test_leak_keeps_the_reservation_after_the_process_exits(sim):
         assert held.stat().st_size == 32 * 2**20  # and the memory stays held once it is gone
     finally:
         held.unlink(missing_ok=True)
+
+
+def test_the_engine_core_is_a_child_process_with_vllms_names(sim):
+    """vLLM V1: the API server (the unit's main process), its child VLLM::EngineCore, and under
+    tensor parallelism the engine core's VLLM::Worker_TP<i> processes, which run the steps."""
+    s = sim().wait_up()
+    [core] = engine_pids(s)
+    assert psutil.Process(core).name() == "VLLM::EngineCor" and psutil.Process(core).ppid() == s.proc.pid
+    tp = sim("--sim-workers", "2").wait_up()
+    core, *workers = engine_pids(tp)
+    assert psutil.Process(core).ppid() == tp.proc.pid and len(workers) == 2
+    assert {(psutil.Process(w).name(), psutil.Process(w).ppid()) for w in workers} == {("VLLM::Worker_TP", core)}
+    tp.post("/_sim/load", {"streams": 3})
+    cpu_rises(workers, 0.05, "the workers to burn the steps' CPU")
+    assert tp.get("/health").status_code == 200 and tp.sample().generation_tokens > 0
+
+
+def test_the_engine_core_uses_cpu_while_it_works_and_none_while_idle(sim):
+    s = sim().wait_up()
+    pids = engine_pids(s)
+    assert cpu_flat(pids) <= 0.02  # idle: it blocks on its input, as vLLM's EngineCore does
+    s.post("/_sim/load", {"streams": 3})
+    cpu_rises(pids, 0.05, "the engine core to burn CPU while requests stream")
+
+
+@pytest.mark.parametrize("fault", ["engine-dead", "frozen", "between-steps"])
+def test_a_hung_engine_uses_no_cpu(sim, fault):
+    """A frozen or dead engine uses no CPU: what guardian reads to tell a hang from a slow engine."""
+    s = sim().wait_up()
+    pids = engine_pids(s)
+    s.post("/_sim/load", {"streams": 3, "max_tokens": 8})
+    cpu_rises(pids, 0.02, "the engine core to work")
+    s.post("/_sim/fault", {"fault": fault})
+    if fault == "frozen":
+        wait_for(lambda: stopped([s.proc.pid]), 30, "the API server stopped")
+    elif fault == "between-steps":
+        wait_for(lambda: s.sample().running == 0, 30, "the batch to finish and the engine to freeze")
+    assert cpu_flat(pids) <= 0.02
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_no_engine_process_outlives_the_api_server(sim, sig):
+    s = sim("--sim-workers", "1").wait_up()
+    pids = engine_pids(s)
+    s.proc.send_signal(sig)
+    assert s.proc.wait(10) == (0 if sig == signal.SIGTERM else -signal.SIGKILL)
+    wait_for(lambda: gone(pids), 10, "the engine processes to go with the API server")
+
+
+def test_a_killed_engine_core_fails_the_api_server_as_vllms_does(sim):
+    """vLLM's API server watches its EngineCore: once that process dies, /health is 503 and it exits."""
+    s = sim().wait_up()
+    os.kill(engine_pids(s)[0], signal.SIGKILL)
+    wait_for(lambda: s.get("/health").status_code == 503, 30, "/health 503")
+    assert s.proc.wait(15) == 0
+
+
+def test_without_the_engine_process_it_is_one_process(sim):
+    s = sim("--no-sim-engine-process").wait_up()
+    assert engine_pids(s) == [] and psutil.Process(s.proc.pid).children() == []
+    assert s.post("/v1/completions", {"model": "m", "prompt": "x", "max_tokens": 2}).status_code == 200

@@ -12,6 +12,20 @@ What it imitates (observed on a real vLLM 0.32 server, see shared/BRIEF.md):
 * an engine thread runs iterations: it admits waiting requests (up to ``--max-num-seqs``), counts
   a request's prompt tokens when its prefill completes, then emits one token per running request
   per iteration; the vllm: gauges are updated by the engine, so they freeze when it does.
+* vLLM V1's process shape (engine_core.py): the API server (this, the unit's main process) forks a
+  child ``VLLM::EngineCore`` (its comm: ``VLLM::EngineCor``) at start, as vLLM starts its EngineCore
+  before the model loads; with ``--sim-workers N`` that forks ``VLLM::Worker_TP<i>`` processes, as
+  tensor parallelism's workers. All state stays in the engine thread here; each iteration that has
+  work is a round trip to the child, which burns its CPU: ``--sim-step-cpu-s`` (0.002) per step with
+  running requests, ``--sim-prefill-busy`` (0.2) of a core all through a long prefill (in ~20 ms
+  slices), while every counter stands still. With no work nothing is sent and the child blocks in
+  recv, as vLLM's EngineCore blocks on its input queue: a replica's CPU outside its API server is
+  then a real engine's, none while it idles, is frozen or dead, some whenever it works. The children
+  die with the API server (PR_SET_PDEATHSIG, even after a SIGKILL of it; EOF on their socket) and
+  ignore SIGTERM (a unit's stop signals the whole cgroup: draining or hanging is the API server's
+  choice). A killed EngineCore fails the API server as vLLM's does (its monitor sees the process
+  die): ``engine-killed`` below. ``/_sim/state`` lists their pids (``engine_pids``).
+  ``--no-sim-engine-process``: the old single process, no CPU burnt.
 * a prefix cache, as vLLM's automatic prefix caching: a prompt's tokens (its words) in blocks of 16,
   each block keyed by everything before it and cached once its prefill is done; a prompt's leading
   blocks already cached are hits, the rest take ``--sim-prefill-s-per-token`` each before its first
@@ -25,14 +39,16 @@ What it imitates (observed on a real vLLM 0.32 server, see shared/BRIEF.md):
 Faults, at start (``--fault NAME``, with ``--fault-after-s``) or at run time
 (``POST /_sim/fault {"fault": NAME, ...}``, ``POST /_sim/clear``):
 
-  engine-dead      engine stops iterating; /health 200, metrics frozen, requests hang
+  engine-dead      engine stops iterating; /health 200, metrics frozen, requests hang; nothing is
+                   sent to the engine core, which then uses no CPU
   between-steps    the engine freezes at the first step with nothing running (the load it was
                    serving finishes first): /metrics shows 0 running, 0 waiting and frozen
                    counters, /health 200, and every new request is accepted and never answered:
                    its connection stays open; a plain completion gets no byte; a streaming one
                    gets its 200 status line and headers at once and then no event, as from vLLM
                    (its handler returns the StreamingResponse before the engine has the request,
-                   and Starlette/uvicorn write the headers before the first chunk)
+                   and Starlette/uvicorn write the headers before the first chunk); once frozen,
+                   the engine core is sent nothing and uses no CPU
   engine-killed    /health 503, completions 500; exits with status 0 after ``exit_after_s``
                    (default 4 s, as vLLM's API server does); ``exit_after_s: null`` stays up
                    (VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1)
@@ -48,14 +64,16 @@ Faults, at start (``--fault NAME``, with ``--fault-after-s``) or at run time
                    canaries too) is delayed by a random ``min_s``-``max_s`` (default 1-8 s) before
                    it is begun, while the engine keeps iterating and streams already running keep
                    their pace; with ``seed`` each path draws from its own repeatable sequence, so
-                   the Nth completion's delay is the same whenever the probes beside it come
+                   the Nth completion's delay is the same whenever the probes beside it come (the
+                   engine core keeps using CPU for the steps it keeps running)
   wrong-model      /v1/models lists ``model`` (default "other-model") instead
   leak             memory that outlives the process, as GB10's driver keeps a killed engine's
                    (NVIDIA/open-gpu-kernel-modules #1358): the reservation (``--sim-allocate``), or
                    ``bytes``, moves into a file on a tmpfs (``dir``, default /dev/shm:
                    ``DIR/vllm-sim-held-PORT``), mapped into the process, charged to the same cgroup
                    and never freed when the process exits; it keeps serving
-  frozen           the whole process stops itself with SIGSTOP (what ``kill -STOP`` does)
+  frozen           the API server stops itself with SIGSTOP (what ``kill -STOP`` on it does); its
+                   engine core is sent nothing more and uses no CPU
   fail-startup     exit 1 before serving, with an error (start-time only)
 
 With ``--hang-on-sigterm``, SIGTERM does not end a process whose engine is dead or that was
@@ -69,10 +87,11 @@ requests in the engine (they count like real ones) until ``{"streams": 0}``.
 ``POST /_sim/prefill {"prompt_tokens": 7185, "chunk_tokens": 512, "chunk_s": 2.7, "coschedule": false}``
 starts one long prompt, prefilled in chunks as vLLM 0.32 does (measured: a 7,185-token prompt in
 30 s): while it runs, every token counter stands still and ``kv_cache_usage_perc`` rises once per
-chunk. By default the prompt takes the whole per-step token budget, so every other request (a
-canary too) waits behind it; ``coschedule: true`` is ``--long-prefill-token-threshold`` below
-``--max-num-batched-tokens``: other requests run beside it. A ``chunk_s`` longer than guardian's
-windows is the case its stall window must be sized for.
+chunk, while the engine core burns ``--sim-prefill-busy`` of a core. By default the prompt takes the
+whole per-step token budget, so every other request (a canary too) waits behind it;
+``coschedule: true`` is ``--long-prefill-token-threshold`` below ``--max-num-batched-tokens``: other
+requests run beside it. A ``chunk_s`` longer than guardian's windows is the case its stall window
+must be sized for.
 """
 
 from __future__ import annotations
@@ -102,6 +121,8 @@ from prometheus_client import (
     process_collector,
 )
 from prometheus_client.parser import text_string_to_metric_families
+
+from . import engine_core
 
 VERSION = "0.32.0+sim"
 _ids = itertools.count(1)
@@ -205,11 +226,13 @@ REAL_PAGE = RealPage()
 
 
 class Engine:
-    """The simulated EngineCore: iterations on a thread; requests wait on their conditions."""
+    """The simulated EngineCore: iterations on a thread; requests wait on their conditions. With an
+    engine core process (CORE), each iteration that has work is run there first (engine_core.py)."""
 
-    def __init__(self, args, metrics: Metrics) -> None:
+    def __init__(self, args, metrics: Metrics, core: engine_core.EngineCore | None = None) -> None:
         self.args = args
         self.m = metrics
+        self.core = core
         self.lock = threading.Lock()
         self.waiting: list[Req] = []
         self.running: list[Req] = []
@@ -280,10 +303,28 @@ class Engine:
     def loop(self) -> None:
         period = 1.0 / self.args.tokens_per_s
         while True:
-            time.sleep(period)
-            if self.dead or self.killed:
-                continue
-            self.iterate()
+            began = time.monotonic()
+            if not (self.dead or self.killed):
+                cost = self._step_cost(period) if self.core else None
+                if cost and not self.core.step(*cost):
+                    return  # the engine core is gone (its monitor says so): no step can run again
+                self.iterate()
+            # the step's own time is part of the period: --tokens-per-s stays the iteration rate
+            time.sleep(max(0.0, period - (time.monotonic() - began)))
+
+    def _step_cost(self, period: float) -> tuple[float, float] | None:
+        """What the next iteration costs the engine core: (CPU seconds, wall seconds to spread them
+        over); None when it has nothing to do, and so is sent nothing and uses no CPU."""
+        with self.lock:
+            if self.freeze_when_idle and not self.running:
+                return None  # between-steps: this iteration freezes the engine, it runs nothing
+            prefill = self.prefill is not None
+            decode = bool(self.running or self.waiting or self.synthetic_target) and (
+                not prefill or self.prefill_coschedule)
+        cpu_s = self.args.sim_step_cpu_s if decode else 0.0
+        if prefill:  # a chunk in progress keeps it busy over the whole step, counters standing still
+            return cpu_s + self.args.sim_prefill_busy * period, period
+        return (cpu_s, 0.0) if decode else None
 
     def iterate(self) -> None:
         with self.lock:
@@ -383,15 +424,16 @@ class Engine:
 
 
 class Sim:
-    def __init__(self, args) -> None:
+    def __init__(self, args, core: engine_core.EngineCore | None = None) -> None:
         self.args = args
+        self.core = core
         self.model = args.served_model_name or args.model
         self.registry = CollectorRegistry()
         process_collector.ProcessCollector(registry=self.registry)
         platform_collector.PlatformCollector(registry=self.registry)
         gc_collector.GCCollector(registry=self.registry)
         self.metrics = Metrics(self.model, args.gpu_memory_utilization, self.registry)
-        self.engine = Engine(args, self.metrics)
+        self.engine = Engine(args, self.metrics, core)
         self.fault: dict = {}
         self.started_at = time.time()
         self.stall_until = 0.0  # stall-endpoints: time.monotonic() at which the held requests go on
@@ -557,6 +599,7 @@ def make_handler(sim: Sim):
                 return self._json(200, {"fault": sim.fault, "running": len(sim.engine.running),
                                         "prefill": None if sim.engine.prefill is None else sim.engine.prefill["left"],
                                         "waiting": len(sim.engine.waiting), "pid": os.getpid(),
+                                        "engine_pids": sim.core.pids if sim.core else [],
                                         "gpu_memory_utilization": sim.args.gpu_memory_utilization,
                                         "model": sim.model, "starved_delays_s": sim.starve_drawn,
                                         # clients' plain completions in the engine: no byte of theirs sent yet
@@ -737,6 +780,14 @@ def parse_args(argv=None):
                         "(0: abort them)")
     p.add_argument("--hang-on-sigterm", action="store_true",
                    help="while the engine is dead or the process frozen, SIGTERM does not end the process")
+    p.add_argument("--sim-engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the steps in a child process VLLM::EngineCore, as vLLM V1 does (off: one process)")
+    p.add_argument("--sim-step-cpu-s", type=float, default=0.002,
+                   help="CPU seconds the engine core burns per step with running requests")
+    p.add_argument("--sim-prefill-busy", type=float, default=0.2,
+                   help="fraction of a core the engine core burns while a long prefill (/_sim/prefill) runs")
+    p.add_argument("--sim-workers", type=int, default=0,
+                   help="the engine core's worker processes (VLLM::Worker_TP<i>), which burn the steps' CPU")
     p.add_argument("--sim-total-memory-bytes", type=int, default=0, help="pretend total memory (0: MemTotal)")
     p.add_argument("--sim-free-source", choices=["memavailable", "memfree"], default="memavailable")
     p.add_argument("--sim-free-bytes-file", default=None,
@@ -781,6 +832,11 @@ def main(argv=None) -> int:
         if problem:
             print(f"ERROR [sim] EngineCore failed to start.\n{problem}", file=sys.stderr, flush=True)
             return 1
+    # vLLM's EngineCore is a process of its own, started before the model loads; forked now, while this
+    # process has one thread (fork copies only the caller) and before the memory below is taken
+    core = engine_core.start(args.sim_workers) if args.sim_engine_process else None
+    if core is not None:
+        log(f"SIM engine core pid={core.pids[0]} workers={core.pids[1:]}")
     want = int(args.gpu_memory_utilization * (args.sim_total_memory_bytes or _meminfo_bytes("MemTotal")))
     if args.sim_load_memory:  # loading: the port is not bound yet (connection refused), the memory grows
         log(f"loading: taking {want / 2**30:.2f} GiB (gpu_memory_utilization x total) over {args.load_time_s:g} s")
@@ -791,7 +847,12 @@ def main(argv=None) -> int:
     if args.sim_allocate and not args.sim_load_memory:
         HELD.append(allocate(want))
         log(f"holding {want / 2**30:.2f} GiB (gpu_memory_utilization x total)")
-    sim = Sim(args)
+    sim = Sim(args, core)
+    if core is not None:
+        def on_core_death() -> None:  # something killed it: vLLM's API server then fails and exits
+            log("Engine core proc EngineCore_DP0 died unexpectedly, shutting down client.")
+            sim.set_fault({"fault": "engine-killed"})
+        core.watch(on_core_death)
     server = ThreadingHTTPServer((args.host, args.port), make_handler(sim))
     server.daemon_threads = True
     threading.Thread(target=sim.engine.loop, daemon=True, name="EngineCore").start()
