@@ -525,7 +525,7 @@ def test_the_engine_core_uses_cpu_while_it_works_and_none_while_idle(sim):
     cpu_rises(pids, 0.05, "the engine core to burn CPU while requests stream")
 
 
-@pytest.mark.parametrize("fault", ["engine-dead", "frozen", "between-steps"])
+@pytest.mark.parametrize("fault", ["engine-frozen", "engine-dead", "frozen", "between-steps"])
 def test_a_hung_engine_uses_no_cpu(sim, fault):
     """A frozen or dead engine uses no CPU: what guardian reads to tell a hang from a slow engine."""
     s = sim().wait_up()
@@ -533,17 +533,71 @@ def test_a_hung_engine_uses_no_cpu(sim, fault):
     s.post("/_sim/load", {"streams": 3, "max_tokens": 8})
     cpu_rises(pids, 0.02, "the engine core to work")
     s.post("/_sim/fault", {"fault": fault})
-    if fault == "frozen":
+    if fault == "engine-frozen":
+        wait_for(lambda: stopped(pids), 30, "the engine core stopped")
+    elif fault == "frozen":
         wait_for(lambda: stopped([s.proc.pid]), 30, "the API server stopped")
     elif fault == "between-steps":
         wait_for(lambda: s.sample().running == 0, 30, "the batch to finish and the engine to freeze")
     assert cpu_flat(pids) <= 0.02
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
-def test_no_engine_process_outlives_the_api_server(sim, sig):
+def test_engine_frozen_freezes_everything_but_health_and_clear_resumes(sim):
+    s = sim().wait_up()
+    pids = engine_pids(s)
+    s.post("/_sim/load", {"streams": 3})
+    wait_for(lambda: s.sample().running == 3, 30, "load to run")
+    s.post("/_sim/fault", {"fault": "engine-frozen"})
+    wait_for(lambda: stopped(pids), 30, "the engine core stopped")
+    frozen = s.sample()
+    assert s.get("/health").status_code == 200
+    with pytest.raises(httpx.TimeoutException):
+        s.post("/v1/completions", {"model": "m", "prompt": "x", "max_tokens": 1}, timeout=1.5)
+    later = s.sample()
+    assert (later.generation_tokens, later.running, later.waiting) == (frozen.generation_tokens, 3, frozen.waiting)
+    s.post("/_sim/clear", {})
+    wait_for(lambda: s.sample().generation_tokens > later.generation_tokens, 30, "tokens to flow again")
+
+
+def test_a_spinning_engine_uses_cpu_while_nothing_moves(sim):
+    """A GPU engine spinning on a wedged kernel: no step completes, yet its CPU is used."""
+    s = sim().wait_up()
+    pids = engine_pids(s)
+    s.post("/_sim/load", {"streams": 3})
+    wait_for(lambda: s.sample().running == 3, 30, "load to run")
+    s.post("/_sim/fault", {"fault": "spinning", "busy": 0.5})
+    cpu_rises(pids, 0.1, "the engine core to spin")  # by then the step that was in flight has ended
+    first = s.sample()
+    cpu_rises(pids, 0.1, "the engine core to go on spinning")
+    later = s.sample()
+    assert (later.generation_tokens, later.prompt_tokens, later.request_success) == (
+        first.generation_tokens, first.prompt_tokens, first.request_success)
+    assert s.get("/health").status_code == 200
+    with pytest.raises(httpx.TimeoutException):
+        s.post("/v1/completions", {"model": "m", "prompt": "x", "max_tokens": 1}, timeout=1.5)
+    s.post("/_sim/clear", {})
+    wait_for(lambda: s.sample().generation_tokens > later.generation_tokens, 30, "tokens to flow again")
+
+
+def test_a_long_prefill_uses_cpu_while_the_token_counters_stand_still(sim):
+    s = sim().wait_up()
+    pids = engine_pids(s)
+    before = s.sample()
+    s.post("/_sim/prefill", {"prompt_tokens": 4096, "chunk_tokens": 4096, "chunk_s": 60})
+    cpu_rises(pids, 0.1, "the engine core to burn CPU on the prefill")
+    during = s.sample()
+    assert (during.prompt_tokens, during.generation_tokens) == (before.prompt_tokens, before.generation_tokens)
+    assert during.running == 1
+
+
+@pytest.mark.parametrize(("sig", "fault"), [(signal.SIGTERM, None), (signal.SIGTERM, "engine-frozen"),
+                                            (signal.SIGKILL, "engine-frozen")])
+def test_no_engine_process_outlives_the_api_server(sim, sig, fault):
     s = sim("--sim-workers", "1").wait_up()
     pids = engine_pids(s)
+    if fault:
+        s.post("/_sim/fault", {"fault": fault})
+        wait_for(lambda: stopped(pids), 30, "the engine processes stopped")
     s.proc.send_signal(sig)
     assert s.proc.wait(10) == (0 if sig == signal.SIGTERM else -signal.SIGKILL)
     wait_for(lambda: gone(pids), 10, "the engine processes to go with the API server")
@@ -561,3 +615,4 @@ def test_without_the_engine_process_it_is_one_process(sim):
     s = sim("--no-sim-engine-process").wait_up()
     assert engine_pids(s) == [] and psutil.Process(s.proc.pid).children() == []
     assert s.post("/v1/completions", {"model": "m", "prompt": "x", "max_tokens": 2}).status_code == 200
+    assert s.post("/_sim/fault", {"fault": "engine-frozen"}).status_code == 400

@@ -41,6 +41,14 @@ Faults, at start (``--fault NAME``, with ``--fault-after-s``) or at run time
 
   engine-dead      engine stops iterating; /health 200, metrics frozen, requests hang; nothing is
                    sent to the engine core, which then uses no CPU
+  engine-frozen    SIGSTOP of the engine core and its workers (what ``kill -STOP`` on VLLM::EngineCore
+                   does): the step in flight, or the next, never returns, so the engine thread
+                   blocks: counters and gauges freeze, /health 200, new requests are accepted and
+                   never answered; the engine's CPU is exactly 0. ``/_sim/clear`` SIGCONTs them
+  spinning         the engine core (its workers, with ``--sim-workers``) burns ``busy`` (default 0.5)
+                   of a core in ~20 ms slices and answers no step: nothing moves, /health 200,
+                   requests hang, yet the engine uses CPU (a GPU engine spinning on a wedged
+                   kernel). ``/_sim/clear`` ends it and the held step completes
   between-steps    the engine freezes at the first step with nothing running (the load it was
                    serving finishes first): /metrics shows 0 running, 0 waiting and frozen
                    counters, /health 200, and every new request is accepted and never answered:
@@ -76,8 +84,8 @@ Faults, at start (``--fault NAME``, with ``--fault-after-s``) or at run time
                    engine core is sent nothing more and uses no CPU
   fail-startup     exit 1 before serving, with an error (start-time only)
 
-With ``--hang-on-sigterm``, SIGTERM does not end a process whose engine is dead or that was
-frozen (systemd sends SIGCONT with it): the stop hangs as vLLM's does, until SIGKILL. Without
+With ``--hang-on-sigterm``, SIGTERM does not end a process whose engine is dead, frozen or spinning,
+or that was frozen (systemd sends SIGCONT with it): the stop hangs as vLLM's does, until SIGKILL. Without
 it, SIGTERM aborts every request in flight (vLLM's default), unless ``--shutdown-timeout N``: then
 no new connection is accepted and the running requests get up to N s to finish (vLLM >= 0.32).
 
@@ -459,6 +467,13 @@ class Sim:
             self.engine.freeze_when_idle = True
         elif name == "frozen":
             threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGSTOP)).start()
+        elif name in ("engine-frozen", "spinning"):
+            if self.core is None:
+                raise ValueError(f"{name} needs the engine core process (--sim-engine-process)")
+            if name == "engine-frozen":
+                self.core.kill(signal.SIGSTOP)
+            else:
+                self.core.spin(min(1.0, max(0.0, float(spec.get("busy", 0.5)))))
         elif name == "stall-endpoints":
             stall_s = float(spec.get("stall_s", 11.0))
             with self.stall_cond:
@@ -531,6 +546,13 @@ class Sim:
         self.engine.freeze_when_idle = False
         self.engine.dead = False
         self.engine.killed = False
+        if self.core is not None:  # whichever fault came after them: a stopped or spinning core goes on
+            self.core.kill(signal.SIGCONT)
+            self.core.spin(0.0)
+
+    def engine_hung(self) -> bool:
+        """The engine does not answer: dead, frozen or spinning (or the whole process frozen)."""
+        return self.engine.dead or self.fault.get("fault") in ("frozen", "engine-frozen", "spinning")
 
 
 # What stall-endpoints holds: every endpoint but the completions (and the simulator's own /_sim/).
@@ -779,7 +801,8 @@ def parse_args(argv=None):
                    help="as vLLM >= 0.32: on SIGTERM, stop accepting and give running requests up to N s "
                         "(0: abort them)")
     p.add_argument("--hang-on-sigterm", action="store_true",
-                   help="while the engine is dead or the process frozen, SIGTERM does not end the process")
+                   help="while the engine is dead, frozen or spinning, or the process frozen, SIGTERM does not "
+                        "end the process")
     p.add_argument("--sim-engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the steps in a child process VLLM::EngineCore, as vLLM V1 does (off: one process)")
     p.add_argument("--sim-step-cpu-s", type=float, default=0.002,
@@ -860,7 +883,7 @@ def main(argv=None) -> int:
         spec = {"fault": args.fault, **json.loads(args.fault_json)}
         threading.Timer(args.fault_after_s, sim.set_fault, [spec]).start()
     def on_sigterm(*_: object) -> None:
-        if args.hang_on_sigterm and (sim.engine.dead or sim.fault.get("fault") == "frozen"):
+        if args.hang_on_sigterm and sim.engine_hung():
             # vLLM's API server shuts down by asking its engine, which never answers: only
             # systemd's SIGKILL (TimeoutStopSec, or guardian's kill) ends the process.
             log("SIM shutdown: waiting for the engine, which does not answer (--hang-on-sigterm)")
