@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import threading
@@ -13,10 +14,10 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-
-from guardian.observe.metrics import parse_vllm_metrics
 from harness import Running
 from systemd_box import wait_for
+
+from guardian.observe.metrics import parse_vllm_metrics
 
 # A complete /metrics page from a real vLLM 0.32 server (copied from shared/).
 SAMPLE = Path(__file__).resolve().parent.parent / "vllm_sim" / "data" / "vllm-0.32-metrics-sample.txt"
@@ -72,6 +73,47 @@ def read_for(conn: socket.socket, seconds: float) -> tuple[bytes, bool]:
     return got, False
 
 
+def cpu_s(pids: list[int]) -> float:
+    """The CPU time PIDS have used (utime + stime: fields 14 and 15 of /proc/PID/stat), in seconds."""
+    ticks = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()  # from field 3 on
+        ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def engine_pids(s: Running) -> list[int]:
+    return s.get("/_sim/state").json()["engine_pids"]
+
+
+def gone(pids: list[int]) -> bool:
+    """None of PIDS runs any more (a zombie left to a non-reaping init counts as gone)."""
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                return False
+        except psutil.NoSuchProcess:
+            pass
+    return True
+
+
+def cpu_rises(pids: list[int], by_s: float, what: str) -> None:
+    """Wait until PIDS have used BY_S more seconds of CPU."""
+    base = cpu_s(pids)
+    wait_for(lambda: cpu_s(pids) >= base + by_s, 30, what, interval_s=0.05)
+
+
+def cpu_flat(pids: list[int], window_s: float = 2.0) -> float:
+    """The CPU PIDS use over WINDOW_S: an observation window, not a wait for a condition."""
+    base = cpu_s(pids)
+    time.sleep(window_s)
+    return cpu_s(pids) - base
+
+
+def stopped(pids: list[int]) -> bool:
+    return all(psutil.Process(pid).status() == psutil.STATUS_STOPPED for pid in pids)
+
+
 @pytest.fixture
 def sim():
     started: list[Running] = []
@@ -82,7 +124,10 @@ def sim():
         return r
     yield start
     for r in started:
+        kids = psutil.Process(r.proc.pid).children(recursive=True) if r.proc.poll() is None else []
         r.stop()
+        # the engine core and its workers die with the API server: no test leaves an orphan
+        wait_for(lambda kids=kids: gone([k.pid for k in kids]), 10, "the engine processes to go")
 
 
 def test_serves_vllms_endpoints_and_counters_move(sim):
@@ -96,8 +141,8 @@ def test_serves_vllms_endpoints_and_counters_move(sim):
     assert after.generation_tokens >= before.generation_tokens + 5
     assert after.prompt_tokens > before.prompt_tokens and after.request_success == before.request_success + 1
     assert after.gpu_memory_utilization == 0.74 and after.model_names == ("m",)
-    with httpx.stream("POST", s.url + "/v1/chat/completions", timeout=5,
-                      json={"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "stream": True}) as resp:
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", s.url + "/v1/chat/completions", timeout=5, json=chat) as resp:
         events = [line for line in resp.iter_lines() if line.startswith("data: ")]
     assert len(events) == 4 and events[-1] == "data: [DONE]"
 
@@ -109,7 +154,9 @@ def test_metrics_page_uses_the_real_servers_names():
 
 def test_metric_families_match_the_real_sample(sim):
     s = sim().wait_up()
-    names = lambda text: {l.split()[2] for l in text.splitlines() if l.startswith("# TYPE vllm:")}
+
+    def names(text: str) -> set[str]:
+        return {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE vllm:")}
     mine, real = names(s.get("/metrics").text), names(SAMPLE.read_text())
     assert {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
             "vllm:generation_tokens_total", "vllm:prompt_tokens_total", "vllm:request_success_total",
@@ -121,7 +168,9 @@ def test_metrics_page_is_the_size_and_shape_of_the_real_one(sim):
     """What guardian parses, and what that costs, must be measured on a real-size page."""
     s = sim("--gpu-memory-utilization", "0.74").wait_up()
     page, real = s.get("/metrics").text, SAMPLE.read_text()
-    samples = lambda text: sum(1 for line in text.splitlines() if line and not line.startswith("#"))
+
+    def samples(text: str) -> int:
+        return sum(1 for line in text.splitlines() if line and not line.startswith("#"))
     assert 0.8 * len(real) <= len(page) <= 1.2 * len(real), (len(page), len(real))
     assert 0.8 * samples(real) <= samples(page) <= 1.2 * samples(real)
     assert 'model_name="tiny"' not in page and 'model_name="m"' in page
@@ -309,7 +358,7 @@ def test_starved_delays_every_answer_while_streams_keep_their_pace(sim):
         answered = [f.result() for f in gets]
         done, done_at = canary.result()
     assert [got for got, _ in answered] == [200, 200, 200, 200] and done.status_code == 200
-    first = min(at for _, at in answered + [(None, done_at)])
+    first = min(at for _, at in [*answered, (None, done_at)])
     assert first - t0 >= 1.0  # none was answered before its delay (a lower bound: load only adds to it)
     assert sum(1 for at in stream if t0 < at < first) > 0  # tokens flowed while every answer was held
     assert s.get("/_sim/state", timeout=5).json()["fault"]["fault"] == "starved"  # the simulator's own: not held
@@ -451,3 +500,119 @@ def test_leak_keeps_the_reservation_after_the_process_exits(sim):
         assert held.stat().st_size == 32 * 2**20  # and the memory stays held once it is gone
     finally:
         held.unlink(missing_ok=True)
+
+
+def test_the_engine_core_is_a_child_process_with_vllms_names(sim):
+    """vLLM V1: the API server (the unit's main process), its child VLLM::EngineCore, and under
+    tensor parallelism the engine core's VLLM::Worker_TP<i> processes, which run the steps."""
+    s = sim().wait_up()
+    [core] = engine_pids(s)
+    assert psutil.Process(core).name() == "VLLM::EngineCor" and psutil.Process(core).ppid() == s.proc.pid
+    tp = sim("--sim-workers", "2").wait_up()
+    core, *workers = engine_pids(tp)
+    assert psutil.Process(core).ppid() == tp.proc.pid and len(workers) == 2
+    assert {(psutil.Process(w).name(), psutil.Process(w).ppid()) for w in workers} == {("VLLM::Worker_TP", core)}
+    tp.post("/_sim/load", {"streams": 3})
+    cpu_rises(workers, 0.05, "the workers to burn the steps' CPU")
+    assert tp.get("/health").status_code == 200 and tp.sample().generation_tokens > 0
+
+
+def test_the_engine_core_uses_cpu_while_it_works_and_none_while_idle(sim):
+    s = sim().wait_up()
+    pids = engine_pids(s)
+    assert cpu_flat(pids) <= 0.02  # idle: it blocks on its input, as vLLM's EngineCore does
+    s.post("/_sim/load", {"streams": 3})
+    cpu_rises(pids, 0.05, "the engine core to burn CPU while requests stream")
+
+
+@pytest.mark.parametrize("fault", ["engine-frozen", "engine-dead", "frozen", "between-steps"])
+def test_a_hung_engine_uses_no_cpu(sim, fault):
+    """A frozen or dead engine uses no CPU: what guardian reads to tell a hang from a slow engine."""
+    s = sim().wait_up()
+    pids = engine_pids(s)
+    s.post("/_sim/load", {"streams": 3, "max_tokens": 8})
+    cpu_rises(pids, 0.02, "the engine core to work")
+    s.post("/_sim/fault", {"fault": fault})
+    if fault == "engine-frozen":
+        wait_for(lambda: stopped(pids), 30, "the engine core stopped")
+    elif fault == "frozen":
+        wait_for(lambda: stopped([s.proc.pid]), 30, "the API server stopped")
+    elif fault == "between-steps":
+        wait_for(lambda: s.sample().running == 0, 30, "the batch to finish and the engine to freeze")
+    assert cpu_flat(pids) <= 0.02
+
+
+def test_engine_frozen_freezes_everything_but_health_and_clear_resumes(sim):
+    s = sim().wait_up()
+    pids = engine_pids(s)
+    s.post("/_sim/load", {"streams": 3})
+    wait_for(lambda: s.sample().running == 3, 30, "load to run")
+    s.post("/_sim/fault", {"fault": "engine-frozen"})
+    wait_for(lambda: stopped(pids), 30, "the engine core stopped")
+    frozen = s.sample()
+    assert s.get("/health").status_code == 200
+    with pytest.raises(httpx.TimeoutException):
+        s.post("/v1/completions", {"model": "m", "prompt": "x", "max_tokens": 1}, timeout=1.5)
+    later = s.sample()
+    assert (later.generation_tokens, later.running, later.waiting) == (frozen.generation_tokens, 3, frozen.waiting)
+    s.post("/_sim/clear", {})
+    wait_for(lambda: s.sample().generation_tokens > later.generation_tokens, 30, "tokens to flow again")
+
+
+def test_a_spinning_engine_uses_cpu_while_nothing_moves(sim):
+    """A GPU engine spinning on a wedged kernel: no step completes, yet its CPU is used."""
+    s = sim().wait_up()
+    pids = engine_pids(s)
+    s.post("/_sim/load", {"streams": 3})
+    wait_for(lambda: s.sample().running == 3, 30, "load to run")
+    s.post("/_sim/fault", {"fault": "spinning", "busy": 0.5})
+    cpu_rises(pids, 0.1, "the engine core to spin")  # by then the step that was in flight has ended
+    first = s.sample()
+    cpu_rises(pids, 0.1, "the engine core to go on spinning")
+    later = s.sample()
+    assert (later.generation_tokens, later.prompt_tokens, later.request_success) == (
+        first.generation_tokens, first.prompt_tokens, first.request_success)
+    assert s.get("/health").status_code == 200
+    with pytest.raises(httpx.TimeoutException):
+        s.post("/v1/completions", {"model": "m", "prompt": "x", "max_tokens": 1}, timeout=1.5)
+    s.post("/_sim/clear", {})
+    wait_for(lambda: s.sample().generation_tokens > later.generation_tokens, 30, "tokens to flow again")
+
+
+def test_a_long_prefill_uses_cpu_while_the_token_counters_stand_still(sim):
+    s = sim().wait_up()
+    pids = engine_pids(s)
+    before = s.sample()
+    s.post("/_sim/prefill", {"prompt_tokens": 4096, "chunk_tokens": 4096, "chunk_s": 60})
+    cpu_rises(pids, 0.1, "the engine core to burn CPU on the prefill")
+    during = s.sample()
+    assert (during.prompt_tokens, during.generation_tokens) == (before.prompt_tokens, before.generation_tokens)
+    assert during.running == 1
+
+
+@pytest.mark.parametrize(("sig", "fault"), [(signal.SIGTERM, None), (signal.SIGTERM, "engine-frozen"),
+                                            (signal.SIGKILL, "engine-frozen")])
+def test_no_engine_process_outlives_the_api_server(sim, sig, fault):
+    s = sim("--sim-workers", "1").wait_up()
+    pids = engine_pids(s)
+    if fault:
+        s.post("/_sim/fault", {"fault": fault})
+        wait_for(lambda: stopped(pids), 30, "the engine processes stopped")
+    s.proc.send_signal(sig)
+    assert s.proc.wait(10) == (0 if sig == signal.SIGTERM else -signal.SIGKILL)
+    wait_for(lambda: gone(pids), 10, "the engine processes to go with the API server")
+
+
+def test_a_killed_engine_core_fails_the_api_server_as_vllms_does(sim):
+    """vLLM's API server watches its EngineCore: once that process dies, /health is 503 and it exits."""
+    s = sim().wait_up()
+    os.kill(engine_pids(s)[0], signal.SIGKILL)
+    wait_for(lambda: s.get("/health").status_code == 503, 30, "/health 503")
+    assert s.proc.wait(15) == 0
+
+
+def test_without_the_engine_process_it_is_one_process(sim):
+    s = sim("--no-sim-engine-process").wait_up()
+    assert engine_pids(s) == [] and psutil.Process(s.proc.pid).children() == []
+    assert s.post("/v1/completions", {"model": "m", "prompt": "x", "max_tokens": 2}).status_code == 200
+    assert s.post("/_sim/fault", {"fault": "engine-frozen"}).status_code == 400

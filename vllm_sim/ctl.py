@@ -3,6 +3,8 @@
     python3 -m vllm_sim.ctl URL fault engine-dead
     python3 -m vllm_sim.ctl URL fault slow-health '{"delay_s": 4}'
     python3 -m vllm_sim.ctl URL fault stall-endpoints '{"stall_s": 20}'
+    python3 -m vllm_sim.ctl URL fault engine-frozen
+    python3 -m vllm_sim.ctl URL fault spinning '{"busy": 0.5}'
     python3 -m vllm_sim.ctl URL load 4
     python3 -m vllm_sim.ctl URL prefill '{"prompt_tokens": 7185, "chunk_tokens": 7185, "chunk_s": 60}'
     python3 -m vllm_sim.ctl URL clear | state

@@ -12,6 +12,20 @@ What it imitates (observed on a real vLLM 0.32 server, see shared/BRIEF.md):
 * an engine thread runs iterations: it admits waiting requests (up to ``--max-num-seqs``), counts
   a request's prompt tokens when its prefill completes, then emits one token per running request
   per iteration; the vllm: gauges are updated by the engine, so they freeze when it does.
+* vLLM V1's process shape (engine_core.py): the API server (this, the unit's main process) forks a
+  child ``VLLM::EngineCore`` (its comm: ``VLLM::EngineCor``) at start, as vLLM starts its EngineCore
+  before the model loads; with ``--sim-workers N`` that forks ``VLLM::Worker_TP<i>`` processes, as
+  tensor parallelism's workers. All state stays in the engine thread here; each iteration that has
+  work is a round trip to the child, which burns its CPU: ``--sim-step-cpu-s`` (0.002) per step with
+  running requests, ``--sim-prefill-busy`` (0.2) of a core all through a long prefill (in ~20 ms
+  slices), while every counter stands still. With no work nothing is sent and the child blocks in
+  recv, as vLLM's EngineCore blocks on its input queue: a replica's CPU outside its API server is
+  then a real engine's, none while it idles, is frozen or dead, some whenever it works. The children
+  die with the API server (PR_SET_PDEATHSIG, even after a SIGKILL of it; EOF on their socket) and
+  ignore SIGTERM (a unit's stop signals the whole cgroup: draining or hanging is the API server's
+  choice). A killed EngineCore fails the API server as vLLM's does (its monitor sees the process
+  die): ``engine-killed`` below. ``/_sim/state`` lists their pids (``engine_pids``).
+  ``--no-sim-engine-process``: the old single process, no CPU burnt.
 * a prefix cache, as vLLM's automatic prefix caching: a prompt's tokens (its words) in blocks of 16,
   each block keyed by everything before it and cached once its prefill is done; a prompt's leading
   blocks already cached are hits, the rest take ``--sim-prefill-s-per-token`` each before its first
@@ -25,14 +39,24 @@ What it imitates (observed on a real vLLM 0.32 server, see shared/BRIEF.md):
 Faults, at start (``--fault NAME``, with ``--fault-after-s``) or at run time
 (``POST /_sim/fault {"fault": NAME, ...}``, ``POST /_sim/clear``):
 
-  engine-dead      engine stops iterating; /health 200, metrics frozen, requests hang
+  engine-dead      engine stops iterating; /health 200, metrics frozen, requests hang; nothing is
+                   sent to the engine core, which then uses no CPU
+  engine-frozen    SIGSTOP of the engine core and its workers (what ``kill -STOP`` on VLLM::EngineCore
+                   does): the step in flight, or the next, never returns, so the engine thread
+                   blocks: counters and gauges freeze, /health 200, new requests are accepted and
+                   never answered; the engine's CPU is exactly 0. ``/_sim/clear`` SIGCONTs them
+  spinning         the engine core (its workers, with ``--sim-workers``) burns ``busy`` (default 0.5)
+                   of a core in ~20 ms slices and answers no step: nothing moves, /health 200,
+                   requests hang, yet the engine uses CPU (a GPU engine spinning on a wedged
+                   kernel). ``/_sim/clear`` ends it and the held step completes
   between-steps    the engine freezes at the first step with nothing running (the load it was
                    serving finishes first): /metrics shows 0 running, 0 waiting and frozen
                    counters, /health 200, and every new request is accepted and never answered:
                    its connection stays open; a plain completion gets no byte; a streaming one
                    gets its 200 status line and headers at once and then no event, as from vLLM
                    (its handler returns the StreamingResponse before the engine has the request,
-                   and Starlette/uvicorn write the headers before the first chunk)
+                   and Starlette/uvicorn write the headers before the first chunk); once frozen,
+                   the engine core is sent nothing and uses no CPU
   engine-killed    /health 503, completions 500; exits with status 0 after ``exit_after_s``
                    (default 4 s, as vLLM's API server does); ``exit_after_s: null`` stays up
                    (VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1)
@@ -48,18 +72,20 @@ Faults, at start (``--fault NAME``, with ``--fault-after-s``) or at run time
                    canaries too) is delayed by a random ``min_s``-``max_s`` (default 1-8 s) before
                    it is begun, while the engine keeps iterating and streams already running keep
                    their pace; with ``seed`` each path draws from its own repeatable sequence, so
-                   the Nth completion's delay is the same whenever the probes beside it come
+                   the Nth completion's delay is the same whenever the probes beside it come (the
+                   engine core keeps using CPU for the steps it keeps running)
   wrong-model      /v1/models lists ``model`` (default "other-model") instead
   leak             memory that outlives the process, as GB10's driver keeps a killed engine's
                    (NVIDIA/open-gpu-kernel-modules #1358): the reservation (``--sim-allocate``), or
                    ``bytes``, moves into a file on a tmpfs (``dir``, default /dev/shm:
                    ``DIR/vllm-sim-held-PORT``), mapped into the process, charged to the same cgroup
                    and never freed when the process exits; it keeps serving
-  frozen           the whole process stops itself with SIGSTOP (what ``kill -STOP`` does)
+  frozen           the API server stops itself with SIGSTOP (what ``kill -STOP`` on it does); its
+                   engine core is sent nothing more and uses no CPU
   fail-startup     exit 1 before serving, with an error (start-time only)
 
-With ``--hang-on-sigterm``, SIGTERM does not end a process whose engine is dead or that was
-frozen (systemd sends SIGCONT with it): the stop hangs as vLLM's does, until SIGKILL. Without
+With ``--hang-on-sigterm``, SIGTERM does not end a process whose engine is dead, frozen or spinning,
+or that was frozen (systemd sends SIGCONT with it): the stop hangs as vLLM's does, until SIGKILL. Without
 it, SIGTERM aborts every request in flight (vLLM's default), unless ``--shutdown-timeout N``: then
 no new connection is accepted and the running requests get up to N s to finish (vLLM >= 0.32).
 
@@ -69,10 +95,11 @@ requests in the engine (they count like real ones) until ``{"streams": 0}``.
 ``POST /_sim/prefill {"prompt_tokens": 7185, "chunk_tokens": 512, "chunk_s": 2.7, "coschedule": false}``
 starts one long prompt, prefilled in chunks as vLLM 0.32 does (measured: a 7,185-token prompt in
 30 s): while it runs, every token counter stands still and ``kv_cache_usage_perc`` rises once per
-chunk. By default the prompt takes the whole per-step token budget, so every other request (a
-canary too) waits behind it; ``coschedule: true`` is ``--long-prefill-token-threshold`` below
-``--max-num-batched-tokens``: other requests run beside it. A ``chunk_s`` longer than guardian's
-windows is the case its stall window must be sized for.
+chunk, while the engine core burns ``--sim-prefill-busy`` of a core. By default the prompt takes the
+whole per-step token budget, so every other request (a canary too) waits behind it;
+``coschedule: true`` is ``--long-prefill-token-threshold`` below ``--max-num-batched-tokens``: other
+requests run beside it. A ``chunk_s`` longer than guardian's windows is the case its stall window
+must be sized for.
 """
 
 from __future__ import annotations
@@ -96,10 +123,14 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    gc_collector,
     generate_latest,
+    platform_collector,
+    process_collector,
 )
-from prometheus_client import gc_collector, platform_collector, process_collector
 from prometheus_client.parser import text_string_to_metric_families
+
+from . import engine_core
 
 VERSION = "0.32.0+sim"
 _ids = itertools.count(1)
@@ -127,13 +158,15 @@ class Metrics:
         lab = ["engine", "model_name"]
         self.labels = {"engine": "0", "model_name": model}
         r = registry
-        self.running = Gauge("vllm:num_requests_running", "Number of requests in model execution batches.", lab, registry=r)
-        self.waiting = Gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", lab, registry=r)
+        self.running = Gauge("vllm:num_requests_running", "Number of requests in model execution batches.", lab,
+                             registry=r)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", lab,
+                             registry=r)
         self.kv = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", lab, registry=r)
         self.prompt = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", lab, registry=r)
         self.gen = Counter("vllm:generation_tokens", "Number of generation tokens processed.", lab, registry=r)
         self.success = Counter("vllm:request_success", "Count of successfully processed requests.",
-                               lab + ["finished_reason"], registry=r)
+                               [*lab, "finished_reason"], registry=r)
         self.iteration = Histogram("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.", lab,
                                    buckets=[1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384], registry=r)
         # vLLM 0.32's own buckets (vllm/v1/metrics/loggers.py, request_latency_buckets)
@@ -158,8 +191,8 @@ class Metrics:
 
 SAMPLE_PAGE = Path(__file__).resolve().parent / "data" / "vllm-0.32-metrics-sample.txt"
 # vLLM 0.32's own (the real page's vllm:time_to_first_token_seconds)
-TTFT_BUCKETS_S = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
-                  80.0, 160.0, 640.0, 2560.0]
+TTFT_BUCKETS_S = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                  40.0, 80.0, 160.0, 640.0, 2560.0]
 PREFIX_BLOCK_TOKENS = 16  # vLLM's default block size: a prefix is cached, and hit, in whole blocks
 PREFILL_BUCKETS_S = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                      480.0, 960.0, 1920.0, 7680.0]
@@ -201,11 +234,13 @@ REAL_PAGE = RealPage()
 
 
 class Engine:
-    """The simulated EngineCore: iterations on a thread; requests wait on their conditions."""
+    """The simulated EngineCore: iterations on a thread; requests wait on their conditions. With an
+    engine core process (CORE), each iteration that has work is run there first (engine_core.py)."""
 
-    def __init__(self, args, metrics: Metrics) -> None:
+    def __init__(self, args, metrics: Metrics, core: engine_core.EngineCore | None = None) -> None:
         self.args = args
         self.m = metrics
+        self.core = core
         self.lock = threading.Lock()
         self.waiting: list[Req] = []
         self.running: list[Req] = []
@@ -276,10 +311,28 @@ class Engine:
     def loop(self) -> None:
         period = 1.0 / self.args.tokens_per_s
         while True:
-            time.sleep(period)
-            if self.dead or self.killed:
-                continue
-            self.iterate()
+            began = time.monotonic()
+            if not (self.dead or self.killed):
+                cost = self._step_cost(period) if self.core else None
+                if cost and not self.core.step(*cost):
+                    return  # the engine core is gone (its monitor says so): no step can run again
+                self.iterate()
+            # the step's own time is part of the period: --tokens-per-s stays the iteration rate
+            time.sleep(max(0.0, period - (time.monotonic() - began)))
+
+    def _step_cost(self, period: float) -> tuple[float, float] | None:
+        """What the next iteration costs the engine core: (CPU seconds, wall seconds to spread them
+        over); None when it has nothing to do, and so is sent nothing and uses no CPU."""
+        with self.lock:
+            if self.freeze_when_idle and not self.running:
+                return None  # between-steps: this iteration freezes the engine, it runs nothing
+            prefill = self.prefill is not None
+            decode = bool(self.running or self.waiting or self.synthetic_target) and (
+                not prefill or self.prefill_coschedule)
+        cpu_s = self.args.sim_step_cpu_s if decode else 0.0
+        if prefill:  # a chunk in progress keeps it busy over the whole step, counters standing still
+            return cpu_s + self.args.sim_prefill_busy * period, period
+        return (cpu_s, 0.0) if decode else None
 
     def iterate(self) -> None:
         with self.lock:
@@ -379,15 +432,16 @@ class Engine:
 
 
 class Sim:
-    def __init__(self, args) -> None:
+    def __init__(self, args, core: engine_core.EngineCore | None = None) -> None:
         self.args = args
+        self.core = core
         self.model = args.served_model_name or args.model
         self.registry = CollectorRegistry()
         process_collector.ProcessCollector(registry=self.registry)
         platform_collector.PlatformCollector(registry=self.registry)
         gc_collector.GCCollector(registry=self.registry)
         self.metrics = Metrics(self.model, args.gpu_memory_utilization, self.registry)
-        self.engine = Engine(args, self.metrics)
+        self.engine = Engine(args, self.metrics, core)
         self.fault: dict = {}
         self.started_at = time.time()
         self.stall_until = 0.0  # stall-endpoints: time.monotonic() at which the held requests go on
@@ -413,6 +467,13 @@ class Sim:
             self.engine.freeze_when_idle = True
         elif name == "frozen":
             threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGSTOP)).start()
+        elif name in ("engine-frozen", "spinning"):
+            if self.core is None:
+                raise ValueError(f"{name} needs the engine core process (--sim-engine-process)")
+            if name == "engine-frozen":
+                self.core.kill(signal.SIGSTOP)
+            else:
+                self.core.spin(min(1.0, max(0.0, float(spec.get("busy", 0.5)))))
         elif name == "stall-endpoints":
             stall_s = float(spec.get("stall_s", 11.0))
             with self.stall_cond:
@@ -485,6 +546,13 @@ class Sim:
         self.engine.freeze_when_idle = False
         self.engine.dead = False
         self.engine.killed = False
+        if self.core is not None:  # whichever fault came after them: a stopped or spinning core goes on
+            self.core.kill(signal.SIGCONT)
+            self.core.spin(0.0)
+
+    def engine_hung(self) -> bool:
+        """The engine does not answer: dead, frozen or spinning (or the whole process frozen)."""
+        return self.engine.dead or self.fault.get("fault") in ("frozen", "engine-frozen", "spinning")
 
 
 # What stall-endpoints holds: every endpoint but the completions (and the simulator's own /_sim/).
@@ -553,6 +621,7 @@ def make_handler(sim: Sim):
                 return self._json(200, {"fault": sim.fault, "running": len(sim.engine.running),
                                         "prefill": None if sim.engine.prefill is None else sim.engine.prefill["left"],
                                         "waiting": len(sim.engine.waiting), "pid": os.getpid(),
+                                        "engine_pids": sim.core.pids if sim.core else [],
                                         "gpu_memory_utilization": sim.args.gpu_memory_utilization,
                                         "model": sim.model, "starved_delays_s": sim.starve_drawn,
                                         # clients' plain completions in the engine: no byte of theirs sent yet
@@ -729,9 +798,19 @@ def parse_args(argv=None):
     p.add_argument("--sim-prefill-s-per-token", type=float, default=0.0,
                    help="seconds of prefill per prompt token not in the prefix cache (0: one engine step)")
     p.add_argument("--shutdown-timeout", type=float, default=0.0,
-                   help="as vLLM >= 0.32: on SIGTERM, stop accepting and give running requests up to N s (0: abort them)")
+                   help="as vLLM >= 0.32: on SIGTERM, stop accepting and give running requests up to N s "
+                        "(0: abort them)")
     p.add_argument("--hang-on-sigterm", action="store_true",
-                   help="while the engine is dead or the process frozen, SIGTERM does not end the process")
+                   help="while the engine is dead, frozen or spinning, or the process frozen, SIGTERM does not "
+                        "end the process")
+    p.add_argument("--sim-engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the steps in a child process VLLM::EngineCore, as vLLM V1 does (off: one process)")
+    p.add_argument("--sim-step-cpu-s", type=float, default=0.002,
+                   help="CPU seconds the engine core burns per step with running requests")
+    p.add_argument("--sim-prefill-busy", type=float, default=0.2,
+                   help="fraction of a core the engine core burns while a long prefill (/_sim/prefill) runs")
+    p.add_argument("--sim-workers", type=int, default=0,
+                   help="the engine core's worker processes (VLLM::Worker_TP<i>), which burn the steps' CPU")
     p.add_argument("--sim-total-memory-bytes", type=int, default=0, help="pretend total memory (0: MemTotal)")
     p.add_argument("--sim-free-source", choices=["memavailable", "memfree"], default="memavailable")
     p.add_argument("--sim-free-bytes-file", default=None,
@@ -764,16 +843,23 @@ def raise_fd_limit(target: int = 65536) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     model = args.served_model_name or args.model
-    log(f"vLLM API server version {VERSION}; model={model} gpu_memory_utilization={args.gpu_memory_utilization} pid={os.getpid()}")
+    log(f"vLLM API server version {VERSION}; model={model} gpu_memory_utilization={args.gpu_memory_utilization} "
+        f"pid={os.getpid()}")
     raise_fd_limit()
     if args.fault == "fail-startup":
-        print("ERROR [sim] EngineCore failed to start: RuntimeError: simulated startup failure", file=sys.stderr, flush=True)
+        print("ERROR [sim] EngineCore failed to start: RuntimeError: simulated startup failure", file=sys.stderr,
+              flush=True)
         return 1
     if args.check_memory:
         problem = startup_memory_check(args)
         if problem:
             print(f"ERROR [sim] EngineCore failed to start.\n{problem}", file=sys.stderr, flush=True)
             return 1
+    # vLLM's EngineCore is a process of its own, started before the model loads; forked now, while this
+    # process has one thread (fork copies only the caller) and before the memory below is taken
+    core = engine_core.start(args.sim_workers) if args.sim_engine_process else None
+    if core is not None:
+        log(f"SIM engine core pid={core.pids[0]} workers={core.pids[1:]}")
     want = int(args.gpu_memory_utilization * (args.sim_total_memory_bytes or _meminfo_bytes("MemTotal")))
     if args.sim_load_memory:  # loading: the port is not bound yet (connection refused), the memory grows
         log(f"loading: taking {want / 2**30:.2f} GiB (gpu_memory_utilization x total) over {args.load_time_s:g} s")
@@ -784,7 +870,12 @@ def main(argv=None) -> int:
     if args.sim_allocate and not args.sim_load_memory:
         HELD.append(allocate(want))
         log(f"holding {want / 2**30:.2f} GiB (gpu_memory_utilization x total)")
-    sim = Sim(args)
+    sim = Sim(args, core)
+    if core is not None:
+        def on_core_death() -> None:  # something killed it: vLLM's API server then fails and exits
+            log("Engine core proc EngineCore_DP0 died unexpectedly, shutting down client.")
+            sim.set_fault({"fault": "engine-killed"})
+        core.watch(on_core_death)
     server = ThreadingHTTPServer((args.host, args.port), make_handler(sim))
     server.daemon_threads = True
     threading.Thread(target=sim.engine.loop, daemon=True, name="EngineCore").start()
@@ -792,7 +883,7 @@ def main(argv=None) -> int:
         spec = {"fault": args.fault, **json.loads(args.fault_json)}
         threading.Timer(args.fault_after_s, sim.set_fault, [spec]).start()
     def on_sigterm(*_: object) -> None:
-        if args.hang_on_sigterm and (sim.engine.dead or sim.fault.get("fault") == "frozen"):
+        if args.hang_on_sigterm and sim.engine_hung():
             # vLLM's API server shuts down by asking its engine, which never answers: only
             # systemd's SIGKILL (TimeoutStopSec, or guardian's kill) ends the process.
             log("SIM shutdown: waiting for the engine, which does not answer (--hang-on-sigterm)")
