@@ -365,6 +365,21 @@ def test_starved_delays_every_answer_while_streams_keep_their_pace(sim):
     s.post("/_sim/clear", {})
 
 
+def test_a_starved_answer_waits_runnable_as_on_a_saturated_box_not_asleep_as_a_frozen_one(sim):
+    """Issue 43: guardian tells a starved API server from a frozen one by its CPU plus its run-queue
+    wait; the simulator's delay stands for that wait, so its API server uses CPU while it is held."""
+    s = sim().wait_up()
+    assert s.post("/_sim/fault", {"fault": "starved", "min_s": 3.0, "max_s": 3.0}).status_code == 200
+    api = [s.proc.pid]
+    before = cpu_s(api)
+    with ThreadPoolExecutor(1) as pool:
+        held = pool.submit(timed_get, s, "/health", 30.0)
+        got, _ = held.result()
+    assert got == 200
+    assert cpu_s(api) - before >= 0.05  # 5 % of a core for 3 s is 0.15 s; a sleeping wait is 0
+    s.post("/_sim/clear", {})
+
+
 def test_starved_with_a_seed_gives_each_path_its_own_sequence_whatever_comes_beside_it(sim):
     """A test's canaries must come late by a known draw: with one shared sequence, which delay the
     canary got depended on how many probes the box's timing let in before it."""

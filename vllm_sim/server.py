@@ -73,7 +73,9 @@ Faults, at start (``--fault NAME``, with ``--fault-after-s``) or at run time
                    it is begun, while the engine keeps iterating and streams already running keep
                    their pace; with ``seed`` each path draws from its own repeatable sequence, so
                    the Nth completion's delay is the same whenever the probes beside it come (the
-                   engine core keeps using CPU for the steps it keeps running)
+                   engine core keeps using CPU for the steps it keeps running); each delayed answer
+                   uses 5 % of a core while it waits, as a starved process waits on the run queue
+                   (runnable, its wait counted by the kernel), not asleep as a frozen one
   wrong-model      /v1/models lists ``model`` (default "other-model") instead
   leak             memory that outlives the process, as GB10's driver keeps a killed engine's
                    (NVIDIA/open-gpu-kernel-modules #1358): the reservation (``--sim-allocate``), or
@@ -530,7 +532,7 @@ class Sim:
                 self.starve_rngs[path] = random.Random(None if seed is None else f"{seed}:{path}")
             delay_s = self.starve_rngs[path].uniform(lo, hi)
             self.starve_drawn.setdefault(path, []).append(round(delay_s, 6))
-        time.sleep(delay_s)
+        waiting_to_run(delay_s)
 
     def wait_stall(self) -> None:
         """Hold the caller while stall-endpoints lasts."""
@@ -754,6 +756,21 @@ def allocate(n: int) -> bytearray:
     buf = bytearray(n)
     buf[::4096] = b"\x01" * len(range(0, n, 4096))
     return buf
+
+
+# A starved process is runnable: the kernel counts its wait on the run queue (schedstat), which is
+# what tells it from a frozen one (guardian's L22, C5). A sleep here would look frozen, so the wait is
+# spent as STARVED_DUTY of a core in 20 ms slices: CPU time standing for run-queue time.
+STARVED_DUTY = 0.05
+
+
+def waiting_to_run(delay_s: float) -> None:
+    end = time.monotonic() + delay_s
+    while (left := end - time.monotonic()) > 0:
+        spin_until = time.thread_time() + STARVED_DUTY * 0.02
+        while time.thread_time() < spin_until:
+            pass
+        time.sleep(min(left, 0.02 * (1 - STARVED_DUTY)))
 
 
 HELD: list[bytearray] = []  # --sim-allocate's reservation (the leak fault moves it out)
