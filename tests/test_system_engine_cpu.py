@@ -15,8 +15,14 @@ from world import World
 pytestmark = pytest.mark.system
 
 # Nothing but the replica's own processes may decide within a test: the stall window, the stall
-# canary, the unresponsive window and the idle canary's bound are all out of reach.
+# canary, the unresponsive window and the idle canary's bound (guardian's own per-replica defaults:
+# canary_timeout_s 15 s, not the test world's 2 s) are all out of reach.
 FAR = {"stall_window_s": 120, "stall_canary_after_s": 60, "unresponsive_after_s": 60, "canary_interval_s": 3}
+
+
+def far(world: World, **more: float) -> None:
+    world.watchdog.update({**FAR, **more})
+    world.replica_defaults = True
 
 
 def engine_pids(world: World, name: str = "a") -> list[int]:
@@ -36,7 +42,7 @@ def settle(world: World) -> None:
 
 
 def test_an_engine_frozen_with_streams_running_is_stalled_by_its_quiet_processes(world):
-    world.watchdog.update(FAR)
+    far(world)
     world.setup()
     settle(world)
     a = world.replicas[0]
@@ -50,7 +56,7 @@ def test_an_engine_frozen_with_streams_running_is_stalled_by_its_quiet_processes
 
 
 def test_a_frozen_idle_engine_fails_its_canary_at_once_and_is_idle_dead(world):
-    world.watchdog.update(FAR)
+    far(world)
     world.setup()
     settle(world)
     a = world.replicas[0]
@@ -61,7 +67,7 @@ def test_a_frozen_idle_engine_fails_its_canary_at_once_and_is_idle_dead(world):
 
 
 def test_an_api_server_frozen_under_load_is_unresponsive_by_its_quiet_processes(world):
-    world.watchdog.update(FAR)
+    far(world)
     world.setup()
     settle(world)
     a = world.replicas[0]
@@ -76,7 +82,7 @@ def test_an_api_server_frozen_under_load_is_unresponsive_by_its_quiet_processes(
 def test_an_engine_spinning_with_work_queued_is_left_to_the_stall_window(world):
     """A GPU engine spinning on a wedged kernel burns CPU while nothing moves: its processes prove
     nothing, so L19, L20 and L21 never hold; the stall canary and the stall window still decide."""
-    world.watchdog.update({"stall_window_s": 20, "stall_canary_after_s": 6, "unresponsive_after_s": 60})
+    far(world, stall_window_s=20, stall_canary_after_s=6)
     world.setup()
     settle(world)
     a = world.replicas[0]
