@@ -177,3 +177,21 @@ def test_nvml_life_reads_power_and_utilization_and_leaves_out_what_is_not_report
     assert n.life() == (GpuLife(0, 21.4, 96.0), GpuLife(1, None, 3.0))
     n.available = False
     assert n.life() == ()
+
+
+def test_an_engine_named_by_its_title_alone_is_the_engine(tmp_path):
+    """setproctitle rewrites the command line; comm may still say python3 (vLLM's VLLM::EngineCore)."""
+    cg, proc = tmp_path / "cg", tmp_path / "proc"
+    unit = cg / "system.slice" / "vllm-a.service"
+    unit.mkdir(parents=True)
+    (unit / "cgroup.procs").write_text("10\n11\n")
+    write_proc(proc, 10, "python3", 100)
+    write_proc(proc, 11, "python3", 300)
+    (proc / "10" / "cmdline").write_text("/usr/bin/python3\0-m\0vllm.entrypoints.openai.api_server\0")
+    (proc / "11" / "cmdline").write_text("VLLM::EngineCore\0\0\0")
+    ob = ProcObserver(str(cg), str(proc))
+    ob.look_now(cfg(1), 1.0, {})
+    got = ob.look_now(cfg(1), 3.0, {})["a"]
+    assert got is not None and got.engine_named and got.engine == Activity(0.0, False, 1)
+    (proc / "11" / "cmdline").write_text("python3\0")  # read once in the process's life: not again
+    assert ob.look_now(cfg(1), 5.0, {})["a"].engine_named  # type: ignore[union-attr]

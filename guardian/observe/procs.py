@@ -8,11 +8,12 @@ or its container's scope; every cgroup below it too: podman's payload, a worker'
 - /proc/PID/stat: its name, state, parent and CPU time (utime + stime of the whole process, in
   clock ticks), and its start time (a pid reused by a new process is another process);
 - /proc/PID/schedstat: its main thread's time waiting on a run queue (absent on a kernel without
-  schedstats: CPU alone then).
+  schedstats: CPU alone then);
+- /proc/PID/cmdline, once in a process's life: its title (setproctitle's).
 
 Both are world-readable: guardian needs no capability for them.
 
-The processes fall in two groups. The engine's are those named so (ENGINE_NAMES: vLLM's
+The processes fall in two groups. The engine's are those named so (ENGINE_NAMES and ENGINE_TITLES: vLLM's
 ``VLLM::EngineCore`` and ``VLLM::Worker*`` set their names; SGLang's scheduler too); the API server
 is every other process (a container's init, conmon, a shell wrapper: they add to it, so it is the
 later to look quiet, the safe side). Where no process is named, the engine is not told apart from
@@ -35,6 +36,9 @@ from .sockets import cgroup_mounts
 
 # Process names (comm, at most 15 characters) that say a process is the engine's, by prefix.
 ENGINE_NAMES = ("VLLM::EngineCor", "VLLM::Worker", "VLLM::EngineCore", "sglang::schedul")
+# The same by command line: vLLM and SGLang name their processes with setproctitle, which rewrites
+# /proc/PID/cmdline whether or not it also sets comm.
+ENGINE_TITLES = ("VLLM::EngineCore", "VLLM::Worker", "sglang::scheduler")
 _MAX_DIRS = 64  # cgroups below a replica's that are read (a unit has a handful)
 _MAX_PROCS = 512  # processes of one replica that are read
 _SLICES = ("system.slice", "machine.slice")  # where a unit or a container's scope is
@@ -53,6 +57,7 @@ class ProcStat:
     cpu_s: float
     start_ticks: int  # its start, in clock ticks since boot: with the pid, who it is
     run_delay_s: float = 0.0
+    title: str = ""  # its command line's first word: setproctitle's title where comm is not set
 
     @property
     def key(self) -> tuple[int, int]:
@@ -60,7 +65,7 @@ class ProcStat:
 
     @property
     def engine(self) -> bool:
-        return self.name.startswith(ENGINE_NAMES)
+        return self.name.startswith(ENGINE_NAMES) or self.title.startswith(ENGINE_TITLES)
 
 
 def parse_stat(pid: int, text: str) -> ProcStat | None:
@@ -172,6 +177,7 @@ class ProcObserver:
         self._proc = proc
         self._last: dict[str, tuple[tuple[list[ProcStat], list[ProcStat]], float]] = {}
         self._paths: dict[str, str] = {}
+        self._titles: dict[tuple[int, int], str] = {}  # a process's title, read once in its life
 
     def _cgroup_dir(self, r: ReplicaConfig, scope: str | None) -> str | None:
         """The cgroup directory (v2) of R's processes: its unit's, or for a container its scope's
@@ -208,11 +214,21 @@ class ProcObserver:
                 self._last.pop(r.name, None)
                 out[r.name] = None
                 continue
-            groups = split([p for p in (read_proc(pid, self._proc) for pid in pids) if p is not None])
+            groups = split([self._titled(p) for p in (read_proc(pid, self._proc) for pid in pids) if p is not None])
             last = self._last.get(r.name)
             since_s = mono_now - last[1] if last is not None else None
             out[r.name] = view(last[0] if last is not None else None, groups, mono_now, since_s)
             self._last[r.name] = (groups, mono_now)
         for gone in self._last.keys() - {r.name for r in cfg.replicas}:
             del self._last[gone]
+        seen = {p.key for groups, _ in self._last.values() for group in groups for p in group}
+        self._titles = {k: v for k, v in self._titles.items() if k in seen}
         return out
+
+    def _titled(self, p: ProcStat) -> ProcStat:
+        title = self._titles.get(p.key)
+        if title is None:
+            text = _read(f"{self._proc}/{p.pid}/cmdline")
+            title = text.split("\0", 1)[0].strip() if text else ""
+            self._titles[p.key] = title
+        return replace(p, title=title) if title else p
