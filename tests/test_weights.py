@@ -31,19 +31,19 @@ def test_a_model_directory_is_its_config_and_index(tmp_path):
     same = model_dir(tmp_path, "same", {"layers": 32})
     other = model_dir(tmp_path, "b", {"layers": 36})
     fa, fs, fo = (fingerprint(("vllm", "serve", str(d))) for d in (a, same, other))
-    assert fa is not None and fa.digest.startswith("dir:") and "config.json" in fa.what and str(a) in fa.what
+    assert fa is not None and fa.digest.startswith("dir2:") and "config.json" in fa.what and str(a) in fa.what
     assert fa.digest == fs.digest != fo.digest  # the same files wherever they are, another config differs
     indexed = model_dir(tmp_path, "c", {"layers": 32}, {"weight_map": {"x": "model-00001.safetensors"}})
     assert fingerprint(("vllm", "serve", str(indexed))).digest != fa.digest  # the index counts too
 
 
-def test_without_config_the_weight_files_names_and_sizes(tmp_path):
+def test_without_config_the_weight_files_names_sizes_and_bytes(tmp_path):
     d = tmp_path / "bare"
     d.mkdir()
     (d / "w.safetensors").write_bytes(b"\0" * 10)
     first = fingerprint(("vllm", "serve", str(d)))
     (d / "w.safetensors").write_bytes(b"\0" * 11)
-    assert first is not None and "names and sizes of 1 weight files" in first.what
+    assert first is not None and "names, sizes and sampled bytes (17 x 4 KiB each) of 1 weight files" in first.what
     assert fingerprint(("vllm", "serve", str(d))).digest != first.digest
     (d / "w.safetensors").unlink()
     assert fingerprint(("vllm", "serve", str(d))) is None  # nothing to read: unknown
@@ -54,7 +54,8 @@ def test_a_gguf_file_is_its_name_size_and_head(tmp_path):
     f.write_bytes(b"GGUF" + b"\1" * 100)
     first = fingerprint(("vllm", "serve", str(f)))
     f.write_bytes(b"GGUF" + b"\2" * 100)
-    assert first is not None and first.digest.startswith("file:") and first.digest != fingerprint(("vllm", "serve", str(f))).digest
+    assert first is not None and first.digest.startswith("file2:")
+    assert first.digest != fingerprint(("vllm", "serve", str(f))).digest
 
 
 @pytest.mark.parametrize(
@@ -195,6 +196,9 @@ def test_a_snapshot_with_its_files_compares_with_a_local_copy_of_them(tmp_path):
     snap = folder / "snapshots" / COMMIT_A
     snap.mkdir(parents=True)
     (snap / "config.json").write_text(json.dumps({"layers": 32}))
+    (folder / "blobs").mkdir()
+    (folder / "blobs" / "0123abcd").write_bytes(b"\0" * 64)  # the hub's layout: the snapshot links to its blob
+    (snap / "model-00001.safetensors").symlink_to("../../blobs/0123abcd")
     local = model_dir(tmp_path, "copy", {"layers": 32})
     hub = fingerprint(("vllm", "serve", "Org/Name", "--download-dir", str(tmp_path / "hub")))
     assert hub is not None and hub.digest == fingerprint(("vllm", "serve", str(local))).digest
