@@ -195,12 +195,7 @@ async def _check_fit(cfg: Config, sd: Systemd, units: dict[str, UnitInfo | None]
     except (OSError, ValueError):
         left = {}  # no daemon running, or its status unreadable: nothing it found to repeat
     for name, found in sorted(left.items()):
-        report.problem(
-            f"hazard: replica {name}: {found['bytes'] / 2**30:.1f} GiB its processes held did not come back when they "
-            f"exited ({startfit.NOT_RETURNED.id}, found by the running guardian): the driver, or a file in /dev/shm, "
-            "still holds it; a reboot "
-            "frees it"
-        )
+        report.problem(f"hazard: {startfit.not_returned_text(name, found['bytes'], 'found by the running guardian')}")
     for r in cfg.replicas:
         details = await service_details(sd, r)
         m = await asyncio.to_thread(fit.measure, cfg, r, units.get(r.unit), details, fit.Start(may_lower=True))
