@@ -189,14 +189,33 @@ def test_a_weight_file_linked_from_outside_the_model_path_is_not_read(tmp_path):
     (d / "model-00003.safetensors").symlink_to(outside)
     cache = SampleCache()
     found = fp(d, cache)
-    assert cache.read.files == 2 and "1 of them unsampled" in found.what
+    assert cache.read.files == 2 and found.digest.startswith("dirn:") and "1 of them unreadable here" in found.what
 
 
 def test_a_fifo_named_as_a_weight_file_is_never_opened(tmp_path):
     d = model(tmp_path, "m", 1)
     os.mkfifo(d / "model-00003.safetensors")
     found = fp(d)  # returns at once: opening it would block
-    assert found is not None and "1 of them unsampled" in found.what
+    assert found is not None and found.digest.startswith("dirn:") and "1 of them unreadable here" in found.what
+
+
+def test_bytes_read_on_one_side_only_never_make_a_difference(tmp_path):
+    """A replica whose files guardian can read and one with a file it cannot: no W1 (unknown), and
+    two that cannot read the same file compare by names and sizes."""
+    readable, blocked, blocked_too = model(tmp_path, "a", 1), model(tmp_path, "b", 2), model(tmp_path, "c", 3)
+    for d in (blocked, blocked_too):
+        os.mkfifo(d / "model-00003.safetensors")
+    (readable / "model-00003.safetensors").write_bytes(b"")  # the same name and size, a regular file here
+    cfg = Config(
+        replicas=[
+            ReplicaConfig(name=n, unit=f"vllm-{n}.service", url=f"http://127.0.0.1:800{i}", model="m")
+            for i, n in enumerate("abc", 1)
+        ]
+    )
+    found = {"a": fp(readable), "b": fp(blocked), "c": fp(blocked_too)}
+    assert found["a"].digest.startswith("dir2:") and found["b"].digest.startswith("dirn:")
+    assert differing(cfg, {"a": found["a"], "b": found["b"]}) == []  # bytes on one side only: not compared
+    assert found["b"].digest == found["c"].digest  # other bytes, unread: the same names and sizes
 
 
 def test_a_gguf_file_is_told_apart_past_its_head(tmp_path):

@@ -9,7 +9,8 @@ What a replica's weights are is observe/weights.py's fingerprint: its model dire
 config.json and weight index and its weight files' names, sizes and sampled bytes (a fine-tune keeps
 its base's config, names and sizes: issue 44), or the commit its Hugging Face snapshot resolves to
 where its files are not there. An unknown fingerprint (None) is never a difference, and fingerprints
-of two kinds ("dir2:" and "hf:", or an older guardian's "dir:") are never compared.
+of two kinds ("dir2:" and "hf:", "dir2:" and "dirn:" (bytes unreadable), or an older guardian's "dir:")
+are never compared.
 
 Rules:
 - W1, differ: two or more replicas of this box configured with one model name have known

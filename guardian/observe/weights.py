@@ -30,6 +30,7 @@ import os
 import re
 import threading
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 from ..config import Config, ReplicaConfig
 from ..core.observations import UnitInfo
@@ -51,7 +52,9 @@ SAMPLED = f"sampled bytes ({SAMPLES + 1} x {BLOCK_BYTES >> 10} KiB each)"
 # The kinds of fingerprint. "dir2"/"file2": the weights' bytes sampled (issue 44); an older guardian's
 # "dir"/"file" (config and names only) is another kind, never compared with these (core/weights.py),
 # so that boxes of a fleet mid-upgrade do not call the same weights different (W3).
-DIR, FILE = "dir2:", "file2:"
+# "dirn": a directory some of whose weight files could not be read (their names and sizes only),
+# compared only with others of its kind, never with a "dir2" whose bytes were read.
+DIR, FILE, NAMES = "dir2:", "file2:", "dirn:"
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 # A look's wait, at most: a fingerprint is a few capped reads (milliseconds); past it the replica's
 # is unknown for this tick, its thread left to end by itself. Half the daemon's WEIGHTS_LOOK_S (10 s,
@@ -84,42 +87,62 @@ def _weight_names(top: str) -> list[str]:
     return sorted(names)
 
 
-def _files_into(h: hashlib._Hash, top: str, names: list[str], within: str, cache: SampleCache) -> int:
-    """Each weight file's name, size and sample digest (weightbytes.py) into H, the first
-    MAX_SAMPLED_FILES sampled and the rest by name and size; how many were sampled."""
-    sampled = 0
+@dataclass(frozen=True)
+class _File:
+    """One weight file of a directory: its size (None: not stat'able) and sample digest (None: not
+    sampled: past MAX_SAMPLED_FILES, or unreadable here)."""
+
+    name: str
+    size: int | None
+    digest: str | None
+
+
+def _weight_files(top: str, names: list[str], within: str, cache: SampleCache) -> list[_File]:
+    """Each of NAMES in TOP with its size and, for the first MAX_SAMPLED_FILES, its sample digest."""
+    found = []
     for n, name in enumerate(names):
         path = os.path.join(top, name)
         try:
             size = os.stat(path).st_size
         except OSError:
-            h.update(f"{name}\0unreadable\0".encode())
+            found.append(_File(name, None, None))
             continue
-        digest = cache.of_path(path, within) if n < MAX_SAMPLED_FILES else None
-        sampled += digest is not None
-        h.update(f"{name}\0{size}\0{digest or 'unsampled'}\0".encode())
-    return sampled
+        found.append(_File(name, size, cache.of_path(path, within) if n < MAX_SAMPLED_FILES else None))
+    return found
 
 
 def _of_dir(top: str, source: str, within: str, cache: SampleCache) -> Weights | None:
     """TOP's config.json, weight index and weight files (each by its name, size and sampled bytes,
-    read only under WITHIN, a real path); None when it has none of them."""
+    read only under WITHIN, a real path); None when it has none of them. Where a file that would be
+    sampled cannot be read here, no bytes count (a NAMES fingerprint): bytes read on one side only
+    must never make a difference."""
     config = _read(os.path.join(top, "config.json"))
     index = next((b for b in (_read(os.path.join(top, n)) for n in INDEXES) if b is not None), None)
     names = _weight_names(top)
     if config is None and index is None and not names:
         return None
+    files = _weight_files(top, names, within, cache)
+    unread = sum(1 for f in files[:MAX_SAMPLED_FILES] if f.digest is None)
     h = hashlib.sha256()
     for part in (config, index):
         h.update(part if part is not None else b"\0absent\0")
-    sampled = _files_into(h, top, names, within, cache)
+    for f in files:
+        digest = (f.digest or "past the bound") if not unread else ""
+        h.update(f"{f.name}\0{f.size if f.size is not None else 'unreadable'}\0{digest}\0".encode())
     read = [x for x, b in (("config.json", config), ("its weight index", index)) if b is not None]
-    if names:
-        read.append(f"the names, sizes and {SAMPLED} of {len(names)} weight files")
-    if sampled < len(names):
-        read.append(f"{len(names) - sampled} of them unsampled (unreadable, or past the first {MAX_SAMPLED_FILES})")
+    if names and not unread:
+        past = len(names) - MAX_SAMPLED_FILES
+        read.append(
+            f"the names, sizes and {SAMPLED} of {len(names)} weight files"
+            + (f" (the {past} past the first {MAX_SAMPLED_FILES} by name and size)" if past > 0 else "")
+        )
+    elif names:
+        read.append(
+            f"the names and sizes of {len(names)} weight files ({unread} of them unreadable here: no bytes count, "
+            "and it is compared only with fingerprints that count none)"
+        )
     said = ", ".join(read[:-1]) + " and " + read[-1] if len(read) > 1 else read[0]
-    return Weights(DIR + h.hexdigest()[:12], f"{said} of {source}")
+    return Weights((NAMES if unread else DIR) + h.hexdigest()[:12], f"{said} of {source}")
 
 
 def _of_file(path: str, source: str, cache: SampleCache) -> Weights | None:
