@@ -24,6 +24,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from . import __version__
+from .act import fit
 from .act.executor import Executor
 from .act.journal import Journal
 from .act.notices import Notices
@@ -206,7 +207,24 @@ class Daemon:
         self.last_observation = obs
         self.memory = obs.memory.sample if obs.memory else await asyncio.to_thread(sample_memory)
         await self._weights(obs)
+        await self._leftovers(obs, at)
         self.write_status(at)
+
+    async def _leftovers(self, obs: TickObservation, at: Now) -> None:
+        """Each kept U8 finding judged again on this tick's memory (act/fit.py judge_kept): a hazard in
+        `guardian status` until what was missing is back. Nothing is read while none is kept."""
+        kept = self.executor.tools.leftovers
+        for name in [n for n in kept if self.cfg.replica(n) is None]:
+            del kept[name]  # a replica no longer configured: nothing to say of it
+        for name in list(kept):
+            r, seen = self.cfg.replica(name), obs.replicas.get(name)
+            pid = seen.unit.main_pid if seen is not None and seen.unit is not None else 0
+            try:
+                look = await asyncio.to_thread(fit.look_kept, pid, at.mono)
+            except (OSError, ValueError, KeyError):
+                continue  # /proc unreadable this tick: kept as it was, judged again at the next
+            if r is not None:
+                fit.judge_kept(kept, r, look, self.journal)
 
     async def _weights(self, obs: TickObservation) -> None:
         """Each replica's weights (W1, W2): a failure to read them is said and never stops the tick."""
@@ -233,7 +251,7 @@ class Daemon:
         return status_line(self.cfg, self.state, self.persistent.view(at), self.memory, at.mono)
 
     def write_status(self, at: Now) -> None:
-        leftovers = {n: (x.bytes, x.at_wall) for n, x in self.executor.tools.leftovers.items()}
+        leftovers = {n: (x.missing_bytes, x.found_wall) for n, x in self.executor.tools.leftovers.items()}
         snapshot = Snapshot(
             self.state,
             self.persistent.view(at),

@@ -265,6 +265,31 @@ def test_check_reads_the_fleet_and_counts_an_unreachable_etcd_as_a_problem(etcd,
     assert down.returncode == 1 and "problem: fleet: etcd cannot be read" in down.stdout, down.stdout
 
 
+def test_check_says_w3_from_the_fleet_as_the_daemon_does(etcd):
+    """Issue 44 item 4(a): on a real 3-member cluster the daemon said W3 while `guardian check` exited
+    0 without it. Box2 publishes its replica of model m with other weights; box1's check says W3."""
+    from guardian.cli import check as cli_check
+    from guardian.cli.common import Exit
+    from guardian.core.weights import Weights
+
+    async def go() -> None:
+        name = fleet_name()
+        b1, b2 = box(etcd, "box1", name, ttl=30), box(etcd, "box2", name, ttl=30)
+        b2.weights = {"a": Weights("dir2:bbbbbbbbbbbb", "box2's")}
+        await step(b2)
+        report = cli_check.Report(json_out=True)
+        await cli_check._check_fleet(b1.cfg, {"a": Weights("dir2:aaaaaaaaaaaa", "here")}, report)
+        (hazard,) = report.of("hazard")
+        assert "(W3)" in hazard and "box2/a: dir2:bbbbbbbbbbbb" in hazard, report.lines
+        assert report.exit_code() is Exit.PROBLEM
+        same = cli_check.Report(json_out=True)
+        await cli_check._check_fleet(b1.cfg, {"a": Weights("dir2:bbbbbbbbbbbb", "here")}, same)
+        assert same.of("hazard") == [] and same.exit_code() is Exit.OK, same.lines
+        await b2.close()
+        await b1.close()
+    run(go())
+
+
 # --- issue 41 row 6: a slot key that is not a guardian's -----------------------------------------
 PUT_AS_NOBODY = """
 import base64, json, sys, urllib.request

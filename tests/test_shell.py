@@ -223,3 +223,42 @@ def test_status_shows_each_replicas_processes_and_how_long_each_group_has_been_q
     assert _processes_line(p) == "processes in 2.0 s: API server x1 40 ms, running; engine x2 0 ms, quiet 6 s"
     whole = dict(p, engine_named=False, engine=None)
     assert _processes_line(whole) == "processes in 2.0 s: processes x1 40 ms, running; engine not told apart"
+
+
+def test_a_kept_u8_finding_is_judged_each_tick_and_leaves_status_once_it_is_back(tmp_path, monkeypatch):
+    """Issue 44 item 4(b): the daemon's ticks judge a kept U8 finding from this tick's memory (faked
+    here, with a fake clock) and it stays in the status file until it is back, said over once."""
+    import json
+
+    from guardian.act import fit
+    from guardian.core import startfit
+    from guardian.core.observations import PersistentView, TickObservation
+    from guardian.observe.clock import Now
+
+    GiB = 2**30
+    cfg = Config(state_dir=tmp_path / "state", runtime_dir=tmp_path / "run",
+                 replicas=[ReplicaConfig(name="a", unit="vllm-a.service", url="http://127.0.0.1:9", model="m")])
+    journal = Recorder()
+    free = iter([10, 10, 12, 12, 12, 12])  # GiB of MemFree at each tick: 2 GiB of the 1.5 missing back from the third
+
+    def looked(pid: int, now_mono: float) -> startfit.LeftoverLook:
+        return startfit.LeftoverLook(next(free) * GiB, 0, 0, now_mono)
+
+    monkeypatch.setattr(fit, "look_kept", looked)
+
+    async def go() -> list[bool]:
+        d = Daemon(cfg, tmp_path / "guardian.toml", journal=journal)
+        d.executor.tools.leftovers["a"] = startfit.Leftover(int(1.5 * GiB), 4 * GiB, found_wall=1000.0)
+        obs = TickObservation({}, PersistentView())
+        shown = []
+        for t in (0, 2, 4, 8, 12, 14):
+            at = Now(2000.0 + t, 100.0 + t)
+            await d._leftovers(obs, at)
+            d.write_status(at)
+            shown.append("a" in json.loads((cfg.runtime_dir / "status.json").read_text())["not_returned"])
+        await d.client.aclose()
+        return shown
+
+    assert asyncio.run(go()) == [True, True, True, True, True, False]  # back at 4 s, for 10 s at 14 s
+    over = [line for line, _ in journal.lines if "hazard over: replica a" in line.message]
+    assert len(over) == 1 and over[0].priority is Priority.INFO and over[0].rule == "U10"

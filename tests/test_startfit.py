@@ -327,7 +327,7 @@ def test_a_running_replica_behind_a_wrapper_is_taken_to_hold_its_fraction(tmp_pa
         proc.wait()
 
 
-def test_memory_back_when_the_stop_was_seen_over_counts_whatever_the_new_start_took_since(monkeypatch) -> None:
+def test_memory_back_when_the_stop_was_seen_over_counts_whatever_the_new_start_took_since(monkeypatch, capsys) -> None:
     """U8 reads MemFree the moment the old processes are gone: a start that loads fast (or a unit
     that is ready only once loaded) takes memory before the job ends, and must not read as a leak."""
     import asyncio
@@ -338,6 +338,7 @@ def test_memory_back_when_the_stop_was_seen_over_counts_whatever_the_new_start_t
     from guardian.observe.meminfo import sample_memory
 
     monkeypatch.setattr(startfit, "RETURN_WAIT_S", 0.3)
+    monkeypatch.setenv("GUARDIAN_LOG_STDERR", "1")
     r = ReplicaConfig(name="a", unit="vllm-a.service", url="http://127.0.0.1:8001", model="m")
     step = act_fit.FitStep(None, Journal(socket_path="/nonexistent"), Config(replicas=[r]))  # type: ignore[arg-type]
     now = sample_memory()
@@ -346,12 +347,14 @@ def test_memory_back_when_the_stop_was_seen_over_counts_whatever_the_new_start_t
         fit(free_bytes=now.free_bytes + 100 * GiB, returned_bytes=4 * GiB), modelfiles.ModelFiles("", ())
     )
     asyncio.run(step.check_returned(r, before))
-    assert step.leftovers["a"].bytes >= 4 * GiB  # read after the job only: all of it "not returned"
+    assert step.leftovers["a"].missing_bytes >= 4 * GiB  # read after the job only: all of it "not returned"
     stopped = replace(now, free_bytes=before.fit.free_bytes + 4 * GiB - 2**20)  # back when the stop was over
     asyncio.run(step.check_returned(r, before, stopped))
-    assert "a" not in step.leftovers
+    assert "a" not in step.leftovers  # a clean restart: the finding kept before it ends (U9)
     asyncio.run(step.check_returned(r, before, replace(stopped, free_bytes=before.fit.free_bytes + GiB)))
-    assert step.leftovers["a"].bytes == 3 * GiB  # 1 of 4 back even then: the rest held
+    assert step.leftovers["a"].missing_bytes == 3 * GiB  # 1 of 4 back even then: the rest held
+    err = capsys.readouterr().err
+    assert err.count("hazard over: replica a:") == 1 and "(U9: back: restarted cleanly)" in err  # said once
 
 
 @pytest.mark.parametrize(
@@ -395,3 +398,93 @@ def test_a_stopped_wired_units_fraction_is_its_environments_and_a_guess_is_never
 )
 def test_a_start_may_be_lowered_only_where_every_condition_holds(guard_on, wired, settled, own_known, floor) -> None:
     assert startfit.lowering_floor(guard_on, 0.5, wired, settled, own_known) == floor
+
+
+# --- issue 44 item 4(b): a U8 finding kept, judged each tick, until what was missing is back ---------
+
+MISSING = int(1.5 * GiB)  # back once the unheld memory rose by 1.5 - max(0.5, 1.5 / 4) = 1.0 GiB
+
+
+def look(t: float, free: float, cache: float, own: float, clean: bool = False) -> startfit.LeftoverLook:
+    return startfit.LeftoverLook(int(free * GiB), int(cache * GiB), int(own * GiB), t, restarted_clean=clean)
+
+
+# Each case: the looks, one a tick, on a fake clock (s, then MemFree, file cache and what the replica's
+# processes hold, GiB), and what each look leaves: None while the finding is kept, else the rule that ended it.
+KEPT_CASES = {
+    "the file in /dev/shm deleted while the replica serves: back for 10 s, over": (
+        [look(0, 10, 20, 5), look(2, 5, 25, 5), look(4, 6.5, 25, 5), look(8, 6.5, 25, 5), look(14, 6.5, 25, 5)],
+        [None, None, None, None, "U10"],
+    ),
+    "its new start loads: MemFree moves into the page cache and its own memory, nothing comes back": (
+        [look(0, 30, 5, 1), look(2, 20, 12, 4), look(4, 8, 20, 8), look(30, 8, 20, 8), look(60, 8, 20, 8)],
+        [None, None, None, None, None],
+    ),
+    "back for a moment only (a process exits and starts again): the 10 s begin anew": (
+        [look(0, 10, 20, 5), look(2, 12, 20, 5), look(6, 10, 20, 5), look(8, 12, 20, 5), look(16, 12, 20, 5),
+         look(18, 12, 20, 5)],
+        [None, None, None, None, None, "U10"],
+    ),
+    "exactly the slack short of all of it: back": (
+        [look(0, 10, 0, 0), look(2, 11, 0, 0), look(12, 11, 0, 0)],
+        [None, None, "U10"],
+    ),
+    "less than that: kept, however long": (
+        [look(0, 10, 0, 0), look(2, 11 - 1 / 1024, 0, 0), look(600, 11 - 1 / 1024, 0, 0)],
+        [None, None, None],
+    ),
+    "a later restart of it returned what its processes held: over at once": (
+        [look(0, 10, 0, 0), look(2, 0, 0, 0, clean=True)],
+        [None, "U9"],
+    ),
+    "the first look is the base, whatever MemFree was at the finding": (
+        [look(0, 50, 0, 0), look(20, 50, 0, 0)],
+        [None, None],
+    ),
+}
+
+
+@pytest.mark.parametrize("looks, ends", list(KEPT_CASES.values()), ids=list(KEPT_CASES))
+def test_a_kept_finding_ends_only_when_what_was_missing_is_back(looks, ends) -> None:
+    kept: startfit.Leftover | None = startfit.Leftover(MISSING, 4 * GiB, found_wall=1000.0)
+    got = []
+    for seen in looks:
+        assert kept is not None, "judged after it ended"
+        verdict = startfit.judge_kept(kept, seen)
+        kept = verdict.kept
+        got.append(verdict.rule.id if verdict.rule is not None else None)
+        assert (verdict.kept is None) == (verdict.rule is not None)
+    assert got == ends
+
+
+def test_a_kept_finding_has_its_base_from_the_first_look_and_back_since_while_back() -> None:
+    kept = startfit.Leftover(MISSING, 4 * GiB, found_wall=1000.0)
+    first = startfit.judge_kept(kept, look(0, 10, 20, 5)).kept
+    assert first is not None and first.base_bytes == 35 * GiB and first.back_since_mono is None
+    back = startfit.judge_kept(first, look(4, 11, 20, 5)).kept
+    assert back is not None and back.back_since_mono == 4 and back.base_bytes == 35 * GiB
+    assert startfit.judge_kept(back, look(6, 10, 20, 5)).kept.back_since_mono is None
+
+
+def test_the_kept_finding_is_said_over_once_at_info_and_leaves_status(capsys, monkeypatch) -> None:
+    from guardian.act import fit as act_fit
+    from guardian.act.journal import Journal
+    from guardian.config import ReplicaConfig
+
+    monkeypatch.setenv("GUARDIAN_LOG_STDERR", "1")
+    journal = Journal(socket_path="/nonexistent")
+    r = ReplicaConfig(name="a", unit="vllm-a.service", url="http://127.0.0.1:8001", model="m")
+    leftovers = {"a": startfit.Leftover(MISSING, 4 * GiB, found_wall=1000.0)}
+    for seen in (look(0, 10, 0, 0), look(2, 12, 0, 0), look(12, 12, 0, 0), look(14, 12, 0, 0)):
+        act_fit.judge_kept(leftovers, r, seen, journal)
+    assert leftovers == {}
+    err = capsys.readouterr().err
+    assert err.count("hazard over: replica a: the 1.5 GiB its processes held that did not come back") == 1
+    assert "(U10: back: memory regained)" in err
+
+
+def test_the_status_line_of_a_kept_finding_no_longer_says_only_a_reboot_frees_it() -> None:
+    text = startfit.not_returned_text("a", MISSING)
+    assert text.startswith("replica a: 1.5 GiB its processes held did not come back when they exited (U8)")
+    assert "comes back once deleted" in text and "(U10)" in text and "(U9)" in text
+    assert "a reboot frees it" not in text

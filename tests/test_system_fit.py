@@ -176,7 +176,7 @@ def test_memory_a_killed_replica_leaves_held_is_said_and_no_start_into_it_is_att
         assert line["GUARDIAN_RULE"] == "U8" and line["PRIORITY"] == "2", line
         missing_gib = float(line["MESSAGE"].split("replica a: ")[1].split(" GiB")[0])
         assert 2.4 <= missing_gib <= 3.1, line["MESSAGE"]
-        assert "a reboot frees it" in line["MESSAGE"]
+        assert "at the latest by a reboot" in line["MESSAGE"] and "(U10)" in line["MESSAGE"]
         wait_for(lambda: any("Free memory on device" in m for m in world.box.messages(since=world.since, unit=a.unit)),
                  60, "a's start to fail with vLLM's free-memory message in what the driver left")
         wait_for(lambda: "did not come back" in world.box.run(["guardian", "status"]).stdout, 20,

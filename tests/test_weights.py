@@ -31,19 +31,19 @@ def test_a_model_directory_is_its_config_and_index(tmp_path):
     same = model_dir(tmp_path, "same", {"layers": 32})
     other = model_dir(tmp_path, "b", {"layers": 36})
     fa, fs, fo = (fingerprint(("vllm", "serve", str(d))) for d in (a, same, other))
-    assert fa is not None and fa.digest.startswith("dir:") and "config.json" in fa.what and str(a) in fa.what
+    assert fa is not None and fa.digest.startswith("dir2:") and "config.json" in fa.what and str(a) in fa.what
     assert fa.digest == fs.digest != fo.digest  # the same files wherever they are, another config differs
     indexed = model_dir(tmp_path, "c", {"layers": 32}, {"weight_map": {"x": "model-00001.safetensors"}})
     assert fingerprint(("vllm", "serve", str(indexed))).digest != fa.digest  # the index counts too
 
 
-def test_without_config_the_weight_files_names_and_sizes(tmp_path):
+def test_without_config_the_weight_files_names_sizes_and_bytes(tmp_path):
     d = tmp_path / "bare"
     d.mkdir()
     (d / "w.safetensors").write_bytes(b"\0" * 10)
     first = fingerprint(("vllm", "serve", str(d)))
     (d / "w.safetensors").write_bytes(b"\0" * 11)
-    assert first is not None and "names and sizes of 1 weight files" in first.what
+    assert first is not None and "names, sizes and sampled bytes (17 x 4 KiB each) of 1 weight files" in first.what
     assert fingerprint(("vllm", "serve", str(d))).digest != first.digest
     (d / "w.safetensors").unlink()
     assert fingerprint(("vllm", "serve", str(d))) is None  # nothing to read: unknown
@@ -54,7 +54,8 @@ def test_a_gguf_file_is_its_name_size_and_head(tmp_path):
     f.write_bytes(b"GGUF" + b"\1" * 100)
     first = fingerprint(("vllm", "serve", str(f)))
     f.write_bytes(b"GGUF" + b"\2" * 100)
-    assert first is not None and first.digest.startswith("file:") and first.digest != fingerprint(("vllm", "serve", str(f))).digest
+    assert first is not None and first.digest.startswith("file2:")
+    assert first.digest != fingerprint(("vllm", "serve", str(f))).digest
 
 
 @pytest.mark.parametrize(
@@ -195,6 +196,9 @@ def test_a_snapshot_with_its_files_compares_with_a_local_copy_of_them(tmp_path):
     snap = folder / "snapshots" / COMMIT_A
     snap.mkdir(parents=True)
     (snap / "config.json").write_text(json.dumps({"layers": 32}))
+    (folder / "blobs").mkdir()
+    (folder / "blobs" / "0123abcd").write_bytes(b"\0" * 64)  # the hub's layout: the snapshot links to its blob
+    (snap / "model-00001.safetensors").symlink_to("../../blobs/0123abcd")
     local = model_dir(tmp_path, "copy", {"layers": 32})
     hub = fingerprint(("vllm", "serve", "Org/Name", "--download-dir", str(tmp_path / "hub")))
     assert hub is not None and hub.digest == fingerprint(("vllm", "serve", str(local))).digest
@@ -204,3 +208,65 @@ def test_a_snapshot_with_its_files_compares_with_a_local_copy_of_them(tmp_path):
 def test_fingerprints_of_other_kinds_are_not_compared():
     found = {"a": Weights("dir:1", "x"), "b": Weights("hf:Org/Name@aaaa", "y")}
     assert differing(cfg("m", "m"), found) == []  # a commit alone says nothing of a directory's files
+
+
+# --- issue 44 item 4(a): `guardian check` judges W3 as the daemon does -----------------------------
+
+
+def fleet_cfg(*models: str) -> Config:
+    from guardian.config import FleetConfig
+
+    return Config(replicas=cfg(*models).replicas, fleet=FleetConfig(endpoints=["http://127.0.0.1:2379"], box="box1"))
+
+
+def checked(monkeypatch, weights, members=None, error: Exception | None = None):
+    """`guardian check`'s fleet part on a fleet read as MEMBERS (or failing with ERROR)."""
+    import asyncio
+
+    from guardian.cli import check as cli_check
+    from guardian.fleet import sync
+
+    async def read(c):
+        if error is not None:
+            raise error
+        return sync.FleetRead({"boxes": {m.box: {} for m in members}, "slots": []}, tuple(members))
+
+    monkeypatch.setattr(sync, "fleet_read", read)
+    report = cli_check.Report(json_out=True)
+    asyncio.run(cli_check._check_fleet(fleet_cfg("m", "m"), weights, report))
+    return report
+
+
+HERE = {"a": W["dir:1"], "b": W["dir:1"]}
+
+
+def test_check_says_w3_when_another_box_serves_the_name_with_other_weights(monkeypatch):
+    from guardian.cli.common import Exit
+
+    report = checked(monkeypatch, HERE, [member("box2", "x", "dir:2"), member("box1", "a", "dir:1")])
+    (hazard,) = report.of("hazard")
+    assert "(W3)" in hazard and "box2/x: dir:2" in hazard and "here a: dir:1; b: dir:1" in hazard
+    assert report.exit_code() is Exit.PROBLEM  # counted as W1 is
+
+
+def test_check_without_a_difference_in_the_fleet_says_what_it_compared(monkeypatch):
+    from guardian.cli.common import Exit
+
+    report = checked(monkeypatch, HERE, [member("box2", "x", "dir:1"), member("box3", "y", None)])
+    assert report.of("hazard") == [] and report.exit_code() is Exit.OK
+    assert any("no other box serves these model names with other weights (1 fingerprint(s)" in t for _, t in report.lines)
+
+
+def test_check_does_not_judge_w3_on_a_fleet_it_cannot_read(monkeypatch):
+    from guardian.fleet.etcd import EtcdError
+
+    report = checked(monkeypatch, HERE, error=EtcdError("etcd did not answer within 2 s"))
+    (problem,) = report.of("problem")
+    assert "etcd cannot be read" in problem and "(W3) are not judged" in problem
+    assert report.of("hazard") == []
+
+
+def test_check_without_systemd_knows_no_fingerprint_here_and_judges_no_w3(monkeypatch):
+    report = checked(monkeypatch, None, [member("box2", "x", "dir:2")])
+    assert report.of("hazard") == [] and any("not judged: this box's fingerprints need systemd" in t
+                                             for _, t in report.lines)

@@ -14,7 +14,7 @@ from ..config import Config, ReplicaConfig
 from ..core import startfit
 from ..core.actions import LogLine
 from ..core.observations import MemorySample, UnitInfo, gib
-from ..core.startfit import DROP_CACHES_UNIT, Release, StartFit, Verdict
+from ..core.startfit import DROP_CACHES_UNIT, Leftover, LeftoverLook, Release, StartFit, Verdict
 from ..core.vocab import ActiveState, Decision, Gate, Priority
 from ..core.wiring import VAR, VAR_FORMS, EnvFile, cmdline_fraction, wiring_problem
 from ..observe import modelfiles, nvml
@@ -85,6 +85,12 @@ def cgroup_held_bytes(pid: int) -> int:
         return 0
 
 
+def held_now(pid: int) -> int:
+    """What PID's processes hold that their exit should give back: the largest of the measures
+    above (StartFit.returned_bytes; U8 and its kept findings read the same)."""
+    return max(cgroup_held_bytes(pid), process_held_bytes(pid), nvml_bytes(pid))
+
+
 def unified(cfg: Config) -> bool:
     """M.unified, with "auto" asked of NVML (once)."""
     return nvml.unified_memory_gpu() if cfg.memory.unified == "auto" else cfg.memory.unified
@@ -137,7 +143,7 @@ def measure(
     runs = runs_with(pid, details)
     argv, env_files, env = runs.argv, runs.env_files, runs.env
     files = modelfiles.find(runs.declared, env, runs.home, deadline_mono)
-    returned = max(cgroup_held_bytes(pid), process_held_bytes(pid), nvml_bytes(pid))
+    returned = held_now(pid)
     own_fraction = _own_fraction(cfg, r, argv, env)
     fraction = start.new or own_fraction or VLLM_DEFAULT_FRACTION
     held = returned
@@ -215,13 +221,37 @@ def would_release(m: Measured, verdict: Verdict) -> str:
     return "nothing"
 
 
-@dataclass(frozen=True)
-class NotReturned:
-    """Memory a replica's processes held that did not come back when they exited (U8)."""
+def look_kept(pid: int, now_mono: float) -> LeftoverLook:
+    """This tick's figures for a kept U8 finding of the replica whose main process is PID (0: none):
+    MemFree, the file cache, and what its processes hold (blocking: run in a thread)."""
+    sample = sample_memory()
+    return LeftoverLook(sample.free_bytes, sample.file_cache_bytes, held_now(pid), now_mono)
 
-    bytes: int
-    held_bytes: int
-    at_wall: float
+
+def judge_kept(leftovers: dict[str, Leftover], r: ReplicaConfig, look: LeftoverLook, journal: Journal) -> None:
+    """R's kept U8 finding judged on LOOK (core/startfit.py judge_kept): kept, or ended and said once at info."""
+    kept = leftovers.get(r.name)
+    if kept is None:
+        return
+    verdict = startfit.judge_kept(kept, look)
+    if verdict.kept is not None:
+        leftovers[r.name] = verdict.kept
+        return
+    del leftovers[r.name]
+    assert verdict.rule is not None
+    journal.line(
+        LogLine(
+            Priority.INFO,
+            f"hazard over: replica {r.name}: the {gib(kept.missing_bytes)} its processes held that did not come back "
+            f"when they exited ({startfit.NOT_RETURNED.id}) is back: {verdict.why} ({verdict.rule.id}: "
+            f"{verdict.rule.outcome})",
+            Decision.NOTE,
+            r.name,
+            r.unit,
+            rule=verdict.rule.id,
+            hazard=f"memory-not-returned:{r.name}",
+        )
+    )
 
 
 @dataclass(frozen=True)
@@ -242,7 +272,7 @@ class FitStep:
     journal: Journal
     cfg: Config
     released: Released | None = None
-    leftovers: dict[str, NotReturned] = field(default_factory=dict)  # U8's findings, by replica (shared)
+    leftovers: dict[str, Leftover] = field(default_factory=dict)  # U8's findings kept, by replica (shared)
     said: dict[str, str] = field(default_factory=dict)  # replica -> the U7 episode said (shared: once each)
     bound_s: float = FIT_STEP_S  # the whole step's, past which the restart goes on without it (act/restart.py)
     doing: str = field(default="not yet begun", init=False)  # what the step is at: said if it outlives its bound
@@ -276,19 +306,19 @@ class FitStep:
                 break
             await asyncio.sleep(0.1)
         missing = startfit.not_returned_bytes(held, best)
-        if missing is None:
-            self.leftovers.pop(r.name, None)
+        if missing is None:  # a clean restart: what was kept of an earlier one ends (U9)
+            judge_kept(self.leftovers, r, LeftoverLook(0, 0, 0, time.monotonic(), restarted_clean=True), self.journal)
             return
-        self.leftovers[r.name] = NotReturned(missing, held, time.time())
+        self.leftovers[r.name] = Leftover(missing, held, time.time())  # a finding kept replaces the one before
         self.journal.line(
             LogLine(
                 Priority.CRITICAL,
                 f"replica {r.name}: {gib(missing)} not returned after {r.unit}'s processes exited (they "
                 f"held {gib(held)}; MemFree rose by at most {gib(max(0, best))}, once they were gone and within "
-                f"{startfit.RETURN_WAIT_S:g} s of the restart): the "
-                "driver, or a file they left in /dev/shm, still holds it; a reboot frees it "
-                f"({startfit.NOT_RETURNED.id}); its next start "
-                "is judged on what is left",
+                f"{startfit.RETURN_WAIT_S:g} s of the restart): the driver, or a file they left in /dev/shm, still "
+                "holds it (a file there comes back once deleted; what the driver keeps, at the latest by a reboot) "
+                f"({startfit.NOT_RETURNED.id}); its next start is judged on what is left, and guardian says when it "
+                f"is back ({startfit.REGAINED.id}) or a clean restart of it ends this ({startfit.CLEAN.id})",
                 Decision.HAZARD,
                 r.name,
                 r.unit,

@@ -20,6 +20,7 @@ from ..core.actions import HUNG_STOP_GRACE_S, LogLine
 from ..core.container import helper_unit
 from ..core.observations import MemorySample, RestartOutcome, UnitInfo
 from ..core.rules import Refusal
+from ..core.startfit import Leftover
 from ..core.vocab import ActiveState, Decision, Gate, HeldBy, Priority
 from ..observe.addresses import pin_of
 from ..observe.clock import Now
@@ -30,7 +31,7 @@ from ..observe.memory import env_path
 from ..observe.replicas import port_owners, unit_or_error
 from ..observe.systemd import JOB_DONE, Systemd, SystemdError
 from . import units
-from .fit import FitStep, Fitted, NotReturned, Released, Start
+from .fit import FitStep, Fitted, Released, Start
 from .journal import Journal
 from .state import CorruptState, StateStore, atomic_write, record_fraction_base, record_restart
 
@@ -50,7 +51,7 @@ class Tools:
     # The observer's, so that there is one set of container reports; None: a fresh one per restart.
     containers: ContainerWatch | None = None
     released: Released | None = None  # the page cache a start's fit released: the metric's hook
-    leftovers: dict[str, NotReturned] = field(default_factory=dict)  # U8: memory not returned, by replica
+    leftovers: dict[str, Leftover] = field(default_factory=dict)  # U8: memory not returned, kept by replica
     fit_said: dict[str, str] = field(default_factory=dict)  # U7 refusals said, by replica: once per episode
 
 

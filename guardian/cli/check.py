@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import json
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,8 +20,9 @@ from ..config import Config, ConfigError, ReplicaConfig, config_path, load_confi
 from ..core import bypass, drain, gates, hazards, startfit, thresholds
 from ..core import weights as core_weights
 from ..core.container import KEEPING_POLICIES, helper_unit, parse_run_line, unit_problems
-from ..core.observations import Probe, UnitInfo, VllmSample
+from ..core.observations import FleetMember, Probe, UnitInfo, VllmSample
 from ..core.vocab import ActiveState, HeldBy, Hidden, Nobody, PortOwner
+from ..core.weights import Weights
 from ..core.wiring import problem_of
 from ..observe import clock, probes, warmup
 from ..observe import weights as observe_weights
@@ -131,6 +133,7 @@ class _Bus:
     sd: Systemd
     watch: ContainerWatch
     units: dict[str, UnitInfo | None]
+    weights: dict[str, Weights | None]  # each replica's fingerprint, for W3 once the fleet is read
 
 
 NO_BUS_HINT = "(no system bus here? run `guardian check --no-systemd` to check the config and replicas without systemd)"
@@ -149,7 +152,7 @@ async def _check_live(cfg: Config, no_systemd: bool, report: Report) -> None:
     _check_proxy(cfg, report)
     _check_warmup(cfg, report)
     if cfg.fleet.enabled:
-        await _check_fleet(cfg, report)
+        await _check_fleet(cfg, bus.weights if bus is not None else None, report)
     async with make_client() as client:
         for r in cfg.replicas:
             await _check_replica(client, r, bus, report)
@@ -177,8 +180,8 @@ async def _check_units(cfg: Config, sd: Systemd, report: Report) -> _Bus:
     if cfg.memory.enabled:
         await _check_wiring(cfg, sd, report)
     await _check_fit(cfg, sd, units, report)
-    await _check_weights(cfg, sd, units, report)
-    return _Bus(sd, watch, units)
+    weights = await _check_weights(cfg, sd, units, report)
+    return _Bus(sd, watch, units, weights)
 
 
 async def _check_fit(cfg: Config, sd: Systemd, units: dict[str, UnitInfo | None], report: Report) -> None:
@@ -192,12 +195,7 @@ async def _check_fit(cfg: Config, sd: Systemd, units: dict[str, UnitInfo | None]
     except (OSError, ValueError):
         left = {}  # no daemon running, or its status unreadable: nothing it found to repeat
     for name, found in sorted(left.items()):
-        report.problem(
-            f"hazard: replica {name}: {found['bytes'] / 2**30:.1f} GiB its processes held did not come back when they "
-            f"exited ({startfit.NOT_RETURNED.id}, found by the running guardian): the driver, or a file in /dev/shm, "
-            "still holds it; a reboot "
-            "frees it"
-        )
+        report.problem(f"hazard: {startfit.not_returned_text(name, found['bytes'], 'found by the running guardian')}")
     for r in cfg.replicas:
         details = await service_details(sd, r)
         m = await asyncio.to_thread(fit.measure, cfg, r, units.get(r.unit), details, fit.Start(may_lower=True))
@@ -228,8 +226,10 @@ async def _check_wiring(cfg: Config, sd: Systemd, report: Report) -> None:
             )
 
 
-async def _check_weights(cfg: Config, sd: Systemd, units: dict[str, UnitInfo | None], report: Report) -> None:
-    """Each replica's weights fingerprint (observe/weights.py), and W1 (core/weights.py)."""
+async def _check_weights(
+    cfg: Config, sd: Systemd, units: dict[str, UnitInfo | None], report: Report
+) -> dict[str, Weights | None]:
+    """Each replica's weights fingerprint (observe/weights.py), and W1 (core/weights.py); the fingerprints."""
     found = {r.name: await observe_weights.of_replica(sd, r, units.get(r.unit)) for r in cfg.replicas}
     for name, w in found.items():
         if w is None:
@@ -238,6 +238,7 @@ async def _check_weights(cfg: Config, sd: Systemd, units: dict[str, UnitInfo | N
             report.say(f"weights: replica {name}: {w.digest} ({w.what})")
     for h in core_weights.differing(cfg, found):
         report.problem(h.message, "hazard")
+    return found
 
 
 def _check_warmup(cfg: Config, report: Report) -> None:
@@ -490,24 +491,55 @@ def _check_unitless(r: ReplicaConfig, watch: ContainerWatch, report: Report, see
         )
 
 
-async def _check_fleet(cfg: Config, report: Report) -> None:
-    """The fleet as etcd shows it, in one line; a problem when it cannot be read."""
+async def _check_fleet(cfg: Config, weights: Mapping[str, Weights | None] | None, report: Report) -> None:
+    """The fleet as etcd shows it, in one line; a problem when it cannot be read. Then W3 as the
+    daemon judges it (core/weights.py), from the members read and this box's fingerprints (WEIGHTS:
+    None when systemd was not asked, so that none is known); never judged on a fleet not read."""
     from ..fleet.etcd import EtcdError
-    from ..fleet.sync import box_name, fleet_status
+    from ..fleet.sync import box_name, fleet_read
 
     try:
-        fv = await fleet_status(cfg)
+        fleet = await fleet_read(cfg)
     except (EtcdError, OSError) as e:
         why = str(e)
     except Exception as e:  # noqa: BLE001 - a line and a problem counted, not a traceback
         why = f"{type(e).__name__}: {e}"
     else:
+        fv = fleet.status
         report.say(
             f"fleet: {cfg.fleet.name} on etcd answers: {len(fv['boxes'])} box(es), "
             f"{len(fv['slots'])} of {cfg.fleet.max_planned_restarts} slot(s) held; this box is {box_name(cfg)}"
         )
+        _check_weights_in_fleet(cfg, weights, fleet.members, box_name(cfg), report)
         return
-    report.problem(f"fleet: etcd cannot be read ({one_line(why)}); planned restarts would wait")
+    report.problem(
+        f"fleet: etcd cannot be read ({one_line(why)}); planned restarts would wait; the weights across the fleet "
+        f"({core_weights.DIFFER_FLEET.id}) are not judged"
+    )
+
+
+def _check_weights_in_fleet(
+    cfg: Config,
+    weights: Mapping[str, Weights | None] | None,
+    members: tuple[FleetMember, ...],
+    box: str,
+    report: Report,
+) -> None:
+    """W3: this box's replicas against the other boxes' of the same model name, as the daemon does."""
+    rule = core_weights.DIFFER_FLEET.id
+    if weights is None:
+        report.say(f"weights across the fleet ({rule}): not judged: this box's fingerprints need systemd")
+        return
+    found = core_weights.differing_in_fleet(cfg, weights, members, box)
+    for h in found:
+        report.problem(h.message, "hazard")
+    if not found:
+        models = {r.model for r in cfg.replicas}
+        compared = [m for m in members if m.box != box and m.model in models and m.weights is not None]
+        report.say(
+            f"weights across the fleet ({rule}): no other box serves these model names with other weights "
+            f"({len(compared)} fingerprint(s) of other boxes' replicas of them read)"
+        )
 
 
 def _check_connections(cfg: Config, report: Report) -> None:

@@ -60,11 +60,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     for text in data.get("bypassing", []):
         print(f"hazard: {text}")
     for name, left in sorted(data.get("not_returned", {}).items()):
-        print(
-            f"hazard: replica {name}: {left['bytes'] / 2**30:.1f} GiB its processes held did not come back when "
-            f"they exited ({startfit.NOT_RETURNED.id}): the driver, or a file in /dev/shm, still holds it; a reboot "
-            "frees it"
-        )
+        print(f"hazard: {startfit.not_returned_text(name, left['bytes'])}")
     for text in data.get("weights_differ", []):
         print(f"hazard: {text}")
     weights = data.get("weights", {})

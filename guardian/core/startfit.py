@@ -13,7 +13,8 @@ Terms, all in bytes (F = one StartFit, M = the memory config):
 - free = MemFree now;
 - returned = what the replica's processes now hold that is measured and comes back when they
   exit (its cgroup's or its processes' anonymous and shared memory, NVML's per-process memory
-  where the driver answers); U8 checks after the restart job that it did come back;
+  where the driver answers); U8 checks after the restart job that it did come back, and what did
+  not is kept (a hazard) until it is back (KEPT_ROWS: U9, U10, judged each tick);
 - held = returned, or, while its unit is active, at least its running fraction x total (the first
   --gpu-memory-utilization in its process tree, else the fraction it would start with): on GB10
   vLLM's reservation is not charged to any cgroup and NVML does not report it, so this is the
@@ -42,7 +43,7 @@ says, and measures again after a release before the job is issued.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from .memstate import grid, grid_below, highest_fit
@@ -201,12 +202,15 @@ NOT_RETURNED = Rule(
     "returned (measured before the stop) >= 1 GiB AND MemFree rose by less than returned - max(0.5 GiB, "
     "returned / 4) by every sample: the moment its stop is seen over (polled every 0.2 s), and within 3 s of "
     "the restart job's end: the rest is said at critical as memory the driver (or a "
-    "file its processes left in /dev/shm) still holds; a reboot frees it; the next start is judged on what is left",
+    "file its processes left in /dev/shm) still holds, and kept as a hazard (guardian status, guardian check) "
+    "until U9 or U10 ends it; the next start is judged on what is left",
 )
-RULES = (*(row.rule for row in ROWS), NOT_RETURNED)
 RETURN_CHECK_MIN_BYTES = 2**30  # less than this held: too little to tell from the box's own noise
 RETURN_SLACK_BYTES = 2**29
 RETURN_WAIT_S = 3.0  # after the restart job: how long the memory may take to come back
+# How long a kept finding must read as back, every tick, before it ends (U10): a process of the box
+# that exits and starts again (a build's step) frees its memory for a moment, not for good.
+RETURN_BACK_S = 10.0
 
 
 def not_returned_bytes(returned_bytes: int, rise_bytes: int) -> int | None:
@@ -216,6 +220,121 @@ def not_returned_bytes(returned_bytes: int, rise_bytes: int) -> int | None:
         return None
     missing = returned_bytes - max(0, rise_bytes)
     return missing if missing > max(RETURN_SLACK_BYTES, returned_bytes // 4) else None
+
+
+@dataclass(frozen=True)
+class Leftover:
+    """A U8 finding, kept as a hazard until what was missing is back (U9, U10).
+
+    BASE_BYTES: the box's unheld memory (LeftoverLook.unheld_bytes) at the first look after the
+    finding (None until then): what a return of the missing memory raises by MISSING_BYTES."""
+
+    missing_bytes: int
+    held_bytes: int  # what the old processes held, measured before the stop
+    found_wall: float
+    base_bytes: int | None = None
+    back_since_mono: float | None = None  # since when it reads as back, at every look (None: it does not)
+
+
+@dataclass(frozen=True)
+class LeftoverLook:
+    """One tick's figures for a kept finding, in bytes: MemFree, the reclaimable file cache, and what
+    the replica's processes hold now (measured as returned is; 0 when none runs). RESTARTED_CLEAN: a
+    restart guardian caused just found its processes' memory come back (U8 did not hold)."""
+
+    free_bytes: int
+    file_cache_bytes: int
+    own_bytes: int
+    now_mono: float
+    restarted_clean: bool = False
+
+    @property
+    def unheld_bytes(self) -> int:
+        """Memory nothing holds for good: free, or the page cache (a model's load moves MemFree into
+        it), or the replica's own (its new start's): a return of the missing memory raises it, and
+        neither a load nor the replica's own growth moves it."""
+        return self.free_bytes + self.file_cache_bytes + self.own_bytes
+
+
+def back_bytes(missing_bytes: int) -> int:
+    """How much a kept finding's unheld memory must rise for its missing memory to count as back:
+    all of it but U8's own slack."""
+    return missing_bytes - max(RETURN_SLACK_BYTES, missing_bytes // 4)
+
+
+@dataclass(frozen=True)
+class KeptCase:
+    """A kept finding and this tick's look at it, as the rows below read them."""
+
+    kept: Leftover
+    look: LeftoverLook
+
+    @property
+    def risen_bytes(self) -> int:
+        return self.look.unheld_bytes - (self.kept.base_bytes if self.kept.base_bytes is not None else 0)
+
+
+# A kept U8 finding, each tick (act/fit.py; first match, none: it is kept): what ends it.
+KEPT_ROWS: tuple[Row[KeptCase, str], ...] = (
+    Row(
+        CLEAN := Rule(
+            "U9",
+            "back: restarted cleanly",
+            "a later restart guardian caused found what the replica's processes held come back (U8 did not "
+            "hold): the finding ends, said once at info",
+        ),
+        lambda c: c.look.restarted_clean,
+        lambda c: "a later restart of it returned what its processes held",
+    ),
+    Row(
+        REGAINED := Rule(
+            "U10",
+            "back: memory regained",
+            "MemFree + Active(file) + Inactive(file) + what the replica's processes hold now (measured as "
+            "returned) rose, since the first tick after the finding, by >= missing - max(0.5 GiB, missing / 4) "
+            "at every tick for >= 10 s: the finding ends, said once at info",
+        ),
+        lambda c: c.kept.back_since_mono is not None and c.look.now_mono - c.kept.back_since_mono >= RETURN_BACK_S,
+        lambda c: (
+            f"MemFree + the file cache + its processes' memory rose by {gib(c.risen_bytes)} since the first look "
+            f"after the finding, for {c.look.now_mono - (c.kept.back_since_mono or 0.0):.0f} s"
+        ),
+    ),
+)
+RULES = (*(row.rule for row in ROWS), NOT_RETURNED, *(row.rule for row in KEPT_ROWS))
+
+
+def not_returned_text(replica: str, missing_bytes: int, by: str = "") -> str:
+    """A kept U8 finding, as `guardian status` and `guardian check` show it while it lasts."""
+    return (
+        f"replica {replica}: {gib(missing_bytes)} its processes held did not come back when they exited "
+        f"({NOT_RETURNED.id}{', ' + by if by else ''}): the driver, or a file in /dev/shm, still holds it (a file "
+        "there comes back once deleted; what the driver keeps, at the latest by a reboot); judged again each tick, "
+        f"this ends once it is back ({REGAINED.id}) or a restart of it returns what its processes held ({CLEAN.id})"
+    )
+
+
+@dataclass(frozen=True)
+class KeptVerdict:
+    """A kept finding after one look: KEPT (None: it ended, by RULE, for WHY)."""
+
+    kept: Leftover | None
+    rule: Rule | None = None
+    why: str = ""
+
+
+def judge_kept(kept: Leftover, look: LeftoverLook) -> KeptVerdict:
+    """KEPT after LOOK: its base taken at the first look, whether it reads as back (and since when)
+    updated, and ended where a row of KEPT_ROWS holds."""
+    base = kept.base_bytes if kept.base_bytes is not None else look.unheld_bytes
+    back = look.unheld_bytes - base >= back_bytes(kept.missing_bytes)
+    since = (kept.back_since_mono if kept.back_since_mono is not None else look.now_mono) if back else None
+    now = replace(kept, base_bytes=base, back_since_mono=since)
+    found = first_match(KEPT_ROWS, KeptCase(now, look))
+    if found is None:
+        return KeptVerdict(now)
+    rule, why = found
+    return KeptVerdict(None, rule, why)
 
 
 def judge(f: StartFit) -> Verdict:

@@ -6,8 +6,11 @@ weights (a model update done on one box, a snapshot half synced) answer the same
 differently, and any cache keyed by the name alone (a client's, a proxy's) mixes them.
 
 What a replica's weights are is observe/weights.py's fingerprint: its model directory's
-config.json and weight index (or its weight files' names and sizes), or the commit its Hugging
-Face snapshot resolves to. An unknown fingerprint (None) is never a difference.
+config.json and weight index and its weight files' names, sizes and sampled bytes (a fine-tune keeps
+its base's config, names and sizes: issue 44), or the commit its Hugging Face snapshot resolves to
+where its files are not there. An unknown fingerprint (None) is never a difference, and fingerprints
+of two kinds ("dir2:" and "hf:", "dir2:" and "dirn:" (bytes unreadable), or an older guardian's "dir:")
+are never compared.
 
 Rules:
 - W1, differ: two or more replicas of this box configured with one model name have known
@@ -53,7 +56,7 @@ RULES = (
 
 @dataclass(frozen=True)
 class Weights:
-    digest: str  # "dir:1a2b3c4d5e6f", "hf:Org/Name@c0ffee123456"
+    digest: str  # "dir2:1a2b3c4d5e6f", "file2:...", "hf:Org/Name@c0ffee123456"
     what: str  # where it was read, for a reader
 
 
@@ -87,8 +90,8 @@ def _kind(digest: str) -> str:
 
 
 def _differ(digests: Iterable[str]) -> bool:
-    """Two fingerprints of one kind that differ ("dir:" and "hf:" are not compared: a snapshot whose
-    files are not there is known by its commit only)."""
+    """Two fingerprints of one kind that differ ("dir2:" and "hf:" are not compared: a snapshot whose
+    files are not there is known by its commit only; nor an older guardian's "dir:" with "dir2:")."""
     kinds: dict[str, set[str]] = defaultdict(set)
     for d in digests:
         kinds[_kind(d)].add(d)

@@ -30,7 +30,7 @@ import json
 import socket
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..config import Config
@@ -468,10 +468,24 @@ def read_deadline_s(cfg: Config) -> float:
     return cfg.fleet.timeout_s * max(2, len(cfg.fleet.endpoints))
 
 
+@dataclass(frozen=True)
+class FleetRead:
+    """One read of the fleet by a command: what `guardian status --fleet` shows (STATUS), and the
+    members as the daemon's view holds them (parse_view), for `guardian check`'s W3."""
+
+    status: dict[str, Any]
+    members: tuple[FleetMember, ...]
+
+
 async def fleet_status(cfg: Config) -> dict[str, Any]:
+    """The fleet view as `guardian status --fleet` shows it (fleet_read)."""
+    return (await fleet_read(cfg)).status
+
+
+async def fleet_read(cfg: Config) -> FleetRead:
     """The fleet view as `guardian status --fleet` shows it: boxes, replicas and states, slots and
-    their holders, read from etcd with this box's config, within read_deadline_s. Raises EtcdError
-    (etcd unreachable, slow or answering garbage) or OSError (the password file)."""
+    their holders, read from etcd with this box's config, within read_deadline_s; and its members.
+    Raises EtcdError (etcd unreachable, slow or answering garbage) or OSError (the password file)."""
     deadline_s = read_deadline_s(cfg)
     etcd = make_etcd(cfg)
     prefix = f"/guardian/{cfg.fleet.name}/"
@@ -484,7 +498,7 @@ async def fleet_status(cfg: Config) -> dict[str, Any]:
         await etcd.aclose()
     # The daemon's parse (parse_view): what it skips is ignored here, and a slot is held here as there.
     skipped: list[tuple[str, str]] = []
-    _members, held = parse_view("", prefix, kvs, skipped)
+    members, held = parse_view("", prefix, kvs, skipped)
     ignored = [{"key": key[:MAX_FIELD_CHARS], "why": why} for key, why in skipped]
     slots = [
         _scalars(read_slot(kv.value)[1])
@@ -498,7 +512,7 @@ async def fleet_status(cfg: Config) -> dict[str, Any]:
         if kv.key.startswith(f"{prefix}replicas/") and kv.key not in skipped_keys:
             m, data = read_member(kv.value)
             boxes.setdefault(m.box, {})[m.name] = _scalars(data)
-    return {
+    status = {
         "fleet": cfg.fleet.name,
         "endpoints": cfg.fleet.endpoints,
         "revision": revision,
@@ -508,3 +522,4 @@ async def fleet_status(cfg: Config) -> dict[str, Any]:
         "slots": slots,
         "ignored": ignored,
     }
+    return FleetRead(status, tuple(members))

@@ -3,11 +3,16 @@ process runs (observe/modelfiles.locate: its model path or Hugging Face repo, in
 through its binds), never from its served name. Judged in core/weights.py.
 
 - a model directory: sha256 of its config.json and its weight index (model.safetensors.index.json
-  or pytorch_model.bin.index.json), else of its weight files' names and sizes
-  (*.safetensors, *.bin, *.pt, *.gguf), each file read back capped (observe/readback.py);
-- one weight file (a GGUF): its name, size and first 64 KiB (where GGUF keeps its metadata);
-- a Hugging Face repo: the commit its snapshot resolves to: `--revision` when it is a commit,
-  else `refs/<revision or main>` in its hub folder.
+  or pytorch_model.bin.index.json; each read back capped, observe/readback.py), and of each of its
+  weight files (*.safetensors, *.bin, *.pt, *.gguf at its top) its name, size and sampled bytes
+  (observe/weightbytes.py: 17 blocks of 4 KiB of its data, kept by the file's identity): a fine-tune
+  has its base's config, names and sizes, and other bytes (issue 44);
+- one weight file (a GGUF): its name, size, first 64 KiB (where GGUF keeps its metadata) and
+  sampled bytes;
+- a Hugging Face repo: its snapshot's directory, as a model directory (its files read through the
+  links to its blobs, never outside its hub folder), the commit named in what is said; the commit
+  alone (`--revision` when it is a commit, else `refs/<revision or main>` in its hub folder) when
+  the snapshot is not there.
 
 Recomputed only when the replica's process changes (its main pid or its unit's start). Each look
 runs in a daemon thread of its own, never the event loop's default executor, and at most one per
@@ -25,6 +30,7 @@ import os
 import re
 import threading
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 from ..config import Config, ReplicaConfig
 from ..core.observations import UnitInfo
@@ -33,11 +39,22 @@ from . import modelfiles
 from .memory import runs_with, service_details
 from .readback import read_back
 from .systemd import ServiceDetails, Systemd
+from .weightbytes import BLOCK_BYTES, CACHE, SAMPLES, SampleCache
 
 META_MAX_BYTES = 16 << 20  # a config.json or an index is far smaller
 INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 HEAD_BYTES = 64 << 10
+# Weight files sampled in one directory; past it by name and size (a model is at most a few hundred
+# shards: 1024 x 17 reads of 4 KiB is about 70 MiB read once, at the worst).
+MAX_SAMPLED_FILES = 1024
+SAMPLED = f"sampled bytes ({SAMPLES + 1} x {BLOCK_BYTES >> 10} KiB each)"
+# The kinds of fingerprint. "dir2"/"file2": the weights' bytes sampled (issue 44); an older guardian's
+# "dir"/"file" (config and names only) is another kind, never compared with these (core/weights.py),
+# so that boxes of a fleet mid-upgrade do not call the same weights different (W3).
+# "dirn": a directory some of whose weight files could not be read (their names and sizes only),
+# compared only with others of its kind, never with a "dir2" whose bytes were read.
+DIR, FILE, NAMES = "dir2:", "file2:", "dirn:"
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 # A look's wait, at most: a fingerprint is a few capped reads (milliseconds); past it the replica's
 # is unknown for this tick, its thread left to end by itself. Half the daemon's WEIGHTS_LOOK_S (10 s,
@@ -54,9 +71,9 @@ def _read(path: str, max_bytes: int = META_MAX_BYTES) -> bytes | None:
         return None
 
 
-def _weight_names(top: str) -> list[str] | None:
+def _weight_names(top: str) -> list[str]:
     """The weight files' names in TOP, looking at MAX_ENTRIES entries at most (a model path is the
-    replica's to name); None when it cannot be listed."""
+    replica's to name); none when it cannot be listed."""
     names = []
     try:
         with os.scandir(top) as it:
@@ -66,48 +83,85 @@ def _weight_names(top: str) -> list[str] | None:
                 if entry.name.endswith(WEIGHT_SUFFIXES):
                     names.append(entry.name)
     except OSError:
-        return None
+        return []
     return sorted(names)
 
 
-def _of_dir(top: str, source: str) -> Weights | None:
-    h = hashlib.sha256()
+@dataclass(frozen=True)
+class _File:
+    """One weight file of a directory: its size (None: not stat'able) and sample digest (None: not
+    sampled: past MAX_SAMPLED_FILES, or unreadable here)."""
+
+    name: str
+    size: int | None
+    digest: str | None
+
+
+def _weight_files(top: str, names: list[str], within: str, cache: SampleCache) -> list[_File]:
+    """Each of NAMES in TOP with its size and, for the first MAX_SAMPLED_FILES, its sample digest."""
+    found = []
+    for n, name in enumerate(names):
+        path = os.path.join(top, name)
+        try:
+            size = os.stat(path).st_size
+        except OSError:
+            found.append(_File(name, None, None))
+            continue
+        found.append(_File(name, size, cache.of_path(path, within) if n < MAX_SAMPLED_FILES else None))
+    return found
+
+
+def _of_dir(top: str, source: str, within: str, cache: SampleCache) -> Weights | None:
+    """TOP's config.json, weight index and weight files (each by its name, size and sampled bytes,
+    read only under WITHIN, a real path); None when it has none of them. Where a file that would be
+    sampled cannot be read here, no bytes count (a NAMES fingerprint): bytes read on one side only
+    must never make a difference."""
     config = _read(os.path.join(top, "config.json"))
     index = next((b for b in (_read(os.path.join(top, n)) for n in INDEXES) if b is not None), None)
-    if config is None and index is None:
-        names = _weight_names(top)
-        if names is None:
-            return None
-        if not names:
-            return None
-        for n in names:
-            try:
-                h.update(f"{n}\0{os.stat(os.path.join(top, n)).st_size}\0".encode())
-            except OSError:
-                return None
-        return Weights("dir:" + h.hexdigest()[:12], f"the names and sizes of {len(names)} weight files of {source}")
+    names = _weight_names(top)
+    if config is None and index is None and not names:
+        return None
+    files = _weight_files(top, names, within, cache)
+    unread = sum(1 for f in files[:MAX_SAMPLED_FILES] if f.digest is None)
+    h = hashlib.sha256()
     for part in (config, index):
         h.update(part if part is not None else b"\0absent\0")
-    read = " and ".join(x for x, b in (("config.json", config), ("its weight index", index)) if b is not None)
-    return Weights("dir:" + h.hexdigest()[:12], f"{read} of {source}")
+    for f in files:
+        digest = (f.digest or "past the bound") if not unread else ""
+        h.update(f"{f.name}\0{f.size if f.size is not None else 'unreadable'}\0{digest}\0".encode())
+    read = [x for x, b in (("config.json", config), ("its weight index", index)) if b is not None]
+    if names and not unread:
+        past = len(names) - MAX_SAMPLED_FILES
+        read.append(
+            f"the names, sizes and {SAMPLED} of {len(names)} weight files"
+            + (f" (the {past} past the first {MAX_SAMPLED_FILES} by name and size)" if past > 0 else "")
+        )
+    elif names:
+        read.append(
+            f"the names and sizes of {len(names)} weight files ({unread} of them unreadable here: no bytes count, "
+            "and it is compared only with fingerprints that count none)"
+        )
+    said = ", ".join(read[:-1]) + " and " + read[-1] if len(read) > 1 else read[0]
+    return Weights((NAMES if unread else DIR) + h.hexdigest()[:12], f"{said} of {source}")
 
 
-def _of_file(path: str, source: str) -> Weights | None:
+def _of_file(path: str, source: str, cache: SampleCache) -> Weights | None:
     fd = modelfiles.open_regular(path)  # never a FIFO or a device: opening one could block the tick
     if fd is None:
         return None
     try:
         size = os.fstat(fd).st_size
-        head = os.read(fd, HEAD_BYTES)
+        head = os.pread(fd, HEAD_BYTES, 0)
+        sampled = cache.of_fd(fd, os.path.basename(path))
     except OSError:
         return None
     finally:
         os.close(fd)
-    h = hashlib.sha256(f"{os.path.basename(path)}\0{size}\0".encode() + head)
-    return Weights("file:" + h.hexdigest()[:12], f"the name, size and first 64 KiB of {source}")
+    h = hashlib.sha256(f"{os.path.basename(path)}\0{size}\0{sampled}\0".encode() + head)
+    return Weights(FILE + h.hexdigest()[:12], f"the name, size, first 64 KiB and {SAMPLED} of {source}")
 
 
-def _of_repo(found: modelfiles.Located) -> Weights | None:
+def _of_repo(found: modelfiles.Located, cache: SampleCache) -> Weights | None:
     """The snapshot's directory fingerprint (comparable with a local copy of the same weights),
     else the commit its revision resolves to."""
     revision = modelfiles.option(found.argv, "--revision") or "main"
@@ -122,22 +176,27 @@ def _of_repo(found: modelfiles.Located) -> Weights | None:
         return None
     snapshot = os.path.join(found.top, "snapshots", commit)
     if os.path.isdir(snapshot):
-        found_dir = _of_dir(snapshot, f"snapshot {commit[:12]} of {found.source}")
+        # its files link to the repo's blobs/: read there, never out of the repo's folder
+        within = os.path.realpath(found.top)
+        found_dir = _of_dir(snapshot, f"snapshot {commit[:12]} of {found.source}", within, cache)
         if found_dir is not None:
             return found_dir
     return Weights(f"hf:{found.repo}@{commit[:12]}", f"the commit revision {revision} resolves to, {found.source}")
 
 
-def fingerprint(argv: tuple[str, ...], env: Mapping[str, str] | None = None, home: str = "/root") -> Weights | None:
-    """The fingerprint of the weights that ARGV (run with ENV) loads; None when none can be read."""
+def fingerprint(
+    argv: tuple[str, ...], env: Mapping[str, str] | None = None, home: str = "/root", cache: SampleCache = CACHE
+) -> Weights | None:
+    """The fingerprint of the weights that ARGV (run with ENV) loads; None when none can be read.
+    CACHE keeps each weight file's sample digest (the process's own by default)."""
     found = modelfiles.locate(argv, env or {}, home)
     if found is None:
         return None
     if found.repo is not None:
-        return _of_repo(found)
+        return _of_repo(found, cache)
     if os.path.isdir(found.top):
-        return _of_dir(found.top, found.source)
-    return _of_file(found.top, found.source)
+        return _of_dir(found.top, found.source, os.path.realpath(found.top), cache)
+    return _of_file(found.top, found.source, cache)
 
 
 def _in_own_thread(name: str, read: Callable[[], Weights | None]) -> asyncio.Future[_Ended]:
