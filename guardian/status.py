@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .config import Config, ReplicaConfig
+from .core import stopping
 from .core.admission import budget
 from .core.liveness import Track
 from .core.observations import Activity, MemorySample, PersistentView, ReplicaObservation, TickObservation, gib
@@ -171,6 +172,8 @@ def _replica_status(cfg: Config, r: ReplicaConfig, snapshot: Snapshot, now: Now)
         else "not checked (memory guard off)",
         "connections": _connections(observed),
         "processes": _processes(observed, snapshot.state.tracks.get(r.name)),
+        # a planned restart's stop bound (core/stopping.py T1): `guardian restart` waits for it
+        "stop_bound_s": stopping.planned_stop(cfg, observed.declared if observed is not None else None).bound_s,
     }
 
 

@@ -16,7 +16,7 @@ import psutil
 from ..act import fit, proxy_check
 from ..act.state import STATUS_FILE, CorruptState, StateStore, view
 from ..config import Config, ConfigError, ReplicaConfig, config_path, load_config
-from ..core import bypass, drain, gates, hazards, startfit, thresholds
+from ..core import bypass, drain, gates, hazards, startfit, stopping, thresholds
 from ..core import weights as core_weights
 from ..core.container import KEEPING_POLICIES, helper_unit, parse_run_line, unit_problems
 from ..core.observations import Probe, UnitInfo, VllmSample
@@ -26,6 +26,7 @@ from ..observe import clock, probes, warmup
 from ..observe import weights as observe_weights
 from ..observe.addresses import pin_of
 from ..observe.containers import ContainerWatch
+from ..observe.declared import declared_of
 from ..observe.memory import env_path, service_details, wiring_of
 from ..observe.nvml import Nvml
 from ..observe.probes import make_client
@@ -174,6 +175,9 @@ async def _check_units(cfg: Config, sd: Systemd, report: Report) -> _Bus:
         enabled = {}
     for h in hazards.find_hazards(cfg, units, enabled):
         report.problem(h.message, "hazard")
+    declared = {r.name: await declared_of(sd, r) for r in cfg.replicas}
+    for text in stopping.warnings(cfg, declared):
+        report.problem(text, "warning")
     if cfg.memory.enabled:
         await _check_wiring(cfg, sd, report)
     await _check_fit(cfg, sd, units, report)

@@ -24,6 +24,7 @@ from ..core.observations import (
     ReplicaObservation,
     RestartOutcome,
     TickObservation,
+    UnitDeclared,
     UnitInfo,
     VllmSample,
     WarmupResult,
@@ -34,6 +35,7 @@ from .addresses import Addresses, Pin
 from .clock import Now
 from .conns import ConnObserver
 from .containers import ContainerWatch
+from .declared import declared_of
 from .procs import ProcObserver
 from .sockets import (
     CGROUP_ROOT,
@@ -322,6 +324,7 @@ class WorldObserver:
         self.procs = ProcObserver()
         self.containers = ContainerWatch(sd)
         self.addresses = Addresses()
+        self.declared: dict[str, UnitDeclared] = {}  # how each replica's unit runs its server, as last read
 
     def _cpu_units(self, cfg: Config) -> dict[str, str]:
         """A Docker replica's work is done in its container's scope, not in its unit (the docker CLI)."""
@@ -371,9 +374,17 @@ class WorldObserver:
             scan = UnitScan(units, await self.sd.enabled_service_conflicts())
         except SystemdError as e:
             scan = UnitScan(units, {}, str(e))
+        await self.read_declared(cfg)
         if cfg.memory.enabled:
             await self.memory.scan_wiring(cfg)
         return scan
+
+    async def read_declared(self, cfg: Config) -> dict[str, UnitDeclared]:
+        """How each replica's unit says its server runs (observe/declared.py), read afresh and kept for
+        the ticks' observations until units may have changed."""
+        found = await asyncio.gather(*(declared_of(self.sd, r) for r in cfg.replicas))
+        self.declared = {r.name: d for r, d in zip(cfg.replicas, found, strict=True)}
+        return self.declared
 
     async def observe(
         self,
@@ -444,8 +455,11 @@ class WorldObserver:
         judged_at = time.monotonic() if wait_s is not None else at_mono
         results = take_results()
         return {
-            r.name: replica_observation(
-                r, at_mono, units[r.unit], owners.get(r.port), results, self.carry.take(r.name, judged_at)
+            r.name: replace(
+                replica_observation(
+                    r, at_mono, units[r.unit], owners.get(r.port), results, self.carry.take(r.name, judged_at)
+                ),
+                declared=self.declared.get(r.name),
             )
             for r in cfg.replicas
         }
