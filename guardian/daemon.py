@@ -182,6 +182,8 @@ class Daemon:
     async def _tick(self) -> None:
         self.journal.send_each(Priority.ERROR, self.persistent.load())
         self.watchdog.say_bus(self.cfg.bus_lost_restart_s)
+        if not self.rescan and self.observer.logind_changed():  # logind's files changed: H1 judged again
+            self.rescan = True
         if self.rescan:  # hazards and wiring
             self.rescan = False
             self.exports.metrics.set_hazards(self.notices.hazards(self.cfg, await self.observer.scan(self.cfg)))

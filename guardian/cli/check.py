@@ -20,13 +20,14 @@ from ..core import bypass, drain, gates, hazards, startfit, stopping, thresholds
 from ..core import weights as core_weights
 from ..core.container import KEEPING_POLICIES, helper_unit, parse_run_line, unit_problems
 from ..core.observations import Probe, UnitInfo, VllmSample
+from ..core.outside import outside_hazards
 from ..core.vocab import ActiveState, HeldBy, Hidden, Nobody, PortOwner
 from ..core.wiring import problem_of
 from ..observe import clock, probes, warmup
 from ..observe import weights as observe_weights
 from ..observe.addresses import pin_of
 from ..observe.containers import ContainerWatch
-from ..observe.declared import declared_of
+from ..observe.declared import declared_of, read_logind
 from ..observe.memory import env_path, service_details, wiring_of
 from ..observe.nvml import Nvml
 from ..observe.probes import make_client
@@ -176,6 +177,8 @@ async def _check_units(cfg: Config, sd: Systemd, report: Report) -> _Bus:
     for h in hazards.find_hazards(cfg, units, enabled):
         report.problem(h.message, "hazard")
     declared = {r.name: await declared_of(sd, r) for r in cfg.replicas}
+    for h in outside_hazards(cfg, declared, await asyncio.to_thread(read_logind)):
+        report.problem(h.message, "hazard")
     for text in stopping.warnings(cfg, declared):
         report.problem(text, "warning")
     if cfg.memory.enabled:

@@ -227,6 +227,16 @@ class UnitDeclared:
 
 
 @dataclass(frozen=True)
+class LogindConf:
+    """What systemd-logind reads its settings from, in the order it applies them (the main file,
+    then its drop-ins by name: a later assignment wins), each (path, text): read by the observer
+    (observe/declared.py), judged by core/outside.py. ERROR says why some could not be read."""
+
+    files: tuple[tuple[str, str], ...] = ()
+    error: str | None = None
+
+
+@dataclass(frozen=True)
 class ReplicaObservation:
     name: str
     at: float

@@ -18,6 +18,7 @@ from ..core.memstate import Pending
 from ..core.observations import (
     CanaryResult,
     ConnView,
+    LogindConf,
     PersistentView,
     Probe,
     ProcView,
@@ -35,7 +36,7 @@ from .addresses import Addresses, Pin
 from .clock import Now
 from .conns import ConnObserver
 from .containers import ContainerWatch
-from .declared import declared_of
+from .declared import declared_of, logind_signature, read_logind
 from .procs import ProcObserver
 from .sockets import (
     CGROUP_ROOT,
@@ -306,6 +307,8 @@ class UnitScan:
     units: dict[str, UnitInfo | None]
     enabled_conflicts: dict[str, tuple[str, ...]]
     enabled_error: str | None = None
+    declared: dict[str, UnitDeclared] = field(default_factory=dict)  # by replica: how its unit runs its server
+    logind: LogindConf | None = None  # logind's files (core/outside.py H1); None: not read
 
 
 class WorldObserver:
@@ -325,6 +328,7 @@ class WorldObserver:
         self.containers = ContainerWatch(sd)
         self.addresses = Addresses()
         self.declared: dict[str, UnitDeclared] = {}  # how each replica's unit runs its server, as last read
+        self.logind_seen: tuple[tuple[str, int, int], ...] = ()  # logind's files at the last scan
 
     def _cpu_units(self, cfg: Config) -> dict[str, str]:
         """A Docker replica's work is done in its container's scope, not in its unit (the docker CLI)."""
@@ -371,13 +375,19 @@ class WorldObserver:
             else:
                 units[r.unit], _ = await unit_or_error(self.sd, r.unit)
         try:
-            scan = UnitScan(units, await self.sd.enabled_service_conflicts())
+            enabled, error = await self.sd.enabled_service_conflicts(), None
         except SystemdError as e:
-            scan = UnitScan(units, {}, str(e))
-        await self.read_declared(cfg)
+            enabled, error = {}, str(e)
+        declared = await self.read_declared(cfg)
+        self.logind_seen = await asyncio.to_thread(logind_signature)
+        logind = await asyncio.to_thread(read_logind)
         if cfg.memory.enabled:
             await self.memory.scan_wiring(cfg)
-        return scan
+        return UnitScan(units, enabled, error, declared, logind)
+
+    def logind_changed(self) -> bool:
+        """logind's files changed since the last scan (H1 is judged on them): a few stat(2) calls."""
+        return logind_signature() != self.logind_seen
 
     async def read_declared(self, cfg: Config) -> dict[str, UnitDeclared]:
         """How each replica's unit says its server runs (observe/declared.py), read afresh and kept for
