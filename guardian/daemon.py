@@ -24,6 +24,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from . import __version__
+from .act import fit
 from .act.executor import Executor
 from .act.journal import Journal
 from .act.notices import Notices
@@ -197,7 +198,7 @@ class Daemon:
         # Judge as of when the answers were in: a probe that hung for its whole timeout has
         # shown no answer for that long, and the tick started before it was sent.
         at = self.clock()
-        obs = replace(obs, proxy=self.proxy.view())
+        obs = replace(obs, proxy=self.proxy.view(), not_returned=fit.not_returned_now(self.executor.tools.leftovers))
         self.state, actions = tick.decide(self.state, obs, at.mono, self.cfg)
         self.executor.perform(actions, self.state.tracks, at)
         self.exports.metrics.gauges(self.cfg, self.state, obs, self.persistent.view(at), at)

@@ -224,6 +224,12 @@ class NotReturned:
     at_wall: float
 
 
+def not_returned_now(leftovers: Mapping[str, NotReturned]) -> dict[str, int]:
+    """U8's findings that stand now, by replica: the bytes that did not come back. The one reading of
+    U8 outside the fit step: the tick's observation carries it to the start loop (core/startloop.py, A6)."""
+    return {name: found.bytes for name, found in leftovers.items()}
+
+
 @dataclass(frozen=True)
 class Fitted:
     """A fit step's answer: REFUSED (None: start; else why not, said at error), the figures it was

@@ -195,9 +195,12 @@ async def _check_fit(cfg: Config, sd: Systemd, units: dict[str, UnitInfo | None]
         report.say(f"start fit: not judged on this box ({startfit.NOT_UNIFIED.id}: {why})")
         return
     try:
-        left = json.loads((cfg.runtime_dir / STATUS_FILE).read_text()).get("not_returned", {})
-    except (OSError, ValueError):
-        left = {}  # no daemon running, or its status unreadable: nothing it found to repeat
+        status = json.loads((cfg.runtime_dir / STATUS_FILE).read_text())
+        left, loops = status.get("not_returned", {}), status.get("start_loops", {})
+    except (OSError, ValueError, AttributeError):
+        left, loops = {}, {}  # no daemon running, or its status unreadable: nothing it found to repeat
+    for _name, text in sorted(loops.items()):
+        report.problem(f"{text} (found by the running guardian)", "hazard")
     for name, found in sorted(left.items()):
         report.problem(
             f"hazard: replica {name}: {found['bytes'] / 2**30:.1f} GiB its processes held did not come back when they "
