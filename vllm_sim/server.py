@@ -828,6 +828,9 @@ def parse_args(argv=None):
     p.add_argument("--shutdown-timeout", type=float, default=0.0,
                    help="as vLLM >= 0.32: on SIGTERM, stop accepting and give running requests up to N s "
                         "(0: abort them)")
+    p.add_argument("--kv-transfer-config", default=None,
+                   help="as vLLM's KV connector (JSON): accepted and ignored, the simulator keeps no KV outside "
+                        "its process")
     p.add_argument("--hang-on-sigterm", action="store_true",
                    help="while the engine is dead, frozen or spinning, or the process frozen, SIGTERM does not "
                         "end the process")
