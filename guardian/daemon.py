@@ -183,6 +183,8 @@ class Daemon:
     async def _tick(self) -> None:
         self.journal.send_each(Priority.ERROR, self.persistent.load())
         self.watchdog.say_bus(self.cfg.bus_lost_restart_s)
+        if not self.rescan and self.observer.logind_changed():  # logind's files changed: H1 judged again
+            self.rescan = True
         if self.rescan:  # hazards and wiring
             self.rescan = False
             self.exports.metrics.set_hazards(self.notices.hazards(self.cfg, await self.observer.scan(self.cfg)))
@@ -196,7 +198,7 @@ class Daemon:
         # Judge as of when the answers were in: a probe that hung for its whole timeout has
         # shown no answer for that long, and the tick started before it was sent.
         at = self.clock()
-        obs = replace(obs, proxy=self.proxy.view())
+        obs = replace(obs, proxy=self.proxy.view(), not_returned=fit.not_returned_now(self.executor.tools.leftovers))
         self.state, actions = tick.decide(self.state, obs, at.mono, self.cfg)
         self.executor.perform(actions, self.state.tracks, at)
         self.exports.metrics.gauges(self.cfg, self.state, obs, self.persistent.view(at), at)

@@ -7,7 +7,20 @@ README keeps a short account and links there); a test checks docs/rules.md again
 
 from __future__ import annotations
 
-from .core import admission, bypass, drain, fleet, gates, liveness, memguard, startfit, startguard, weights
+from .core import (
+    admission,
+    bypass,
+    drain,
+    fleet,
+    gates,
+    liveness,
+    memguard,
+    outside,
+    startfit,
+    startguard,
+    stopping,
+    weights,
+)
 from .core.rules import markdown_table
 
 # Where the tables live, relative to the repository root.
@@ -28,6 +41,8 @@ def tables() -> dict[str, str]:
         "fleet": markdown_table(fleet.RULES, "outcome"),
         "bypass": markdown_table(bypass.RULES, "outcome"),
         "weights": markdown_table(weights.RULES, "verdict"),
+        "stopping": markdown_table(stopping.RULES, "outcome"),
+        "outside": markdown_table(outside.RULES, "outcome"),
     }
 
 

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .config import Config, ReplicaConfig
-from .core.admission import budget
+from .core import stopping
+from .core.admission import START_LOOP, budget, start_loop_why
 from .core.liveness import Track
 from .core.observations import Activity, MemorySample, PersistentView, ReplicaObservation, TickObservation, gib
 from .core.tick import TickState
@@ -133,6 +134,11 @@ def status_dict(
         "status": status_line(cfg, snapshot.state, snapshot.persistent, snapshot.memory, now.mono),
         "bypassing": [b.hazard(cfg, now.mono).message for b in snapshot.state.bypassing],
         "not_returned": {name: {"bytes": n, "at": at} for name, (n, at) in snapshot.not_returned.items()},
+        "start_loops": {  # replicas in a start loop (A6): guardian causes no start of them
+            name: _start_loop_text(name, track)
+            for name, track in snapshot.state.tracks.items()
+            if track.start_run.looping
+        },
         "weights": {
             name: None if w is None else {"digest": w.digest, "what": w.what} for name, w in snapshot.weights.items()
         },
@@ -140,6 +146,11 @@ def status_dict(
         "replicas": {r.name: _replica_status(cfg, r, snapshot, now) for r in cfg.replicas},
         "memory": _memory_status(cfg, snapshot, now),
     }
+
+
+def _start_loop_text(name: str, track: Track) -> str:
+    why = start_loop_why(track.start_run)
+    return f"replica {name}: {why.reason} ({START_LOOP.id}); {why.remedy}"
 
 
 def _replica_status(cfg: Config, r: ReplicaConfig, snapshot: Snapshot, now: Now) -> dict[str, Any]:
@@ -171,6 +182,8 @@ def _replica_status(cfg: Config, r: ReplicaConfig, snapshot: Snapshot, now: Now)
         else "not checked (memory guard off)",
         "connections": _connections(observed),
         "processes": _processes(observed, snapshot.state.tracks.get(r.name)),
+        # a planned restart's stop bound (core/stopping.py T1): `guardian restart` waits for it
+        "stop_bound_s": stopping.planned_stop(cfg, observed.declared if observed is not None else None).bound_s,
     }
 
 

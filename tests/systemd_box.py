@@ -137,10 +137,13 @@ def ensure_deps() -> Path:
     """The guest's Python dependencies, installed from the host for the guest's CPython."""
     arch = platform.machine()
     target = CACHE / f"deps-py{GUEST_PYTHON}-{arch}-{_key(PY_DEPS, PURE_SDIST_DEPS)}"
-    if (target / ".complete").exists():
-        return target
-    with host_lock("deps"):
-        return _install_deps(target, arch)
+    if not (target / ".complete").exists():
+        with host_lock("deps"):
+            _install_deps(target, arch)
+    # mkdtemp made it 0700: a replica unit with User= (a regular user, test_system_outside.py) imports from it too
+    if target.stat().st_mode & 0o005 != 0o005:
+        target.chmod(0o755)
+    return target
 
 
 def _install_deps(target: Path, arch: str) -> Path:

@@ -261,6 +261,45 @@ def test_hang_on_sigterm_keeps_a_dead_engines_process_until_sigkill(sim):
     assert s.proc.wait(5) == -signal.SIGKILL
 
 
+def plain_completion_in_thread(s: Running, max_tokens: int) -> list:
+    """A plain completion on a thread; the list gets (status, body) or the exception that ended it."""
+    got: list = []
+
+    def ask() -> None:
+        try:
+            r = httpx.post(s.url + "/v1/completions", timeout=60,
+                           json={"model": "m", "prompt": "x", "max_tokens": max_tokens})
+            got.append((r.status_code, r.json()))
+        except httpx.HTTPError as e:
+            got.append(e)
+    threading.Thread(target=ask, daemon=True).start()
+    return got
+
+
+def test_shutdown_timeout_lets_a_running_completion_finish_and_refuses_new_ones(sim):
+    """vLLM's --shutdown-timeout N: on SIGTERM no new request, the running ones answered in full."""
+    s = sim("--shutdown-timeout", "20").wait_up()
+    got = plain_completion_in_thread(s, 100)  # 2 s at 50 tokens a second
+    wait_for(lambda: s.get("/_sim/state").json()["plain"] > 0, 10, "the completion running")
+    s.proc.send_signal(signal.SIGTERM)
+    wait_for(lambda: got, 20, "the completion's answer")
+    (status, body), = got
+    assert status == 200 and body["usage"]["completion_tokens"] == 100
+    assert s.proc.wait(10) == 0
+    with pytest.raises(httpx.ConnectError):
+        s.get("/health")
+
+
+def test_without_shutdown_timeout_sigterm_aborts_a_running_completion(sim):
+    s = sim().wait_up()
+    got = plain_completion_in_thread(s, 500)
+    wait_for(lambda: s.get("/_sim/state").json()["plain"] > 0, 10, "the completion running")
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.proc.wait(10) == 0
+    wait_for(lambda: got, 10, "the completion to end")
+    assert isinstance(got[0], httpx.HTTPError), got
+
+
 def test_without_hang_on_sigterm_a_dead_engines_process_stops(sim):
     s = sim().wait_up()
     s.post("/_sim/fault", {"fault": "engine-dead"})

@@ -187,19 +187,25 @@ def test_a_memory_guard_lowering_with_8_streams_drains_first_and_no_client_reque
 
 @pytest.mark.parametrize("how", ["drained", "no-drain"])
 def test_a_planned_restart_whose_stop_hangs_is_killed_after_stop_timeout_s_drained_or_not(world, how):
-    """vLLM's --shutdown-timeout lets running requests finish on SIGTERM; a request longer than the
-    drain (drain_timeout_s 2 s here) keeps the stop waiting. guardian's bounded stop (3 s) kills it
-    instead of waiting for the unit's TimeoutStopSec (90 s); with `--no-drain` too (issue 35 item 5:
-    an undrained loaded vLLM's stop took 196.5 s)."""
+    """A stop that lasts (here the unit's ExecStop= hangs, as a `docker stop` that does not return
+    can) keeps a restart waiting. guardian's bounded stop (3 s) kills it instead of waiting for the
+    unit's TimeoutStopSec (90 s); with `--no-drain` too (issue 35 item 5: an undrained loaded vLLM's
+    stop took 196.5 s). (A vLLM that lets its requests finish, --shutdown-timeout, is given that long
+    first: test_system_shutdown.py.)"""
     a = world.replicas[0]
-    a.sim_args = "--shutdown-timeout 600"
-    a.service_extra = "TimeoutStopSec=90s"
+    # its ExecStop= hangs until this file is there: the world's teardown stops it at once
+    stops_at_once = "/run/vllm-a-stops-at-once"
+    world.box.run(["rm", "-f", stops_at_once])
+    a.service_extra = f"TimeoutStopSec=90s\nExecStop=/bin/sh -c '[ -e {stops_at_once} ] || exec sleep 600'"
     world = proxied_world(world, drain_timeout_s=2, stop_timeout_s=3)
     world.start_load(clients=2, max_tokens=5000)  # 250 s per request
     wait_for(lambda: running(world, a) > 0, 20, "a long request running on a")
     old = world.box.identity(a.unit)
     flags = ["--no-drain"] if how == "no-drain" else []
-    asked = world.box.run(["guardian", "restart", "a", *flags], check=False, timeout=120)
+    try:
+        asked = world.box.run(["guardian", "restart", "a", *flags], check=False, timeout=120)
+    finally:
+        world.box.run(["touch", stops_at_once])
     assert asked.returncode == 0, asked.stdout + asked.stderr
     assert world.box.identity(a.unit) != old
     line = world.guardian_messages("GUARDIAN_REPLICA=a", "GUARDIAN_DECISION=restart")[0]

@@ -451,6 +451,13 @@ class Sim:
         self.starve_rngs: dict[str, random.Random] = {}
         self.starve_seed: object = None
         self.starve_drawn: dict[str, list[float]] = {}  # each path's delays so far, for /_sim/state
+        # completions being answered (read to written): a stop with --shutdown-timeout waits for their last byte
+        self.answering = 0
+        self.answering_lock = threading.Lock()
+
+    def answers(self, delta: int) -> None:
+        with self.answering_lock:
+            self.answering += delta
 
     def set_fault(self, spec: dict) -> None:
         name = spec.get("fault")
@@ -659,8 +666,12 @@ def make_handler(sim: Sim):
                                          float(body.get("chunk_s", 2.7)), bool(body.get("coschedule", False)))
                 return self._json(200, {"prefill": True})
             if path in ("/v1/completions", "/v1/chat/completions"):
-                sim.starve(path)
-                return self._complete(path, body)
+                sim.answers(+1)
+                try:
+                    sim.starve(path)
+                    return self._complete(path, body)
+                finally:
+                    sim.answers(-1)
             self._json(404, {"detail": "Not Found"})
 
         def _complete(self, path: str, body: dict) -> None:
@@ -817,6 +828,9 @@ def parse_args(argv=None):
     p.add_argument("--shutdown-timeout", type=float, default=0.0,
                    help="as vLLM >= 0.32: on SIGTERM, stop accepting and give running requests up to N s "
                         "(0: abort them)")
+    p.add_argument("--kv-transfer-config", default=None,
+                   help="as vLLM's KV connector (JSON): accepted and ignored, the simulator keeps no KV outside "
+                        "its process")
     p.add_argument("--hang-on-sigterm", action="store_true",
                    help="while the engine is dead, frozen or spinning, or the process frozen, SIGTERM does not "
                         "end the process")
@@ -918,7 +932,7 @@ def main(argv=None) -> int:
         while time.monotonic() < end:
             with sim.engine.lock:
                 left = sum(1 for r in sim.engine.running + sim.engine.waiting if not r.synthetic)
-            if not left:
+            if not left and not sim.answering:  # every answer written to its last byte, as vLLM's drain
                 break
             time.sleep(0.05)
     log("Shutting down")

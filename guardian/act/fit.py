@@ -254,6 +254,12 @@ def judge_kept(leftovers: dict[str, Leftover], r: ReplicaConfig, look: LeftoverL
     )
 
 
+def not_returned_now(leftovers: Mapping[str, Leftover]) -> dict[str, int]:
+    """U8's findings that stand now, by replica: the bytes that did not come back. The one reading of
+    U8 outside the fit step: the tick's observation carries it to the start loop (core/startloop.py, A6)."""
+    return {name: found.missing_bytes for name, found in leftovers.items()}
+
+
 @dataclass(frozen=True)
 class Fitted:
     """A fit step's answer: REFUSED (None: start; else why not, said at error), the figures it was

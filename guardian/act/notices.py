@@ -11,6 +11,7 @@ from ..core import weights
 from ..core.actions import LogLine
 from ..core.hazards import Hazard, find_hazards
 from ..core.observations import FleetView
+from ..core.outside import outside_hazards
 from ..core.vocab import Decision, Priority
 from ..core.weights import Weights
 from ..observe.addresses import Pin
@@ -21,7 +22,7 @@ from .journal import Journal
 class Notices:
     def __init__(self, journal: Journal) -> None:
         self.journal = journal
-        self.hazards_said: set[str] = set()  # the keys of the hazards found by the last scan
+        self.hazards_said: dict[str, Hazard] = {}  # the hazards found by the last scan, by key
         self.kernel_view_said: str | None = None  # why the kernel's view was last said to be missing
         self.weights_seen: dict[str, Weights | None] = {}  # each replica's fingerprint, as last read
         self.weights_said: dict[str, Hazard] = {}  # the weights hazards said (W1, W3), by key
@@ -85,12 +86,29 @@ class Notices:
                 Priority.ERROR, f"cannot list enabled unit files for the Conflicts= scan: {seen.enabled_error}"
             )
         found = find_hazards(cfg, seen.units, seen.enabled_conflicts)
+        found += outside_hazards(cfg, seen.declared, seen.logind)
         for h in found:
             if h.key not in self.hazards_said:
                 self.journal.line(
-                    LogLine(Priority.ERROR, f"hazard: {h.message}", Decision.HAZARD, h.replica, h.unit, hazard=h.key)
+                    LogLine(
+                        Priority.ERROR,
+                        f"hazard: {h.message}",
+                        Decision.HAZARD,
+                        h.replica,
+                        h.unit,
+                        rule=h.rule,
+                        hazard=h.key,
+                    )
                 )
-        self.hazards_said = {h.key for h in found}
+        keys = {h.key for h in found}
+        for key, gone in self.hazards_said.items():  # one that says when it ends (Hazard.over) says so once
+            if key not in keys and gone.over:
+                self.journal.line(
+                    LogLine(
+                        Priority.INFO, gone.over, Decision.NOTE, gone.replica, gone.unit, rule=gone.rule, hazard=key
+                    )
+                )
+        self.hazards_said = {h.key: h for h in found}
         return found
 
     def weights(

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from ..config import Config, ReplicaConfig
-from ..core import gates
+from ..core import gates, stopping
 from ..core.actions import HUNG_STOP_GRACE_S, LogLine
 from ..core.container import helper_unit
 from ..core.observations import MemorySample, RestartOutcome, UnitInfo
@@ -248,7 +248,7 @@ async def _issue(tools: Tools, order: RestartOrder, stop: Stop) -> RestartOutcom
         result = await units.restart(
             tools.sd,
             r.unit,
-            tools.cfg.watchdog.restart_job_timeout_s,
+            stopping.job_wait_s(tools.cfg, order.stop_timeout_s),
             start_if_stopped=order.allow_failed,
             kill=stop.during(order),
         )

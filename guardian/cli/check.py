@@ -17,10 +17,11 @@ import psutil
 from ..act import fit, proxy_check
 from ..act.state import STATUS_FILE, CorruptState, StateStore, view
 from ..config import Config, ConfigError, ReplicaConfig, config_path, load_config
-from ..core import bypass, drain, gates, hazards, startfit, thresholds
+from ..core import bypass, drain, gates, hazards, startfit, stopping, thresholds
 from ..core import weights as core_weights
 from ..core.container import KEEPING_POLICIES, helper_unit, parse_run_line, unit_problems
 from ..core.observations import FleetMember, Probe, UnitInfo, VllmSample
+from ..core.outside import outside_hazards
 from ..core.vocab import ActiveState, HeldBy, Hidden, Nobody, PortOwner
 from ..core.weights import Weights
 from ..core.wiring import problem_of
@@ -28,6 +29,7 @@ from ..observe import clock, probes, warmup
 from ..observe import weights as observe_weights
 from ..observe.addresses import pin_of
 from ..observe.containers import ContainerWatch
+from ..observe.declared import declared_of, read_logind
 from ..observe.memory import env_path, service_details, wiring_of
 from ..observe.nvml import Nvml
 from ..observe.probes import make_client
@@ -177,6 +179,11 @@ async def _check_units(cfg: Config, sd: Systemd, report: Report) -> _Bus:
         enabled = {}
     for h in hazards.find_hazards(cfg, units, enabled):
         report.problem(h.message, "hazard")
+    declared = {r.name: await declared_of(sd, r) for r in cfg.replicas}
+    for h in outside_hazards(cfg, declared, await asyncio.to_thread(read_logind)):
+        report.problem(h.message, "hazard")
+    for text in stopping.warnings(cfg, declared):
+        report.problem(text, "warning")
     if cfg.memory.enabled:
         await _check_wiring(cfg, sd, report)
     await _check_fit(cfg, sd, units, report)
@@ -191,9 +198,12 @@ async def _check_fit(cfg: Config, sd: Systemd, units: dict[str, UnitInfo | None]
         report.say(f"start fit: not judged on this box ({startfit.NOT_UNIFIED.id}: {why})")
         return
     try:
-        left = json.loads((cfg.runtime_dir / STATUS_FILE).read_text()).get("not_returned", {})
-    except (OSError, ValueError):
-        left = {}  # no daemon running, or its status unreadable: nothing it found to repeat
+        status = json.loads((cfg.runtime_dir / STATUS_FILE).read_text())
+        left, loops = status.get("not_returned", {}), status.get("start_loops", {})
+    except (OSError, ValueError, AttributeError):
+        left, loops = {}, {}  # no daemon running, or its status unreadable: nothing it found to repeat
+    for _name, text in sorted(loops.items()):
+        report.problem(f"{text} (found by the running guardian)", "hazard")
     for name, found in sorted(left.items()):
         report.problem(f"hazard: {startfit.not_returned_text(name, found['bytes'], 'found by the running guardian')}")
     for r in cfg.replicas:

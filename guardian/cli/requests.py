@@ -25,7 +25,7 @@ from ..act.journal import Journal
 from ..act.restart import Tools
 from ..act.state import STATUS_FILE, CorruptState, StateDoc, StateStore, stamp, view
 from ..config import Config
-from ..core import tick
+from ..core import stopping, tick
 from ..core.actions import (
     AcquireSlot,
     Action,
@@ -146,12 +146,23 @@ def _running_daemon(cfg: Config) -> int | None:
     return pid
 
 
-def _answer_margin_s(cfg: Config) -> float:
-    """How long an admitted restart takes to be answered at most: its job, ten ticks, and its drain."""
-    margin_s = cfg.watchdog.restart_job_timeout_s + 10 * cfg.interval_s + 10
+def _answer_margin_s(cfg: Config, stop_bound_s: float | None = None) -> float:
+    """How long an admitted restart takes to be answered at most: its job (waited for longer by as much
+    as STOP_BOUND_S, the replica's planned stop bound, is past P.stop_timeout_s: core/stopping.py T1),
+    ten ticks, and its drain."""
+    margin_s = stopping.job_wait_s(cfg, stop_bound_s) + 10 * cfg.interval_s + 10
     if cfg.proxy.enabled:  # it drains first (README, Under a proxy)
         margin_s += cfg.proxy.drain_timeout_s + cfg.proxy.stop_timeout_s
     return margin_s
+
+
+def _stop_bound_s(cfg: Config, name: str) -> float | None:
+    """NAME's planned stop bound as the running daemon last said it (its status file), or None."""
+    try:
+        data = json.loads(read_back(cfg.runtime_dir / STATUS_FILE, STATUS_MAX_BYTES))
+        return float(data["replicas"][name]["stop_bound_s"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _ask_daemon_to_restart(cfg: Config, name: str, pid: int, wait_s: float | None, no_drain: bool = False) -> int:
@@ -160,7 +171,7 @@ def _ask_daemon_to_restart(cfg: Config, name: str, pid: int, wait_s: float | Non
     then for as long as an admitted restart takes."""
     rid = uuid.uuid4().hex[:16]
     asked = clock.now()
-    waits_s = (wait_s or 0.0) + _answer_margin_s(cfg)
+    waits_s = (wait_s or 0.0) + _answer_margin_s(cfg, _stop_bound_s(cfg, name))
     me = askers.start_ticks(os.getpid())
 
     def ask(d: StateDoc) -> None:
@@ -281,6 +292,7 @@ async def _decide_alone(cfg: Config, observer: WorldObserver, name: str, wait_s:
             print(f"warning: {e}", file=sys.stderr)
             pv = view(store.update(lambda d: None), now)
         observer.invalidate()  # no daemon follows systemd's signals: every look asks afresh
+        await observer.read_declared(cfg)
         await observer.pin(cfg)
         replicas = await observer.replicas(cfg, now.mono)
         now = clock.now()
@@ -320,7 +332,7 @@ class Alone:
         answered, None while it waits."""
         taken = [a for a in actions if taken_alone(a, self.name)]
         self.executor.perform(taken, tracks, at)
-        limit_s = _answer_margin_s(self.executor.cfg)
+        limit_s = _answer_margin_s(self.executor.cfg, _order_bound_s(taken))
         if await self.executor.stop(limit_s):
             print(
                 f"guardian: the restart of {self.name} did not end within {limit_s:g} s; stopped waiting for it "
@@ -335,6 +347,12 @@ class Alone:
         restarted = any(isinstance(a, RestartUnit) for a in taken)
         print(answer.message, file=sys.stdout if answer.ok or restarted else sys.stderr)
         return Exit.OK if answer.ok else Exit.WAITED_OUT if answer.waited_out else Exit.PROBLEM
+
+
+def _order_bound_s(taken: list[Action]) -> float | None:
+    """The longest planned stop bound among TAKEN's restarts (core/stopping.py T1), or None."""
+    bounds = [a.stop_timeout_s for a in taken if isinstance(a, RestartUnit | SetFraction) and a.stop_timeout_s]
+    return max(bounds, default=None)
 
 
 def taken_alone(action: Action, name: str) -> bool:

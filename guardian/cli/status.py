@@ -57,12 +57,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     )
     if data.get("memory"):
         _print_memory(data["memory"])
-    for text in data.get("bypassing", []):
-        print(f"hazard: {text}")
-    for name, left in sorted(data.get("not_returned", {}).items()):
-        print(f"hazard: {startfit.not_returned_text(name, left['bytes'])}")
-    for text in data.get("weights_differ", []):
-        print(f"hazard: {text}")
+    _print_hazards(data)
     weights = data.get("weights", {})
     for name, r in data.get("replicas", {}).items():
         extra = " GAVE UP (restart budget spent)" if r.get("gave_up") else ""
@@ -80,6 +75,18 @@ def cmd_status(args: argparse.Namespace) -> int:
         if isinstance(procs, dict):
             print(f"  {'':<12} {_processes_line(procs)}")
     return Exit.OK if not stale else Exit.NOT_SERVING
+
+
+def _print_hazards(data: dict[str, Any]) -> None:
+    """The hazards the running daemon found that only its status file holds."""
+    for text in data.get("bypassing", []):
+        print(f"hazard: {text}")
+    for name, left in sorted(data.get("not_returned", {}).items()):
+        print(f"hazard: {startfit.not_returned_text(name, left['bytes'])}")
+    for text in data.get("weights_differ", []):
+        print(f"hazard: {text}")
+    for _name, text in sorted(data.get("start_loops", {}).items()):
+        print(f"hazard: {text}")
 
 
 def _print_memory(mem: dict[str, Any]) -> None:

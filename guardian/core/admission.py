@@ -1,7 +1,7 @@
 """Restart admission: may this replica's unit be restarted now? The one owner of that rule. Pure.
 
 Every restart, whoever asks for it (the watchdog, the memory guard, an operator's
-`guardian restart`), passes admission first: the rows of ROWS below (A1-A3: each its table row,
+`guardian restart`), passes admission first: the rows of ROWS below (A1, A6, A2, A3: each its table row,
 the predicate that says when it refuses and what it says then, over one _Asked; RULES, their
 rules, is rendered into docs/rules.md), then the unit gates (core/gates.py, G1-G9). The first that
 fails is the refusal. With ``dry_run = true`` an admitted
@@ -20,11 +20,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..config import Config, ReplicaConfig, WatchdogConfig
-from . import gates
+from . import gates, startfit
 from .actions import AnswerRequest, LogLine, RequestWaits
 from .liveness import Track
-from .observations import PersistentView, RestartRequest, TickObservation
+from .observations import PersistentView, RestartRequest, TickObservation, gib
 from .rules import Refusal, Row, Rule, Why, first_match
+from .startloop import StartRun
 from .vocab import LOADING_STATES, Decision, Gate, Priority
 from .work import Tick
 
@@ -98,6 +99,21 @@ def _one_at_a_time(asked: _Asked) -> Why:
     )
 
 
+def _start_loop(asked: _Asked) -> Why:
+    return start_loop_why(asked.tracks[asked.name].start_run)
+
+
+def start_loop_why(run: StartRun) -> Why:
+    """What A6 says of a replica in a start loop (RUN), for its refusals and `guardian status` and `check`."""
+    left = gib(run.not_returned_bytes or 0)
+    return Why(
+        f"a start loop: its last {run.failed} starts ended without serving while {left} its processes held did not "
+        f"come back ({startfit.NOT_RETURNED.id}); guardian causes no start of it",
+        "stop its unit until that memory is back (a reboot frees what the driver holds); guardian acts on it again "
+        "once it serves or the memory is back",
+    )
+
+
 ROWS: tuple[Row[_Asked, Why], ...] = (
     Row(
         Rule(
@@ -109,6 +125,19 @@ ROWS: tuple[Row[_Asked, Why], ...] = (
         ),
         lambda a: a.budget.spent,
         _budget_spent,
+    ),
+    Row(
+        START_LOOP := Rule(
+            "A6",
+            Gate.START_LOOP,
+            "its last 3 starts (FAILED_STARTS_LOOP: invocations of its unit that ended, or were followed by "
+            "another, without it serving; NRestarts counts those between two ticks) failed AND U8's finding for it "
+            "stands (memory its processes held did not come back): every restart guardian would cause of it is "
+            "refused (error), the start loop said once at critical when it begins, naming its unit's Restart= as "
+            "the loop that remains, and at info when it ends (it served, or the memory came back)",
+        ),
+        lambda a: a.name in a.tracks and a.tracks[a.name].start_run.looping,
+        _start_loop,
     ),
     Row(
         BACKOFF := Rule("A2", Gate.BACKOFF, "now - last restart < W.backoff_s x 2^(restarts in the window - 1)"),
@@ -132,7 +161,8 @@ ROWS: tuple[Row[_Asked, Why], ...] = (
 
 # A4: the refusals an operator's `guardian restart --wait D` waits through, by rule id. Each ends
 # without anyone acting; every refusal not here lasts until someone does (A1: the budget, until its
-# window moves on or `guardian resume`; G2-G5: the unit masked, not loaded, disabled or stopped on
+# window moves on or `guardian resume`; A6: a start loop, until it serves or its memory is back;
+# G2-G5: the unit masked, not loaded, disabled or stopped on
 # purpose; G7-G9: the port held by another, hidden, or a Conflicts= unit up) and is answered at once.
 PASSING_RULES: frozenset[str] = frozenset(
     {
@@ -150,7 +180,7 @@ WAIT_RULE = Rule(  # enforced by waits_through(), passing_refusal() and say_wait
     "(F3-F6) AND now < when it was asked + D: it stays open, said once per cause (info), and is asked again "
     "every tick; once now >= that, it is refused as it stands, after waiting D. Under a proxy, such a refusal "
     "when its drain is over marks the replica up again and the request waits again (drained anew once it may "
-    "go). Any other refusal (A1, G2-G5, G7-G9) is answered at once",
+    "go). Any other refusal (A1, A6, G2-G5, G7-G9) is answered at once",
 )
 WITHDRAW_RULE = Rule(  # enforced by core/requests.py _withdraw(), before any other rule of a request
     "A5",
@@ -176,7 +206,7 @@ def admit(
     cfg: Config,
     issued_this_tick: bool = False,
 ) -> Refusal | None:
-    """A1-A3 for replica NAME: the first that refuses, or None."""
+    """A1, A6, A2, A3 for replica NAME: the first that refuses, or None."""
     asked = _Asked(name, budget(name, persistent, now, cfg), tracks, now, cfg.watchdog, issued_this_tick)
     found = first_match(ROWS, asked)
     if found is None:
@@ -194,7 +224,7 @@ def refusal(
     cfg: Config,
     issued_this_tick: bool = False,
 ) -> Refusal | None:
-    """Admission (A1-A3), then the unit gates (G1-G9) on this tick's view of the unit."""
+    """Admission (A1, A6, A2, A3), then the unit gates (G1-G9) on this tick's view of the unit."""
     found = admit(name, tracks, obs.persistent, now, cfg, issued_this_tick)
     if found is not None:
         return found

@@ -14,6 +14,7 @@ The shapes guardian knows (README, Replicas in containers):
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from .observations import UnitInfo
@@ -62,6 +63,7 @@ class RunLine:
     mounts: tuple[tuple[str, str], ...] = ()  # (host path, path in the container) of -v / --mount binds and volumes
     envs: tuple[str, ...] = ()  # -e / --env, as written
     command: tuple[str, ...] = ()  # what follows the image: the engine's own arguments
+    env_files: tuple[str, ...] = ()  # --env-file, as written (guardian does not read them)
 
 
 def _mounts(engine: str, opts: dict[str, list[str]]) -> tuple[tuple[str, str], ...]:
@@ -155,7 +157,45 @@ def parse_run_line(argv: tuple[str, ...]) -> RunLine | None:
         mounts=_mounts(engine, opts),
         envs=tuple(envs),
         command=tuple(after_image),
+        env_files=tuple(opts.get("--env-file", [])),
     )
+
+
+@dataclass(frozen=True)
+class Served:
+    """What the server a unit runs is given: its command line and its environment. For a `docker
+    run` / `podman run` line, the container's command and its -e/--env (a bare `-e KEY` passes the
+    unit's own KEY on); else the unit's ExecStart= and environment, with what a leading `env K=V`
+    sets. ENV_COMPLETE is False where a --env-file guardian does not read may set more."""
+
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+    env_complete: bool = True
+
+
+_ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
+
+
+def served(argv: tuple[str, ...], env: Mapping[str, str]) -> Served:
+    """What the server of a unit whose ExecStart= is ARGV (expanded) and whose environment is ENV runs with."""
+    run = parse_run_line(argv)
+    if run is not None:
+        inside: dict[str, str] = {}
+        for pair in run.envs:
+            key, sep, value = pair.partition("=")
+            if sep:
+                inside[key] = value
+            elif key in env:
+                inside[key] = env[key]
+        return Served(run.command, inside, env_complete=not run.env_files)
+    mine = dict(env)
+    words = list(argv)
+    if words and words[0].rsplit("/", 1)[-1] == "env":
+        words = words[1:]
+        while words and _ASSIGNMENT.match(words[0]):
+            key, _, value = words.pop(0).partition("=")
+            mine[key] = value
+    return Served(tuple(argv), mine)
 
 
 def _mentions(lines: tuple[tuple[str, ...], ...], *needles: str) -> bool:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from ..config import Config, ReplicaConfig
-from . import admission, restarts
+from . import admission, restarts, stopping
 from .actions import AnswerRequest, LogLine, SetFraction, WarmUp
 from .drainstate import Drain, Phase
 from .liveness import Track, serves
@@ -637,8 +637,9 @@ def start_drain(t: Tick, replica: ReplicaConfig, request: RestartRequest, head: 
 def lowering_at_the_proxy(t: Tick, lowering: SetFraction) -> SetFraction:
     """A lowering's restart: after its drain (D8) with a bounded stop; a critical one, not drained,
     is marked down as it restarts (D10). Its stop is bounded in every case, as a planned one."""
-    if lowering.stop_timeout_s is None:
-        lowering = replace(lowering, stop_timeout_s=t.cfg.proxy.stop_timeout_s)
+    if lowering.stop_timeout_s is None:  # as long as its vLLM lets its requests finish, where it does (T1)
+        bound_s = stopping.planned_stop(t.cfg, t.obs.replicas[lowering.replica].declared).bound_s
+        lowering = replace(lowering, stop_timeout_s=bound_s)
     if not t.cfg.proxy.enabled:
         return lowering
     name = lowering.replica

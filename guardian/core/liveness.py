@@ -58,12 +58,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from ..config import ReplicaConfig, WatchdogConfig
 from .container import engine_holder
 from .observations import Activity, CanaryResult, Pause, Probe, ProcView, ReplicaObservation, UnitInfo, VllmSample
 from .rules import UNCHANGED, Row, Rule, first_match
+from .startloop import StartRun
 from .vocab import SERVING_STATES, ActiveState, HeldBy, PortOwner, State
 
 
@@ -629,6 +630,7 @@ class Track:
     health_in_time_since: float | None = None  # /health answered 2xx in time at every tick since then
     engine_proof_at: float | None = None  # the send time of a canary its engine never touched (C5)
     judged_canary: float | None = None  # the send time of the canary C5 judged while it was still out
+    start_run: StartRun = field(default_factory=StartRun)  # its starts, how many in a row failed (startloop, A6)
 
 
 def _progressed(prev: VllmSample | None, cur: VllmSample | None) -> bool:

@@ -208,6 +208,35 @@ class GpuLife:
 
 
 @dataclass(frozen=True)
+class UnitDeclared:
+    """How a replica's unit says its server runs, as systemd reports it, read when units may have
+    changed (at start, after a daemon-reload or a change of unit files, a reload of guardian's
+    config): what the stop bound (core/stopping.py) and the hazards from outside the replica
+    (core/outside.py) judge. ARGV is its first ExecStart= with its ${VAR}s expanded from ENV, the
+    environment the unit gives it (Environment=, overridden by its EnvironmentFile= entries in
+    order), as systemd runs it; UNSEEN says why it could not be read (nothing else is known then)."""
+
+    unit: str
+    argv: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+    user: str = ""  # User= ("": root)
+    uid: int | None = 0  # User='s uid on this box; None: a name this box does not resolve
+    timeout_stop_s: float | None = None  # TimeoutStopSec; None: infinity, or not reported
+    env_unreadable: tuple[str, ...] = ()  # its EnvironmentFile= entries that exist and could not be read
+    unseen: str | None = None
+
+
+@dataclass(frozen=True)
+class LogindConf:
+    """What systemd-logind reads its settings from, in the order it applies them (the main file,
+    then its drop-ins by name: a later assignment wins), each (path, text): read by the observer
+    (observe/declared.py), judged by core/outside.py. ERROR says why some could not be read."""
+
+    files: tuple[tuple[str, str], ...] = ()
+    error: str | None = None
+
+
+@dataclass(frozen=True)
 class ReplicaObservation:
     name: str
     at: float
@@ -228,6 +257,7 @@ class ReplicaObservation:
     conns: ConnView | None = None  # None: the kernel's view could not be read (said once)
     procs: ProcView | None = None  # None: the replica's processes could not be read
     gpus: tuple[GpuLife, ...] = ()  # each GPU's power and utilization; (): no NVML, or it reports neither
+    declared: UnitDeclared | None = None  # how its unit says it runs, as last read (None: not read)
 
     @property
     def all_probes_failed(self) -> bool:
@@ -415,6 +445,9 @@ class TickObservation:
     memory: MemoryObservation | None = None  # None: the memory guard is off
     proxy: ProxyView | None = None  # None: no proxy configured
     fleet: FleetView | None = None  # None: no fleet configured, or not read (core/fleet.py)
+    # replica -> the bytes its processes held that did not come back when they exited (core/startfit.py
+    # U8's standing findings, as the shell keeps them: act/fit.py not_returned_now); read by the start loop
+    not_returned: Mapping[str, int] = field(default_factory=dict)
 
 
 def gib(n: float) -> str:

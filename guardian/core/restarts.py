@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from ..config import ReplicaConfig
-from . import admission, memguard
+from . import admission, memguard, stopping
 from .actions import HUNG_STOP_GRACE_S, LogLine, RestartUnit
 from .liveness import Track
 from .rules import Refusal
@@ -67,21 +67,25 @@ def _issue(t: Tick, replica: ReplicaConfig, ask: RestartAsk) -> None:
     # A hung engine will not shut down gracefully: vLLM's API server would wait on it until
     # systemd's TimeoutStopSec. Its processes are killed once its stop has run HUNG_STOP_GRACE_S.
     kill = ask.kind is RestartKind.HANG
-    # Every planned stop is bounded, drained or not: a loaded vLLM's graceful stop took 196.5 s.
-    stop_timeout_s = None if kill else t.cfg.proxy.stop_timeout_s
-    how = f", its processes killed if its stop lasts {HUNG_STOP_GRACE_S:g} s (hung)" if kill else ""
-    if stop_timeout_s is not None:
-        how = f", its processes killed if the stop takes over {stop_timeout_s:g} s"
     track = t.tracks[replica.name]
+    seen = t.obs.replicas[replica.name]
+    # Every planned stop is bounded, drained or not: a loaded vLLM's graceful stop took 196.5 s; one
+    # whose vLLM lets its requests finish (--shutdown-timeout) is given that long first (T1).
+    stop = None if kill else stopping.planned_stop(t.cfg, seen.declared)
+    stop_timeout_s = stop.bound_s if stop is not None else None
+    how, held = f", its processes killed if its stop lasts {HUNG_STOP_GRACE_S:g} s (hung)", ""
+    if stop is not None:
+        how, held = stop.bound_text, stop.held_text(seen.metrics if seen.metrics is not None else track.last_sample)
+    rule = track.rule if kill else stopping.BOUND.id if stop is not None and stop.shutdown_s is not None else None
     said = LogLine(  # an action taken is always said: by the restart, once its re-check passes
         Priority.WARNING,
         f"{ask.head}; restarting {replica.unit}{how} (restart {budget.used + 1} of {budget.limit} in "
-        f"{t.cfg.watchdog.restart_window_s:.0f} s)",
+        f"{t.cfg.watchdog.restart_window_s:.0f} s){held}",
         Decision.RESTART,
         replica.name,
         replica.unit,
         state=track.state,
-        rule=track.rule if kill else None,
+        rule=rule,
     )
     t.actions.append(
         RestartUnit(

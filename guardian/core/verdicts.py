@@ -9,11 +9,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..config import ReplicaConfig
-from . import liveness
+from . import admission, liveness, startfit, startloop
 from .actions import LogLine, RecordCanaryLatencies, StartCanary
 from .liveness import Track
-from .observations import TickObservation
-from .vocab import RESTART_STATES, Decision, Priority, State
+from .observations import TickObservation, gib
+from .vocab import RESTART_STATES, SERVING_STATES, Decision, Priority, State
 from .work import Tick
 
 
@@ -70,10 +70,58 @@ def _judge(t: Tick, replica: ReplicaConfig, old: Track) -> None:
                 rule=liveness.CANARY_LATE.id,
             )
         )
+    new = _start_loop(t, replica, old, new)
     _learned(t, replica, old, new)
     if canary_timeout_s is not None:
         t.actions.append(StartCanary(replica.name, canary_timeout_s, t.now))
     t.tracks[replica.name] = new
+
+
+def _start_loop(t: Tick, replica: ReplicaConfig, old: Track, new: Track) -> Track:
+    """NEW with this tick's look at its unit's starts folded in (core/startloop.py); a start loop (A6)
+    said once at critical when it begins, once at info when it ends."""
+    seen = t.obs.replicas[replica.name]
+    found = t.obs.not_returned.get(replica.name)
+    run = startloop.fold(old.start_run, seen.unit, new.state in SERVING_STATES, found)
+    if run.looping and not old.start_run.looping:
+        restart = seen.unit.restart if seen.unit is not None and seen.unit.restart else "no"
+        loop = (
+            f"Restart={restart} in {replica.unit} is the loop that remains: systemd starts it again after every "
+            "failure, and nothing but an operator stops that"
+            if restart != "no"
+            else f"{replica.unit} has Restart=no: nothing starts it again but an operator"
+        )
+        t.say(
+            LogLine(
+                Priority.CRITICAL,
+                f"replica {replica.name}: {run.failed} starts of {replica.unit} in a row ended without serving while "
+                f"{gib(found or 0)} its processes held did not come back ({startfit.NOT_RETURNED.id}): guardian "
+                f"causes no start of it any more ({admission.START_LOOP.id}); {loop} (a compose restart loop of "
+                f"about 35 starts thrashed a GB10 until a physical reset); stop it (systemctl stop {replica.unit}) "
+                f"until that memory is back (what holds it: a file in /dev/shm, the driver; a reboot frees it), "
+                f"then systemctl start {replica.unit}",
+                Decision.HAZARD,
+                replica.name,
+                replica.unit,
+                rule=admission.START_LOOP.id,
+                hazard=f"start-loop:{replica.name}",
+            )
+        )
+    elif old.start_run.looping and not run.looping:
+        why = "it served again" if run.failed == 0 else "the memory its processes held came back"
+        t.say(
+            LogLine(
+                Priority.INFO,
+                f"replica {replica.name}: its start loop is over ({why}): guardian may cause its starts again "
+                f"({admission.START_LOOP.id})",
+                Decision.NOTE,
+                replica.name,
+                replica.unit,
+                rule=admission.START_LOOP.id,
+                hazard=f"start-loop:{replica.name}",
+            )
+        )
+    return replace(new, start_run=run)
 
 
 def _record_canary_latencies(t: Tick) -> None:

@@ -88,6 +88,7 @@ class Gate(StrEnum):
     FLEET = "fleet"  # a planned restart waits for the fleet (core/fleet.py)
     NO_PEER = "no-peer"  # under a proxy, a planned restart waits for another replica of its model to serve
     NO_FIT = "no-fit"  # the start cannot fit in the memory the device would see free (core/startfit.py U7)
+    START_LOOP = "start-loop"  # its starts fail one after another while its memory did not come back (A6)
 
 
 class MemVerdict(StrEnum):

@@ -18,12 +18,14 @@ from ..core.memstate import Pending
 from ..core.observations import (
     CanaryResult,
     ConnView,
+    LogindConf,
     PersistentView,
     Probe,
     ProcView,
     ReplicaObservation,
     RestartOutcome,
     TickObservation,
+    UnitDeclared,
     UnitInfo,
     VllmSample,
     WarmupResult,
@@ -34,6 +36,7 @@ from .addresses import Addresses, Pin
 from .clock import Now
 from .conns import ConnObserver
 from .containers import ContainerWatch
+from .declared import declared_of, logind_signature, read_logind
 from .procs import ProcObserver
 from .sockets import (
     CGROUP_ROOT,
@@ -304,6 +307,8 @@ class UnitScan:
     units: dict[str, UnitInfo | None]
     enabled_conflicts: dict[str, tuple[str, ...]]
     enabled_error: str | None = None
+    declared: dict[str, UnitDeclared] = field(default_factory=dict)  # by replica: how its unit runs its server
+    logind: LogindConf | None = None  # logind's files (core/outside.py H1); None: not read
 
 
 class WorldObserver:
@@ -322,6 +327,8 @@ class WorldObserver:
         self.procs = ProcObserver()
         self.containers = ContainerWatch(sd)
         self.addresses = Addresses()
+        self.declared: dict[str, UnitDeclared] = {}  # how each replica's unit runs its server, as last read
+        self.logind_seen: tuple[tuple[str, int, int], ...] = ()  # logind's files at the last scan
 
     def _cpu_units(self, cfg: Config) -> dict[str, str]:
         """A Docker replica's work is done in its container's scope, not in its unit (the docker CLI)."""
@@ -368,12 +375,26 @@ class WorldObserver:
             else:
                 units[r.unit], _ = await unit_or_error(self.sd, r.unit)
         try:
-            scan = UnitScan(units, await self.sd.enabled_service_conflicts())
+            enabled, error = await self.sd.enabled_service_conflicts(), None
         except SystemdError as e:
-            scan = UnitScan(units, {}, str(e))
+            enabled, error = {}, str(e)
+        declared = await self.read_declared(cfg)
+        self.logind_seen = await asyncio.to_thread(logind_signature)
+        logind = await asyncio.to_thread(read_logind)
         if cfg.memory.enabled:
             await self.memory.scan_wiring(cfg)
-        return scan
+        return UnitScan(units, enabled, error, declared, logind)
+
+    def logind_changed(self) -> bool:
+        """logind's files changed since the last scan (H1 is judged on them): a few stat(2) calls."""
+        return logind_signature() != self.logind_seen
+
+    async def read_declared(self, cfg: Config) -> dict[str, UnitDeclared]:
+        """How each replica's unit says its server runs (observe/declared.py), read afresh and kept for
+        the ticks' observations until units may have changed."""
+        found = await asyncio.gather(*(declared_of(self.sd, r) for r in cfg.replicas))
+        self.declared = {r.name: d for r, d in zip(cfg.replicas, found, strict=True)}
+        return self.declared
 
     async def observe(
         self,
@@ -444,8 +465,11 @@ class WorldObserver:
         judged_at = time.monotonic() if wait_s is not None else at_mono
         results = take_results()
         return {
-            r.name: replica_observation(
-                r, at_mono, units[r.unit], owners.get(r.port), results, self.carry.take(r.name, judged_at)
+            r.name: replace(
+                replica_observation(
+                    r, at_mono, units[r.unit], owners.get(r.port), results, self.carry.take(r.name, judged_at)
+                ),
+                declared=self.declared.get(r.name),
             )
             for r in cfg.replicas
         }

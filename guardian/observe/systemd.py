@@ -83,6 +83,7 @@ class ServiceDetails:
     exec_start: tuple[str, ...]  # argv of the first ExecStart=
     environment: tuple[str, ...] = ()  # Environment= as "KEY=VALUE"
     user: str = ""  # User= ("": root)
+    timeout_stop_us: int | None = None  # TimeoutStopUSec (None: infinity, or not reported)
 
 
 class Systemd:
@@ -300,12 +301,15 @@ class Systemd:
 
     async def service_details(self, name: str) -> ServiceDetails:
         path = await self.unit_path(name)
-        svc = await self._some_props(path, SERVICE_IFACE, ("EnvironmentFiles", "ExecStart", "Environment", "User"))
+        names = ("EnvironmentFiles", "ExecStart", "Environment", "User", "TimeoutStopUSec")
+        svc = await self._some_props(path, SERVICE_IFACE, names)
         env_files = tuple(str(p) for p, _optional in svc.get("EnvironmentFiles", []))
         exec_start = svc.get("ExecStart", [])
         argv = tuple(str(a) for a in exec_start[0][1]) if exec_start else ()
         env = tuple(str(e) for e in svc.get("Environment", []))
-        return ServiceDetails(env_files, argv, env, str(svc.get("User", "")))
+        stop_us = int(svc.get("TimeoutStopUSec", 2**64 - 1))
+        timeout_stop_us = stop_us if stop_us < 2**64 - 1 else None  # UINT64_MAX: infinity
+        return ServiceDetails(env_files, argv, env, str(svc.get("User", "")), timeout_stop_us)
 
     async def exec_lines(self, name: str) -> dict[str, tuple[tuple[str, ...], ...]]:
         """ExecStartPre, ExecStart, ExecStop and ExecStopPost of a service: the argv of each line."""
