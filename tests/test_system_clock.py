@@ -38,6 +38,7 @@ def step(world, offset: str) -> None:
 
 def test_a_wall_clock_step_changes_no_decision(world):
     world.replicas = [Replica("a", 8001), Replica("b", 8002, load_time_s=12)]
+    world.watchdog["engine_quiet_s"] = 120  # L22 out of reach: the unresponsive window (L8) is under test
     world.setup(start_guardian=False)
     run_under_faketime(world)
     world.start_guardian()

@@ -163,7 +163,7 @@ def test_a_box_serving_the_model_with_other_weights_is_a_hazard_on_the_other_box
         for i, other in ((0, "box1"), (1, "box0")):
             line = wait_for(lambda i=i: next((e for e in fleet.lines(i, "GUARDIAN_RULE=W3")), None), 60,
                             f"box{i} to see the other box's weights")
-            assert line["PRIORITY"] == "3" and f"{other}/a: dir:" in line["MESSAGE"], line
+            assert line["PRIORITY"] == "3" and f"{other}/a: dir2:" in line["MESSAGE"], line
             assert line["GUARDIAN_HAZARD"] == "weights-differ-fleet:m0"
         assert all(len(fleet.lines(i, "GUARDIAN_RULE=W3")) == 1 for i in range(2))  # said once
     finally:
