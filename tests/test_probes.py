@@ -247,7 +247,8 @@ def test_no_answer_at_all_with_a_probe_in_flight_is_no_news(pages):
 
 def test_the_parser_is_given_only_the_series_guardian_reads(pages, monkeypatch):
     """A 2.5 MiB page whose label value is all escapes kept one core busy for minutes in
-    prometheus_client's parser (quadratic): only the wanted lines may reach it."""
+    prometheus_client's parser (quadratic): only the wanted lines may reach it (here none do: they
+    are of the plain shape that parse_vllm_page reads without it)."""
     from guardian.observe import metrics
 
     r, server = pages
@@ -262,6 +263,12 @@ def test_the_parser_is_given_only_the_series_guardian_reads(pages, monkeypatch):
         return real(text)
 
     monkeypatch.setattr(metrics, "text_string_to_metric_families", recording)
+    probe, sample = run(lambda c: probes.probe_metrics(c, r))
+    assert probe.ok and sample is not None and sample.running == 2 and sample.generation_tokens == 40
+    assert all(n <= metrics.MAX_SELECTED_BYTES for n in given)
+    # A wanted line of another shape (a space after a comma): the wanted lines go to prometheus_client.
+    other_shape = REAL_LINES.replace('"0",model_name', '"0", model_name')
+    server.page = (other_shape + f'other_series{{label="{escapes}"}} 1\n' * 2).encode()
     probe, sample = run(lambda c: probes.probe_metrics(c, r))
     assert probe.ok and sample is not None and sample.running == 2 and sample.generation_tokens == 40
     assert given and max(given) <= metrics.MAX_SELECTED_BYTES
