@@ -10,6 +10,7 @@ import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import httpx
 import pytest
 
 from guardian.config import ReplicaConfig
@@ -346,3 +347,85 @@ def test_a_plain_get_to_nothing_is_refused_and_to_a_silent_server_times_out():
     finally:
         silent.close()
     assert not probe.ok and probe.error == "timeout" and probe.status is None
+
+
+# --- the canary over plain HTTP (plainhttp.request), over HTTPS with httpx ----------------------------
+
+def _completion_server(status: int = 200, answer: bytes = b'{"choices":[{"text":"x"}]}'):  # noqa: ANN202
+    """A server that keeps each POST it gets (path, headers, body) and answers it with ANSWER."""
+    seen: list[tuple[str, dict, bytes]] = []
+
+    class Completions(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+            seen.append((self.path, {k.lower(): v for k, v in self.headers.items()}, body))
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(answer)))
+            self.end_headers()
+            self.wfile.write(answer)
+
+        def log_message(self, *_a: object) -> None:
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Completions)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv, seen
+
+
+class _NoClient(httpx.AsyncBaseTransport):
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        raise AssertionError(f"a plain-HTTP canary went through httpx: {request.url}")
+
+
+def _canary(r: ReplicaConfig, client: httpx.AsyncClient | None = None, address: str | None = None):  # noqa: ANN202
+    async def go():  # noqa: ANN202
+        async with client or httpx.AsyncClient(transport=_NoClient()) as c:
+            return await probes.canary(c, r, 0.0, 5, address)
+    return asyncio.run(go())
+
+
+def test_a_canary_posts_what_httpx_posted_and_reads_the_answer():
+    srv, seen = _completion_server()
+    port = srv.server_address[1]
+    r = ReplicaConfig(name="a", unit="a.service", url=f"http://localhost:{port}", model="m é")
+    try:
+        result = _canary(r, address="127.0.0.1")
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert result.ok and result.error is None and result.latency_s > 0
+    (path, headers, body), = seen
+    sent = {"model": "m é", "prompt": "ping", "max_tokens": 1, "temperature": 0}
+    assert path == "/v1/completions" and body == httpx.Request("POST", "http://x/", json=sent).content
+    assert headers["content-type"] == "application/json" and headers["host"] == f"localhost:{port}"
+    assert headers["accept-encoding"] == "identity"
+
+
+@pytest.mark.parametrize("status, answer, error", [
+    (503, b"", "HTTP 503"),
+    (200, b"not json", "unreadable answer"),
+    (200, b'{"choices": []}', "no choices in the answer"),
+])
+def test_a_canary_that_fails_says_how_over_plain_http(status, answer, error):
+    srv, _seen = _completion_server(status, answer)
+    try:
+        result = _canary(ReplicaConfig(name="a", unit="a.service", url=f"http://127.0.0.1:{srv.server_address[1]}",
+                                       model="m"))
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert not result.ok and result.error == error
+
+
+def test_a_canary_to_nothing_is_refused_and_over_https_goes_through_httpx():
+    refused = _canary(ReplicaConfig(name="a", unit="a.service", url="http://127.0.0.1:9", model="m"))
+    assert not refused.ok and refused.error == "connection refused"
+    asked: list[httpx.Request] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        asked.append(request)
+        return httpx.Response(200, stream=httpx.ByteStream(b'{"choices": [{"text": "x"}]}'))
+
+    tls = ReplicaConfig(name="a", unit="a.service", url="https://box.example:8443", model="m")
+    result = _canary(tls, httpx.AsyncClient(transport=httpx.MockTransport(answer)))
+    assert result.ok and [str(x.url) for x in asked] == ["https://box.example:8443/v1/completions"]

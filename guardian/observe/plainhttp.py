@@ -1,10 +1,12 @@
-"""One bounded HTTP/1.1 GET over a plain TCP connection, with h11: the replicas' probes.
+"""One bounded HTTP/1.1 request over a plain TCP connection, with h11: the replicas' probes and
+canaries.
 
 Why not httpx here: guardian sends three GETs to every replica every tick, and httpx's client
 layers cost about 1.3 ms of CPU per request on this kind of box, against 0.3-0.45 ms for the same
 request with h11 (the HTTP/1.1 state machine httpx itself is built on) over asyncio's streams:
-at two replicas that was a third of guardian's CPU at idle. HTTPS replicas and canaries keep
-httpx (probes.py).
+at two replicas that was a third of guardian's CPU at idle. A canary through httpx cost 4-5 ms
+(httpcore also looks for sniffio, which is not installed, with a failed import at every request):
+a tenth of it at the default cadence. HTTPS replicas keep httpx (probes.py).
 
 Every byte is bounded before anything is decoded: the head by MAX_HEAD_BYTES, the body by the
 caller's max_bytes (a declared Content-Length over it is refused unread), and nothing compressed
@@ -46,6 +48,13 @@ def pinned(url: str, address: str | None) -> tuple[str, dict[str, str], dict[str
 async def get(url: str, max_bytes: int, address: str | None = None) -> tuple[int, bytes]:
     """GET URL (http://), connecting to ADDRESS where given (else to the URL's host): its status
     and body. Raises OSError (cannot connect), TooLarge, or h11.ProtocolError (not HTTP/1.x)."""
+    return await request("GET", url, max_bytes, address)
+
+
+async def request(
+    method: str, url: str, max_bytes: int, address: str | None = None, json_body: bytes | None = None
+) -> tuple[int, bytes]:
+    """METHOD URL (http://) as get does, with JSON_BODY (encoded JSON) as its body where given."""
     parts = urlsplit(url)
     host, port = parts.hostname or "", parts.port or 80
     target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
@@ -53,7 +62,11 @@ async def get(url: str, max_bytes: int, address: str | None = None) -> tuple[int
     try:
         conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD_BYTES)
         headers = [("Host", parts.netloc), ("Accept-Encoding", "identity"), ("Connection", "close")]
-        writer.write(conn.send(h11.Request(method="GET", target=target, headers=headers)) or b"")
+        if json_body is not None:
+            headers += [("Content-Type", "application/json"), ("Content-Length", str(len(json_body)))]
+        writer.write(conn.send(h11.Request(method=method, target=target, headers=headers)) or b"")
+        if json_body:
+            writer.write(conn.send(h11.Data(data=json_body)) or b"")
         writer.write(conn.send(h11.EndOfMessage()) or b"")
         status: int | None = None
         body = bytearray()

@@ -93,18 +93,39 @@ async def _get(
 ) -> tuple[Probe, bytes]:
     """A bounded GET, to ADDRESS where given: over plain HTTP with h11 (a quarter of httpx's CPU,
     plainhttp.py), over HTTPS with CLIENT."""
+    return await _fetch(client, "GET", (url, address), timeout_s, max_bytes)
+
+
+async def _fetch(
+    client: httpx.AsyncClient,
+    method: str,
+    at: tuple[str, str | None],
+    timeout_s: float,
+    max_bytes: int,
+    body: dict[str, object] | None = None,
+) -> tuple[Probe, bytes]:
+    """One bounded request, as _request's (AT: the URL, and the address to connect to), with h11
+    over plain HTTP and with CLIENT over HTTPS; BODY is sent as JSON, as httpx sends it."""
+    url, address = at
     if not url.startswith("http://"):
-        return await _request(client, "GET", (url, address), timeout_s, max_bytes)
+        return await _request(client, method, at, timeout_s, max_bytes, body)
     start = time.monotonic()
     try:
         async with asyncio.timeout(timeout_s):
-            status, data = await plainhttp.get(url, max_bytes, address)
+            status, data = await plainhttp.request(method, url, max_bytes, address, _json(body))
     except plainhttp.TooLarge as e:
         return _refused(e, start)
     except Exception as e:  # noqa: BLE001 - every failure is an observation, not a crash
         return Probe(False, None, time.monotonic() - start, _error_text(e)), b""
     ok = 200 <= status < 300
     return Probe(ok, status, time.monotonic() - start, None if ok else f"HTTP {status}"), data
+
+
+def _json(body: dict[str, object] | None) -> bytes | None:
+    """BODY as httpx encodes json= (httpx/_content.py): compact, UTF-8, no NaN."""
+    if body is None:
+        return None
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
 
 
 async def health_at(client: httpx.AsyncClient, base_url: str, timeout_s: float, address: str | None = None) -> Probe:
@@ -182,7 +203,7 @@ async def canary(
     body: dict[str, object] = {"model": r.model, "prompt": "ping", "max_tokens": 1, "temperature": 0}
     deadline_s = timeout_s if timeout_s is not None else r.canary_timeout_s
     url = r.url + "/v1/completions"
-    probe, data = await _request(client, "POST", (url, address), deadline_s, MAX_SMALL_BYTES, body)
+    probe, data = await _fetch(client, "POST", (url, address), deadline_s, MAX_SMALL_BYTES, body)
     if not probe.ok:
         return CanaryResult(False, started_at, probe.latency_s, probe.error)
     try:
