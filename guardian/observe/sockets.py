@@ -8,7 +8,7 @@ import os
 import re
 import socket
 import struct
-from collections.abc import Generator, Iterable, Iterator, Mapping
+from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import psutil
@@ -230,7 +230,11 @@ def listening(wanted: Mapping[int, str]) -> dict[int, Listening] | None:
     None: the kernel's socket tables could not be read at all. The cgroup id is None where
     netlink is not allowed (the /proc/net fallback) or the kernel is older than 5.7.
     """
-    table = listener_table(set(wanted))
+    return listening_in(listener_table(set(wanted)), wanted)
+
+
+def listening_in(table: Sequence[Listener] | None, wanted: Mapping[int, str]) -> dict[int, Listening] | None:
+    """listening's answer from TABLE, listener_table's for WANTED's ports (read by the caller)."""
     if table is None:
         return None
     found: dict[int, Listening] = {}
