@@ -429,3 +429,31 @@ def test_a_canary_to_nothing_is_refused_and_over_https_goes_through_httpx():
     tls = ReplicaConfig(name="a", unit="a.service", url="https://box.example:8443", model="m")
     result = _canary(tls, httpx.AsyncClient(transport=httpx.MockTransport(answer)))
     assert result.ok and [str(x.url) for x in asked] == ["https://box.example:8443/v1/completions"]
+
+
+@pytest.mark.parametrize("body, ids", [
+    (b'{"object": "list", "data": [{"id": "m", "object": "model"}]}', ("m",)),
+    (json.dumps({"data": [{"id": "m"}], "pad": "x" * probes.INLINE_PARSE_BYTES}).encode(), ("m",)),
+    (b'{"data": [{"id": 7}]}', None),
+    (b"[" * 50_000, None),
+    (b"[" * 70_000, None),
+])
+def test_a_models_answer_is_read_on_the_loop_up_to_the_inline_size_and_the_same_either_way(monkeypatch, body, ids):
+    """A real answer is a few hundred bytes: json.loads on the loop, not a thread hop; a large one
+    still goes to a thread; garbage is "unreadable" either way."""
+    hops: list[object] = []
+    real_to_thread = asyncio.to_thread
+
+    async def to_thread(fn, *args):  # noqa: ANN001, ANN202
+        hops.append(fn)
+        return await real_to_thread(fn, *args)
+
+    async def answered(*_a: object) -> tuple:
+        return probes.Probe(True, 200, 0.01), body
+
+    monkeypatch.setattr(probes, "_get", answered)
+    monkeypatch.setattr(probes.asyncio, "to_thread", to_thread)
+    probe, got = asyncio.run(probes.models_at(None, "http://127.0.0.1:1", 5))  # type: ignore[arg-type]
+    assert got == ids and probe.ok == (ids is not None)
+    assert (probe.error is None) if ids is not None else probe.error.startswith("unreadable: ")
+    assert hops == ([json.loads] if len(body) > probes.INLINE_PARSE_BYTES else [])
