@@ -18,6 +18,7 @@ from .sockets import (
     DIAG_MSG_SIZE,
     INET_DIAG_CGROUP_ID,
     sock_diag_dump,
+    sock_diag_lookup,
 )
 
 MAX_SOCKETS = 50_000  # messages read in one look; past it the view is partial (truncated)
@@ -314,3 +315,36 @@ def read_filtered(
                 if sock.lport in ports or sock.rport in ports:
                     socks.append(sock)
     return Table(tuple(socks))
+
+
+@dataclass(frozen=True)
+class Found:
+    """A socket looked up by its 4-tuple (read_exact): its record, family and TCP state."""
+
+    sock: Sock
+    family: int
+    established: bool
+
+
+def _packed(address: str) -> tuple[int, bytes]:
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    return family, socket.inet_pton(family, address).ljust(16, b"\0")
+
+
+def read_exact(keys: Sequence[Key], timeout_s: float = READ_TIMEOUT_S) -> list[Found | int]:
+    """The socket at each of KEYS (local address, port, remote address, port; IPv4 as IPv4, which
+    finds an IPv6 socket talking IPv4 too), with tcp_info and cgroup id: looked up one by one in the
+    kernel's hash, no walk of its table. Each, in KEYS' order: Found, or the kernel's errno (ENOENT:
+    none there). Raises OSError."""
+    wanted = []
+    for local, lport, remote, rport in keys:
+        family, src = _packed(local)
+        wanted.append((family, src, lport, _packed(remote)[1], rport))
+    out: list[Found | int] = []
+    for answer in sock_diag_lookup(wanted, _EXT_INFO, timeout_s):
+        if isinstance(answer, int):
+            out.append(answer)
+            continue
+        data, body, end = answer
+        out.append(Found(parse_sock(data, body, end), data[body], data[body + 1] == _TCP_ESTABLISHED))
+    return out
