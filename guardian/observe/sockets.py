@@ -203,10 +203,16 @@ def listener_table(ports: set[int]) -> list[Listener] | None:
     """The listening sockets on PORTS, IPv4 first (netlink, else /proc/net without cgroup ids).
     None: the kernel's socket tables could not be read at all."""
     try:
-        families = (socket.AF_INET, socket.AF_INET6)
-        return [x for family in families for x in _sock_diag_listeners(family) if x.port in ports]
+        return netlink_listener_table(ports)
     except OSError:
         return _proc_net_listeners(ports)
+
+
+def netlink_listener_table(ports: set[int]) -> list[Listener]:
+    """listener_table by netlink alone: the kernel walks its listening hash, a fraction of a ms, so a
+    caller may read it on its event loop. Raises OSError where netlink cannot be read."""
+    families = (socket.AF_INET, socket.AF_INET6)
+    return [x for family in families for x in _sock_diag_listeners(family) if x.port in ports]
 
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
