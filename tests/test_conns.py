@@ -12,6 +12,7 @@ import socket
 import struct
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 import pytest
 
@@ -1075,3 +1076,25 @@ def test_a_peer_not_there_at_an_address_of_another_box_is_a_remote_client():
     assert conns.is_local("127.0.0.1") and conns.is_local("127.9.9.9") and conns.is_local("::1")
     assert not conns.is_local("192.0.2.7") and not conns.is_local("2001:db8::7")
     assert conns.is_local("fe80::1")  # link-local: not known without its interface, taken to be
+
+
+def test_guardians_own_sockets_are_read_only_where_a_peers_cgroup_cannot_say(monkeypatch):
+    """A socket is made in its maker's cgroup: where each peer's cgroup and guardian's are known,
+    they say alone whether the peer is guardian's, and /proc/self/fd is not read."""
+    reads: list[int] = []
+    monkeypatch.setattr(conns, "own_socket_inodes", lambda: reads.append(1) or frozenset({7}))
+    g = "/system.slice/guardian.service"
+    dirs = {1: g, 2: "/system.slice/nginx.service"}
+    mine, nginx, unnamed = (Sock("127.0.0.1", 40000 + i, "127.0.0.1", PORT, inode=7 + i, cgroup_id=c)
+                            for i, c in enumerate((1, 2, None)))
+    assert conns.own_sockets([mine, nginx], dirs, g) == frozenset() and reads == []
+    assert conns.own_sockets([], dirs, None) == frozenset() and reads == []
+    assert conns.own_sockets([mine, unnamed], dirs, g) == {7} and len(reads) == 1  # no cgroup id (Linux < 5.7)
+    assert conns.own_sockets([mine], dirs, None) == {7} and len(reads) == 2  # guardian outside a unit
+    gone = Sock("127.0.0.1", 40009, "127.0.0.1", PORT, inode=9, cgroup_id=3)  # a cgroup removed since
+    assert conns.own_sockets([gone], dirs, g) == {7} and len(reads) == 3
+    # and the verdicts are those the inodes would have given
+    who = Who(cgroups=dirs, guardian_cgroup=g)
+    server = Sock("127.0.0.1", PORT, "127.0.0.1", 40000, inode=1)
+    assert classify(server, mine, who)[0] is PeerKind.GUARDIAN
+    assert classify(replace(server, rport=40001), nginx, who) == (PeerKind.OTHER, "nginx.service")

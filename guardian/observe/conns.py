@@ -489,6 +489,15 @@ def guardian_cgroup_of(text: str) -> str | None:
     return "/" + "/".join(parts[: last + 1])
 
 
+def own_sockets(peers: Sequence[Sock], cgroups: Mapping[int, str], guardian_cgroup: str | None) -> frozenset[int]:
+    """The inodes of guardian's own sockets, where classify needs them for PEERS: not where each
+    peer's cgroup is known and guardian's too, which say alone whether it is guardian's (a socket
+    is made in its maker's cgroup; guardian's are in its unit's). Reading /proc/self/fd costs a
+    readlink per open descriptor."""
+    decided = guardian_cgroup is not None and all(p.cgroup_id is not None and p.cgroup_id in cgroups for p in peers)
+    return frozenset() if decided or not peers else own_socket_inodes()
+
+
 def own_socket_inodes(fd_dir: str = "/proc/self/fd") -> frozenset[int]:
     """The inodes of this process's sockets."""
     out: set[int] = set()
@@ -678,7 +687,9 @@ class ConnObserver:
             cfg,
             cgroups=v2.paths(ids) if ids else {},
             guardian_cgroup=self._guardian_cgroup,
-            guardian_sockets=own_socket_inodes() if peers and self._recognise_self else frozenset(),
+            guardian_sockets=own_sockets(peers, v2.dirs, self._guardian_cgroup)
+            if self._recognise_self
+            else frozenset(),
             listeners=None if found is None else serves,
         )
         cpu: dict[str, float | None] = {}
