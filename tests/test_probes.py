@@ -457,3 +457,52 @@ def test_a_models_answer_is_read_on_the_loop_up_to_the_inline_size_and_the_same_
     assert got == ids and probe.ok == (ids is not None)
     assert (probe.error is None) if ids is not None else probe.error.startswith("unreadable: ")
     assert hops == ([json.loads] if len(body) > probes.INLINE_PARSE_BYTES else [])
+
+
+def _resetting_server(first: bytes):  # noqa: ANN202
+    """A server that sends FIRST, then resets the connection (RST, not FIN)."""
+    import socket
+    import struct
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(16)
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            conn.recv(65536)
+            conn.sendall(first)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return srv, f"http://127.0.0.1:{srv.getsockname()[1]}"
+
+
+@pytest.mark.parametrize("first, error", [
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npartial", "connection closed: "),
+    (b"HTTP/1.1 200 OK\r\nContent-", "connection closed: "),
+])
+def test_a_reset_mid_answer_is_a_closed_connection(first, error):
+    srv, url = _resetting_server(first)
+    try:
+        probe, data = run(lambda c: probes._get(c, url + "/health", 5, probes.MAX_SMALL_BYTES))
+    finally:
+        srv.close()
+    assert not probe.ok and data == b"" and probe.error.startswith(error), probe.error
+
+
+def test_a_large_answer_in_many_reads_is_read_whole_up_to_its_cap():
+    body = bytes(range(256)) * 2048  # 512 KiB, many reads
+    srv, url = _raw_server(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    try:
+        probe, data = run(lambda c: probes._get(c, url + "/metrics", 5, probes.MAX_METRICS_BYTES))
+        small, _ = run(lambda c: probes._get(c, url + "/metrics", 5, len(body) - 1))
+    finally:
+        srv.close()
+    assert probe.ok and data == body
+    assert not small.ok and small.error == f"unreadable: answer of {len(body)} bytes, more than {len(body) - 1}"
