@@ -406,22 +406,43 @@ def peer_ends(servers: Sequence[Sock], families: Sequence[int]) -> list[Sock] | 
     """The local peers' ends of SERVERS that the filtered dump of FAMILIES finds (peer_clauses,
     then local_peers), each looked up by its 4-tuple instead: no walk of the kernel's table. None
     where the lookups could miss one that the dump finds: a lookup refused otherwise than "none
-    there", or a peer not there at an address of this box (a client socket bound to a device, or to
-    an IPv6 link-local address, is not found by its 4-tuple alone; nor one just closed): then the
-    caller dumps. Not there at an address that is not this box's: a remote client, no local peer.
+    there", or a peer not there at an address of this box whose server end is still established
+    (a client socket bound to a device, or to an IPv6 link-local address, is not found by its
+    4-tuple alone): then the caller dumps. Not there at an address that is not this box's: a
+    remote client, no local peer; nor where its connection closed since the server end was read
+    (guardian's own probes, often: a look's walk of the table takes longer than they do).
     Raises OSError."""
     out: list[Sock] = []
-    unfound: set[str] = set()
+    unfound: list[Sock] = []
     for server, got in zip(servers, read_exact([s.peer_key for s in servers]), strict=True):
         if isinstance(got, int):
             if got != errno.ENOENT:
                 return None
-            unfound.add(server.remote)
+            unfound.append(server)
         elif got.established and got.family in families:
             out.append(got.sock)
-    if len(unfound) > MAX_UNFOUND_PLACES or any(is_local(a) for a in unfound):
+    places = {s.remote for s in unfound}
+    if len(places) > MAX_UNFOUND_PLACES:
+        return None
+    local = {a for a in places if is_local(a)}
+    if not closed_since([s for s in unfound if s.remote in local]):
         return None
     return out
+
+
+def closed_since(servers: Sequence[Sock]) -> bool:
+    """Whether each of SERVERS, server ends whose peers' ends were not there at an address of this
+    box, has closed since it was read: no longer established, or gone (unless bound to a device,
+    where a lookup by 4-tuple alone does not find it). Its peer's end then is no established socket
+    either, as a dump would find; else (one still established) that end must be bound to a device."""
+    if any(s.bound_if for s in servers):
+        return False
+    for got in read_exact([s.key for s in servers]) if servers else ():
+        if isinstance(got, int) and got != errno.ENOENT:
+            return False
+        if not isinstance(got, int) and got.established:
+            return False
+    return True
 
 
 def is_local(address: str) -> bool:

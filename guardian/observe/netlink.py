@@ -85,6 +85,7 @@ class Sock:
     # tcpi_bytes_retrans) plus those still queued (tcpi_notsent_bytes); Linux >= 4.19. A frozen
     # process's kernel keeps sending its buffer to a slow reader: acked bytes grow, this does not.
     bytes_written: int | None = None
+    bound_if: int = 0  # the interface it is bound to (SO_BINDTODEVICE, an IPv6 link-local address); 0: none
 
     @property
     def key(self) -> Key:
@@ -221,6 +222,7 @@ def parse_sock(data: bytes, body: int, end: int) -> Sock:
     """One inet_diag_msg at DATA[BODY:END] (sock_diag_dump's triple) and its attributes."""
     family = data[body]
     sport, dport = _PORTS.unpack_from(data, body + 4)
+    (bound_if,) = _U32.unpack_from(data, body + 40)  # inet_diag_sockid's idiag_if
     (inode,) = _INODE.unpack_from(data, body + 68)
     cgroup_id: int | None = None
     info_at, info_len = -1, 0
@@ -265,6 +267,7 @@ def parse_sock(data: bytes, body: int, end: int) -> Sock:
         bytes_received=received,
         data_segs_out=segs,
         bytes_written=written,
+        bound_if=bound_if,
     )
 
 
