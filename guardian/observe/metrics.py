@@ -150,9 +150,9 @@ def _wanted_lines(page: bytes) -> list[bytes] | None:
 # is not reserved, "=", a quoted value with backslash escapes; separated by single commas), one
 # space, a number-like word, nothing more. prometheus_client reads such a line as this does.
 _VALUE = r'"[^"\\]*(?:\\.[^"\\]*)*"'  # unrolled: (?:[^"\\]|\\.)* is twice as slow on a 1 KiB line
-_LABEL = rf"(?!__)[a-zA-Z_][a-zA-Z0-9_]*={_VALUE}"
+_LABEL = rf"(?!__)[A-Za-z_][0-9A-Za-z_]*={_VALUE}"
 _PLAIN = re.compile(rf"([^{{ ]+)(?:\{{({_LABEL}(?:,{_LABEL})*)\}})? ([0-9A-Za-z.+-]+)")
-_LABELS = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="([^"\\]*(?:\\.[^"\\]*)*)"')
+_LABELS = re.compile(r'([A-Za-z_][0-9A-Za-z_]*)="([^"\\]*(?:\\.[^"\\]*)*)"')
 _INTEGER = re.compile(r"[+-]?[0-9]+")  # the words of _PLAIN's that int() takes
 _ESCAPE = re.compile(r'\\[\\n"]')  # what prometheus_client unescapes in a label value
 _UNESCAPED = {"\\\\": "\\", "\\n": "\n", '\\"': '"'}
