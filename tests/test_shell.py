@@ -196,3 +196,28 @@ def test_status_shows_each_replicas_connections_flowing_and_waiting_clients():
     bypassing = TickState(bypassing=(Bypass("a", "batch.service", 2, 5.0),))
     data = status_dict(cfg, "x", Snapshot(bypassing, PersistentView(), None, None, {}), LoopStats(), True, now)
     assert len(data["bypassing"]) == 1 and "batch.service talks to it directly" in data["bypassing"][0]
+
+
+def test_a_dbus_call_that_never_answers_is_a_systemd_error_at_its_timeout_and_frees_its_slot():
+    from guardian.observe.systemd import MANAGER, MAX_CALLS_IN_FLIGHT, Systemd, SystemdError
+
+    class Hung:
+        def __init__(self) -> None:
+            self.cancelled = 0
+
+        async def call(self, msg: object) -> None:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                self.cancelled += 1
+                raise
+
+    async def go() -> int:
+        sd = Systemd(call_timeout_s=0.05)
+        sd.bus = Hung()  # type: ignore[assignment]
+        for _ in range(MAX_CALLS_IN_FLIGHT + 1):  # each slot given back: none waits for another
+            with pytest.raises(SystemdError, match="D-Bus GetUnit timed out after 0 s"):
+                await asyncio.wait_for(sd.call(MANAGER, "GetUnit", "s", ["x.service"]), 5)
+        return sd.bus.cancelled  # type: ignore[union-attr]
+
+    assert asyncio.run(go()) == MAX_CALLS_IN_FLIGHT + 1
