@@ -313,3 +313,39 @@ def test_a_split_host_is_said_once_as_a_hazard_and_once_when_it_ends(monkeypatch
     assert [s[:3] for s in said] == [(Priority.ERROR, "address:a", "vllm-a.service"),
                                      (Priority.INFO, "address:a", "vllm-a.service")], said
     assert "held by squat.service" in said[0][3] and "leads to one holder again" in said[1][3]
+
+
+def test_the_pins_read_the_listening_sockets_by_netlink_on_the_loop_and_proc_net_in_a_thread(monkeypatch):
+    """The kernel's listening hash is a fraction of a ms: read on the loop. Where netlink cannot be
+    read, /proc/net (a walk of every socket) is read in a thread, as before."""
+    from guardian.config import Config
+    from guardian.observe.sockets import listener_table
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+    port = srv.getsockname()[1]
+    cfg = Config(replicas=[replica(f"http://127.0.0.1:{port}")])
+    hops: list[object] = []
+    real_to_thread = asyncio.to_thread
+
+    async def to_thread(fn, *args):  # noqa: ANN001, ANN202
+        hops.append(fn)
+        return await real_to_thread(fn, *args)
+
+    monkeypatch.setattr(addresses.asyncio, "to_thread", to_thread)
+    try:
+        a = addresses.Addresses()
+        (pin,) = asyncio.run(a.pins(cfg)).values()
+        assert a.table == listener_table({port}) and pin.listener in a.table and hops == []
+
+        def refused(_ports: set[int]) -> list[Listener]:
+            raise PermissionError("netlink refused")
+
+        from_proc = [Listener(socket.AF_INET, "127.0.0.1", port, 99)]
+        monkeypatch.setattr(addresses, "netlink_listener_table", refused)
+        monkeypatch.setattr(addresses, "listener_table", lambda ports: from_proc if ports == {port} else None)
+        asyncio.run(a.pins(cfg))
+        assert a.table == from_proc and len(hops) == 1
+    finally:
+        srv.close()

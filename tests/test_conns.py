@@ -6,11 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import asyncio
+import errno
 import os
 import socket
 import struct
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 import pytest
 
@@ -988,5 +990,142 @@ def test_many_local_addresses_ask_for_loopback_by_prefix_and_a_partial_peer_read
         assert not table.truncated and len([s for s in table.socks if s.lport == lp.port]) == 3
         table = conns.read_owned([mine], [mine])
         assert len([s for s in table.socks if s.rport == lp.port]) == 3  # the peers' ends, by the prefix
+    finally:
+        lp.close()
+
+
+# --- the peers' ends looked up by their 4-tuples, not dumped (conns.peer_ends) --------------------
+
+def _ends(table: Table) -> set[tuple]:
+    return {(s.key, s.inode, s.cgroup_id) for s in table.socks}
+
+
+def _both_ways(lp: Loop, monkeypatch) -> tuple[Table, Table]:
+    """read_owned as a look reads it (the peers' ends looked up), and with the peers' ends dumped."""
+    from guardian.observe.sockets import listener_table
+
+    mine = listener_table({lp.port})
+    looked_up = conns.read_owned(mine, mine)
+    with monkeypatch.context() as m:
+        m.setattr(conns, "MAX_LOOKUPS", 0)
+        dumped = conns.read_owned(mine, mine)
+    return looked_up, dumped
+
+
+@pytest.mark.parametrize("listen, connect", [
+    ((socket.AF_INET, "127.0.0.1"), [(socket.AF_INET, "127.0.0.1")] * 3),
+    ((socket.AF_INET6, "::1"), [(socket.AF_INET6, "::1")] * 2),
+    # a dual-stack listener: IPv4 clients, and an IPv6 socket talking IPv4 (a v4-mapped address)
+    ((socket.AF_INET6, "::"), [(socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::ffff:127.0.0.1"),
+                               (socket.AF_INET6, "::1")]),
+])
+def test_the_peers_ends_looked_up_are_those_the_dump_finds(monkeypatch, listen, connect):
+    family, host = listen
+    lp = Loop(family, host)
+    try:
+        for client_family, to in connect:
+            client = socket.socket(client_family)
+            client.connect((to, lp.port))
+            server, _ = lp.srv.accept()
+            lp.open += [client, server]
+        looked_up, dumped = _both_ways(lp, monkeypatch)
+        assert _ends(looked_up) == _ends(dumped) and not looked_up.truncated
+        assert len(conns.local_peers(looked_up.socks, {lp.port})) == len(connect)
+    finally:
+        lp.close()
+
+
+def test_a_peer_closing_or_gone_is_looked_up_as_the_dump_finds_it(monkeypatch):
+    lp = Loop()
+    try:
+        half, _served = lp.connect()
+        half.shutdown(socket.SHUT_WR)  # the client's end is no longer established (FIN_WAIT2)
+        lp.connect()
+        key = ("127.0.0.1", half.getsockname()[1], "127.0.0.1", lp.port)
+        _until(lambda: not conns.read_exact([key])[0].established, "the client's FIN_WAIT2")  # type: ignore[union-attr]
+        looked_up, dumped = _both_ways(lp, monkeypatch)
+        assert _ends(looked_up) == _ends(dumped)
+        assert len(conns.local_peers(looked_up.socks, {lp.port})) == 1
+    finally:
+        lp.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="SO_BINDTODEVICE needs CAP_NET_RAW")
+def test_a_client_bound_to_a_device_is_not_found_by_its_4_tuple_and_the_peers_are_dumped(monkeypatch):
+    """A lookup by 4-tuple does not find a socket bound to a device: a peer not there at an address
+    of this box makes the look dump the peers' ends, as before."""
+    lp = Loop()
+    try:
+        bound = socket.socket()
+        bound.setsockopt(socket.SOL_SOCKET, socket.SO_BINDTODEVICE, b"lo")
+        bound.connect(("127.0.0.1", lp.port))
+        server, _ = lp.srv.accept()
+        lp.open += [bound, server]
+        (server_end,) = [s for s in read_table({lp.port}).socks if s.lport == lp.port]
+        assert conns.read_exact([server_end.peer_key]) == [errno.ENOENT]  # there, but not by its 4-tuple
+        assert conns.peer_ends([server_end], [socket.AF_INET]) is None
+        looked_up, dumped = _both_ways(lp, monkeypatch)
+        assert _ends(looked_up) == _ends(dumped) and len(conns.local_peers(looked_up.socks, {lp.port})) == 1
+    finally:
+        lp.close()
+
+
+def test_a_peer_not_there_at_an_address_of_another_box_is_a_remote_client():
+    remote = Sock("127.0.0.1", 8001, "192.0.2.7", 40000, inode=5)  # TEST-NET-1: no box's address
+    assert conns.peer_ends([remote], [socket.AF_INET]) == []
+    assert conns.is_local("127.0.0.1") and conns.is_local("127.9.9.9") and conns.is_local("::1")
+    assert not conns.is_local("192.0.2.7") and not conns.is_local("2001:db8::7")
+    assert conns.is_local("fe80::1")  # link-local: not known without its interface, taken to be
+
+
+def test_guardians_own_sockets_are_read_only_where_a_peers_cgroup_cannot_say(monkeypatch):
+    """A socket is made in its maker's cgroup: where each peer's cgroup and guardian's are known,
+    they say alone whether the peer is guardian's, and /proc/self/fd is not read."""
+    reads: list[int] = []
+    monkeypatch.setattr(conns, "own_socket_inodes", lambda: reads.append(1) or frozenset({7}))
+    g = "/system.slice/guardian.service"
+    dirs = {1: g, 2: "/system.slice/nginx.service"}
+    mine, nginx, unnamed = (Sock("127.0.0.1", 40000 + i, "127.0.0.1", PORT, inode=7 + i, cgroup_id=c)
+                            for i, c in enumerate((1, 2, None)))
+    assert conns.own_sockets([mine, nginx], dirs, g) == frozenset() and reads == []
+    assert conns.own_sockets([], dirs, None) == frozenset() and reads == []
+    assert conns.own_sockets([mine, unnamed], dirs, g) == {7} and len(reads) == 1  # no cgroup id (Linux < 5.7)
+    assert conns.own_sockets([mine], dirs, None) == {7} and len(reads) == 2  # guardian outside a unit
+    gone = Sock("127.0.0.1", 40009, "127.0.0.1", PORT, inode=9, cgroup_id=3)  # a cgroup removed since
+    assert conns.own_sockets([gone], dirs, g) == {7} and len(reads) == 3
+    # and the verdicts are those the inodes would have given
+    who = Who(cgroups=dirs, guardian_cgroup=g)
+    server = Sock("127.0.0.1", PORT, "127.0.0.1", 40000, inode=1)
+    assert classify(server, mine, who)[0] is PeerKind.GUARDIAN
+    assert classify(replace(server, rport=40001), nginx, who) == (PeerKind.OTHER, "nginx.service")
+
+
+def test_a_peer_gone_with_its_connection_since_the_dump_is_no_reason_to_dump_again():
+    """guardian's own probes often end while a look walks the table: a peer's end not there, at an
+    address of this box, whose server end is no longer established, was no established socket."""
+    lp = Loop()
+    try:
+        client, server = lp.connect()
+        (server_end,) = [s for s in read_table({lp.port}).socks if s.lport == lp.port]
+        server.close()  # the server closes first (as vLLM does after an answer): the client's end goes
+        client.close()
+        _until(lambda: conns.read_exact([server_end.peer_key]) == [errno.ENOENT], "the client's end to go")
+        assert conns.peer_ends([server_end], [socket.AF_INET]) == []
+        assert conns.closed_since([server_end])
+    finally:
+        lp.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="SO_BINDTODEVICE needs CAP_NET_RAW")
+def test_a_socket_bound_to_a_device_says_which():
+    lp = Loop()
+    try:
+        bound = socket.socket()
+        bound.setsockopt(socket.SOL_SOCKET, socket.SO_BINDTODEVICE, b"lo")
+        bound.connect(("127.0.0.1", lp.port))
+        lp.open += [bound, lp.srv.accept()[0]]
+        ends = {s.lport == lp.port: s for s in read_table({lp.port}).socks}
+        assert ends[False].bound_if == socket.if_nametoindex("lo") and ends[True].bound_if == 0
+        assert not conns.closed_since([replace(ends[True], bound_if=1)])  # gone or not, it cannot say
     finally:
         lp.close()

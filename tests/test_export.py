@@ -24,7 +24,7 @@ from guardian.export.files import file_sd
 from guardian.export.http import MAX_CONNECTIONS, MetricsServer
 from guardian.export.metrics import DETECTION_BUCKETS_S, REFUSAL_GATES, RESTART_REASONS, Metrics
 from guardian.observe.clock import Now
-from harness import TIMEOUT, Box, cfg, fleet_view, obs, unit, with_fleet, with_proxy
+from harness import TIMEOUT, Box, cfg, fleet_view, obs, sample, unit, with_fleet, with_proxy
 from systemd_box import wait_for
 
 WALL0 = 1_800_000_000.0
@@ -562,3 +562,47 @@ def test_atomic_write_sets_the_mode_on_its_descriptor_and_renames_only_the_file_
     monkeypatch.setattr(os, "chmod", lambda *a, **kw: pytest.fail(f"chmod by name: {a}"))
     atomic_write(textfiles / "private", b"x", mode=0o600)
     assert stat.S_IMODE((textfiles / "private").stat().st_mode) == 0o600
+
+
+TICK_GAUGES = ("guardian_replica_state", "guardian_replica_info", "guardian_replica_paused",
+               "guardian_replica_paused_since_timestamp_seconds", "guardian_proxy_marked_down",
+               "guardian_restart_budget_remaining", "guardian_gave_up",
+               "guardian_replica_last_progress_timestamp_seconds", "guardian_replica_gpu_memory_utilization_ratio")
+
+
+def _tick_gauge_lines(m: Metrics) -> list[str]:
+    """The rendered lines of the gauges each tick sets anew, in the page's order."""
+    return [line for line in m.render().decode().splitlines()
+            if not line.startswith("#") and line.split("{", 1)[0].split(" ", 1)[0] in TICK_GAUGES]
+
+
+def test_the_gauges_each_tick_sets_are_what_a_fresh_registry_shows_tick_after_tick():
+    """The children kept from tick to tick (_EachTick) give the series, values and order that
+    clearing and setting each of them anew gives (here: a fresh Metrics each tick), through a pause,
+    its end, a replica marked down, one added and one gone by a reload, and a replica's progress."""
+    two, three = with_proxy(cfg(2)), with_proxy(cfg(3))
+    box = Box(two)
+    kept = Metrics("9.9.9", two)
+    steps = [
+        (two, PersistentView(), frozenset()),
+        (two, PersistentView(pauses={"a": Pause(None)}), frozenset()),
+        (two, PersistentView(pauses={"a": Pause(None)}), frozenset({"b"})),
+        (two, PersistentView(), frozenset({"b"})),
+        (three, PersistentView(), frozenset()),
+        (two, PersistentView(), frozenset()),
+        (two, PersistentView(), frozenset()),
+    ]
+    t, seen = 100.0, []
+    for config, persistent, down in steps:
+        box.cfg, box.persistent = config, persistent
+        box.tick(t, proxy=ProxyView(down), a=obs("a", t, s=sample(gen=t)))
+        fresh = Metrics("9.9.9", config)
+        for m in (kept, fresh):
+            m.gauges(box.cfg, box.core, box.observation, box.persistent, now(t))
+        assert _tick_gauge_lines(kept) == _tick_gauge_lines(fresh), t
+        seen.append("\n".join(_tick_gauge_lines(kept)))
+        t += 2.0
+    # the series did come and go: a pause's start, a third replica, a's progress at each tick
+    assert ["paused_since" in page for page in seen] == [False, True, True, False, False, False, False]
+    assert ['replica="c"' in page for page in seen] == [False, False, False, False, True, False, False]
+    assert len(set(seen)) == len(seen)

@@ -10,6 +10,7 @@ import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import httpx
 import pytest
 
 from guardian.config import ReplicaConfig
@@ -247,7 +248,8 @@ def test_no_answer_at_all_with_a_probe_in_flight_is_no_news(pages):
 
 def test_the_parser_is_given_only_the_series_guardian_reads(pages, monkeypatch):
     """A 2.5 MiB page whose label value is all escapes kept one core busy for minutes in
-    prometheus_client's parser (quadratic): only the wanted lines may reach it."""
+    prometheus_client's parser (quadratic): only the wanted lines may reach it (here none do: they
+    are of the plain shape that parse_vllm_page reads without it)."""
     from guardian.observe import metrics
 
     r, server = pages
@@ -262,6 +264,12 @@ def test_the_parser_is_given_only_the_series_guardian_reads(pages, monkeypatch):
         return real(text)
 
     monkeypatch.setattr(metrics, "text_string_to_metric_families", recording)
+    probe, sample = run(lambda c: probes.probe_metrics(c, r))
+    assert probe.ok and sample is not None and sample.running == 2 and sample.generation_tokens == 40
+    assert all(n <= metrics.MAX_SELECTED_BYTES for n in given)
+    # A wanted line of another shape (a space after a comma): the wanted lines go to prometheus_client.
+    other_shape = REAL_LINES.replace('"0",model_name', '"0", model_name')
+    server.page = (other_shape + f'other_series{{label="{escapes}"}} 1\n' * 2).encode()
     probe, sample = run(lambda c: probes.probe_metrics(c, r))
     assert probe.ok and sample is not None and sample.running == 2 and sample.generation_tokens == 40
     assert given and max(given) <= metrics.MAX_SELECTED_BYTES
@@ -339,3 +347,162 @@ def test_a_plain_get_to_nothing_is_refused_and_to_a_silent_server_times_out():
     finally:
         silent.close()
     assert not probe.ok and probe.error == "timeout" and probe.status is None
+
+
+# --- the canary over plain HTTP (plainhttp.request), over HTTPS with httpx ----------------------------
+
+def _completion_server(status: int = 200, answer: bytes = b'{"choices":[{"text":"x"}]}'):  # noqa: ANN202
+    """A server that keeps each POST it gets (path, headers, body) and answers it with ANSWER."""
+    seen: list[tuple[str, dict, bytes]] = []
+
+    class Completions(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+            seen.append((self.path, {k.lower(): v for k, v in self.headers.items()}, body))
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(answer)))
+            self.end_headers()
+            self.wfile.write(answer)
+
+        def log_message(self, *_a: object) -> None:
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Completions)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv, seen
+
+
+class _NoClient(httpx.AsyncBaseTransport):
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        raise AssertionError(f"a plain-HTTP canary went through httpx: {request.url}")
+
+
+def _canary(r: ReplicaConfig, client: httpx.AsyncClient | None = None, address: str | None = None):  # noqa: ANN202
+    async def go():  # noqa: ANN202
+        async with client or httpx.AsyncClient(transport=_NoClient()) as c:
+            return await probes.canary(c, r, 0.0, 5, address)
+    return asyncio.run(go())
+
+
+def test_a_canary_posts_what_httpx_posted_and_reads_the_answer():
+    srv, seen = _completion_server()
+    port = srv.server_address[1]
+    r = ReplicaConfig(name="a", unit="a.service", url=f"http://localhost:{port}", model="m é")
+    try:
+        result = _canary(r, address="127.0.0.1")
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert result.ok and result.error is None and result.latency_s > 0
+    (path, headers, body), = seen
+    sent = {"model": "m é", "prompt": "ping", "max_tokens": 1, "temperature": 0}
+    assert path == "/v1/completions" and body == httpx.Request("POST", "http://x/", json=sent).content
+    assert headers["content-type"] == "application/json" and headers["host"] == f"localhost:{port}"
+    assert headers["accept-encoding"] == "identity"
+
+
+@pytest.mark.parametrize("status, answer, error", [
+    (503, b"", "HTTP 503"),
+    (200, b"not json", "unreadable answer"),
+    (200, b'{"choices": []}', "no choices in the answer"),
+])
+def test_a_canary_that_fails_says_how_over_plain_http(status, answer, error):
+    srv, _seen = _completion_server(status, answer)
+    try:
+        result = _canary(ReplicaConfig(name="a", unit="a.service", url=f"http://127.0.0.1:{srv.server_address[1]}",
+                                       model="m"))
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert not result.ok and result.error == error
+
+
+def test_a_canary_to_nothing_is_refused_and_over_https_goes_through_httpx():
+    refused = _canary(ReplicaConfig(name="a", unit="a.service", url="http://127.0.0.1:9", model="m"))
+    assert not refused.ok and refused.error == "connection refused"
+    asked: list[httpx.Request] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        asked.append(request)
+        return httpx.Response(200, stream=httpx.ByteStream(b'{"choices": [{"text": "x"}]}'))
+
+    tls = ReplicaConfig(name="a", unit="a.service", url="https://box.example:8443", model="m")
+    result = _canary(tls, httpx.AsyncClient(transport=httpx.MockTransport(answer)))
+    assert result.ok and [str(x.url) for x in asked] == ["https://box.example:8443/v1/completions"]
+
+
+@pytest.mark.parametrize("body, ids", [
+    (b'{"object": "list", "data": [{"id": "m", "object": "model"}]}', ("m",)),
+    (json.dumps({"data": [{"id": "m"}], "pad": "x" * probes.INLINE_PARSE_BYTES}).encode(), ("m",)),
+    (b'{"data": [{"id": 7}]}', None),
+    (b"[" * 50_000, None),
+    (b"[" * 70_000, None),
+])
+def test_a_models_answer_is_read_on_the_loop_up_to_the_inline_size_and_the_same_either_way(monkeypatch, body, ids):
+    """A real answer is a few hundred bytes: json.loads on the loop, not a thread hop; a large one
+    still goes to a thread; garbage is "unreadable" either way."""
+    hops: list[object] = []
+    real_to_thread = asyncio.to_thread
+
+    async def to_thread(fn, *args):  # noqa: ANN001, ANN202
+        hops.append(fn)
+        return await real_to_thread(fn, *args)
+
+    async def answered(*_a: object) -> tuple:
+        return probes.Probe(True, 200, 0.01), body
+
+    monkeypatch.setattr(probes, "_get", answered)
+    monkeypatch.setattr(probes.asyncio, "to_thread", to_thread)
+    probe, got = asyncio.run(probes.models_at(None, "http://127.0.0.1:1", 5))  # type: ignore[arg-type]
+    assert got == ids and probe.ok == (ids is not None)
+    assert (probe.error is None) if ids is not None else probe.error.startswith("unreadable: ")
+    assert hops == ([json.loads] if len(body) > probes.INLINE_PARSE_BYTES else [])
+
+
+def _resetting_server(first: bytes):  # noqa: ANN202
+    """A server that sends FIRST, then resets the connection (RST, not FIN)."""
+    import socket
+    import struct
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(16)
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            conn.recv(65536)
+            conn.sendall(first)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return srv, f"http://127.0.0.1:{srv.getsockname()[1]}"
+
+
+@pytest.mark.parametrize("first, error", [
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npartial", "connection closed: "),
+    (b"HTTP/1.1 200 OK\r\nContent-", "connection closed: "),
+])
+def test_a_reset_mid_answer_is_a_closed_connection(first, error):
+    srv, url = _resetting_server(first)
+    try:
+        probe, data = run(lambda c: probes._get(c, url + "/health", 5, probes.MAX_SMALL_BYTES))
+    finally:
+        srv.close()
+    assert not probe.ok and data == b"" and probe.error.startswith(error), probe.error
+
+
+def test_a_large_answer_in_many_reads_is_read_whole_up_to_its_cap():
+    body = bytes(range(256)) * 2048  # 512 KiB, many reads
+    srv, url = _raw_server(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    try:
+        probe, data = run(lambda c: probes._get(c, url + "/metrics", 5, probes.MAX_METRICS_BYTES))
+        small, _ = run(lambda c: probes._get(c, url + "/metrics", 5, len(body) - 1))
+    finally:
+        srv.close()
+    assert probe.ok and data == body
+    assert not small.ok and small.error == f"unreadable: answer of {len(body)} bytes, more than {len(body) - 1}"

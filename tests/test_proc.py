@@ -195,3 +195,54 @@ def test_nothing_serves_a_replicas_address_when_only_another_address_listens():
         assert listening_inodes({port}, "127.0.0.2") == {port: os.fstat(other.fileno()).st_ino}
     finally:
         other.close()
+
+
+def test_the_port_owners_take_the_listening_sockets_the_pins_read_this_tick(monkeypatch):
+    """WorldObserver.pin reads the listening sockets on the replicas' ports; the port owners of the
+    same tick judge from that table (the same answer as reading it again), once: a later look
+    without a pin reads it afresh."""
+    import asyncio
+
+    from guardian.config import Config, ReplicaConfig
+    from guardian.observe import replicas as observed
+    from guardian.observe.sockets import listener_table, listening_in
+
+    s = _listener()
+    port = s.getsockname()[1]
+    wanted = {port: "127.0.0.1"}
+    cfg = Config(replicas=[ReplicaConfig(name="a", unit="vllm-a.service", url=f"http://127.0.0.1:{port}", model="m")])
+    read: list[dict] = []
+
+    def reading(w):  # noqa: ANN001, ANN202
+        read.append(dict(w))
+        return listening(w)
+
+    class NoBus:  # names the holder where its cgroup does not (the tests' shell): the key is kept
+        async def unit_by_pid(self, pid: int) -> str:
+            return "test.service"
+
+    monkeypatch.setattr(observed, "listening", reading)
+    try:
+        assert listening_in(listener_table({port}), wanted) == listening(wanted)
+        assert listening_in(None, wanted) is None  # unreadable, as listening says it
+
+        async def go() -> tuple:
+            world = observed.WorldObserver(NoBus(), None)  # type: ignore[arg-type]
+            counts = []
+            await world.pin(cfg)
+            first = await world.port_cache.get(NoBus(), wanted, world._pinned_table)  # a new key: scanned
+            counts.append(len(read))
+            fresh = await observed.PortOwnerCache().get(NoBus(), wanted)  # as before: read first, and after
+            counts.append(len(read))
+            await world.pin(cfg)
+            table, world._pinned_table = world._pinned_table, None
+            again = await world.port_cache.get(NoBus(), wanted, table)  # the same sockets: not read at all
+            counts.append(len(read))
+            return first, fresh, again, table, counts
+
+        read.clear()
+        first, fresh, again, table, counts = asyncio.run(go())
+        assert first == fresh == again and table == (listener_table({port}),)
+        assert counts == [2, 5, 5]  # port_owners' own read and the check after it; the same plus the first
+    finally:
+        s.close()

@@ -7,6 +7,7 @@ import asyncio
 import time
 
 import pytest
+from harness import Recorder, returns_within
 
 from guardian.act.journal import MAX_MESSAGE_CHARS, Journal
 from guardian.act.notify import Notifier
@@ -14,7 +15,6 @@ from guardian.cli import build_parser, main
 from guardian.config import Config, ReplicaConfig
 from guardian.core.vocab import Decision, Priority
 from guardian.daemon import Daemon
-from harness import Recorder, returns_within
 
 
 def test_an_unexpected_exception_in_a_tick_is_logged_critical_and_the_tick_abandoned(tmp_path):
@@ -203,7 +203,12 @@ def test_status_shows_each_replicas_processes_and_how_long_each_group_has_been_q
     from guardian.cli.status import _processes_line
     from guardian.core.liveness import Track
     from guardian.core.observations import (
-        Activity, PersistentView, Probe, ProcView, ReplicaObservation, TickObservation,
+        Activity,
+        PersistentView,
+        Probe,
+        ProcView,
+        ReplicaObservation,
+        TickObservation,
     )
     from guardian.core.tick import TickState
     from guardian.observe.clock import Now
@@ -215,8 +220,8 @@ def test_status_shows_each_replicas_processes_and_how_long_each_group_has_been_q
     o = ReplicaObservation(name="a", at=50.0, unit=None, health=ok, metrics_probe=ok, metrics=None, models_probe=ok,
                            models=None, procs=view)
     state = TickState(tracks={"a": Track(engine_quiet_since=44.0)})
-    data = status_dict(cfg, "x", Snapshot(state, PersistentView(), TickObservation({"a": o}, PersistentView()), None, {}),
-                       LoopStats(), True, Now(mono=51.0, wall=1000.0))
+    snap = Snapshot(state, PersistentView(), TickObservation({"a": o}, PersistentView()), None, {})
+    data = status_dict(cfg, "x", snap, LoopStats(), True, Now(mono=51.0, wall=1000.0))
     p = data["replicas"]["a"]["processes"]
     assert p["engine"] == {"processes": 2, "used_s": 0.0, "running": False, "quiet_s": 6.0}
     assert p["api"]["quiet_s"] is None and p["api"]["running"]
@@ -262,3 +267,27 @@ def test_a_kept_u8_finding_is_judged_each_tick_and_leaves_status_once_it_is_back
     assert asyncio.run(go()) == [True, True, True, True, True, False]  # back at 4 s, for 10 s at 14 s
     over = [line for line, _ in journal.lines if "hazard over: replica a" in line.message]
     assert len(over) == 1 and over[0].priority is Priority.INFO and over[0].rule == "U10"
+
+def test_a_dbus_call_that_never_answers_is_a_systemd_error_at_its_timeout_and_frees_its_slot():
+    from guardian.observe.systemd import MANAGER, MAX_CALLS_IN_FLIGHT, Systemd, SystemdError
+
+    class Hung:
+        def __init__(self) -> None:
+            self.cancelled = 0
+
+        async def call(self, msg: object) -> None:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                self.cancelled += 1
+                raise
+
+    async def go() -> int:
+        sd = Systemd(call_timeout_s=0.05)
+        sd.bus = Hung()  # type: ignore[assignment]
+        for _ in range(MAX_CALLS_IN_FLIGHT + 1):  # each slot given back: none waits for another
+            with pytest.raises(SystemdError, match="D-Bus GetUnit timed out after 0 s"):
+                await asyncio.wait_for(sd.call(MANAGER, "GetUnit", "s", ["x.service"]), 5)
+        return sd.bus.cancelled  # type: ignore[union-attr]
+
+    assert asyncio.run(go()) == MAX_CALLS_IN_FLIGHT + 1

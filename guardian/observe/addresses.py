@@ -29,7 +29,15 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ..config import Config, ReplicaConfig
-from .sockets import Listener, cgroup_dirs, cgroup_mounts, listener_table, serving, unit_of_cgroup
+from .sockets import (
+    Listener,
+    cgroup_dirs,
+    cgroup_mounts,
+    listener_table,
+    netlink_listener_table,
+    serving,
+    unit_of_cgroup,
+)
 
 RESOLVE_WAIT_S = 1.0  # a tick's wait for a name's lookup with no earlier answer (/etc/hosts: microseconds)
 QUICK_WAIT_S = 0.1  # ... and with one: a resolver that hangs must not slow every tick by a second
@@ -271,7 +279,10 @@ class Addresses:
     async def pins(self, cfg: Config) -> dict[str, Pin]:
         resolved = await asyncio.gather(*(self.resolver.resolve(r.host, r.port) for r in cfg.replicas))
         ports = {r.port for r in cfg.replicas}
-        self.table = await asyncio.to_thread(listener_table, ports) if ports else []
+        try:  # the kernel's listening sockets (0.1 ms) on the loop: a thread hop cost more
+            self.table = netlink_listener_table(ports) if ports else []
+        except OSError:  # /proc/net walks every socket on the host: in a thread
+            self.table = await asyncio.to_thread(listener_table, ports)
         first = pin_all(cfg.replicas, resolved, self.table or [], self.holders.known)
         ids = {x.cgroup_id for pin in first.values() if needs_names(pin) for x in _heard(pin)}
         if self.holders.missing(i for i in ids if i is not None):  # in a thread: the walk of the cgroup tree

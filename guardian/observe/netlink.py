@@ -18,6 +18,7 @@ from .sockets import (
     DIAG_MSG_SIZE,
     INET_DIAG_CGROUP_ID,
     sock_diag_dump,
+    sock_diag_lookup,
 )
 
 MAX_SOCKETS = 50_000  # messages read in one look; past it the view is partial (truncated)
@@ -84,6 +85,7 @@ class Sock:
     # tcpi_bytes_retrans) plus those still queued (tcpi_notsent_bytes); Linux >= 4.19. A frozen
     # process's kernel keeps sending its buffer to a slow reader: acked bytes grow, this does not.
     bytes_written: int | None = None
+    bound_if: int = 0  # the interface it is bound to (SO_BINDTODEVICE, an IPv6 link-local address); 0: none
 
     @property
     def key(self) -> Key:
@@ -220,6 +222,7 @@ def parse_sock(data: bytes, body: int, end: int) -> Sock:
     """One inet_diag_msg at DATA[BODY:END] (sock_diag_dump's triple) and its attributes."""
     family = data[body]
     sport, dport = _PORTS.unpack_from(data, body + 4)
+    (bound_if,) = _U32.unpack_from(data, body + 40)  # inet_diag_sockid's idiag_if
     (inode,) = _INODE.unpack_from(data, body + 68)
     cgroup_id: int | None = None
     info_at, info_len = -1, 0
@@ -264,6 +267,7 @@ def parse_sock(data: bytes, body: int, end: int) -> Sock:
         bytes_received=received,
         data_segs_out=segs,
         bytes_written=written,
+        bound_if=bound_if,
     )
 
 
@@ -314,3 +318,36 @@ def read_filtered(
                 if sock.lport in ports or sock.rport in ports:
                     socks.append(sock)
     return Table(tuple(socks))
+
+
+@dataclass(frozen=True)
+class Found:
+    """A socket looked up by its 4-tuple (read_exact): its record, family and TCP state."""
+
+    sock: Sock
+    family: int
+    established: bool
+
+
+def _packed(address: str) -> tuple[int, bytes]:
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    return family, socket.inet_pton(family, address).ljust(16, b"\0")
+
+
+def read_exact(keys: Sequence[Key], timeout_s: float = READ_TIMEOUT_S) -> list[Found | int]:
+    """The socket at each of KEYS (local address, port, remote address, port; IPv4 as IPv4, which
+    finds an IPv6 socket talking IPv4 too), with tcp_info and cgroup id: looked up one by one in the
+    kernel's hash, no walk of its table. Each, in KEYS' order: Found, or the kernel's errno (ENOENT:
+    none there). Raises OSError."""
+    wanted = []
+    for local, lport, remote, rport in keys:
+        family, src = _packed(local)
+        wanted.append((family, src, lport, _packed(remote)[1], rport))
+    out: list[Found | int] = []
+    for answer in sock_diag_lookup(wanted, _EXT_INFO, timeout_s):
+        if isinstance(answer, int):
+            out.append(answer)
+            continue
+        data, body, end = answer
+        out.append(Found(parse_sock(data, body, end), data[body], data[body + 1] == _TCP_ESTABLISHED))
+    return out

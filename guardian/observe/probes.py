@@ -21,7 +21,8 @@ MAX_MODELS_BYTES = 2**20
 MAX_SMALL_BYTES = 64 * 2**10  # /health, a canary's answer
 PARSE_TIMEOUT_S = 1.0  # a real page's lines parse in about 1 ms
 # Parsed on the event loop up to this size: at most 64 KiB of wanted lines, a few ms at worst even
-# for the parser's quadratic case (a 16 KiB line of escapes: about 2 ms).
+# for the parser's quadratic case (a 16 KiB line of escapes: about 2 ms); a /v1/models answer of
+# this size is a fraction of a ms for json.loads.
 INLINE_PARSE_BYTES = 64 * 2**10
 HEADERS = {"Accept-Encoding": "identity"}
 
@@ -93,18 +94,39 @@ async def _get(
 ) -> tuple[Probe, bytes]:
     """A bounded GET, to ADDRESS where given: over plain HTTP with h11 (a quarter of httpx's CPU,
     plainhttp.py), over HTTPS with CLIENT."""
+    return await _fetch(client, "GET", (url, address), timeout_s, max_bytes)
+
+
+async def _fetch(
+    client: httpx.AsyncClient,
+    method: str,
+    at: tuple[str, str | None],
+    timeout_s: float,
+    max_bytes: int,
+    body: dict[str, object] | None = None,
+) -> tuple[Probe, bytes]:
+    """One bounded request, as _request's (AT: the URL, and the address to connect to), with h11
+    over plain HTTP and with CLIENT over HTTPS; BODY is sent as JSON, as httpx sends it."""
+    url, address = at
     if not url.startswith("http://"):
-        return await _request(client, "GET", (url, address), timeout_s, max_bytes)
+        return await _request(client, method, at, timeout_s, max_bytes, body)
     start = time.monotonic()
     try:
         async with asyncio.timeout(timeout_s):
-            status, data = await plainhttp.get(url, max_bytes, address)
+            status, data = await plainhttp.request(method, url, max_bytes, address, _json(body))
     except plainhttp.TooLarge as e:
         return _refused(e, start)
     except Exception as e:  # noqa: BLE001 - every failure is an observation, not a crash
         return Probe(False, None, time.monotonic() - start, _error_text(e)), b""
     ok = 200 <= status < 300
     return Probe(ok, status, time.monotonic() - start, None if ok else f"HTTP {status}"), data
+
+
+def _json(body: dict[str, object] | None) -> bytes | None:
+    """BODY as httpx encodes json= (httpx/_content.py): compact, UTF-8, no NaN."""
+    if body is None:
+        return None
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
 
 
 async def health_at(client: httpx.AsyncClient, base_url: str, timeout_s: float, address: str | None = None) -> Probe:
@@ -145,7 +167,8 @@ async def models_at(
     if not probe.ok:
         return probe, None
     try:
-        data = await asyncio.to_thread(json.loads, body)
+        # A real answer (a few hundred bytes) is read on the loop: a thread hop cost more than the read.
+        data = json.loads(body) if len(body) <= INLINE_PARSE_BYTES else await asyncio.to_thread(json.loads, body)
         ids = tuple(_model_id(m["id"]) for m in data["data"][:MAX_MODEL_IDS])
     except Exception as e:  # noqa: BLE001 - any shape of garbage is "unreadable", not a crash
         return Probe(False, probe.status, probe.latency_s, f"unreadable: {type(e).__name__}"), None
@@ -182,7 +205,7 @@ async def canary(
     body: dict[str, object] = {"model": r.model, "prompt": "ping", "max_tokens": 1, "temperature": 0}
     deadline_s = timeout_s if timeout_s is not None else r.canary_timeout_s
     url = r.url + "/v1/completions"
-    probe, data = await _request(client, "POST", (url, address), deadline_s, MAX_SMALL_BYTES, body)
+    probe, data = await _fetch(client, "POST", (url, address), deadline_s, MAX_SMALL_BYTES, body)
     if not probe.ok:
         return CanaryResult(False, started_at, probe.latency_s, probe.error)
     try:

@@ -8,7 +8,7 @@ import os
 import re
 import socket
 import struct
-from collections.abc import Generator, Iterable, Iterator, Mapping
+from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import psutil
@@ -116,6 +116,62 @@ def sock_diag_dump(
                 offset += (length + 3) & ~3
 
 
+# An exact request: inet_diag_req_v2 with its inet_diag_sockid filled in (ports big-endian, then the
+# two addresses, the interface, and the cookie: all ones is "any cookie", INET_DIAG_NOCOOKIE).
+_DIAG_REQ_HEAD = struct.Struct("=BBBxI")  # family, protocol, ext, states
+_SOCKID = struct.Struct(">HH16s16s")
+_SOCKID_TAIL = struct.Struct("=I8s")  # idiag_if (0: any interface), idiag_cookie
+_NOCOOKIE = b"\xff" * 8
+LOOKUPS_PER_SEND = 32  # their answers (about 1 KiB each in the kernel's accounting) fit a receive buffer
+
+
+def sock_diag_lookup(
+    wanted: Sequence[tuple[int, bytes, int, bytes, int]], ext: int = 0, timeout_s: float = 2.0
+) -> list[tuple[bytes, int, int] | int]:
+    """Each TCP socket of WANTED (family, local address packed, local port, remote address packed,
+    remote port) looked up by its 4-tuple, as `ss` asks for one socket: the kernel finds it in its
+    hash, without the walk of its whole table that a dump is. For each, in WANTED's order: as
+    sock_diag_dump yields it, or the kernel's errno (ENOENT: no such socket). Whatever its state
+    (the kernel's lookup also finds a listener or a TIME_WAIT socket there): the caller checks.
+    Raises OSError."""
+    out: list[tuple[bytes, int, int] | int | None] = [None] * len(wanted)
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, _NETLINK_SOCK_DIAG) as nl:
+        nl.settimeout(timeout_s)
+        for first in range(0, len(wanted), LOOKUPS_PER_SEND):
+            batch = wanted[first : first + LOOKUPS_PER_SEND]
+            msgs = bytearray()
+            for seq, (family, local, lport, remote, rport) in enumerate(batch, first + 1):
+                req = _DIAG_REQ_HEAD.pack(family, socket.IPPROTO_TCP, ext, 0xFFFFFFFF)
+                req += _SOCKID.pack(lport, rport, local, remote) + _SOCKID_TAIL.pack(0, _NOCOOKIE)
+                msgs += _NLMSG_HDR.pack(_NLMSG_HDR.size + len(req), _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST, seq, 0) + req
+            nl.sendall(msgs)
+            left = len(batch)
+            while left:
+                data = nl.recv(65536)
+                if not data:
+                    raise SockDiagError("sock_diag: the kernel closed the socket")
+                offset = 0
+                while offset + _NLMSG_HDR.size <= len(data):
+                    length, kind, _flags, seq, _pid = _NLMSG_HDR.unpack_from(data, offset)
+                    if length < _NLMSG_HDR.size:
+                        raise SockDiagError("sock_diag: malformed reply")
+                    body = offset + _NLMSG_HDR.size
+                    at = seq - 1
+                    if first <= at < first + len(batch) and out[at] is None:
+                        if kind == _NLMSG_ERROR:
+                            (errno_neg,) = struct.unpack_from("=i", data, body)
+                            if errno_neg == 0:  # an acknowledgement (none was asked for): no answer
+                                offset += (length + 3) & ~3
+                                continue
+                            out[at] = -errno_neg
+                            left -= 1
+                        elif kind == _SOCK_DIAG_BY_FAMILY and length >= _NLMSG_HDR.size + DIAG_MSG_SIZE:
+                            out[at] = (data, body, min(offset + length, len(data)))
+                            left -= 1
+                    offset += (length + 3) & ~3
+    return [x for x in out if x is not None]  # each was answered (LEFT counted them down)
+
+
 _DIAG_MSG_SRC = 8  # idiag_src: 16 bytes (IPv4 in the first 4) at offset 8 of inet_diag_msg
 
 
@@ -147,10 +203,16 @@ def listener_table(ports: set[int]) -> list[Listener] | None:
     """The listening sockets on PORTS, IPv4 first (netlink, else /proc/net without cgroup ids).
     None: the kernel's socket tables could not be read at all."""
     try:
-        families = (socket.AF_INET, socket.AF_INET6)
-        return [x for family in families for x in _sock_diag_listeners(family) if x.port in ports]
+        return netlink_listener_table(ports)
     except OSError:
         return _proc_net_listeners(ports)
+
+
+def netlink_listener_table(ports: set[int]) -> list[Listener]:
+    """listener_table by netlink alone: the kernel walks its listening hash, a fraction of a ms, so a
+    caller may read it on its event loop. Raises OSError where netlink cannot be read."""
+    families = (socket.AF_INET, socket.AF_INET6)
+    return [x for family in families for x in _sock_diag_listeners(family) if x.port in ports]
 
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -230,7 +292,11 @@ def listening(wanted: Mapping[int, str]) -> dict[int, Listening] | None:
     None: the kernel's socket tables could not be read at all. The cgroup id is None where
     netlink is not allowed (the /proc/net fallback) or the kernel is older than 5.7.
     """
-    table = listener_table(set(wanted))
+    return listening_in(listener_table(set(wanted)), wanted)
+
+
+def listening_in(table: Sequence[Listener] | None, wanted: Mapping[int, str]) -> dict[int, Listening] | None:
+    """listening's answer from TABLE, listener_table's for WANTED's ports (read by the caller)."""
     if table is None:
         return None
     found: dict[int, Listening] = {}

@@ -225,7 +225,8 @@ class Systemd:
         limit_s = self.call_timeout_s
         try:
             async with self._in_flight:
-                reply = await asyncio.wait_for(bus.call(msg), limit_s)
+                async with asyncio.timeout(limit_s):
+                    reply = await bus.call(msg)
         except TimeoutError:
             raise SystemdError(f"D-Bus {member} timed out after {limit_s:.0f} s") from None
         except (OSError, EOFError) as e:
