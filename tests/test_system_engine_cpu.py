@@ -41,13 +41,17 @@ def settle(world: World) -> None:
     wait_for(lambda: engine_pids(world), 20, "a's engine process")
 
 
+def four_streams(world: World, a) -> None:
+    world.sim(a, "load", "4")
+    wait_for(lambda: world.sim_state(a).get("running") == 4, 20, f"4 streams running in {a.name}")
+
+
 def test_an_engine_frozen_with_streams_running_is_stalled_by_its_quiet_processes(world):
     far(world)
     world.setup()
     settle(world)
     a = world.replicas[0]
-    world.sim(a, "load", "4")
-    wait_for(lambda: world.sim_state(a).get("running") == 4, 20, "4 streams running in a")
+    four_streams(world, a)
     world.fault(a, "engine-frozen")
     line = restart_line(world)
     assert line["GUARDIAN_RULE"] == "L19", line["MESSAGE"]
@@ -71,8 +75,7 @@ def test_an_api_server_frozen_under_load_is_unresponsive_by_its_quiet_processes(
     world.setup()
     settle(world)
     a = world.replicas[0]
-    world.sim(a, "load", "4")
-    wait_for(lambda: world.sim_state(a).get("running") == 4, 20, "4 streams running in a")
+    four_streams(world, a)
     world.kill(a.unit, "STOP")  # the unit's main process: the API server, not its engine
     line = restart_line(world)
     assert line["GUARDIAN_RULE"] == "L22", line["MESSAGE"]
@@ -86,8 +89,7 @@ def test_an_engine_spinning_with_work_queued_is_left_to_the_stall_window(world):
     world.setup()
     settle(world)
     a = world.replicas[0]
-    world.sim(a, "load", "4")
-    wait_for(lambda: world.sim_state(a).get("running") == 4, 20, "4 streams running in a")
+    four_streams(world, a)
     world.fault(a, "spinning", busy=0.3)
     line = restart_line(world, timeout_s=60)
     assert line["GUARDIAN_RULE"] in ("L13", "L14"), line["MESSAGE"]
