@@ -365,3 +365,15 @@ def synthetic_unit(label: str, container: Container | None, scope: UnitInfo | No
         invocation_id=container.started_at,
         restart=policy,
     )
+
+
+def last_option(argv: tuple[str, ...], flag: str) -> str | None:
+    """FLAG's value in ARGV as written (`FLAG V` or `FLAG=V`), the last one where it is given twice,
+    as a server's argument parser takes it; None when it is not given."""
+    found = None
+    for at, arg in enumerate(argv):
+        if arg == flag and at + 1 < len(argv):
+            found = argv[at + 1]
+        elif arg.startswith(flag + "="):
+            found = arg.partition("=")[2]
+    return found

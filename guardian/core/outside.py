@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..config import Config
-from .container import Served, parse_run_line, served
+from .container import Served, last_option, parse_run_line, served
 from .hazards import Hazard
 from .observations import LogindConf, UnitDeclared
 from .rules import Row, Rule
@@ -81,16 +81,6 @@ def _fixed_seed(value: str | None) -> bool:
     return value is not None and value.isascii() and value.isdigit() and int(value) <= MAX_SEED
 
 
-def _last(argv: tuple[str, ...], flag: str) -> str | None:
-    found = None
-    for at, arg in enumerate(argv):
-        if arg == flag and at + 1 < len(argv):
-            found = argv[at + 1]
-        elif arg.startswith(flag + "="):
-            found = arg.partition("=")[2]
-    return found
-
-
 def _disk_setting(extra: object, prefix: str = "") -> str | None:
     """The first setting of a kv_connector_extra_config that names a place on disk, as "key=value"."""
     items = extra.items() if isinstance(extra, dict) else ()
@@ -107,7 +97,7 @@ def _disk_setting(extra: object, prefix: str = "") -> str | None:
 
 def disk_tier(s: Served) -> str | None:
     """What configures a KV cache tier on disk for the server S runs, in words; None: none."""
-    text = _last(s.argv, KV_FLAG)
+    text = last_option(s.argv, KV_FLAG)
     try:
         config = json.loads(text) if text is not None else None
     except ValueError:
@@ -119,7 +109,7 @@ def disk_tier(s: Served) -> str | None:
         found = _disk_setting(config.get("kv_connector_extra_config"))
         if found is not None:
             return f"{KV_FLAG} with kv_connector {connector or '(unnamed)'}, kv_connector_extra_config {found}"
-    lmcache = text is not None or (_last(s.argv, "--kv-offloading-backend") or "").lower() == "lmcache"
+    lmcache = text is not None or (last_option(s.argv, "--kv-offloading-backend") or "").lower() == "lmcache"
     local_disk = s.env.get("LMCACHE_LOCAL_DISK", "")
     if lmcache and local_disk.strip().lower() not in _NOT_SET:
         return f"LMCache's LMCACHE_LOCAL_DISK={local_disk}"

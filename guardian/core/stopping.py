@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..config import Config
-from .container import served
+from .container import last_option, served
 from .observations import UnitDeclared, VllmSample
 from .rules import Row, Rule
 
@@ -104,13 +104,7 @@ RULES = (BOUND, *(row.rule for row in WARNING_ROWS))
 def given(argv: tuple[str, ...]) -> str | None:
     """--shutdown-timeout's value in ARGV as written (the last one, as vLLM's argument parser takes
     it), or None when it is not passed."""
-    found = None
-    for at, arg in enumerate(argv):
-        if arg == SHUTDOWN_FLAG and at + 1 < len(argv):
-            found = argv[at + 1]
-        elif arg.startswith(SHUTDOWN_FLAG + "="):
-            found = arg.partition("=")[2]
-    return found
+    return last_option(argv, SHUTDOWN_FLAG)
 
 
 def _seconds(value: str | None) -> float | None:
