@@ -143,6 +143,19 @@ _CONTAINER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{1,127}")
 _ENGINE_UNITS = frozenset({"docker.service", "containerd.service", "podman.service"})
 
 
+def _runtime_was_engine(data: Any) -> Any:
+    """`engine = "docker"` or `"podman"`, as configs before 0.3 named the container runtime: read as
+    `runtime`, so an upgrade keeps them working (the serving engine is then the default)."""
+    if isinstance(data, dict) and data.get("engine") in ("docker", "podman"):
+        if "runtime" in data and data["runtime"] != data["engine"]:
+            raise ValueError(
+                f"engine = {data['engine']!r} (the container runtime, as configs before 0.3 wrote it) and "
+                f"runtime = {data['runtime']!r} disagree; keep `runtime` only"
+            )
+        data = {k: v for k, v in data.items() if k != "engine"} | {"runtime": data["engine"]}
+    return data
+
+
 class ReplicaConfig(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", min_length=1, max_length=64)
     # The systemd unit that serves the replica. Left out only for a Docker container kept by its
@@ -151,7 +164,11 @@ class ReplicaConfig(_Strict):
     # The replica runs in a container of this name (`docker run --name`, `podman run --name`,
     # Compose's container name): guardian recognises it on the port and kills it when it hangs.
     container: str | None = None
-    engine: Literal["docker", "podman"] = "docker"
+    # The container runtime that runs `container` (before 0.3 this was `engine`, still read so: _runtime_was_engine).
+    runtime: Literal["docker", "podman"] = "docker"
+    # The serving engine (guardian/engines/): whose endpoints, metric names and memory knob the replica
+    # has; "auto" tells it from the unit's command line, or the container's image and command, at start.
+    engine: Literal["vllm", "llama.cpp", "sglang", "trtllm", "auto"] = "vllm"
     url: str
     model: str = Field(min_length=1)
     startup_grace_s: float = Field(default=1200.0, gt=0, le=MAX_WINDOW_S)
@@ -168,8 +185,9 @@ class ReplicaConfig(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _unitless_container(cls, data: Any) -> Any:
+        data = _runtime_was_engine(data)
         if isinstance(data, dict) and "unit" not in data and isinstance(data.get("container"), str):
-            if data.get("engine", "docker") != "docker":
+            if data.get("runtime", "docker") != "docker":
                 raise ValueError(
                     "a replica without `unit` is a Docker container kept by its restart policy; a Podman "
                     "container needs the unit that runs it (Quadlet writes one)"
@@ -571,7 +589,7 @@ class Config(BaseSettings):
             "name": lambda r: r.name.lower(),
             "unit": lambda r: r.unit.lower(),
             "address": lambda r: "{}:{}".format(*_endpoint(r.url)),
-            "container": lambda r: f"{r.engine}:{r.container}" if r.container is not None else "",
+            "container": lambda r: f"{r.runtime}:{r.container}" if r.container is not None else "",
         }
         for attr, key in keys.items():
             seen: dict[str, str] = {}

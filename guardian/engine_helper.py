@@ -43,9 +43,9 @@ VERBS = ("inspect", "kill", "restart")
 
 
 def _engine(r: ReplicaConfig) -> str:
-    path = shutil.which(r.engine, path=ENGINE_PATH)
+    path = shutil.which(r.runtime, path=ENGINE_PATH)
     if path is None:
-        raise RuntimeError(f"{r.engine} is not installed (no {r.engine} in /usr/bin or /usr/local/bin)")
+        raise RuntimeError(f"{r.runtime} is not installed (no {r.runtime} in /usr/bin or /usr/local/bin)")
     return path
 
 
@@ -127,7 +127,7 @@ def _listing(engine: str, path: str, timeout_s: float) -> dict[str, Any]:
 def _other_engine(r: ReplicaConfig) -> dict[str, Any] | None:
     """The other engine's containers, when it is installed: a stray of that engine on the
     replica's port (a Docker container in front of a Podman replica) is then named."""
-    other = next(e for e in ENGINES if e != r.engine)
+    other = next(e for e in ENGINES if e != r.runtime)
     path = shutil.which(other, path=ENGINE_PATH)
     if path is None:
         return None
@@ -140,9 +140,9 @@ def _other_engine(r: ReplicaConfig) -> dict[str, Any] | None:
 def inspect(r: ReplicaConfig) -> int:
     engine = _engine(r)
     report: dict[str, Any] = {
-        "engine": r.engine,
+        "engine": r.runtime,
         "at_wall": time.time(),
-        **_listing(r.engine, engine, ENGINE_TIMEOUT_S),
+        **_listing(r.runtime, engine, ENGINE_TIMEOUT_S),
     }
     others = _other_engine(r)
     if others is not None:
@@ -224,7 +224,7 @@ def kill(r: ReplicaConfig, runtime_dir: Path) -> int:
     cid = str(row.get("Id", ""))
     got = _run([engine, "kill", "--signal", "KILL", cid])
     if got.returncode != 0 and "is not running" not in got.stderr and "no such container" not in got.stderr.lower():
-        print(f"{r.engine} kill {r.container} ({cid[:12]}) failed: {got.stderr.strip()}", file=sys.stderr)
+        print(f"{r.runtime} kill {r.container} ({cid[:12]}) failed: {got.stderr.strip()}", file=sys.stderr)
         return 1
     print(f"{r.container} ({cid[:12]}): killed (SIGKILL)" if got.returncode == 0 else f"{r.container}: was not running")
     return 0
@@ -242,7 +242,7 @@ def restart(r: ReplicaConfig) -> int:
         return 2
     got = _run([engine, "restart", "--time", "0", str(row.get("Id", ""))])
     if got.returncode != 0:
-        print(f"{r.engine} restart {r.container} failed: {got.stderr.strip()}", file=sys.stderr)
+        print(f"{r.runtime} restart {r.container} failed: {got.stderr.strip()}", file=sys.stderr)
         return 1
     print(f"{r.container}: restarted")
     return 0

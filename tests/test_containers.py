@@ -219,7 +219,7 @@ def test_the_holder_is_the_replicas_own_container_or_named(seen, name, own, stra
 def test_a_stray_of_the_other_engine_is_named_from_its_part_of_the_report_and_never_the_replicas():
     """A Podman replica; Docker's docker-proxy holds its port for a container named like it: the
     name comes from the report's Docker part, and it is a stray all the same."""
-    podman = _replica().model_copy(update={"engine": "podman"})
+    podman = _replica().model_copy(update={"runtime": "podman"})
     report = EngineReport("podman", 1.0, (_c(name="vllm-a", ips=("10.88.0.2",)),),
                           others=(_c(id=OTHER, name="vllm-a", ips=("172.17.0.3",)),))
     held = resolve(_owner(), podman, Seen(ip="172.17.0.3", via="docker-proxy", engine="docker"), report)
@@ -324,7 +324,7 @@ def test_polkit_grants_the_helpers_of_configured_containers_only():
         {
             "replicas": [
                 {"name": "a", "container": "vllm-a", "url": "http://127.0.0.1:8001", "model": "m"},
-                {"name": "p", "unit": "vllm-p.service", "container": "vllm-p", "engine": "podman",
+                {"name": "p", "unit": "vllm-p.service", "container": "vllm-p", "runtime": "podman",
                  "url": "http://127.0.0.1:8002", "model": "m"},
                 {"name": "n", "unit": "vllm-n.service", "url": "http://127.0.0.1:8003", "model": "m"},
             ]

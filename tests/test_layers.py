@@ -20,10 +20,11 @@ RULES_DOC = PKG.parent / "docs" / "rules.md"
 # the tick's decision, and the typed config it reads.
 ALLOWED = {
     "core": {"core", "config"},
-    "observe": {"core", "config", "observe"},
-    "act": {"core", "config", "observe", "act"},
-    "export": {"core", "config", "observe", "act", "export"},
-    "fleet": {"core", "config", "observe", "fleet"},
+    "engines": {"config", "engines"},  # what each serving engine is: data, no I/O
+    "observe": {"core", "config", "engines", "observe"},
+    "act": {"core", "config", "engines", "observe", "act"},
+    "export": {"core", "config", "engines", "observe", "act", "export"},
+    "fleet": {"core", "config", "engines", "observe", "fleet"},
 }
 # I/O the pure core must not touch (the clock included: `now` is an argument).
 FORBIDDEN_IN_CORE = {"os", "time", "asyncio", "socket", "subprocess", "httpx", "psutil", "pynvml", "dbus_fast",

@@ -97,13 +97,13 @@ def test_a_large_metrics_page_is_parsed_off_the_event_loop(hostile, monkeypatch)
     page = "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 0\n"
     page += "# padding\n" * (probes.INLINE_PARSE_BYTES // 10 + 1)
     released = threading.Event()
-    real = probes.parse_vllm_page
+    real = probes.parse_page
 
-    def slow_parse(body: bytes):  # noqa: ANN202
+    def slow_parse(body: bytes, shape):  # noqa: ANN001, ANN202
         assert released.wait(5), "the event loop was blocked while /metrics was parsed"
-        return real((page + "vllm:num_requests_waiting 0\nvllm:generation_tokens_total 0\n").encode())
+        return real((page + "vllm:num_requests_waiting 0\nvllm:generation_tokens_total 0\n").encode(), shape)
 
-    monkeypatch.setattr(probes, "parse_vllm_page", slow_parse)
+    monkeypatch.setattr(probes, "parse_page", slow_parse)
 
     async def fetch_ok(client, url):  # noqa: ANN001, ANN202
         return probes.Probe(True, 200, 0.0), page.encode()

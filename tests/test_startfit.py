@@ -41,6 +41,9 @@ def fit(**kw: object) -> StartFit:
 LOWERABLE = {"lower_floor": 0.3, "reserve_bytes": 1 * GiB}
 ROW_CASES = [
     ({"unified": False, "free_bytes": 0}, "U1", Release.NOTHING, True),
+    # an engine whose need no fraction of the whole memory says (llama.cpp, TensorRT-LLM): not judged
+    ({"sized_by_fraction": False, "free_bytes": 0}, "U11", Release.NOTHING, True),
+    ({"sized_by_fraction": False, "unified": False}, "U1", Release.NOTHING, True),
     ({"free_bytes": 9 * GiB}, "U2", Release.NOTHING, True),  # 9 + 1 = 10: <= need
     ({"free_bytes": 9 * GiB - 1}, "U3", Release.OWN, True),
     ({"free_bytes": 4 * GiB}, "U3", Release.OWN, True),  # 4 + 1 + 5 = 10

@@ -19,7 +19,15 @@ from ..core.vocab import ActiveState, Decision, Gate, Priority
 from ..core.wiring import VAR, VAR_FORMS, EnvFile, cmdline_fraction, wiring_problem
 from ..observe import modelfiles, nvml
 from ..observe.meminfo import sample_memory
-from ..observe.memory import cmdline_of, env_path, process_tree, read_env_fraction, runs_with, service_details
+from ..observe.memory import (
+    cmdline_of,
+    engine_of_unit,
+    env_path,
+    process_tree,
+    read_env_fraction,
+    runs_with,
+    service_details,
+)
 from ..observe.sockets import CGROUP_ROOT, cgroup_of_pid
 from ..observe.systemd import ServiceDetails, Systemd, SystemdError
 from . import units
@@ -96,23 +104,26 @@ def unified(cfg: Config) -> bool:
     return nvml.unified_memory_gpu() if cfg.memory.unified == "auto" else cfg.memory.unified
 
 
-def _running_fraction(pid: int) -> float | None:
-    """--gpu-memory-utilization of the first process in PID's tree that was given one."""
+def _running_fraction(pid: int, knob: str | None) -> float | None:
+    """KNOB (its engine's memory flag) of the first process in PID's tree that was given one."""
     for p in process_tree(pid) if pid else ():
-        found = cmdline_fraction(cmdline_of(p))
+        found = cmdline_fraction(cmdline_of(p), knob)
         if found is not None:
             return found
     return None
 
 
-def _own_fraction(cfg: Config, r: ReplicaConfig, argv: tuple[str, ...], env: Mapping[str, str]) -> float | None:
+def _own_fraction(
+    cfg: Config, r: ReplicaConfig, argv: tuple[str, ...], env: Mapping[str, str], knob: str | None
+) -> float | None:
     """What its next start at its own fraction runs with: guardian's env file, else the command line
-    (its ${GPU_MEMORY_UTILIZATION} as the unit's environment sets it); None: nothing says (vLLM's default)."""
+    (its ${GPU_MEMORY_UTILIZATION} as the unit's environment sets it, after KNOB, its engine's flag);
+    None: nothing says (vLLM's default)."""
     found = read_env_fraction(env_path(cfg, r.name))
     if found is not None:
         return found
     value = env.get(VAR)
-    return cmdline_fraction(tuple(value if a in VAR_FORMS and value is not None else a for a in argv))
+    return cmdline_fraction(tuple(value if a in VAR_FORMS and value is not None else a for a in argv), knob)
 
 
 @dataclass(frozen=True)
@@ -144,13 +155,15 @@ def measure(
     argv, env_files, env = runs.argv, runs.env_files, runs.env
     files = modelfiles.find(runs.declared, env, runs.home, deadline_mono)
     returned = held_now(pid)
-    own_fraction = _own_fraction(cfg, r, argv, env)
+    engine = engine_of_unit(r, details.exec_start if details is not None else None)
+    knob = engine.knob.flag if engine.knob is not None else None
+    own_fraction = _own_fraction(cfg, r, argv, env, knob)
     fraction = start.new or own_fraction or VLLM_DEFAULT_FRACTION
     held = returned
     if unit is not None and unit.active_state in (ActiveState.ACTIVE, ActiveState.RELOADING):
         # a wrapper (a shell, `docker run -e ...`) hides the fraction vLLM runs with: then what it
         # would start with, as a refusal on too small a hold would leave a hung replica unrestarted
-        running = _running_fraction(pid) or own_fraction or VLLM_DEFAULT_FRACTION
+        running = _running_fraction(pid, knob) or own_fraction or VLLM_DEFAULT_FRACTION
         held = max(returned, int(running * total))
     cached = modelfiles.cached_bytes(files.paths, files.top, deadline_mono)
     own_measured = cached.measured and not files.cut
@@ -172,11 +185,13 @@ def measure(
         lower_floor=startfit.lowering_floor(
             cfg.memory.enabled,
             cfg.memory.floor,
-            _wired(cfg, r, details, env_files),
+            _wired(cfg, r, details, env_files, knob),
             start.may_lower and start.new is None,
             own_fraction is not None,
         ),
         reserve_bytes=cfg.memory.reserve_bytes,
+        sized_by_fraction=engine.knob is not None and engine.knob.of_total,
+        engine=engine.label,
     )
     return Measured(fit, files)
 
@@ -194,11 +209,13 @@ def _own_cached_bytes(
     return sample.file_cache_bytes if files.cut else min(cached.bytes, sample.file_cache_bytes)
 
 
-def _wired(cfg: Config, r: ReplicaConfig, details: ServiceDetails | None, env_files: tuple[EnvFile, ...]) -> bool:
-    """Its unit reads guardian's env file (core/wiring.py); unknown without its unit's details."""
+def _wired(
+    cfg: Config, r: ReplicaConfig, details: ServiceDetails | None, env_files: tuple[EnvFile, ...], knob: str | None
+) -> bool:
+    """Its unit passes guardian's env file to KNOB, its engine's flag (core/wiring.py); unknown without its details."""
     return (
         details is not None
-        and wiring_problem(r.unit, env_files, details.exec_start, str(env_path(cfg, r.name))) is None
+        and wiring_problem(r.unit, env_files, details.exec_start, str(env_path(cfg, r.name)), knob) is None
     )
 
 

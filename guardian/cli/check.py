@@ -463,7 +463,7 @@ async def _check_container(sd: Systemd, r: ReplicaConfig, watch: ContainerWatch,
                 f"replica {r.name}: {r.unit} runs a container (`{run.engine} run --name {run.name}`), but the "
                 f"replica names none: guardian would kill only the {run.engine} CLI of a hung replica; "
                 f'add: container = "{run.name}"'
-                + (' and engine = "podman"' if run.engine == "podman" else "")
+                + (' and runtime = "podman"' if run.engine == "podman" else "")
                 + " to the replica"
             )
         return

@@ -52,6 +52,7 @@ class RunLine:
 
     engine: str
     name: str | None = None
+    image: str | None = None  # the first word after the options
     rm: bool = False
     replace: bool = False
     detach: bool = False
@@ -59,7 +60,9 @@ class RunLine:
     cgroups_split: bool = False
     cidfile: str | None = None
     publishes: tuple[str, ...] = ()
-    passes_fraction: bool = False  # --gpu-memory-utilization ${GPU_MEMORY_UTILIZATION} or -e GPU_MEMORY_UTILIZATION
+    # guardian's fraction reaches the server: ${GPU_MEMORY_UTILIZATION} in its command (after its engine's
+    # knob flag), or -e GPU_MEMORY_UTILIZATION
+    passes_fraction: bool = False
     mounts: tuple[tuple[str, str], ...] = ()  # (host path, path in the container) of -v / --mount binds and volumes
     envs: tuple[str, ...] = ()  # -e / --env, as written
     command: tuple[str, ...] = ()  # what follows the image: the engine's own arguments
@@ -139,13 +142,13 @@ def parse_run_line(argv: tuple[str, ...]) -> RunLine | None:
     after_image = tail[at + 1 :]
     network = (opts.get("--network") or opts.get("--net") or [""])[-1]
     envs = opts.get("-e", []) + opts.get("--env", [])
-    fraction_arg = any(
-        w == "--gpu-memory-utilization" and j + 1 < len(after_image) and "GPU_MEMORY_UTILIZATION" in after_image[j + 1]
-        for j, w in enumerate(after_image)
-    ) or any(w.startswith("--gpu-memory-utilization=") and "GPU_MEMORY_UTILIZATION" in w for w in after_image)
+    # Whichever engine's knob flag comes before it (guardian/engines/): the variable in the command is
+    # what carries guardian's fraction; wiring.py judges the flag against the replica's engine.
+    fraction_arg = any("GPU_MEMORY_UTILIZATION" in w for w in after_image)
     return RunLine(
         engine=engine,
         name=opts["--name"][-1] if "--name" in opts else None,
+        image=tail[at] if at < len(tail) else None,
         rm="--rm" in flags or (opts.get("--rm") or [""])[-1] == "true",
         replace="--replace" in flags or (opts.get("--replace") or [""])[-1] == "true",
         detach=bool({"-d", "--detach"} & flags),
@@ -174,6 +177,15 @@ class Served:
 
 
 _ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
+
+
+def engine_words(argv: tuple[str, ...]) -> tuple[str, ...]:
+    """The words of a unit's ExecStart (expanded) that say which serving engine it starts: for a
+    container, its image and command (not its options: `--name vllm-a` says nothing of what runs)."""
+    run = parse_run_line(argv)
+    if run is None:
+        return argv
+    return ((run.image,) if run.image is not None else ()) + run.command
 
 
 def served(argv: tuple[str, ...], env: Mapping[str, str]) -> Served:

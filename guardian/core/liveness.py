@@ -20,12 +20,19 @@ Queued work means: running + waiting > 0 on /metrics, or clients waiting: client
 whose request has had no byte of answer for >= W.client_wait_s (ConnView.waiting; an engine
 frozen between two steps shows 0 running and 0 waiting while its clients wait in the API server).
 
+The queue is judged (queue_judged) when /metrics was read; or when the replica's engine serves no
+page as started (llama-server without --metrics, SGLang without --enable-metrics: the observation's
+metrics_offered is False), or serves it from its engine's own loop (llama-server) and it did not come
+while /health answered in time: the engine then does not answer. In those two its clients waiting are
+its queue, and the rows that say "queue judged" apply; L19, which reads the engine's own count, does not.
+
 Traffic means: queued work, or a counter moved, at a tick with no canary of guardian's
 in flight or just folded in (a canary's own token is not traffic); with one, running + waiting > 1,
 or generation_tokens_total or request_success_total up by more than 1 (more than the canary).
 
 A canary (a 1-token completion) is asked for only when /metrics is readable (or this tick's is in
-flight and the last look's was), /health answered or is in flight, and none is in flight, and one of:
+flight and the last look's was; or the engine serves none; or it serves it from its own loop and
+/health answered 2xx), /health answered or is in flight, and none is in flight, and one of:
 - idle (running + waiting == 0) and no canary since the last traffic and
   now - last traffic >= W.canary_after_traffic_s (an engine that froze between two steps shows
   0 running, 0 waiting and frozen counters while clients' requests wait: this finds it);
@@ -79,6 +86,7 @@ class _Seen:
     queued: float  # running + waiting on /metrics, plus those clients
     health_in_time: bool
     canary_failed: bool  # a canary failed this tick with no progress while it ran
+    judged: bool  # its queue is judged at this look (queue_judged)
 
 
 @dataclass(frozen=True)
@@ -121,8 +129,8 @@ class _Facts:
 
     @property
     def work_queued(self) -> bool:
-        """/metrics readable AND queued work (running + waiting > 0, or clients waiting)."""
-        return self.obs.metrics is not None and self.seen.queued > 0
+        """Its queue judged (queue_judged) AND queued work (running + waiting > 0, or clients waiting)."""
+        return self.seen.judged and self.seen.queued > 0
 
     @property
     def quiet_since(self) -> float:
@@ -175,10 +183,24 @@ class _Facts:
             ("/metrics", obs.metrics_probe),
             ("/v1/models", obs.models_probe),
         )
-        found = [f"{label}: {probe.error}" for label, probe in probes if not probe.ok]
+        found = [
+            f"{label}: {probe.error}"
+            for label, probe in probes
+            if not probe.ok and (label != "/metrics" or obs.metrics_offered)
+        ]
         if self.seen.canary_failed or track.canary_failures:
             found.append(f"{track.canary_failures} canary failure(s)")
         return found
+
+
+def queue_judged(obs: ReplicaObservation, health_in_time: bool) -> bool:
+    """Whether the replica's queue is judged at this look: its page was read (running + waiting, and
+    its clients waiting); or its engine serves none as started (ReplicaObservation.metrics_offered),
+    or its page comes from the engine's own loop and did not come while /health answered in time
+    (metrics_via_engine: the engine does not answer). In the last two its clients waiting are its queue."""
+    if obs.metrics is not None or not obs.metrics_offered:
+        return True
+    return obs.metrics_via_engine and health_in_time
 
 
 def _age_s(now: float, since: float | None) -> float:
@@ -283,7 +305,7 @@ def _api_quiet(facts: _Facts) -> str:
 def _used(view: ProcView | None, group: str, quiet_s: float) -> str:
     """How a group's quiet reads in a journal line: "its engine (2 processes) used 0 ms of CPU in 4 s"."""
     act: Activity | None = None if view is None else (view.engine if group == "engine" else view.api)
-    whole = group == "api" and view is not None and not view.engine_named
+    whole = view is not None and ((group == "api" and not view.engine_named) or view.engine_whole)
     who = "its processes" if whole else ("its engine" if group == "engine" else "its API server")
     procs = f" ({act.procs} process{'es' if act.procs != 1 else ''})" if act is not None else ""
     return f"{who}{procs} used no CPU and waited for none in {quiet_s:.1f} s"
@@ -497,7 +519,7 @@ ROWS: tuple[Row[_Facts, str], ...] = (
         Rule(
             "L20",
             State.STALLED,
-            "/metrics readable AND queued work (as L13) AND a canary sent after the last progress (and after "
+            "queue judged AND queued work (as L13) AND a canary sent after the last progress (and after "
             "work was first queued) failed by C5 (its engine never touched it)",
         ),
         lambda f: f.work_queued and f.track.engine_proof_at is not None and f.track.engine_proof_at >= f.quiet_since,
@@ -507,7 +529,7 @@ ROWS: tuple[Row[_Facts, str], ...] = (
         STALL_WINDOW := Rule(
             "L13",
             State.STALLED,
-            "/metrics readable AND queued work (running + waiting > 0, or clients waiting >= W.client_wait_s) "
+            "queue judged AND queued work (running + waiting > 0, or clients waiting >= W.client_wait_s) "
             "AND now - max(last progress, work first queued) >= max(W.stall_window_s, min(W.max_step_s, "
             "STEP_MARGIN x the replica's longest recent step))",
         ),
@@ -521,7 +543,7 @@ ROWS: tuple[Row[_Facts, str], ...] = (
         STALL_CANARY := Rule(
             "L14",
             State.STALLED,
-            "/metrics readable AND queued work (as L13) AND a canary sent after the last progress (and "
+            "queue judged AND queued work (as L13) AND a canary sent after the last progress (and "
             "after work was first queued) failed with no progress while it ran (C4) AND now - max(last "
             "progress, work first queued) >= min(W.max_step_s, STEP_MARGIN x the replica's longest recent step) "
             "(W.stall_window_s while none is learned): a stall canary never ends a step shorter than the "
@@ -534,11 +556,11 @@ ROWS: tuple[Row[_Facts, str], ...] = (
         Rule(
             "L21",
             State.IDLE_DEAD,
-            "/metrics readable AND no queued work AND the last canary failed by C5 (its engine never touched "
+            "queue judged AND no queued work AND the last canary failed by C5 (its engine never touched "
             "it) AND no progress since it was sent: one such canary is proof enough",
         ),
         lambda f: (
-            f.obs.metrics is not None
+            f.seen.judged
             and f.seen.queued == 0
             and f.track.engine_proof_at is not None
             and (f.track.last_progress_at is None or f.track.last_progress_at <= f.track.engine_proof_at)
@@ -549,11 +571,9 @@ ROWS: tuple[Row[_Facts, str], ...] = (
         Rule(
             "L15",
             State.IDLE_DEAD,
-            "/metrics readable AND no queued work AND consecutive failed canaries >= W.canary_failures",
+            "queue judged AND no queued work AND consecutive failed canaries >= W.canary_failures",
         ),
-        lambda f: (
-            f.obs.metrics is not None and f.seen.queued == 0 and f.track.canary_failures >= f.wcfg.canary_failures
-        ),
+        lambda f: f.seen.judged and f.seen.queued == 0 and f.track.canary_failures >= f.wcfg.canary_failures,
         lambda f: f"idle, and {f.track.canary_failures} canary completions failed in a row (/health {f.health_said})",
     ),
     Row(
@@ -1017,23 +1037,30 @@ def _fold(
     track = learn_step(track, longest_new_prefill(track.last_sample, sample), now, wcfg.max_step_s)
     waiting_clients, waiting_since = _waits(track, obs, now, wcfg)
     queued = _queued(sample, waiting_clients)
+    health_in_time = obs.health.ok and obs.health.latency_s < rcfg.health_timeout_s
+    judged = queue_judged(obs, health_in_time)
     ours = track.canary_in_flight_since is not None or obs.canary is not None  # a canary's token is not traffic
-    if sample is not None and (
-        (not ours and (counters_moved or queued > 0)) or (ours and _beyond_a_canary(track.last_sample, sample))
+    if judged and (
+        (not ours and (counters_moved or queued > 0))
+        or (ours and sample is not None and _beyond_a_canary(track.last_sample, sample))
+        or (ours and sample is None and waiting_clients > 0)
     ):
         track = replace(track, last_traffic_at=now)
-    track, canary_ok, canary_failed = _fold_canary(track, obs, queued, counters_moved or _flowing(obs))
+    track, canary_ok, canary_failed = _fold_canary(
+        track, obs, queued if judged else 0.0, counters_moved or _flowing(obs)
+    )
     progressed = counters_moved or canary_ok or _flowing(obs)
     if progressed:
         track = replace(track, last_progress_at=_progress_at(track, obs, now, counters_moved or canary_ok))
     if not obs.metrics_probe.pending:
         track = replace(track, metrics_readable=sample is not None)
-    if sample is not None:
+    if judged:
         if queued > 0 and track.work_since is None:
             # clients waiting were queued from the moment the longest-waiting one spoke
             track = replace(track, work_since=waiting_since if waiting_clients else now)
         elif queued == 0:
             track = replace(track, work_since=None)
+    if sample is not None:
         track = replace(track, last_sample=sample)
     if obs.all_probes_failed or obs.probes_pending_s is not None:
         # Counted from the last answer, not from the first failed tick: a hung probe takes its
@@ -1046,7 +1073,6 @@ def _fold(
         track = replace(track, dead_503_since=track.dead_503_since if track.dead_503_since is not None else now)
     else:
         track = replace(track, dead_503_since=None)
-    health_in_time = obs.health.ok and obs.health.latency_s < rcfg.health_timeout_s
     if health_in_time and not track.healthy_since_start:
         track = replace(track, healthy_since_start=True)
     in_time_since = (
@@ -1054,9 +1080,11 @@ def _fold(
     )
     track = replace(track, health_in_time_since=in_time_since)
     if obs.canary is None:
-        track, untouched = _judge_canary_out(track, obs, queued, wcfg)
+        track, untouched = _judge_canary_out(track, obs, queued if judged else 0.0, wcfg)
         canary_failed = canary_failed or untouched
-    seen = _Seen(counters_moved, progressed, waiting_clients, waiting_since, queued, health_in_time, canary_failed)
+    seen = _Seen(
+        counters_moved, progressed, waiting_clients, waiting_since, queued, health_in_time, canary_failed, judged
+    )
     return track, seen
 
 
@@ -1095,7 +1123,7 @@ def _judge_canary_out(track: Track, obs: ReplicaObservation, queued: float, wcfg
         canary_failures=track.canary_failures + 1,
         engine_proof_at=sent,
         judged_canary=sent,
-        stall_proof_at=sent if obs.metrics is not None and queued > 0 else track.stall_proof_at,
+        stall_proof_at=sent if queued > 0 else track.stall_proof_at,
     )
     return track, True
 
@@ -1150,7 +1178,7 @@ def _fold_canary(track: Track, obs: ReplicaObservation, queued: float, moving_no
     if rule.id != _FAILED_CANARY:
         return track, False, False  # something moved while it ran: the engine was working
     track = replace(track, canary_failures=track.canary_failures + 1)
-    if obs.metrics is not None and queued > 0:
+    if queued > 0:
         track = replace(track, stall_proof_at=canary.started_at)
     return track, False, True
 
@@ -1194,7 +1222,10 @@ def _may_send_canary(track: Track, obs: ReplicaObservation) -> bool:
     /health answered or still in flight: on a starved box (every answer 1-8 s late) a tick with
     both answered at once is rare, and no canary would go out (issue 35)."""
     metrics = obs.metrics is not None or (obs.metrics_probe.pending and track.metrics_readable)
-    return metrics and (obs.health.answered or obs.health.pending)
+    # No page to read, or one the engine's loop left unanswered while the API server answers: the
+    # canary is then the engine's only probe, and the API server takes it.
+    unread_by_design = not obs.metrics_offered or (obs.metrics_via_engine and obs.health.ok)
+    return (metrics or unread_by_design) and (obs.health.answered or obs.health.pending)
 
 
 def _closer_look_possible(track: Track) -> bool:

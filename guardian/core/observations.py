@@ -194,6 +194,9 @@ class ProcView:
     api: Activity | None
     engine: Activity | None
     engine_named: bool = False  # some process is named as the engine's
+    # No process is named, and its engine computes in the server's own process (guardian/engines/:
+    # single_process): ENGINE is the whole replica's Activity, as API is.
+    engine_whole: bool = False
 
 
 @dataclass(frozen=True)
@@ -258,6 +261,13 @@ class ReplicaObservation:
     procs: ProcView | None = None  # None: the replica's processes could not be read
     gpus: tuple[GpuLife, ...] = ()  # each GPU's power and utilization; (): no NVML, or it reports neither
     declared: UnitDeclared | None = None  # how its unit says it runs, as last read (None: not read)
+    # False: its engine serves no page at /metrics as started (llama-server without --metrics: 501;
+    # SGLang without --enable-metrics: 404): the rules that need its counts are not applied, and its
+    # failure is no problem (guardian/engines/).
+    metrics_offered: bool = True
+    # Its page is answered by the engine's own loop, not the API server alone (llama-server): a read
+    # that times out while /health answers in time is the engine not answering.
+    metrics_via_engine: bool = False
 
     @property
     def all_probes_failed(self) -> bool:
@@ -342,6 +352,8 @@ class UnitWiring:
     exec_start: tuple[str, ...] = ()
     env_path: str = ""
     unseen: str | None = None
+    knob: str | None = "--gpu-memory-utilization"  # its engine's memory flag (guardian/engines/); None: none
+    engine: str = "vLLM"  # its engine, as people write it
 
 
 @dataclass(frozen=True)

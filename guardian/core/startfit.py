@@ -85,6 +85,10 @@ class StartFit:
     # env file, and this start is at its own fraction (not a change of fraction); None: no lowering
     lower_floor: float | None = None
     reserve_bytes: int = 0  # M.reserve_bytes: what a lowered start leaves free beside it
+    # its engine's need is FRACTION x total (vLLM, SGLang); False: no fraction says it (llama.cpp has
+    # none; TensorRT-LLM's is a share of what its weights leave free): guardian/engines/
+    sized_by_fraction: bool = True
+    engine: str = "vLLM"  # its engine, as people write it
 
     @property
     def need_bytes(self) -> int:
@@ -146,6 +150,16 @@ ROWS: tuple[Row[StartFit, Release], ...] = (
             "device 0's memory (a GPU with memory of its own, or no GPU)",
         ),
         lambda f: not f.unified,
+        lambda f: Release.NOTHING,
+    ),
+    Row(
+        NOT_SIZED := Rule(
+            "U11",
+            "not judged",
+            "its engine's need is not a share of the whole memory: an engine with no memory fraction (llama.cpp: "
+            "its own flags size it), or one whose fraction is of the memory its weights leave free (TensorRT-LLM)",
+        ),
+        lambda f: not f.sized_by_fraction,
         lambda f: Release.NOTHING,
     ),
     Row(
@@ -351,8 +365,13 @@ def figures(f: StartFit) -> str:
     held = ""
     if f.held_bytes > f.returned_bytes:
         held = f"; up to {gib(f.held_bytes)} if what its fraction reserves comes back"
+    need = (
+        f"it needs {gib(f.need_bytes)} ({f.fraction:g} x {gib(f.total_bytes)})"
+        if f.sized_by_fraction
+        else f"its need is not known ({f.engine}: no fraction of the whole memory says it)"
+    )
     return (
-        f"it needs {gib(f.need_bytes)} ({f.fraction:g} x {gib(f.total_bytes)}), the device would see "
+        f"{need}, the device would see "
         f"{gib(f.sure_bytes)} free (MemFree {gib(f.free_bytes)} + {gib(f.returned_bytes)} its processes "
         f"return{held}); the page cache holds {gib(f.cache_bytes)}, {own} of it its own model files ({f.own_files})"
     )

@@ -8,7 +8,9 @@ later file overrides an earlier one, and every EnvironmentFile= overrides Enviro
 2. no EnvironmentFile= listed after it sets GPU_MEMORY_UTILIZATION (a later file that does
    would win, and silently cancel every lowering), and each later file can be read to tell;
 3. its ExecStart= passes ``--gpu-memory-utilization ${GPU_MEMORY_UTILIZATION}`` (or
-   ``$GPU_MEMORY_UTILIZATION``, or the ``--gpu-memory-utilization=...`` form).
+   ``$GPU_MEMORY_UTILIZATION``, or the ``--gpu-memory-utilization=...`` form): the flag is its
+   engine's knob (guardian/engines/: SGLang's --mem-fraction-static, TensorRT-LLM's
+   --kv_cache_free_gpu_memory_fraction); an engine with none (llama.cpp) is never wired.
 
 Otherwise a restart would start it with the same fraction and free nothing. What the restarted
 replica really runs with is confirmed afterwards (core/memguard.py, M4/M5), and a serving
@@ -56,7 +58,21 @@ def parse_fraction(value: str | None) -> float | None:
     return fraction if MIN_FRACTION <= fraction <= MAX_FRACTION else None
 
 
-def wiring_problem(unit: str, env_files: tuple[EnvFile, ...], exec_start: tuple[str, ...], env_path: str) -> str | None:
+KNOB = "--gpu-memory-utilization"  # vLLM's, the default engine's
+
+
+def wiring_problem(
+    unit: str,
+    env_files: tuple[EnvFile, ...],
+    exec_start: tuple[str, ...],
+    env_path: str,
+    knob: str | None = KNOB,
+    engine: str = "vLLM",
+) -> str | None:
+    """Why UNIT does not pass guardian's fraction to its server with KNOB (ENGINE's memory flag;
+    None: it has none), or None: it does."""
+    if knob is None:
+        return f"{engine} has no memory fraction to lower (its own flags size it): the memory guard never lowers it"
     problems = []
     paths = [e.path for e in env_files]
     if env_path not in paths:
@@ -76,23 +92,24 @@ def wiring_problem(unit: str, env_files: tuple[EnvFile, ...], exec_start: tuple[
                 )
     argv = list(exec_start)
     passes = any(
-        (a == "--gpu-memory-utilization" and i + 1 < len(argv) and argv[i + 1] in VAR_FORMS)
-        or a in tuple(f"--gpu-memory-utilization={v}" for v in VAR_FORMS)
+        (a == knob and i + 1 < len(argv) and argv[i + 1] in VAR_FORMS) or a in tuple(f"{knob}={v}" for v in VAR_FORMS)
         for i, a in enumerate(argv)
     )
     if not passes:
-        problems.append(f"pass --gpu-memory-utilization ${{{VAR}}} in ExecStart= of {unit}")
+        problems.append(f"pass {knob} ${{{VAR}}} in ExecStart= of {unit}")
     if not problems:
         return None
     return "; ".join(problems) + (f" (systemctl edit --full {unit}; keep a default with Environment={VAR}=0.78)")
 
 
-def cmdline_fraction(argv: tuple[str, ...]) -> float | None:
-    """--gpu-memory-utilization from a process's command line (what a running vLLM was given)."""
+def cmdline_fraction(argv: tuple[str, ...], knob: str | None = KNOB) -> float | None:
+    """KNOB (its engine's memory flag) from a process's command line: what a running server was given."""
+    if knob is None:
+        return None
     for at, arg in enumerate(argv):
-        if arg == "--gpu-memory-utilization" and at + 1 < len(argv):
+        if arg == knob and at + 1 < len(argv):
             return parse_fraction(argv[at + 1])
-        if arg.startswith("--gpu-memory-utilization="):
+        if arg.startswith(knob + "="):
             return parse_fraction(arg.partition("=")[2])
     return None
 
@@ -103,4 +120,4 @@ def problem_of(wiring: UnitWiring | None) -> str | None:
         return "wiring not checked yet"
     if wiring.unseen is not None:
         return wiring.unseen
-    return wiring_problem(wiring.unit, wiring.env_files, wiring.exec_start, wiring.env_path)
+    return wiring_problem(wiring.unit, wiring.env_files, wiring.exec_start, wiring.env_path, wiring.knob, wiring.engine)

@@ -132,8 +132,8 @@ def read_report(r: ReplicaConfig, directory: Path = REPORT_DIR) -> EngineReport 
     except FileNotFoundError:
         return None
     except (Refused, OSError) as e:
-        return EngineReport(r.engine, 0.0, error=f"the container helper's report cannot be read: {e}")
-    return parse_report(data, r.engine)
+        return EngineReport(r.runtime, 0.0, error=f"the container helper's report cannot be read: {e}")
+    return parse_report(data, r.runtime)
 
 
 async def run_helper(sd: Systemd, verb: str, replica: str, timeout_s: float = HELPER_TIMEOUT_S) -> str:
@@ -259,7 +259,7 @@ def seen_holder(owner: HeldBy) -> Seen | None:
 def resolve(owner: HeldBy, r: ReplicaConfig, seen: Seen, report: EngineReport | None) -> HeldBy:
     """OWNER with the container it stands for, when a report (or conmon) names it, and whether it
     is the replica's own, known to be another's (HeldBy.stray), or not known yet."""
-    foreign = seen.engine is not None and seen.engine != r.engine
+    foreign = seen.engine is not None and seen.engine != r.runtime
     found: Container | None = None
     if report is not None:
         pool = report.others if foreign else report.containers
@@ -281,7 +281,7 @@ def _known(seen: Seen, r: ReplicaConfig, report: EngineReport | None) -> bool:
         return True
     if report is None or report.error is not None:
         return False
-    pool = report.others if seen.engine is not None and seen.engine != r.engine else report.containers
+    pool = report.others if seen.engine is not None and seen.engine != r.runtime else report.containers
     if seen.container_id is not None:
         return find_container(pool, cid=seen.container_id) is not None
     return seen.ip is not None and find_container(pool, ip=seen.ip) is not None
@@ -305,7 +305,7 @@ class ContainerWatch:
         result = await run_helper(self.sd, "inspect", r.name)
         report = read_report(r, self.directory)
         if result != JOB_DONE and (report is None or report.error is None):
-            report = EngineReport(r.engine, 0.0, error=f"the container helper's inspect ended with '{result}'")
+            report = EngineReport(r.runtime, 0.0, error=f"the container helper's inspect ended with '{result}'")
         if report is not None:
             self.reports[r.name] = report
         return report
@@ -369,7 +369,7 @@ class ContainerWatch:
         c = report.by_name(r.container) if report is not None and r.container else None
         if c is None or not c.id:
             return None
-        return f"docker-{c.id}.scope" if r.engine == "docker" else f"libpod-{c.id}.scope"
+        return f"docker-{c.id}.scope" if r.runtime == "docker" else f"libpod-{c.id}.scope"
 
     async def _scope_info(self, r: ReplicaConfig) -> UnitInfo | None:
         scope = self.scope_of(r)

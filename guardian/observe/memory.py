@@ -13,6 +13,7 @@ import httpx
 import psutil
 
 from ..config import Config, ReplicaConfig
+from ..core.container import engine_words
 from ..core.memstate import Pending
 from ..core.observations import (
     EnvFile,
@@ -24,6 +25,9 @@ from ..core.observations import (
 )
 from ..core.startguard import may_be_loading
 from ..core.wiring import cmdline_fraction, env_value, parse_fraction
+from ..engines import DEFAULT
+from ..engines.base import Engine
+from ..engines.resolve import told
 from . import modelfiles, probes, unitlog
 from .clock import Now
 from .meminfo import sample_memory
@@ -88,7 +92,19 @@ async def wiring_of(sd: Systemd, cfg: Config, r: ReplicaConfig) -> UnitWiring:
     except SystemdError as e:
         return UnitWiring(r.unit, unseen=f"systemd could not be asked about {r.unit}: {e}")
     files = await asyncio.to_thread(lambda: tuple(read_env_file(p) for p in d.environment_files))
-    return UnitWiring(r.unit, files, d.exec_start, str(env_path(cfg, r.name)))
+    engine = engine_of_unit(r, d.exec_start)
+    knob = engine.knob.flag if engine.knob is not None else None
+    return UnitWiring(r.unit, files, d.exec_start, str(env_path(cfg, r.name)), knob=knob, engine=engine.label)
+
+
+def _knob(wiring: UnitWiring | None) -> str | None:
+    """The memory flag of a replica's engine, as its wiring was read (vLLM's before it is)."""
+    return wiring.knob if wiring is not None else DEFAULT.knob.flag if DEFAULT.knob is not None else None
+
+
+def engine_of_unit(r: ReplicaConfig, exec_start: tuple[str, ...] | None) -> Engine:
+    """R's engine as its config says, or (auto) as its unit's EXEC_START says (engines/resolve.py)."""
+    return told(r, engine_words(exec_start) if exec_start is not None else None).engine
 
 
 async def service_details(sd: Systemd, r: ReplicaConfig) -> ServiceDetails | None:
@@ -224,7 +240,7 @@ class MemoryObserver:
                 failure = await unitlog.start_error(r.unit, since_wall, pending.new)
             return ReplicaMemoryObservation(
                 configured_fraction=read_env_fraction(env_path(cfg, r.name)),
-                cmdline_fraction=cmdline_fraction(argv),
+                cmdline_fraction=cmdline_fraction(argv, _knob(self.wiring.get(r.name))),
                 usage_bytes=usage,
                 wiring=self.wiring.get(r.name),
                 start_failure=failure,

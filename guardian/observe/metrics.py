@@ -31,24 +31,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ..core.observations import VllmSample
 from ..core.wiring import parse_fraction
+from ..engines.base import PageShape
+from ..engines.vllm import PAGE as VLLM
 
 
 class MetricsError(ValueError):
     pass
-
-
-_SUMMED = {
-    "vllm:num_requests_running": "running",
-    "vllm:num_requests_waiting": "waiting",
-    "vllm:kv_cache_usage_perc": "kv_cache_usage",
-    "vllm:generation_tokens_total": "generation_tokens",
-    "vllm:prompt_tokens_total": "prompt_tokens",
-    "vllm:iteration_tokens_total_count": "iteration_count",
-    "vllm:iteration_tokens_total_sum": "iteration_sum",
-    "vllm:request_success_total": "request_success",
-}
-# Without these, "work queued" and "tokens flowing" cannot be told.
-_REQUIRED = ("running", "waiting", "generation_tokens")
 
 
 # A real vLLM 0.32 page has about 600 samples (vllm_sim/data); a page with many more is not one
@@ -60,15 +48,10 @@ MAX_MODEL_NAMES = 16
 MAX_LINE_BYTES = 16 * 2**10
 # About 15 lines on a real page (a few engines or finished reasons more on a big server).
 MAX_SELECTED_BYTES = 256 * 2**10
-
-PREFILL_BUCKET = "vllm:request_prefill_time_seconds_bucket"  # each request's prefill time (its longest step)
 MAX_BUCKETS = 64
-_WANTED = (*_SUMMED, "process_start_time_seconds", "vllm:cache_config_info", PREFILL_BUCKET)
-_WANTED_NAMES = frozenset(n.encode() for n in _WANTED)
-_WANTED_PREFIXES = tuple(_WANTED_NAMES)
 
 
-def select_lines(page: bytes) -> str:
+def select_lines(page: bytes, shape: PageShape = VLLM) -> str:
     """The sample lines of PAGE whose series guardian reads, as text for the parser.
 
     Linear in the page's size. Comments (# HELP, # TYPE) are dropped: without them each kept
@@ -88,10 +71,10 @@ def select_lines(page: bytes) -> str:
         samples += 1
         if samples > MAX_SAMPLES:
             raise MetricsError(f"more than {MAX_SAMPLES} samples on the page")
-        if not line.startswith(_WANTED_PREFIXES):
+        if not line.startswith(shape.wanted_prefixes):
             continue
         name = line.split(b"{", 1)[0].split(b" ", 1)[0]
-        if name not in _WANTED_NAMES:
+        if name not in shape.wanted_names:
             continue  # a longer name with a wanted prefix (vllm:num_requests_waiting_by_reason)
         shown = name.decode("ascii", "replace")
         if len(line) > MAX_LINE_BYTES:
@@ -104,41 +87,45 @@ def select_lines(page: bytes) -> str:
     return b"\n".join(kept).decode("utf-8", errors="replace")
 
 
-def parse_vllm_page(page: bytes) -> VllmSample:
+def parse_page(page: bytes, shape: PageShape) -> VllmSample:
     """The VllmSample of a whole /metrics page as it came from the replica: what
-    parse_vllm_metrics(select_lines(PAGE)) gives, or raises, by a shorter road where it can."""
-    lines = _wanted_lines(page)
+    parse_metrics(select_lines(PAGE, SHAPE), SHAPE) gives, or raises, by a shorter road where it can."""
+    lines = _wanted_lines(page, shape)
     if lines is None:
-        return parse_vllm_metrics(select_lines(page))
+        return parse_metrics(select_lines(page, shape), shape)
     text = b"\n".join([*lines, b""]).decode("utf-8", errors="replace")  # select_lines(page), as it gives it
     samples = _plain_samples(text)
-    return parse_vllm_metrics(text) if samples is None else _sample_of(samples)
+    return parse_metrics(text, shape) if samples is None else _sample_of(samples, shape)
+
+
+def parse_metrics(text: str, shape: PageShape) -> VllmSample:
+    """The VllmSample of Prometheus text (a whole page, or select_lines' lines), with prometheus_client."""
+    return _sample_of(
+        ((s.name, s.labels, s.value) for family in text_string_to_metric_families(text) for s in family.samples),
+        shape,
+    )
+
+
+def parse_vllm_page(page: bytes) -> VllmSample:
+    return parse_page(page, VLLM)
 
 
 def parse_vllm_metrics(text: str) -> VllmSample:
-    """The VllmSample of Prometheus text (a whole page, or select_lines' lines), with prometheus_client."""
-    return _sample_of(
-        (s.name, s.labels, s.value) for family in text_string_to_metric_families(text) for s in family.samples
-    )
+    return parse_metrics(text, VLLM)
 
 
 # --- the short road (parse_vllm_page) -----------------------------------------------------------
 
-# A wanted line: a wanted name, then "{", " " or the line's end (select_lines' split); the page's
-# first line, and each line after a newline. One regular expression finds them all in C.
-_WANTED_LINE = b"(?:" + b"|".join(re.escape(n) for n in sorted(_WANTED_NAMES)) + rb")(?=[{ \n]|\Z)[^\n]*"
-_FIRST_LINE = re.compile(_WANTED_LINE)
-_NEXT_LINES = re.compile(rb"\n(" + _WANTED_LINE + rb")")
 
-
-def _wanted_lines(page: bytes) -> list[bytes] | None:
+def _wanted_lines(page: bytes, shape: PageShape = VLLM) -> list[bytes] | None:
     """The lines select_lines keeps, in the page's order; None where select_lines could raise (a
     page of MAX_SAMPLES lines or more, a wanted line or all of them over their bounds): that is for
     select_lines itself to say."""
     if page.count(b"\n") >= MAX_SAMPLES:  # fewer lines than MAX_SAMPLES: neither count can pass its cap
         return None
-    first = _FIRST_LINE.match(page)
-    lines: list[bytes] = _NEXT_LINES.findall(page)
+    first_line, next_lines = shape.line_patterns
+    first = first_line.match(page)
+    lines: list[bytes] = next_lines.findall(page)
     if first is not None:
         lines.insert(0, first.group())
     if any(len(line) > MAX_LINE_BYTES for line in lines) or sum(len(x) + 1 for x in lines) > MAX_SELECTED_BYTES:
@@ -194,8 +181,8 @@ def _unescape(m: re.Match[str]) -> str:
 # --- both roads ------------------------------------------------------------------------------------
 
 
-def _sample_of(samples: Iterable[tuple[str, Mapping[str, str], float]]) -> VllmSample:
-    """The VllmSample of SAMPLES, (name, labels, value) each; raises MetricsError."""
+def _sample_of(samples: Iterable[tuple[str, Mapping[str, str], float]], shape: PageShape) -> VllmSample:
+    """The VllmSample of SAMPLES, (name, labels, value) each, read as SHAPE says; raises MetricsError."""
     values: dict[str, float] = {}
     buckets: dict[float, float] = {}
     models: set[str] = set()
@@ -207,7 +194,7 @@ def _sample_of(samples: Iterable[tuple[str, Mapping[str, str], float]]) -> VllmS
             count += 1
             if count > MAX_SAMPLES:
                 raise MetricsError(f"more than {MAX_SAMPLES} samples on the page")
-            field = _SUMMED.get(name)
+            field = shape.summed.get(name)
             if field is not None:
                 if not math.isfinite(value) or value < 0:
                     raise MetricsError(f"{name} has an impossible value {value!r}")
@@ -216,11 +203,11 @@ def _sample_of(samples: Iterable[tuple[str, Mapping[str, str], float]]) -> VllmS
                     models.add(labels["model_name"][:256])
             elif name == "process_start_time_seconds" and math.isfinite(value):
                 started = value if started is None else min(started, value)
-            elif name == PREFILL_BUCKET:
-                _bucket(buckets, labels.get("le", ""), value)
-            elif name == "vllm:cache_config_info":
+            elif name == shape.prefill_bucket:
+                _bucket(buckets, labels.get("le", ""), value, name)
+            elif name == shape.fraction_series:
                 # Anything but a finite number in (0, 1] is no fraction (never written to an env file).
-                gpu_util = parse_fraction(labels.get("gpu_memory_utilization"))
+                gpu_util = parse_fraction(labels.get(shape.fraction_label))
     except MetricsError:
         raise
     except Exception as e:  # noqa: BLE001 - the parser raises ValueError, IndexError, ... on garbage
@@ -228,10 +215,10 @@ def _sample_of(samples: Iterable[tuple[str, Mapping[str, str], float]]) -> VllmS
     for field, total in values.items():
         if not math.isfinite(total):  # finite samples can still sum to inf (two of 1e308)
             raise MetricsError(f"the {field} samples add up to {total!r}")
-    missing = [f for f in _REQUIRED if f not in values]
+    missing = [f for f in shape.required if f not in values]
     if missing:
-        names = ", ".join(k for k, v in _SUMMED.items() if v in missing)
-        raise MetricsError(f"no {names} on the page (is this a vLLM V1 server?)")
+        names = ", ".join(k for k, v in shape.summed.items() if v in missing)
+        raise MetricsError(f"no {names} on the page ({shape.hint})")
     return VllmSample(
         running=values["running"],
         waiting=values["waiting"],
@@ -248,15 +235,15 @@ def _sample_of(samples: Iterable[tuple[str, Mapping[str, str], float]]) -> VllmS
     )
 
 
-def _bucket(buckets: dict[float, float], le: str, count: float) -> None:
+def _bucket(buckets: dict[float, float], le: str, count: float, series: str) -> None:
     """One bucket line of the prefill histogram, summed over engines; a bound or count that is not
     a number, or more than MAX_BUCKETS bounds, makes the page unreadable."""
     try:
         bound = float(le)
     except ValueError:
-        raise MetricsError(f"{PREFILL_BUCKET} has a bound {le[:32]!r} that is not a number") from None
+        raise MetricsError(f"{series} has a bound {le[:32]!r} that is not a number") from None
     if math.isnan(bound) or not math.isfinite(count) or count < 0:
-        raise MetricsError(f"{PREFILL_BUCKET} has an impossible bucket {le[:32]!r} = {count!r}")
+        raise MetricsError(f"{series} has an impossible bucket {le[:32]!r} = {count!r}")
     if bound not in buckets and len(buckets) >= MAX_BUCKETS:
-        raise MetricsError(f"{PREFILL_BUCKET} has more than {MAX_BUCKETS} buckets")
+        raise MetricsError(f"{series} has more than {MAX_BUCKETS} buckets")
     buckets[bound] = buckets.get(bound, 0.0) + count

@@ -5,13 +5,16 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from dataclasses import replace
 
 import httpx
 
+from .. import engines
 from ..config import ReplicaConfig
 from ..core.observations import CanaryResult, Probe, VllmSample
+from ..engines.base import Engine
 from . import plainhttp
-from .metrics import MetricsError, parse_vllm_page
+from .metrics import MetricsError, parse_page
 
 # Every byte from a replica is bounded before it is decoded: guardian asks for no compression,
 # refuses a compressed answer (a 1 MB gzip can inflate to 1 GiB), and reads at most this much of
@@ -129,8 +132,11 @@ def _json(body: dict[str, object] | None) -> bytes | None:
     return json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
 
 
-async def health_at(client: httpx.AsyncClient, base_url: str, timeout_s: float, address: str | None = None) -> Probe:
-    probe, _ = await _get(client, base_url + "/health", timeout_s, MAX_SMALL_BYTES, address)
+async def health_at(
+    client: httpx.AsyncClient, base_url: str, timeout_s: float, address: str | None = None, path: str = "/health"
+) -> Probe:
+    """The API server's answer at PATH (its engine's health_path: engines/)."""
+    probe, _ = await _get(client, base_url + path, timeout_s, MAX_SMALL_BYTES, address)
     return probe
 
 
@@ -139,21 +145,32 @@ async def probe_health(client: httpx.AsyncClient, r: ReplicaConfig, address: str
 
 
 async def probe_metrics(
-    client: httpx.AsyncClient, r: ReplicaConfig, timeout_s: float | None = None, address: str | None = None
+    client: httpx.AsyncClient,
+    r: ReplicaConfig,
+    timeout_s: float | None = None,
+    address: str | None = None,
+    engine: Engine = engines.DEFAULT,
 ) -> tuple[Probe, VllmSample | None]:
+    """ENGINE's Prometheus page of R, read as its PageShape says. A status the engine answers when
+    its page is not enabled (engines/: Engine.not_offered) is said so, with the flag that enables it."""
     bound_s = timeout_s if timeout_s is not None else r.metrics_timeout_s
-    probe, body = await _get(client, r.url + "/metrics", bound_s, MAX_METRICS_BYTES, address)
+    probe, body = await _get(client, r.url + engine.metrics_path, bound_s, MAX_METRICS_BYTES, address)
+    if probe.status in engine.not_offered:
+        return replace(probe, error=f"not offered (HTTP {probe.status}): {engine.metrics_hint()}"), None
     if not probe.ok:
         return probe, None
+    page = engine.page
+    if page is None:
+        return Probe(False, probe.status, probe.latency_s, f"{engine.label} has no page guardian reads"), None
     try:
         if len(body) <= INLINE_PARSE_BYTES:
             # A real page (51 KB) costs about 0.5 ms; handing it to a thread cost as much again.
-            return probe, parse_vllm_page(body)
+            return probe, parse_page(body, page)
         # Off the event loop: a large page must not delay another replica's probes or a ping.
         # Its cost is bounded by construction (metrics.select_lines); the time bound is for a box
         # so loaded that even that is slow: the page was answered, so it is "unreadable", which
         # never counts as "no answer".
-        return probe, await asyncio.wait_for(asyncio.to_thread(parse_vllm_page, body), PARSE_TIMEOUT_S)
+        return probe, await asyncio.wait_for(asyncio.to_thread(parse_page, body, page), PARSE_TIMEOUT_S)
     except MetricsError as e:
         return Probe(False, probe.status, probe.latency_s, f"unreadable: {e}"), None
     except TimeoutError:

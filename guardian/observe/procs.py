@@ -17,8 +17,9 @@ The processes fall in two groups. The engine's are those named so (ENGINE_NAMES 
 ``VLLM::EngineCore`` and ``VLLM::Worker*`` set their names; SGLang's scheduler too); the API server
 is every other process (a container's init, conmon, a shell wrapper: they add to it, so it is the
 later to look quiet, the safe side). Where no process is named, the engine is not told apart from
-the API server (a single-process server such as llama-server): the view's ``engine`` is None and
-its ``api`` is the whole replica.
+the API server: the view's ``engine`` is None and its ``api`` is the whole replica; but for an engine
+that computes in the server's own process (llama-server, trtllm-serve on one GPU: engines/), the
+whole replica is its engine too (``engine_whole``): quiet all through, nothing works on a request.
 
 A group's Activity between two looks is unknown (None) when its set of processes changed: the
 CPU of one that ended since is lost, and one that began may have run before it was seen.
@@ -32,6 +33,7 @@ from dataclasses import dataclass, replace
 
 from ..config import Config, ReplicaConfig
 from ..core.observations import Activity, ProcView
+from ..engines.base import Engine
 from .sockets import cgroup_mounts
 
 # Process names (comm, at most 15 characters) that say a process is the engine's, by prefix.
@@ -118,13 +120,18 @@ def view(
     after: tuple[list[ProcStat], list[ProcStat]],
     at: float,
     since_s: float | None,
+    single_process: bool = False,
 ) -> ProcView:
-    """The ProcView of one replica from its groups at the previous look (BEFORE) and now (AFTER)."""
+    """The ProcView of one replica from its groups at the previous look (BEFORE) and now (AFTER).
+    SINGLE_PROCESS: its engine computes in the server's own process (llama-server, trtllm-serve:
+    engines/), so where none is named the whole replica is its engine as well as its API server."""
     api_then, engine_then = before if before is not None else (None, None)
     api_now, engine_now = after
     named = bool(engine_now)
-    engine = activity(engine_then, engine_now) if named else None
-    return ProcView(at, since_s, activity(api_then, api_now), engine, named)
+    api = activity(api_then, api_now)
+    whole = single_process and not named
+    engine = activity(engine_then, engine_now) if named else (api if whole else None)
+    return ProcView(at, since_s, api, engine, named, whole)
 
 
 # --- reading ------------------------------------------------------------------------------------
@@ -203,9 +210,16 @@ class ProcObserver:
                 return path
         return None
 
-    def look_now(self, cfg: Config, mono_now: float, scopes: Mapping[str, str | None]) -> dict[str, ProcView | None]:
+    def look_now(
+        self,
+        cfg: Config,
+        mono_now: float,
+        scopes: Mapping[str, str | None],
+        kinds: Mapping[str, Engine] | None = None,
+    ) -> dict[str, ProcView | None]:
         """Each replica's view at MONO_NOW, by name; None for one whose processes cannot be read (a
-        stopped unit has no cgroup). SCOPES: a container replica's scope unit, where known."""
+        stopped unit has no cgroup). SCOPES: a container replica's scope unit, where known. KINDS:
+        each replica's engine (engines/), where it is a single process."""
         out: dict[str, ProcView | None] = {}
         for r in cfg.replicas:
             where = self._cgroup_dir(r, scopes.get(r.name))
@@ -217,7 +231,8 @@ class ProcObserver:
             groups = split([self._titled(p) for p in (read_proc(pid, self._proc) for pid in pids) if p is not None])
             last = self._last.get(r.name)
             since_s = mono_now - last[1] if last is not None else None
-            out[r.name] = view(last[0] if last is not None else None, groups, mono_now, since_s)
+            single = kinds is not None and r.name in kinds and kinds[r.name].single_process
+            out[r.name] = view(last[0] if last is not None else None, groups, mono_now, since_s, single)
             self._last[r.name] = (groups, mono_now)
         for gone in self._last.keys() - {r.name for r in cfg.replicas}:
             del self._last[gone]

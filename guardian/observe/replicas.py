@@ -13,7 +13,9 @@ from typing import Any
 
 import httpx
 
+from .. import engines
 from ..config import Config, ReplicaConfig
+from ..core.container import engine_words
 from ..core.memstate import Pending
 from ..core.observations import (
     CanaryResult,
@@ -31,6 +33,8 @@ from ..core.observations import (
     WarmupResult,
 )
 from ..core.vocab import HeldBy, Hidden, Nobody, PortOwner, Unreadable
+from ..engines.base import Engine
+from ..engines.resolve import Told, told
 from . import nvml, probes
 from .addresses import Addresses, Pin
 from .clock import Now
@@ -210,7 +214,13 @@ class ProbeCarry:
         self.tasks: dict[str, dict[str, tuple[asyncio.Task[Any], float]]] = {}
 
     def start(
-        self, client: httpx.AsyncClient, r: ReplicaConfig, mono: float, bound_s: float = 0.0, pin: Pin | None = None
+        self,
+        client: httpx.AsyncClient,
+        r: ReplicaConfig,
+        mono: float,
+        bound_s: float = 0.0,
+        pin: Pin | None = None,
+        engine: Engine = engines.DEFAULT,
     ) -> list[asyncio.Task[Any]]:
         """Send each probe of R that is not already in flight, to its PIN's address (None, or a pin
         without one: its URL's host); the tasks to wait for. Each may run up to the longer of its
@@ -219,7 +229,7 @@ class ProbeCarry:
         slots = self.tasks.setdefault(r.name, {})
         for endpoint in self.ENDPOINTS:
             if endpoint not in slots:
-                slots[endpoint] = (asyncio.ensure_future(_send(client, r, endpoint, (bound_s, pin))), mono)
+                slots[endpoint] = (asyncio.ensure_future(_send(client, r, endpoint, (bound_s, pin), engine)), mono)
         return [task for task, _ in slots.values()]
 
     def take(self, name: str, mono: float) -> tuple[ProbeResults, float | None]:
@@ -249,7 +259,13 @@ class ProbeCarry:
                 task.cancel()
 
 
-async def _send(client: httpx.AsyncClient, r: ReplicaConfig, endpoint: str, at: tuple[float, Pin | None]) -> Any:
+async def _send(
+    client: httpx.AsyncClient,
+    r: ReplicaConfig,
+    endpoint: str,
+    at: tuple[float, Pin | None],
+    engine: Engine = engines.DEFAULT,
+) -> Any:
     bound_s, pin = at
     address = pin.address if pin is not None else None
     if pin is not None and address is None and pin.error is not None:
@@ -258,10 +274,16 @@ async def _send(client: httpx.AsyncClient, r: ReplicaConfig, endpoint: str, at: 
         failed = Probe(False, None, 0.0, f"cannot connect: {pin.error}")
         return failed if endpoint == "health" else (failed, None)
     if endpoint == "health":
-        return await probes.health_at(client, r.url, max(r.health_timeout_s, bound_s), address)
+        return await probes.health_at(client, r.url, max(r.health_timeout_s, bound_s), address, engine.health_path)
     if endpoint == "metrics":
-        return await probes.probe_metrics(client, r, max(r.metrics_timeout_s, bound_s), address)
+        return await probes.probe_metrics(client, r, max(r.metrics_timeout_s, bound_s), address, engine)
     return await probes.models_at(client, r.url, max(r.health_timeout_s, bound_s), address)
+
+
+def engine_told(r: ReplicaConfig, declared: UnitDeclared) -> Told:
+    """R's engine, told from its config, or (auto) from what its unit (DECLARED) starts."""
+    words = engine_words(declared.argv) if declared.unseen is None else None
+    return told(r, words, declared.unseen)
 
 
 @dataclass(frozen=True)
@@ -284,7 +306,7 @@ def replica_observation(
 ) -> ReplicaObservation:
     """R's observation from its UNIT_VIEW, its port's OWNER, the executor's RESULTS and its probes
     (PROBED, as ProbeCarry.take gives them: their results, and how long they have been pending
-    when none answered)."""
+    when none answered); what its engine's page means is set by WorldObserver.replicas (metrics_offered)."""
     unit, unit_error = unit_view
     (health, (mprobe, sample), (models_probe, models)), pending_s = probed
     return ReplicaObservation(
@@ -303,6 +325,12 @@ def replica_observation(
         warmup=results.warmups.get(r.name),
         probes_pending_s=pending_s,
     )
+
+
+def as_engine(o: ReplicaObservation, engine: Engine) -> ReplicaObservation:
+    """O with what ENGINE's page means (engines/): offered as it is started, answered by its engine's loop."""
+    offered = o.metrics_probe.status not in engine.not_offered
+    return replace(o, metrics_offered=offered, metrics_via_engine=engine.metrics_via_engine)
 
 
 @dataclass(frozen=True)
@@ -334,6 +362,7 @@ class WorldObserver:
         self.containers = ContainerWatch(sd)
         self.addresses = Addresses()
         self.declared: dict[str, UnitDeclared] = {}  # how each replica's unit runs its server, as last read
+        self.told: dict[str, Told] = {}  # each replica's engine, as told from its config or its unit (engines/)
         self.logind_seen: tuple[tuple[str, int, int], ...] = ()  # logind's files at the last scan
         # The listening sockets the last pin() read, until the port owners take them (_views); None:
         # not read since (the pin failed, or they were taken).
@@ -341,14 +370,15 @@ class WorldObserver:
 
     def _cpu_units(self, cfg: Config) -> dict[str, str]:
         """A Docker replica's work is done in its container's scope, not in its unit (the docker CLI)."""
-        scopes = {r.name: self.containers.scope_of(r) for r in cfg.replicas if r.engine == "docker" and r.container}
+        scopes = {r.name: self.containers.scope_of(r) for r in cfg.replicas if r.runtime == "docker" and r.container}
         return {name: scope for name, scope in scopes.items() if scope is not None}
 
     async def _procs(self, cfg: Config, mono: float) -> dict[str, ProcView | None]:
         """The replicas' own processes (observe/procs.py), never an exception: none is then known."""
         scopes = {r.name: self.containers.scope_of(r) for r in cfg.replicas if r.container}
         try:
-            return await asyncio.to_thread(self.procs.look_now, cfg, mono, scopes)
+            kinds = {r.name: self.engine_of(r) for r in cfg.replicas}
+            return await asyncio.to_thread(self.procs.look_now, cfg, mono, scopes, kinds)
         except Exception:  # noqa: BLE001 - unreadable processes prove nothing: no view, no rule that needs one
             return {}
 
@@ -403,7 +433,13 @@ class WorldObserver:
         the ticks' observations until units may have changed."""
         found = await asyncio.gather(*(declared_of(self.sd, r) for r in cfg.replicas))
         self.declared = {r.name: d for r, d in zip(cfg.replicas, found, strict=True)}
+        self.told = {r.name: engine_told(r, self.declared[r.name]) for r in cfg.replicas}
         return self.declared
+
+    def engine_of(self, r: ReplicaConfig) -> Engine:
+        """R's engine as last told (engines/resolve.py); before its unit is read, its configured one."""
+        told = self.told.get(r.name)
+        return told.engine if told is not None else engines.named(r.engine)
 
     async def observe(
         self,
@@ -468,7 +504,7 @@ class WorldObserver:
         tasks = [
             task
             for r in cfg.replicas
-            for task in self.carry.start(self.client, r, at_mono, bound_s, self.pins.get(r.name))
+            for task in self.carry.start(self.client, r, at_mono, bound_s, self.pins.get(r.name), self.engine_of(r))
         ]
         (owners, units), _ = await asyncio.gather(
             self._views(cfg),
@@ -477,11 +513,14 @@ class WorldObserver:
         judged_at = time.monotonic() if wait_s is not None else at_mono
         results = take_results()
         return {
-            r.name: replace(
-                replica_observation(
-                    r, at_mono, units[r.unit], owners.get(r.port), results, self.carry.take(r.name, judged_at)
+            r.name: as_engine(
+                replace(
+                    replica_observation(
+                        r, at_mono, units[r.unit], owners.get(r.port), results, self.carry.take(r.name, judged_at)
+                    ),
+                    declared=self.declared.get(r.name),
                 ),
-                declared=self.declared.get(r.name),
+                self.engine_of(r),
             )
             for r in cfg.replicas
         }
