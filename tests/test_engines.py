@@ -9,10 +9,11 @@ import asyncio
 from dataclasses import replace
 
 import pytest
+from harness import OK, TIMEOUT, Box, canaries, cfg, conns, obs, restarts
 
 from guardian.config import Config, ConfigError, ReplicaConfig, load_config
 from guardian.core.container import engine_words
-from guardian.core.observations import Activity, CanaryResult, EnvFile, ProcView, Probe
+from guardian.core.observations import Activity, CanaryResult, EnvFile, Probe, ProcView
 from guardian.core.vocab import State
 from guardian.core.wiring import cmdline_fraction, wiring_problem
 from guardian.engines import ENGINES, detect
@@ -25,7 +26,6 @@ from guardian.observe import probes
 from guardian.observe.metrics import MetricsError, parse_page
 from guardian.observe.procs import ProcStat, view
 from guardian.observe.replicas import as_engine
-from harness import OK, TIMEOUT, Box, canaries, cfg, conns, obs, restarts
 
 # --- which engine a unit starts -------------------------------------------------------------------
 
@@ -215,7 +215,7 @@ def test_every_engine_states_its_probe_paths_knob_and_what_its_page_lacks():
 def test_a_page_not_enabled_is_said_with_the_flag_that_enables_it(monkeypatch, engine, status, offered):
     asked = []
 
-    async def fake_get(client, url, timeout_s, max_bytes, address=None):  # noqa: ANN001, ANN202
+    async def fake_get(client, url, timeout_s, max_bytes, address=None):
         asked.append(url)
         return Probe(False, status, 0.01, f"HTTP {status}"), b""
 
