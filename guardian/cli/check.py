@@ -25,6 +25,7 @@ from ..core.outside import outside_hazards
 from ..core.vocab import ActiveState, HeldBy, Hidden, Nobody, PortOwner
 from ..core.weights import Weights
 from ..core.wiring import problem_of
+from ..engines.resolve import Told, told
 from ..observe import clock, probes, warmup
 from ..observe import weights as observe_weights
 from ..observe.addresses import pin_of
@@ -33,10 +34,11 @@ from ..observe.declared import declared_of, read_logind
 from ..observe.memory import env_path, service_details, wiring_of
 from ..observe.nvml import Nvml
 from ..observe.probes import make_client
-from ..observe.replicas import UnitView, port_owners, unit_or_error
+from ..observe.replicas import UnitView, engine_told, port_owners, unit_or_error
 from ..observe.sockets import cgroup_of_pid, unit_of_cgroup
 from ..observe.systemd import Systemd, SystemdError
 from .common import Exit, one_line
+from .engine_lines import engine_line
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -136,6 +138,7 @@ class _Bus:
     watch: ContainerWatch
     units: dict[str, UnitInfo | None]
     weights: dict[str, Weights | None]  # each replica's fingerprint, for W3 once the fleet is read
+    told: dict[str, Told]  # each replica's engine, as its config or its unit's command line tells it
 
 
 NO_BUS_HINT = "(no system bus here? run `guardian check --no-systemd` to check the config and replicas without systemd)"
@@ -157,7 +160,7 @@ async def _check_live(cfg: Config, no_systemd: bool, report: Report) -> None:
         await _check_fleet(cfg, bus.weights if bus is not None else None, report)
     async with make_client() as client:
         for r in cfg.replicas:
-            await _check_replica(client, r, bus, report)
+            await _check_replica(client, r, bus, report, cfg.memory.enabled)
     _check_connections(cfg, report)
     sd.close()
 
@@ -180,6 +183,7 @@ async def _check_units(cfg: Config, sd: Systemd, report: Report) -> _Bus:
     for h in hazards.find_hazards(cfg, units, enabled):
         report.problem(h.message, "hazard")
     declared = {r.name: await declared_of(sd, r) for r in cfg.replicas}
+    told = {r.name: engine_told(r, declared[r.name]) for r in cfg.replicas}
     for h in outside_hazards(cfg, declared, await asyncio.to_thread(read_logind)):
         report.problem(h.message, "hazard")
     for text in stopping.warnings(cfg, declared):
@@ -188,7 +192,7 @@ async def _check_units(cfg: Config, sd: Systemd, report: Report) -> _Bus:
         await _check_wiring(cfg, sd, report)
     await _check_fit(cfg, sd, units, report)
     weights = await _check_weights(cfg, sd, units, report)
-    return _Bus(sd, watch, units, weights)
+    return _Bus(sd, watch, units, weights, told)
 
 
 async def _check_fit(cfg: Config, sd: Systemd, units: dict[str, UnitInfo | None], report: Report) -> None:
@@ -300,19 +304,25 @@ class _Probed:
     metrics_probe: Probe
     models: tuple[str, ...] | None
     models_probe: Probe
+    page_not_offered: bool = False  # its engine serves no page as started: said, not a problem
 
 
-async def _check_replica(client: httpx.AsyncClient, r: ReplicaConfig, bus: _Bus | None, report: Report) -> None:
+async def _check_replica(
+    client: httpx.AsyncClient, r: ReplicaConfig, bus: _Bus | None, report: Report, memory_on: bool
+) -> None:
     """One line for the replica: its probes, its model, who holds its port when it does not answer,
     and whether guardian could restart it; a problem, "not serving" (loading, restarting), or neither.
     A proxy suspected in front of it is a warning line of its own."""
     pin = await pin_of(r)  # where its URL leads: the address the daemon's probes and gates use
     if pin.split:
         report.problem(f"replica {r.name} ({r.url}, unit {r.unit}): {pin.split_text(r.unit)}")
-    health = await probes.probe_health(client, r, pin.address)
-    mprobe, sample = await probes.probe_metrics(client, r, None, pin.address)
+    said = bus.told[r.name] if bus is not None else told(r, None, "its unit was not read (no system bus)")
+    engine = said.engine
+    health = await probes.health_at(client, r.url, r.health_timeout_s, pin.address, engine.health_path)
+    mprobe, sample = await probes.probe_metrics(client, r, None, pin.address, engine)
     models_probe, models = await probes.probe_models(client, r, pin.address)
-    seen = _Probed(health, sample, mprobe, models, models_probe)
+    seen = _Probed(health, sample, mprobe, models, models_probe, mprobe.status in engine.not_offered)
+    report.say(engine_line(r.name, said, mprobe if health.answered else None, memory_on))
     # Without the bus the port's holder is looked up only to say why the replica does not answer.
     owner = await _port_owner(r, bus, pin.address) if bus is not None or not health.answered else None
     unit = bus.units.get(r.unit) if bus is not None else None
@@ -351,7 +361,8 @@ def _replica_findings(r: ReplicaConfig, seen: _Probed, owner: PortOwner | None) 
         found.append(text)
     elif health.answered:
         found.append(f"/metrics {seen.metrics_probe.error}")
-    wrong = (seen.models is not None and r.model not in seen.models) or (health.ok and sample is None)
+    unread = health.ok and sample is None and not seen.page_not_offered
+    wrong = (seen.models is not None and r.model not in seen.models) or unread
     if seen.models is not None and r.model not in seen.models:
         found.append(f"WRONG MODEL: serves {', '.join(seen.models) or 'nothing'}, expected {r.model}")
     elif seen.models is None and health.answered:
