@@ -188,6 +188,7 @@ class Daemon:
         if self.rescan:  # hazards and wiring
             self.rescan = False
             self.exports.metrics.set_hazards(self.notices.hazards(self.cfg, await self.observer.scan(self.cfg)))
+            self.notices.engines(self.cfg, self.observer.told)
         started = self.clock()
         wait_s = tick.probe_wait_s(self.state, started.mono, self.cfg)
         persistent = askers_checked(self.persistent.view(started))

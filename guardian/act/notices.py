@@ -14,6 +14,7 @@ from ..core.observations import FleetView
 from ..core.outside import outside_hazards
 from ..core.vocab import Decision, Priority
 from ..core.weights import Weights
+from ..engines.resolve import Told
 from ..observe.addresses import Pin
 from ..observe.replicas import UnitScan
 from .journal import Journal
@@ -23,6 +24,7 @@ class Notices:
     def __init__(self, journal: Journal) -> None:
         self.journal = journal
         self.hazards_said: dict[str, Hazard] = {}  # the hazards found by the last scan, by key
+        self.engines_said: dict[str, str] = {}  # each replica's engine line, as last said
         self.kernel_view_said: str | None = None  # why the kernel's view was last said to be missing
         self.weights_seen: dict[str, Weights | None] = {}  # each replica's fingerprint, as last read
         self.weights_said: dict[str, Hazard] = {}  # the weights hazards said (W1, W3), by key
@@ -77,6 +79,18 @@ class Notices:
                     LogLine(Priority.INFO, again, Decision.NOTE, r.name, r.unit, hazard=f"address:{r.name}")
                 )
         self.split_said = now
+
+    def engines(self, cfg: Config, told: Mapping[str, Told]) -> None:
+        """Each replica's engine and how it was told (engines/resolve.py): said at start, and when a
+        scan tells another (its unit was edited to start another engine)."""
+        for r in cfg.replicas:
+            t = told.get(r.name)
+            if t is None:
+                continue
+            text = f"replica {r.name}: engine {t.engine.label} ({t.how})"
+            if self.engines_said.get(r.name) != text:
+                self.engines_said[r.name] = text
+                self.journal.line(LogLine(Priority.INFO, text, Decision.STATE, r.name, r.unit))
 
     def hazards(self, cfg: Config, seen: UnitScan) -> list[Hazard]:
         """The hazards in what a scan SEEN (core/hazards.py), each said once, when a scan first
