@@ -90,7 +90,7 @@ class Notices:
             text = f"replica {r.name}: engine {t.engine.label} ({t.how})"
             if self.engines_said.get(r.name) != text:
                 self.engines_said[r.name] = text
-                self.journal.line(LogLine(Priority.INFO, text, Decision.STATE, r.name, r.unit))
+                self.journal.line(LogLine(Priority.INFO, text, Decision.NOTE, r.name, r.unit))
 
     def hazards(self, cfg: Config, seen: UnitScan) -> list[Hazard]:
         """The hazards in what a scan SEEN (core/hazards.py), each said once, when a scan first

@@ -234,7 +234,7 @@ def _why_dropped(replica: ReplicaMemory) -> str | None:
         return "it is paused by the operator (guardian pause)"
     if replica.state in SERVING_STATES:  # the start judged failed finished after all: nothing to restart
         running = replica.running_fraction
-        with_what = f"gpu_memory_utilization {running:g}" if running is not None else "the fraction it started with"
+        with_what = f"{replica.knob} {running:g}" if running is not None else "the fraction it started with"
         return f"it serves again with {with_what}, from its start before the fraction was written"
     return None
 

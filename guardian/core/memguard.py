@@ -90,13 +90,13 @@ class Message:
 MESSAGES: dict[MemVerdict, Message] = {
     MemVerdict.DONE: Message(
         Priority.INFO,
-        "replica {replica.name}: serving again with gpu_memory_utilization {written:g} {since_lowering_s:.0f} s "
+        "replica {replica.name}: serving again with {replica.knob} {written:g} {since_lowering_s:.0f} s "
         "after the {change}; headroom {headroom_bytes:GiB}",
         every_time=True,
     ),
     MemVerdict.MISMATCH: Message(
         Priority.ERROR,
-        "replica {replica.name}: serving again, but with gpu_memory_utilization {replica.running_fraction:g}, "
+        "replica {replica.name}: serving again, but with {replica.knob} {replica.running_fraction:g}, "
         "not the {written:g} guardian wrote: something overrides guardian's env file (a later EnvironmentFile= "
         "that sets GPU_MEMORY_UTILIZATION, or an ExecStart= drop-in); not changing its fraction again until that "
         "is fixed (guardian check; systemctl cat {replica.unit})",
@@ -107,25 +107,24 @@ MESSAGES: dict[MemVerdict, Message] = {
     ),
     MemVerdict.RETRY: Message(
         Priority.ERROR,
-        "replica {replica.name}: start with gpu_memory_utilization {written:g} failed ({failure}); trying "
-        "{new:g}{not_again}",
+        "replica {replica.name}: start with {replica.knob} {written:g} failed ({failure}); trying {new:g}{not_again}",
         every_time=True,
     ),
     MemVerdict.GAVE_UP: Message(
         Priority.ERROR,
-        "replica {replica.name}: start with gpu_memory_utilization {written:g} failed ({failure}); no lower "
+        "replica {replica.name}: start with {replica.knob} {written:g} failed ({failure}); no lower "
         "fraction >= floor {memory.floor:g} fits in headroom {headroom_bytes:GiB}; leaving it to the operator "
         "(journalctl -u {replica.unit}){not_again}",
         every_time=True,
     ),
     MemVerdict.RETRY_WAITS: Message(
         Priority.ERROR,
-        "replica {replica.name}: start with gpu_memory_utilization {written:g} failed ({failure}); {new:g} is "
+        "replica {replica.name}: start with {replica.knob} {written:g} failed ({failure}); {new:g} is "
         "written to its env file, but restarting {replica.unit} waits: {refusal.text}{not_again}",
     ),
     MemVerdict.RETRY_GIVEN_UP: Message(
         Priority.CRITICAL,
-        "replica {replica.name}: start with gpu_memory_utilization {written:g} failed ({failure}); {new:g} is "
+        "replica {replica.name}: start with {replica.knob} {written:g} failed ({failure}); {new:g} is "
         "written to its env file, but restarting {replica.unit} is refused: {refusal.text}; giving up on the "
         "lowering: the unit's next start reads {new:g} (journalctl -u {replica.unit}; systemctl restart "
         "{replica.unit}){not_again}",
@@ -133,14 +132,14 @@ MESSAGES: dict[MemVerdict, Message] = {
     ),
     MemVerdict.RETRY_DROPPED: Message(
         Priority.INFO,
-        "replica {replica.name}: {dropped}; the restart owed to it with gpu_memory_utilization {new:g} (written "
+        "replica {replica.name}: {dropped}; the restart owed to it with {replica.knob} {new:g} (written "
         "after its start with {written:g} was judged failed: {failure}) is dropped and the lowering concluded: "
         "{new:g} stays in its env file and is read at its next start",
         every_time=True,
     ),
     MemVerdict.RETRY_RESTART: Message(
         Priority.WARNING,
-        "replica {replica.name}: restarting {replica.unit} with gpu_memory_utilization {new:g}, written after its "
+        "replica {replica.name}: restarting {replica.unit} with {replica.knob} {new:g}, written after its "
         "start with {written:g} failed ({failure}): admission lets it through now",
         Decision.MEMORY,
         every_time=True,
@@ -197,7 +196,7 @@ MESSAGES: dict[MemVerdict, Message] = {
 MESSAGES |= {
     MemVerdict.RESTORE_WAIT: Message(
         Priority.INFO,
-        "replica {replica.name}: gpu_memory_utilization {current:g}, below its base {base:g}; it is raised to "
+        "replica {replica.name}: {replica.knob} {current:g}, below its base {base:g}; it is raised to "
         "{new:g} once headroom has stayed >= {line_bytes:GiB} (min_headroom {memory.min_headroom_bytes:GiB} + the "
         "raise {raise_bytes:GiB} + reserve {memory.reserve_bytes:GiB}) for {memory.restore_after_s:g} s with no "
         "replica starting; headroom now {headroom_bytes:GiB}",

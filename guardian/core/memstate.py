@@ -34,6 +34,7 @@ class ReplicaMemory:
     base: float | None = None  # its fraction before guardian first lowered it (state file); None: never lowered
     restarts_left: int | None = None  # restarts its budget still allows in the window (A1); None: not counted
     serves: bool | None = None  # liveness.serves (None: not judged by it; then healthy or busy)
+    knob: str = "gpu_memory_utilization"  # its engine's fraction, as its flag names it (guardian/engines/)
 
     @property
     def serving(self) -> bool:

@@ -34,7 +34,7 @@ from .memstate import MemoryView, MemTrack, ReplicaMemory
 from .observations import MemoryObservation, ReplicaMemoryObservation, TickObservation
 from .rules import Refusal
 from .vocab import SERVING_STATES
-from .wiring import problem_of
+from .wiring import KNOB, problem_of
 
 
 @dataclass(frozen=True)
@@ -84,8 +84,9 @@ def _replica(tick: Inputs, replica: ReplicaConfig, found: ReplicaMemoryObservati
     written_at = tick.previous_mem.unread.get(replica.name)
     unread = written_at is not None and not_read(started_at, written_at)
     wiring = problem_of(found.wiring) if found is not None else "not observed"
+    knob = knob_name(found.wiring.knob if found is not None and found.wiring is not None else KNOB)
     if wiring is None and not changing and not unread and track.state in SERVING_STATES:
-        wiring = _overridden(configured, reported)
+        wiring = _overridden(configured, reported, knob)
     down = tick.drains.get(replica.name)
     budget = admission.budget(replica.name, tick.obs.persistent, tick.now, tick.cfg)
     return ReplicaMemory(
@@ -107,14 +108,21 @@ def _replica(tick: Inputs, replica: ReplicaConfig, found: ReplicaMemoryObservati
         base=tick.obs.persistent.fraction_bases.get(replica.name),
         restarts_left=budget.limit - budget.used,
         serves=liveness.serves(track, tick.now),
+        knob=knob,
     )
 
 
-def _overridden(configured: float | None, reported: float | None) -> str | None:
+def knob_name(flag: str | None) -> str:
+    """How a journal line names an engine's fraction: its flag's words (--mem-fraction-static:
+    mem_fraction_static); "its memory fraction" for an engine with none."""
+    return flag.lstrip("-").replace("-", "_") if flag else "its memory fraction"
+
+
+def _overridden(configured: float | None, reported: float | None, knob: str) -> str | None:
     """M9, for a serving replica with no change of fraction pending: why it is not wired, or None."""
     if configured is not None and reported is not None and abs(configured - reported) > 1e-6:
         return (
-            f"it serves with gpu_memory_utilization {reported:g} while guardian's env file says "
+            f"it serves with {knob} {reported:g} while guardian's env file says "
             f"{configured:g}: something overrides that file (a later EnvironmentFile= or an ExecStart= drop-in)"
         )
     return None
