@@ -50,7 +50,7 @@ TensorRT-LLM (``--sim-engine trtllm``; ``trtllm-serve MODEL``)
     ``numQueuedRequests``, ``kvCacheStats``...), one per engine iteration with work, kept only with
     ``enable_iter_perf_stats`` (``--sim-iter-stats``, or ``enable_iter_perf_stats: true`` in the
     ``--extra_llm_api_options`` YAML; else ``[]``); a read REMOVES what it returns (one consumer
-    only); the last 1000 are kept. ``openai_server.py`` ``get_iteration_stats``.
+    only); the simulator keeps the last 1000 (its own bound). ``openai_server.py`` ``get_iteration_stats``.
   * ``/prometheus/metrics`` only with ``return_perf_metrics`` (``--sim-perf-metrics`` or the YAML;
     else 404): ``trtllm_num_requests_running`` ``trtllm_num_requests_waiting``
     ``trtllm_kv_cache_utilization`` ``trtllm_iteration_latency_seconds`` (gauges, set from the
@@ -72,8 +72,8 @@ llama.cpp ``llama-server`` (``--sim-engine llama.cpp``; light)
     ``/metrics`` (``--metrics``, else 501) and ``/slots`` post a task to the main loop and wait for it
     with no timeout: they hang while the engine is hung. ``/props``. Metric names ``llamacpp:*``
     without labels; ``tokens_predicted_total`` moves when a request ends; no KV metric.
-    ``tools/server/server.cpp`` (routes, ``signal_handler``), ``tools/server/server-context.cpp``
-    (``handle_metrics``, ``handle_slots``, ``server_metrics``).
+    ``tools/server/server.cpp`` (routes, ``signal_handler``), ``tools/server/server-context.cpp`` (the
+    metrics and slots handlers, which post a task to the main loop; the metric names).
   * model id: the first ``-a/--alias``, else the ``-m`` file's name; ``-np`` slots (4 here) are the
     engine's ``--max-num-seqs``; ``-c`` is taken. No memory fraction: the simulator's memory behaviour
     uses ``--gpu-memory-utilization``. One process: no engine process unless ``--sim-engine-process``.
