@@ -127,7 +127,7 @@ def _relay(api: socket.socket, workers: list[socket.socket]) -> None:
                     api.send(b"{}")
 
 
-def _engine_core(api: socket.socket, workers: int) -> None:
+def _engine_core(api: socket.socket, workers: int, worker_name: str = "VLLM::Worker_TP{i}") -> None:
     pids, socks = [os.getpid()], []
     for i in range(workers):
         mine, theirs = _pair()
@@ -135,7 +135,7 @@ def _engine_core(api: socket.socket, workers: int) -> None:
         if pid == 0:
             for s in (api, mine, *socks):
                 s.close()
-            _child(f"VLLM::Worker_TP{i}", pids[0], functools.partial(_serve, theirs))
+            _child(worker_name.format(i=i, n=i + 1), pids[0], functools.partial(_serve, theirs))
         theirs.close()
         socks.append(mine)
         pids.append(pid)
@@ -185,15 +185,16 @@ class EngineCore:
         threading.Thread(target=wait, daemon=True, name="EngineCoreMonitor").start()
 
 
-def start(workers: int = 0) -> EngineCore:
-    """Fork the engine core (and its WORKERS). Call it before any thread starts: fork copies only the
+def start(workers: int = 0, name: str = "VLLM::EngineCore", worker_name: str = "VLLM::Worker_TP{i}") -> EngineCore:
+    """Fork the engine core (and its WORKERS), called NAME and WORKER_NAME ({i}: from 0, {n}: from 1;
+    another engine's names, engines.py). Call it before any thread starts: fork copies only the
     calling thread, and PR_SET_PDEATHSIG fires when that thread ends."""
     api, mine = _pair()
     api_pid = os.getpid()
     pid = os.fork()
     if pid == 0:
         api.close()
-        _child("VLLM::EngineCore", api_pid, functools.partial(_engine_core, mine, workers))
+        _child(name, api_pid, functools.partial(_engine_core, mine, workers, worker_name))
     mine.close()
     hello = api.recv(4096)
     if not hello:

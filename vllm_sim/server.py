@@ -1,4 +1,8 @@
-"""A vLLM replica simulator: vLLM's endpoints and V1 metric names, with injectable faults.
+"""A replica simulator for four engines: vLLM (the default, this module's own surface, described below),
+SGLang, TensorRT-LLM's trtllm-serve and llama.cpp's llama-server (``--sim-engine``): the same engine
+thread, faults, engine process and memory behaviour, seen from outside as that engine (its routes,
+health semantics, metrics, model id, memory knob, process names, stop; engines.py says what and where
+each engine's source says so, and what a fault means there). The package keeps the name vllm_sim.
 
 What it imitates (observed on a real vLLM 0.32 server, see shared/BRIEF.md):
 
@@ -116,6 +120,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -132,7 +137,7 @@ from prometheus_client import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 
-from . import engine_core
+from . import engine_core, engines
 
 VERSION = "0.32.0+sim"
 _ids = itertools.count(1)
@@ -146,6 +151,7 @@ class Req:
     stream: bool = False
     words: tuple[str, ...] = ()  # the prompt's tokens (its words), for the prefix cache
     prefilled: bool = False
+    cached_tokens: int = 0  # its leading tokens found in the prefix cache
     ready_at: float | None = None  # its prefill of the uncached tokens ends (--sim-prefill-s-per-token)
     submitted_at: float = field(default_factory=time.monotonic)
     generated: int = 0
@@ -258,6 +264,10 @@ class Engine:
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0
         self.last_prefill_s = 0.0  # the last prompt's prefill as the simulator computed it (not measured)
+        # another engine's surface (engines.py) reads each step: what it prefilled and finished
+        self.on_step: Callable[[], None] | None = None
+        self.last_prefilled: list[Req] = []
+        self.last_finished: list[Req] = []
 
     def _cached_tokens(self, words: tuple[str, ...], insert: bool) -> int:
         """The prompt's leading tokens in whole cached blocks; INSERT: its blocks cached now (LRU), as
@@ -283,6 +293,7 @@ class Engine:
         self.m.prefix_hits.labels(**self.m.labels).inc(hit)
         self.prefix_query_tokens += r.prompt_tokens
         self.prefix_hit_tokens += hit
+        r.cached_tokens = hit
         self.last_prefill_s = (r.prompt_tokens - hit) * self.args.sim_prefill_s_per_token
         r.ready_at = now + self.last_prefill_s
 
@@ -319,6 +330,9 @@ class Engine:
                 if cost and not self.core.step(*cost):
                     return  # the engine core is gone (its monitor says so): no step can run again
                 self.iterate()
+                if self.on_step is not None and not self.dead:
+                    with self.lock:
+                        self.on_step()
             # the step's own time is part of the period: --tokens-per-s stays the iteration rate
             time.sleep(max(0.0, period - (time.monotonic() - began)))
 
@@ -338,6 +352,7 @@ class Engine:
 
     def iterate(self) -> None:
         with self.lock:
+            self.last_prefilled, self.last_finished = [], []
             if self.freeze_when_idle and not self.running:
                 # Frozen right after a batch finished: the gauges keep the last scheduler stats
                 # (0 running, 0 waiting) and the counters stop, as vLLM's do.
@@ -364,6 +379,7 @@ class Engine:
                     self.m.ttft.labels(**self.m.labels).observe(now - r.submitted_at)
                 if not r.prefilled:
                     r.prefilled = True
+                    self.last_prefilled.append(r)
                     self.m.prompt.labels(**self.m.labels).inc(r.prompt_tokens)
                     self.m.prefill_time.labels(**self.m.labels).observe(1.0 / self.args.tokens_per_s)
                     computed += r.prompt_tokens
@@ -384,6 +400,7 @@ class Engine:
             self.m.waiting.labels(**self.m.labels).set(len(self.waiting))
             self.m.kv.labels(**self.m.labels).set(min(1.0, used / self.kv_capacity_tokens))
             touched = list(self.running) + finished
+            self.last_finished = finished
         for r in touched:
             if not r.synthetic:
                 with r.cond:
@@ -437,7 +454,7 @@ class Sim:
     def __init__(self, args, core: engine_core.EngineCore | None = None) -> None:
         self.args = args
         self.core = core
-        self.model = args.served_model_name or args.model
+        self.model = engines.model_id(args)
         self.registry = CollectorRegistry()
         process_collector.ProcessCollector(registry=self.registry)
         platform_collector.PlatformCollector(registry=self.registry)
@@ -454,6 +471,9 @@ class Sim:
         # completions being answered (read to written): a stop with --shutdown-timeout waits for their last byte
         self.answering = 0
         self.answering_lock = threading.Lock()
+        self.surface = engines.make(self)  # None: vLLM
+        if self.surface is not None:
+            self.engine.on_step = self.surface.on_step
 
     def answers(self, delta: int) -> None:
         with self.answering_lock:
@@ -463,6 +483,8 @@ class Sim:
         name = spec.get("fault")
         log(f"SIM fault injected: {json.dumps(spec)}")
         self.fault = dict(spec)
+        if self.surface is not None and self.surface.set_fault(spec):
+            return
         if name == "engine-dead":
             self.engine.dead = True
         elif name == "engine-killed":
@@ -555,6 +577,8 @@ class Sim:
         self.engine.freeze_when_idle = False
         self.engine.dead = False
         self.engine.killed = False
+        if self.surface is not None:
+            self.surface.clear()
         if self.core is not None:  # whichever fault came after them: a stopped or spinning core goes on
             self.core.kill(signal.SIGCONT)
             self.core.spin(0.0)
@@ -590,7 +614,9 @@ def make_handler(sim: Sim):
                 self.close_connection = True  # its client gave up (a held probe): nothing to answer
 
         def do_GET(self) -> None:
-            if self.path.split("?")[0] in STALLED_PATHS:
+            if sim.surface is not None and sim.surface.refuse(self):
+                return
+            if self.path.split("?")[0] in (STALLED_PATHS if sim.surface is None else sim.surface.stalled_paths):
                 sim.wait_stall()  # stall-endpoints: the starved API server has not got to it yet
             if not self.path.startswith("/_sim/"):
                 sim.starve(self.path.split("?")[0])
@@ -609,6 +635,8 @@ def make_handler(sim: Sim):
         def _get(self) -> None:
             fault = sim.fault.get("fault")
             path = self.path.split("?")[0]
+            if sim.surface is not None and sim.surface.get(self, path):
+                return None
             if path in ("/health", "/ping"):
                 if fault == "engine-killed":
                     return self._send(503, b"")
@@ -643,6 +671,8 @@ def make_handler(sim: Sim):
             self._json(404, {"detail": "Not Found"})
 
         def do_POST(self):
+            if sim.surface is not None and sim.surface.refuse(self):
+                return None
             path = self.path.split("?")[0]
             body = self._body()
             if path == "/_sim/fault":
@@ -754,6 +784,8 @@ def startup_memory_check(args) -> str | None:
         with open(args.sim_free_bytes_file) as f:
             free = int(f.read().strip())
     desired = args.gpu_memory_utilization * total
+    if desired > free and args.sim_engine != "vllm":
+        return engines.memory_error(args, free, total, desired)
     if desired > free:
         gib = 2**30
         return (f"ValueError: Free memory on device cuda:0 ({free / gib:.2f}/{total / gib:.2f} GiB) on startup is "
@@ -808,8 +840,10 @@ def load_memory(n: int, load_time_s: float, step_s: float = LOAD_STEP_S) -> list
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="vllm-sim", description="vLLM replica simulator for guardian's tests")
-    p.add_argument("serve", nargs="?", help="ignored, as in `vllm serve MODEL`")
-    p.add_argument("--model", default="sim-model")
+    p.add_argument("serve", nargs="?", help="ignored, as in `vllm serve MODEL` (trtllm: `trtllm-serve MODEL`)")
+    p.add_argument("model_arg", nargs="?", help="trtllm: MODEL after `serve`; ignored otherwise")
+    p.add_argument("--model", "--model-path", "-m", default="sim-model",
+                   help="the model (SGLang's --model-path, llama-server's -m GGUF file)")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -834,8 +868,9 @@ def parse_args(argv=None):
     p.add_argument("--hang-on-sigterm", action="store_true",
                    help="while the engine is dead, frozen or spinning, or the process frozen, SIGTERM does not "
                         "end the process")
-    p.add_argument("--sim-engine-process", action=argparse.BooleanOptionalAction, default=True,
-                   help="run the steps in a child process VLLM::EngineCore, as vLLM V1 does (off: one process)")
+    p.add_argument("--sim-engine-process", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the steps in a child process VLLM::EngineCore, as vLLM V1 does (off: one process); "
+                        "default on for vllm and sglang (its scheduler), off for trtllm and llama.cpp")
     p.add_argument("--sim-step-cpu-s", type=float, default=0.002,
                    help="CPU seconds the engine core burns per step with running requests")
     p.add_argument("--sim-prefill-busy", type=float, default=0.2,
@@ -851,7 +886,37 @@ def parse_args(argv=None):
     p.add_argument("--sim-load-memory", action="store_true",
                    help="take gpu_memory_utilization x total bytes in steps over --load-time-s, before the port is "
                         "bound, and hold them (a start whose memory grows while it loads)")
-    return p.parse_args(argv)
+    add_engine_args(p)
+    args = p.parse_args(argv)
+    engines.resolve_args(args)
+    return args
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """--sim-engine, and the flags of the other engines that the simulator takes (engines.py)."""
+    p.add_argument("--sim-engine", choices=engines.ENGINES, default="vllm",
+                   help="whose outside to show: routes, health, metrics, model id, names (engines.py)")
+    g = p.add_argument_group("SGLang (--sim-engine sglang)")
+    g.add_argument("--mem-fraction-static", type=float, default=None, help="the memory fraction (default 0.88)")
+    g.add_argument("--enable-metrics", action="store_true", help="serve /metrics (else 404)")
+    g.add_argument("--decode-log-interval", type=int, default=40,
+                   help="the scheduler's gauges are refreshed every N decode steps (and per prefill batch)")
+    g.add_argument("--watchdog-timeout", type=float, default=300.0,
+                   help="a batch with no forward step for N s kills the process tree")
+    g.add_argument("--sim-health-generate-timeout-s", type=float, default=20.0,
+                   help="SGLANG_HEALTH_CHECK_TIMEOUT: /health's generate must see output within it")
+    g = p.add_argument_group("TensorRT-LLM (--sim-engine trtllm)")
+    g.add_argument("--kv_cache_free_gpu_memory_fraction", "--kv-cache-free-gpu-memory-fraction", type=float,
+                   default=None, help="the memory fraction (default 0.9, or the YAML's)")
+    g.add_argument("--extra_llm_api_options", "--extra-llm-api-options", default=None,
+                   help="YAML: enable_iter_perf_stats, return_perf_metrics, kv_cache_config.free_gpu_memory_fraction")
+    g.add_argument("--sim-iter-stats", action="store_true", help="enable_iter_perf_stats: /metrics JSON entries")
+    g.add_argument("--sim-perf-metrics", action="store_true", help="return_perf_metrics: /prometheus/metrics")
+    g = p.add_argument_group("llama.cpp llama-server (--sim-engine llama.cpp)")
+    g.add_argument("-a", "--alias", default=None, help="the model's alias(es), comma-separated: /v1/models id")
+    g.add_argument("--metrics", action="store_true", help="serve /metrics (else 501)")
+    g.add_argument("-c", "--ctx-size", dest="ctx", type=int, default=4096)
+    g.add_argument("-np", "--parallel", type=int, default=4, help="slots: the requests decoded at once")
 
 
 def raise_fd_limit(target: int = 65536) -> None:
@@ -873,24 +938,38 @@ def raise_fd_limit(target: int = 65536) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    vllm = args.sim_engine == "vllm"
     model = args.served_model_name or args.model
-    log(f"vLLM API server version {VERSION}; model={model} gpu_memory_utilization={args.gpu_memory_utilization} "
-        f"pid={os.getpid()}")
-    raise_fd_limit()
+    if vllm:
+        log(f"vLLM API server version {VERSION}; model={model} gpu_memory_utilization={args.gpu_memory_utilization} "
+            f"pid={os.getpid()}")
+    else:
+        log(engines.banner(args))
+    if vllm:
+        raise_fd_limit()
+    failed = "EngineCore failed to start" if vllm else f"{args.sim_engine} failed to start"
     if args.fault == "fail-startup":
-        print("ERROR [sim] EngineCore failed to start: RuntimeError: simulated startup failure", file=sys.stderr,
-              flush=True)
+        print(f"ERROR [sim] {failed}: RuntimeError: simulated startup failure", file=sys.stderr, flush=True)
         return 1
     if args.check_memory:
         problem = startup_memory_check(args)
         if problem:
-            print(f"ERROR [sim] EngineCore failed to start.\n{problem}", file=sys.stderr, flush=True)
+            print(f"ERROR [sim] {failed}.\n{problem}", file=sys.stderr, flush=True)
             return 1
     # vLLM's EngineCore is a process of its own, started before the model loads; forked now, while this
     # process has one thread (fork copies only the caller) and before the memory below is taken
-    core = engine_core.start(args.sim_workers) if args.sim_engine_process else None
+    core = engine_core.start(args.sim_workers, *engines.process_names(args)) if args.sim_engine_process else None
     if core is not None:
         log(f"SIM engine core pid={core.pids[0]} workers={core.pids[1:]}")
+    sim: Sim | None = None
+    server: ThreadingHTTPServer | None = None
+    serving: threading.Thread | None = None
+    if not vllm and engines.SURFACES[args.sim_engine].bind_before_load:
+        # llama-server binds its port at once and answers 503 "Loading model" until loaded
+        sim = Sim(args, core)
+        server = serve(sim, args)
+        serving = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True)
+        serving.start()
     want = int(args.gpu_memory_utilization * (args.sim_total_memory_bytes or _meminfo_bytes("MemTotal")))
     if args.sim_load_memory:  # loading: the port is not bound yet (connection refused), the memory grows
         log(f"loading: taking {want / 2**30:.2f} GiB (gpu_memory_utilization x total) over {args.load_time_s:g} s")
@@ -901,15 +980,21 @@ def main(argv=None) -> int:
     if args.sim_allocate and not args.sim_load_memory:
         HELD.append(allocate(want))
         log(f"holding {want / 2**30:.2f} GiB (gpu_memory_utilization x total)")
-    sim = Sim(args, core)
+    if sim is None:
+        sim = Sim(args, core)
     if core is not None:
         def on_core_death() -> None:  # something killed it: vLLM's API server then fails and exits
+            if sim.surface is not None:
+                sim.surface.on_core_death()
+                return
             log("Engine core proc EngineCore_DP0 died unexpectedly, shutting down client.")
             sim.set_fault({"fault": "engine-killed"})
         core.watch(on_core_death)
-    server = ThreadingHTTPServer((args.host, args.port), make_handler(sim))
-    server.daemon_threads = True
+    if server is None:
+        server = serve(sim, args)
     threading.Thread(target=sim.engine.loop, daemon=True, name="EngineCore").start()
+    if sim.surface is not None:
+        sim.surface.start()
     if args.fault:
         spec = {"fault": args.fault, **json.loads(args.fault_json)}
         threading.Timer(args.fault_after_s, sim.set_fault, [spec]).start()
@@ -919,12 +1004,25 @@ def main(argv=None) -> int:
             # systemd's SIGKILL (TimeoutStopSec, or guardian's kill) ends the process.
             log("SIM shutdown: waiting for the engine, which does not answer (--hang-on-sigterm)")
             return
+        if sim.surface is not None:
+            sim.surface.on_sigterm(server)
+            return
         threading.Thread(target=server.shutdown).start()
 
     signal.signal(signal.SIGTERM, on_sigterm)
-    log(f"Starting vLLM API server on http://{args.host}:{args.port}")
-    log("Application startup complete.")
-    server.serve_forever(poll_interval=0.2)
+    if vllm:
+        log(f"Starting vLLM API server on http://{args.host}:{args.port}")
+        log("Application startup complete.")
+        server.serve_forever(poll_interval=0.2)
+    else:
+        log(f"{args.sim_engine}: serving on http://{args.host}:{args.port}; startup complete")
+        if serving is None:
+            server.serve_forever(poll_interval=0.2)
+        else:
+            while serving.is_alive():
+                serving.join(0.2)
+        if sim.surface is not None:
+            sim.surface.after_serve(server)
     if args.shutdown_timeout > 0:
         server.server_close()  # no new connection; the streams in flight go on
         end = time.monotonic() + args.shutdown_timeout
@@ -937,6 +1035,12 @@ def main(argv=None) -> int:
             time.sleep(0.05)
     log("Shutting down")
     return 0
+
+
+def serve(sim: Sim, args) -> ThreadingHTTPServer:
+    server = ThreadingHTTPServer((args.host, args.port), make_handler(sim))
+    server.daemon_threads = True
+    return server
 
 
 if __name__ == "__main__":
