@@ -360,3 +360,20 @@ def test_an_unknown_engine_in_a_whole_config_file_names_the_field(tmp_path):
     )
     assert load_config(path).replicas[0].engine == "auto"
     assert isinstance(Config.model_validate({"replicas": []}), Config)
+
+
+# --- where each engine's model comes from (the start fit's files, the weights' fingerprint) -------------
+
+@pytest.mark.parametrize("argv, env, model", [
+    (("vllm", "serve", "/models/q", "--port", "1"), {}, "/models/q"),
+    (("/usr/bin/python3", "-m", "sglang.launch_server", "--model-path", "/models/s"), {}, "/models/s"),
+    (("trtllm-serve", "/models/t", "--port", "8355"), {}, "/models/t"),
+    (("trtllm-serve", "serve", "/models/t2"), {}, "/models/t2"),
+    (("/usr/bin/llama-server", "-m", "/srv/m.gguf", "--port", "1"), {}, "/srv/m.gguf"),
+    (("/usr/bin/llama-server", "--port", "1"), {"LLAMA_ARG_MODEL": "/srv/e.gguf"}, "/srv/e.gguf"),
+    (("/usr/bin/python3", "-m", "vllm_sim", "--port", "1"), {}, None),  # `python3 -m MODULE` is no model
+])
+def test_each_engines_model_is_found_on_its_command_line(argv, env, model):
+    from guardian.observe.modelfiles import model_of
+
+    assert model_of(argv, env) == model

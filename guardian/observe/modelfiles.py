@@ -5,9 +5,9 @@ Environment= and EnvironmentFile= as systemd expands them, and that environment)
 command line, which its process may rewrite (`exec -a vllm ... serve ANOTHER-TREE` made guardian
 walk and release another model's files, issue 41 row 4):
 
-- `vllm serve MODEL` or `--model MODEL`: a path (a directory, or one file such as a GGUF) is read
-  as it is; anything else is a Hugging Face repo id, whose files are in the hub cache as
-  `models--ORG--NAME/` (blobs, with snapshots linking to them);
+- `vllm serve MODEL` or `--model MODEL` (and each engine's own: model_of): a path (a directory,
+  or one file such as a GGUF) is read as it is; anything else is a Hugging Face repo id, whose
+  files are in the hub cache as `models--ORG--NAME/` (blobs, with snapshots linking to them);
 - the hub cache is `--download-dir`, else `HF_HUB_CACHE`, else `HF_HOME/hub`, else
   `~/.cache/huggingface/hub` of the unit's user (root: /root);
 - in a container (the unit runs `docker run` / `podman run`), MODEL, `--download-dir` and the
@@ -108,13 +108,28 @@ def option(argv: tuple[str, ...], name: str) -> str | None:
     return None
 
 
-def model_of(argv: tuple[str, ...]) -> str | None:
-    """MODEL of `vllm serve MODEL ...`, else of `--model MODEL`."""
-    if "serve" in argv:
-        rest = argv[argv.index("serve") + 1 :]
-        if rest and not rest[0].startswith("-"):
-            return rest[0]
-    return option(argv, "--model")
+def model_of(argv: tuple[str, ...], env: Mapping[str, str] | None = None) -> str | None:
+    """The model a serving engine is started with (guardian/engines/): SGLang's `--model-path M`;
+    MODEL of `vllm serve MODEL`, `trtllm-serve [serve] MODEL`; `--model M` (vLLM, llama-server);
+    llama-server's `-m FILE` (only where llama-server is the program: `python3 -m MODULE` is not a
+    model), else its LLAMA_ARG_MODEL in ENV (how Debian's llama.cpp-services configures it)."""
+    found = option(argv, "--model-path")
+    if found:
+        return found
+    for at, word in enumerate(argv):
+        if word == "serve" or word.rsplit("/", 1)[-1] == "trtllm-serve":
+            rest = argv[at + 1 :]
+            if rest[:1] == ("serve",):
+                rest = rest[1:]
+            if rest and not rest[0].startswith("-"):
+                return rest[0]
+            break
+    found = option(argv, "--model")
+    if found:
+        return found
+    if any(w.rsplit("/", 1)[-1].startswith("llama-server") for w in argv):
+        return option(argv, "-m") or (env or {}).get("LLAMA_ARG_MODEL")
+    return None
 
 
 def hub_dirs(argv: tuple[str, ...], env: Mapping[str, str], home: str) -> list[str]:
@@ -273,7 +288,7 @@ def _locate(
     def host(path: str) -> str | None:
         return path if mounts is None else on_host(path, mounts)
 
-    model = model_of(argv)
+    model = model_of(argv, env)
     if not model:
         return None
     where = "" if mounts is None else " in its container"
