@@ -377,3 +377,35 @@ def test_each_engines_model_is_found_on_its_command_line(argv, env, model):
     from guardian.observe.modelfiles import model_of
 
     assert model_of(argv, env) == model
+
+
+# --- the README's unit per engine --------------------------------------------------------------------
+
+
+def _readme_units() -> dict[str, str]:
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    found = dict(re.findall(r"<!-- unit:engine:([a-z.]+) -->\n```ini\n(.*?)```\n<!-- /unit:engine:\1 -->", text, re.S))
+    assert set(found) == set(ENGINES), f"the README's units per engine: {sorted(found)}"
+    return found
+
+
+@pytest.mark.parametrize("name", sorted(ENGINES))
+def test_the_readmes_unit_per_engine_is_told_by_auto_and_wired_where_the_engine_has_a_knob(name):
+    import shlex
+
+    unit = _readme_units()[name]
+    lines = dict(line.split("=", 1) for line in unit.splitlines() if "=" in line and not line.startswith("#"))
+    argv = tuple(shlex.split(lines["ExecStart"]))
+    found = detect(engine_words(argv))
+    assert found is not None and found[0].name == name
+    engine = ENGINES[name]
+    env_file = lines.get("EnvironmentFile", "").lstrip("-")
+    knob = engine.knob.flag if engine.knob is not None else None
+    problem = wiring_problem("x.service", (EnvFile(env_file, ""),), argv, env_file, knob, engine.label)
+    assert (problem is None) == (engine.knob is not None), problem
+    assert lines["Restart"] == "always"
+    if engine.metrics_flag is not None and engine.metrics_flag.startswith("--"):
+        assert engine.metrics_flag in argv  # the page guardian counts work by is on
