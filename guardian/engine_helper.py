@@ -32,6 +32,7 @@ from typing import Any
 
 from .config import Config, ConfigError, ReplicaConfig, load_config
 from .core.container import ENGINES, MAX_CONTAINERS
+from .engines import ENGINES as ENGINES_SERVING
 
 # Root's own directory (the helper unit's RuntimeDirectory=): not under guardian's /run/guardian,
 # where guardian's user could put a link for root to follow.
@@ -53,11 +54,15 @@ def _run(argv: list[str], timeout_s: float = ENGINE_TIMEOUT_S) -> subprocess.Com
     return subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)
 
 
+# Every serving engine's memory flag (guardian/engines/): a container runs one of them.
+KNOB_FLAGS = tuple(e.knob.flag for e in ENGINES_SERVING.values() if e.knob is not None)
+
+
 def _fraction(env: list[Any], args: list[Any]) -> str | None:
     for i, a in enumerate(args):
-        if a == "--gpu-memory-utilization" and i + 1 < len(args):
+        if a in KNOB_FLAGS and i + 1 < len(args):
             return str(args[i + 1])
-        if isinstance(a, str) and a.startswith("--gpu-memory-utilization="):
+        if isinstance(a, str) and a.startswith(tuple(f + "=" for f in KNOB_FLAGS)):
             return a.partition("=")[2]
     for e in env:
         if isinstance(e, str) and e.startswith("GPU_MEMORY_UTILIZATION="):
