@@ -92,6 +92,7 @@ def _processes(o: ReplicaObservation | None, track: Track | None) -> dict[str, A
     return {
         "over_s": v.since_s,
         "engine_named": v.engine_named,
+        "engine_whole": v.engine_whole,
         "api": group(v.api, track.api_quiet_since if track is not None else None),
         "engine": group(v.engine, track.engine_quiet_since if track is not None else None),
     }

@@ -155,7 +155,10 @@ def _processes_line(p: dict[str, Any]) -> str:
 
     over = f" in {p['over_s']:.1f} s" if p.get("over_s") is not None else ""
     api = "processes" if not p.get("engine_named") else "API server"
-    engine = group("engine", p.get("engine")) if p.get("engine_named") else "engine not told apart"
+    if p.get("engine_whole"):
+        engine = "its engine computes in the same process"
+    else:
+        engine = group("engine", p.get("engine")) if p.get("engine_named") else "engine not told apart"
     return f"processes{over}: {group(api, p.get('api'))}; {engine}"
 
 
