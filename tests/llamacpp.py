@@ -84,18 +84,21 @@ Freezing it (helpers below):
          other (ggml's CPU threadpool, OpenMP, n_threads = 2 here: ~1.1 and ~1.0 cores); the rest are the
          HTTP server's. With the main thread held, the whole process uses 0 ticks: nothing progresses.
        - /health answers 200 at once throughout (the field's #27388); a new completion never answers.
-       - /metrics and /slots: idle, or busy but never read before, they queue a task and wait (no answer
-         in 5 s). But once they have been read, while a request is processing they answer AT ONCE from a
-         copy the main loop keeps (``server_routes::update_cached_responses`` in libllama-server-impl),
-         with every counter standing still (n_decode_total, /slots next_token.n_decoded) and
-         requests_processing 1. So a bounded read of /metrics is NOT a liveness probe of a busy
-         llama-server in this build; counters that stop moving are.
+       - /metrics and /slots: held while idle, they queue a task and wait (no answer in 5 s). Held while a
+         request is processing, they answer AT ONCE (0.07-0.13 s) from a copy the main loop keeps
+         (``server_routes::update_cached_responses`` in libllama-server-impl; the source was not read), with
+         every counter standing still (n_decode_total, /slots next_token.n_decoded) and
+         requests_processing 1: in 5 of 6 busy holds over two runs; the sixth (held 0.3 s into a fresh
+         server's first completion, nothing read before) waited. So a bounded read of /metrics is NOT a
+         liveness probe of a busy llama-server in this build; counters that stop moving are.
        - ``systemctl stop`` of an engine-frozen llama-server: SIGTERM cannot end it (the held main thread
          must leave the loop), systemd SIGKILLs it at TimeoutStopSec (Result=timeout).
   c) ``start_load``: N concurrent completions with max_tokens, from inside the box; ``long_prompt(n)`` is
      a prompt of exactly n tokens for the tiny model (digits never merge in its vocabulary). Prefill is
-     quadratic here (2 shared cores, -c 32768): 4,000 tokens 0.9 s, 16,000 19.6 s, 30,000 40 s; 30,000 in
-     one llama_decode (-b/-ub 32768) 93 s; /health and /metrics answered every poll meanwhile (worst 0.47 s).
+     quadratic here (2 cores shared with other work; times vary 2x between runs): -c 32768: 4,000 tokens
+     0.9 s, 16,000 19.6 s, 30,000 40 s, 30,000 in one llama_decode (-b/-ub 32768) 93 s; -c 16384: 4,000
+     2.0 s, 12,000 10.2 s, 12,000 in one llama_decode 9.6 s. /health and /metrics answered every poll
+     meanwhile, even during the one long llama_decode (worst 0.47 s): /metrics from the main loop's copy.
 """
 
 from __future__ import annotations

@@ -283,9 +283,9 @@ def busy_freeze(box, unit: str, port: int, scrape_first: bool) -> dict:
 
 def test_a_busy_frozen_engine_stands_still(box, bed):
     """b) the main thread held while a completion runs: nothing computes, the completion stands still and a new
-    one waits; /health 200. /metrics and /slots wait too, unless they were read while busy before the hang: then
-    (this build) they answer from the copy the main loop keeps, with counters standing still. Released, the held
-    completion runs on to its end."""
+    one waits; /health 200. /metrics and /slots (this build) mostly answer at once from the copy the main loop
+    keeps while busy, every counter standing still; they waited only when held 0.3 s into a fresh server's first
+    completion, in one run of two (the copy not made yet). Released, the held completion runs on to its end."""
     port = 8407
     unit, _ = start(box, "eb", port)
     f = {"never_scraped": busy_freeze(box, unit, port, scrape_first=False),
@@ -300,7 +300,8 @@ def test_a_busy_frozen_engine_stands_still(box, bed):
         if frozen1 is not None and frozen2 is not None:  # answered: from a copy whose counters stand still
             assert frozen1 == frozen2 < after, phase
             assert phase["slot0_before_frozen_frozen"][1] == phase["slot0_before_frozen_frozen"][2], phase
-    assert f["never_scraped"]["metrics_frozen"][0] == 0 and f["never_scraped"]["slots_frozen"][0] == 0, f
+        else:  # or they wait for the loop
+            assert phase["metrics_frozen"][0] == 0, phase
 
 
 def test_stopping_a_frozen_engine_waits_for_its_stop_timeout(box, bed):
