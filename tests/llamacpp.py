@@ -88,7 +88,7 @@ Freezing it (helpers below):
          request is processing, they answer AT ONCE (0.07-0.13 s) from a copy the main loop keeps
          (``server_routes::update_cached_responses`` in libllama-server-impl; the source was not read), with
          every counter standing still (n_decode_total, /slots next_token.n_decoded) and
-         requests_processing 1: in 5 of 6 busy holds over two runs; the sixth (held 0.3 s into a fresh
+         requests_processing 1: in 8 of 9 busy holds over three runs; the ninth (held 0.3 s into a fresh
          server's first completion, nothing read before) waited. So a bounded read of /metrics is NOT a
          liveness probe of a busy llama-server in this build; counters that stop moving are.
        - ``systemctl stop`` of an engine-frozen llama-server: SIGTERM cannot end it (the held main thread

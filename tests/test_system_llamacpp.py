@@ -285,7 +285,7 @@ def test_a_busy_frozen_engine_stands_still(box, bed):
     """b) the main thread held while a completion runs: nothing computes, the completion stands still and a new
     one waits; /health 200. /metrics and /slots (this build) mostly answer at once from the copy the main loop
     keeps while busy, every counter standing still; they waited only when held 0.3 s into a fresh server's first
-    completion, in one run of two (the copy not made yet). Released, the held completion runs on to its end."""
+    completion, in one run of three (the copy not made yet). Released, the held completion runs on to its end."""
     port = 8407
     unit, _ = start(box, "eb", port)
     f = {"never_scraped": busy_freeze(box, unit, port, scrape_first=False),
