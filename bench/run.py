@@ -33,9 +33,11 @@ from world import NGINX_CONF, NGINX_SITE, PROXY, Replica, World, no_byte, withou
 
 from guardian.observe.meminfo import sample_memory  # noqa: E402  (the one MemAvailable reader)
 
+import engines_part  # noqa: E402  (bench/, beside this file)
+
 GiB = 2**30
 PARTS = ("detection", "false", "prefill", "stall", "starved", "slowpeer", "cost", "many", "conns", "memory", "memloop",
-         "scrape", "clients", "fleet", "containers", "cachefit", "warmup")
+         "scrape", "clients", "fleet", "containers", "cachefit", "warmup", "engines")
 # between-steps-fresh: between-steps with guardian started 20 s before the fault with nothing learned
 # engine-frozen: the engine core SIGSTOPped with 4 streams running; engine-frozen-idle: the same with
 # nothing queued; api-frozen-load: the API server (the unit's main process) SIGSTOPped under 8 streams;
@@ -1072,7 +1074,11 @@ def main() -> int:
                                 ("cachefit", "a hung replica restarted into a full page cache",
                                  lambda: b.cachefit(max(1, min(trials, 3)))),
                                 ("warmup", "a planned restart's first requests, warmed or not",
-                                 lambda: b.warmup(1 if args.quick else 3))):
+                                 lambda: b.warmup(1 if args.quick else 3)),
+                                # last: it takes the vLLM world down
+                                ("engines", "every engine: llama-server (real), guardian's CPU per engine",
+                                 lambda: engines_part.engines(b, 1 if args.quick else min(trials, 5),
+                                                              30 if args.quick else 240, cost_s))):
             if part in parts:
                 b.say(what)
                 results[part] = run()
@@ -1209,6 +1215,8 @@ def write_report(path: Path, r: dict, quick: bool, took_s: float, date: str | No
         *_containers_lines(r.get("containers")),
         *_cachefit_lines(r.get("cachefit")),
         *_warmup_lines(r.get("warmup")),
+        *engines_part.lines(r.get("engines"), r),
+        "",
         "## Recovery",
         "",
         "replica serving again (its 'Application startup complete.') -> guardian reports it healthy, after "
