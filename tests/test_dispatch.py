@@ -41,7 +41,7 @@ from harness import Box, JobDone, Recorder, cfg, request, unit, with_proxy
 NOW = Now(mono=5000.0, wall=1_700_000_000.0)
 
 # One of each Action type, about replica "a" and request REQUEST_ID: for a config without "a", the
-# executor's tasks find no replica and end at once.
+# executor's tasks find no replica, say so, answer the request refused, and end at once.
 EXAMPLES: tuple[Action, ...] = (
     LogLine(Priority.WARNING, "replica a: refused", Decision.REFUSED, "a", "vllm-a.service"),
     RestartUnit("a", "vllm-a.service", RestartKind.OPERATOR, "requested by an operator", REQUEST_ID),
@@ -99,8 +99,16 @@ def test_the_executor_has_a_handler_for_every_action_type(tmp_path):
         return await ex.stop(10.0)
 
     assert asyncio.run(perform()) == 0
-    assert [line for line, _extra in journal.lines] == [EXAMPLES[0]]
-    assert asker.got == [EXAMPLES[6], EXAMPLES[7]]  # the answer and the wait, told to the asker
+    said = [line for line, _extra in journal.lines]
+    assert said[0] == EXAMPLES[0]
+    # the four tasks for a replica no longer configured: each said at error, none dropped silently
+    dropped = sorted(line.message.split(" not performed")[0] for line in said[1:])
+    assert dropped == ["a canary", "a change of fraction (0.8 -> 0.7)", "a restart (operator)", "a warm-up"]
+    assert all(line.priority is Priority.ERROR and "no longer in the config" in line.message for line in said[1:])
+    # the answer and the wait told to the asker, and the operator's request in the restart answered, refused
+    assert asker.got[:2] == [EXAMPLES[6], EXAMPLES[7]]
+    (refused,) = asker.got[2:]
+    assert refused.request_id == REQUEST_ID and not refused.ok and "no longer in the config" in refused.message
     assert parts.got[:3] == [EXAMPLES[8], EXAMPLES[9], EXAMPLES[10]]  # the slots, then the proxy
     assert parts.got[3:] == [("counted", a) for a in EXAMPLES]
     assert store.read()["canary_latencies"]["a"] == [0.5]  # RecordCanaryLatencies: written
@@ -157,8 +165,11 @@ def test_a_restart_decided_alone_goes_through_the_executor(tmp_path, monkeypatch
     assert dispatched == [a for a in actions if taken_alone(a, "a")]
     assert {type(a) for a in dispatched} == {RestartUnit, SyncProxy}  # the canaries and state lines: not
     assert sd.restarted == ["vllm-a.service"]
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     assert out.startswith("vllm-a.service: ") and "done" in out
+    # what it decided and leaves to the daemon is said, not dropped
+    assert "not done by this command, the daemon's work when it runs: 2 canaries (a, b)" in captured.err
     (restart,) = [a for a in actions if isinstance(a, RestartUnit)]
     assert restart.said in [line for line, _extra in journal.lines]  # said by the restart, as the daemon's
     assert alone.executor.tools.store.read()["answers"] == {}  # answered here, not in the state file

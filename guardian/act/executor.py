@@ -214,25 +214,42 @@ class Executor:
 
         self._write_state(both, "canary latencies and steps")
 
+    def _dropped(self, what: str, replica: str, request_id: str | None = None) -> None:
+        """An action for a replica the config no longer names (a reload removed it while the action was
+        on its way): said, never silently dropped; an operator's request in it is answered, refused."""
+        why = f"replica {replica} is no longer in the config (reloaded since it was decided)"
+        self.tools.journal.line(LogLine(Priority.ERROR, f"{what} not performed: {why}", Decision.REFUSED, replica))
+        if request_id is not None:
+            self._answer(AnswerRequest(request_id, replica, False, f"refused: {why}"))
+
     async def _canary(self, name: str, timeout_s: float, sent_at: float | None) -> None:
         r = self.cfg.replica(name)
-        if r is not None:
-            started = sent_at if sent_at is not None else self.tools.clock().mono
-            result = await probes.canary(self.client, r, started, timeout_s, self.address_of(name))
-            self._canaries.setdefault(name, []).append(result)
+        if r is None:
+            self._dropped("a canary", name)
+            return
+        started = sent_at if sent_at is not None else self.tools.clock().mono
+        result = await probes.canary(self.client, r, started, timeout_s, self.address_of(name))
+        self._canaries.setdefault(name, []).append(result)
 
     async def _warm(self, action: WarmUp) -> None:
         r = self.cfg.replica(action.replica)
-        if r is not None and r.warmup_file is not None:
-            began = time.monotonic()
-            try:
-                result = await warm_up(self.client, r, action.started_at, action.timeout_s, self.address_of(r.name))
-            except Exception as e:  # noqa: BLE001 - a warm-up that raises is a failed one (D14 at warning), never silence
-                cause = f"the warm-up raised {type(e).__name__}: {e}"[:MAX_WARMUP_ERROR_CHARS]
-                result = WarmupResult(action.started_at, 0, 0, time.monotonic() - began, cause)
-            kept = self._warmups.get(r.name)
-            if kept is None or kept.started_at <= result.started_at:  # a late older one never hides a newer one
-                self._warmups[r.name] = result
+        if r is None or r.warmup_file is None:
+            why = "its warm-up file is no longer in the config" if r is not None else None
+            if why is None:
+                self._dropped("a warm-up", action.replica)
+            else:
+                # the core waits for a result: a warm-up of nothing, said as such, marks it up (D16)
+                self._warmups[action.replica] = WarmupResult(action.started_at, 0, 0, 0.0, why)
+            return
+        began = time.monotonic()
+        try:
+            result = await warm_up(self.client, r, action.started_at, action.timeout_s, self.address_of(r.name))
+        except Exception as e:  # noqa: BLE001 - a warm-up that raises is a failed one (D14 at warning), never silence
+            cause = f"the warm-up raised {type(e).__name__}: {e}"[:MAX_WARMUP_ERROR_CHARS]
+            result = WarmupResult(action.started_at, 0, 0, time.monotonic() - began, cause)
+        kept = self._warmups.get(r.name)
+        if kept is None or kept.started_at <= result.started_at:  # a late older one never hides a newer one
+            self._warmups[r.name] = result
 
     async def _guarded(self, order: RestartOrder, what: str) -> RestartOutcome:
         """The checked restart; an exception out of it is said and is the outcome."""
@@ -254,6 +271,7 @@ class Executor:
     async def _restart(self, action: RestartUnit) -> None:
         r = self.cfg.replica(action.replica)
         if r is None:
+            self._dropped(f"a restart ({action.kind})", action.replica, action.request_id)
             return
         order = RestartOrder(
             r,
@@ -271,6 +289,7 @@ class Executor:
     async def _set_fraction(self, action: SetFraction) -> None:
         r = self.cfg.replica(action.replica)
         if r is None:
+            self._dropped(f"a change of fraction ({action.old:g} -> {action.new:g})", action.replica)
             return
 
         def write() -> None:

@@ -331,6 +331,9 @@ class Alone:
         them waited for as long as an admitted restart takes; the exit status once the request is
         answered, None while it waits."""
         taken = [a for a in actions if taken_alone(a, self.name)]
+        left = left_to_daemon([a for a in actions if not taken_alone(a, self.name)])
+        if left:
+            print(f"guardian: not done by this command, the daemon's work when it runs: {left}", file=sys.stderr)
         self.executor.perform(taken, tracks, at)
         limit_s = _answer_margin_s(self.executor.cfg, _order_bound_s(taken))
         if await self.executor.stop(limit_s):
@@ -353,6 +356,36 @@ def _order_bound_s(taken: list[Action]) -> float | None:
     """The longest planned stop bound among TAKEN's restarts (core/stopping.py T1), or None."""
     bounds = [a.stop_timeout_s for a in taken if isinstance(a, RestartUnit | SetFraction) and a.stop_timeout_s]
     return max(bounds, default=None)
+
+
+_KINDS: dict[type, tuple[str, str]] = {  # one, more
+    RestartUnit: ("restart", "restarts"),
+    SetFraction: ("change of fraction", "changes of fraction"),
+    StartCanary: ("canary", "canaries"),
+    WarmUp: ("warm-up", "warm-ups"),
+    RecordCanaryLatencies: ("record of canary latencies", "records of canary latencies"),
+}
+
+
+def left_to_daemon(left: list[Action]) -> str:
+    """What a one-shot `guardian restart` decided but does not perform, said (its journal lines aside):
+    "1 restart (b), 2 canaries"; "" when nothing but lines."""
+    counts: dict[str, list[str]] = {}
+    for a in left:
+        if isinstance(a, LogLine):
+            continue
+        kind = {
+            RestartUnit: "restart",
+            SetFraction: "change of fraction",
+            StartCanary: "canary",
+            WarmUp: "warm-up",
+        }.get(type(a), type(a).__name__)
+        counts.setdefault(kind, []).append(getattr(a, "replica", ""))
+    parts = []
+    for kind, names in counts.items():
+        who = ", ".join(sorted({n for n in names if n}))
+        parts.append(f"{len(names)} {kind}{'s' if len(names) != 1 else ''}" + (f" ({who})" if who else ""))
+    return ", ".join(parts)
 
 
 def taken_alone(action: Action, name: str) -> bool:
