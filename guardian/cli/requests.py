@@ -369,22 +369,16 @@ _KINDS: dict[type, tuple[str, str]] = {  # one, more
 
 def left_to_daemon(left: list[Action]) -> str:
     """What a one-shot `guardian restart` decided but does not perform, said (its journal lines aside):
-    "1 restart (b), 2 canaries"; "" when nothing but lines."""
-    counts: dict[str, list[str]] = {}
+    "1 restart (b), 2 canaries (a, b)"; "" when nothing but lines."""
+    counts: dict[type, list[str]] = {}
     for a in left:
-        if isinstance(a, LogLine):
-            continue
-        kind = {
-            RestartUnit: "restart",
-            SetFraction: "change of fraction",
-            StartCanary: "canary",
-            WarmUp: "warm-up",
-        }.get(type(a), type(a).__name__)
-        counts.setdefault(kind, []).append(getattr(a, "replica", ""))
+        if not isinstance(a, LogLine):
+            counts.setdefault(type(a), []).append(getattr(a, "replica", ""))
     parts = []
     for kind, names in counts.items():
+        one, more = _KINDS.get(kind, (kind.__name__, kind.__name__))
         who = ", ".join(sorted({n for n in names if n}))
-        parts.append(f"{len(names)} {kind}{'s' if len(names) != 1 else ''}" + (f" ({who})" if who else ""))
+        parts.append(f"{len(names)} {one if len(names) == 1 else more}" + (f" ({who})" if who else ""))
     return ", ".join(parts)
 
 
