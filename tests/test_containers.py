@@ -432,8 +432,11 @@ def test_a_ticks_container_helpers_wait_all_at_once_and_within_one_bound(monkeyp
     import guardian.observe.containers as containers_module
     from guardian.config import ReplicaConfig
     from guardian.observe.containers import ContainerWatch
+    from guardian.observe.systemd import Systemd
 
     class HungHelpers:
+        run_helper = Systemd.run_helper  # the real road to the helper, over this fake bus's run_job
+
         def __init__(self) -> None:
             self.started: list[str] = []
             self.in_flight = 0

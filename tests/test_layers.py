@@ -294,10 +294,14 @@ def test_no_class_of_the_core_holds_a_room_of_its_own():
 
 def test_observers_change_no_unit():
     """observe/ reads; every restart, kill and stop guardian causes is in act/ (act/units.py). The
-    bus's one job primitive (Systemd.run_job) stays with the connection, for act/ and for the
-    container inspector's helper, which must start a unit to read."""
+    bus's one job primitive (Systemd.run_job) stays with the connection, for act/, and so does the one
+    road to the container helper (Systemd.run_helper: it starts guardian-container@VERB:REPLICA, which
+    the inspector must start to read, and act/ to restart or kill a container)."""
     verbs = re.compile(r'"(TryRestartUnit|RestartUnit|KillUnit|StopUnit|ReloadUnit|StartUnit)"')
     for path in sorted((PKG / "observe").glob("*.py")):
         found = verbs.findall(path.read_text())
-        assert found == (["StartUnit"] if path.name == "containers.py" else []), f"{path.name}: {found}"
+        assert found == (["StartUnit"] if path.name == "systemd.py" else []), f"{path.name}: {found}"
+    text = (PKG / "observe" / "systemd.py").read_text()
+    helper = text.split("async def run_helper(", 1)[1].split("\n    async def ", 1)[0]
+    assert '"StartUnit", helper_unit(' in helper  # its one StartUnit: the container helper's unit
     assert not re.search(r"async def (restart|kill)\(", (PKG / "observe" / "systemd.py").read_text())

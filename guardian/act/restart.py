@@ -380,7 +380,7 @@ class Stop:
         is running, so a `docker stop` between the look and now still wins."""
         r = self.r
         helper = helper_unit("restart", r.name)
-        result = await units.run_helper(self.tools.sd, "restart", r.name, ACT_HELPER_TIMEOUT_S)
+        result = await self.tools.sd.run_helper("restart", r.name, ACT_HELPER_TIMEOUT_S)
         elapsed_s = self.tools.clock().mono - self.issued.mono
         return _said(
             self.tools,
@@ -447,7 +447,7 @@ class Stop:
             journal.send(Priority.ERROR, f"replica {r.name}: cannot write {request}: {e}")
             with contextlib.suppress(OSError):  # an older request would make the helper spare the hung one
                 os.unlink(request)
-        result = await units.run_helper(self.tools.sd, "kill", r.name, ACT_HELPER_TIMEOUT_S)
+        result = await self.tools.sd.run_helper("kill", r.name, ACT_HELPER_TIMEOUT_S)
         if result != JOB_DONE:
             journal.line(
                 LogLine(

@@ -1,15 +1,15 @@
 """What guardian does to systemd units: restart a replica's unit, kill its processes, run a job
-(a proxy's reload, the drop-caches helper), and ask the container helper to restart or kill a
-container. Every change guardian makes to a unit goes through here, over the bus connection that
-observe/systemd.py keeps (and its one job primitive, Systemd.run_job).
+(a proxy's reload, the drop-caches helper). Every change guardian makes to a unit goes through here,
+over the bus connection that observe/systemd.py keeps (and its one job primitive, Systemd.run_job);
+the container helper, which restarts or kills a container (and inspects them for the observer), is
+started by Systemd.run_helper, its one road.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
-from ..core.container import helper_unit
-from ..observe.systemd import MANAGER, Systemd, SystemdError
+from ..observe.systemd import MANAGER, Systemd
 
 
 async def restart(
@@ -36,12 +36,3 @@ async def run_job(sd: Systemd, member: str, name: str, timeout_s: float) -> str:
 async def kill(sd: Systemd, name: str, signal: int = 9) -> None:
     """KillUnit(name, "all", SIGNAL): every process of the unit (polkit verb "kill")."""
     await sd.call(MANAGER, "KillUnit", "ssi", [name, "all", signal])
-
-
-async def run_helper(sd: Systemd, verb: str, replica: str, timeout_s: float) -> str:
-    """Start guardian-container@VERB:REPLICA.service (restart, kill) and wait for its result ("done"
-    or why not)."""
-    try:
-        return await sd.run_job("StartUnit", helper_unit(verb, replica), timeout_s)
-    except SystemdError as e:
-        return f"error: {e}"

@@ -28,7 +28,6 @@ from ..core.container import (
     EngineReport,
     container_id_of_cgroup,
     find_container,
-    helper_unit,
     synthetic_unit,
 )
 from ..core.observations import UnitInfo
@@ -134,16 +133,6 @@ def read_report(r: ReplicaConfig, directory: Path = REPORT_DIR) -> EngineReport 
     except (Refused, OSError) as e:
         return EngineReport(r.runtime, 0.0, error=f"the container helper's report cannot be read: {e}")
     return parse_report(data, r.runtime)
-
-
-async def run_helper(sd: Systemd, verb: str, replica: str, timeout_s: float = HELPER_TIMEOUT_S) -> str:
-    """Start guardian-container@VERB:REPLICA.service and wait for its result ("done" or why not).
-    The observer's is "inspect" (the helper writes its report, read_report reads it); the helpers
-    that act (restart, kill) are started from act/units.py."""
-    try:
-        return await sd.run_job("StartUnit", helper_unit(verb, replica), timeout_s)
-    except SystemdError as e:
-        return f"error: {e}"
 
 
 def _started_wall(pid: int | None) -> float | None:
@@ -302,7 +291,7 @@ class ContainerWatch:
         if not force and mono - self._asked.get(r.name, -1e9) < REFRESH_S:
             return self.reports.get(r.name)
         self._asked[r.name] = mono
-        result = await run_helper(self.sd, "inspect", r.name)
+        result = await self.sd.run_helper("inspect", r.name, HELPER_TIMEOUT_S)
         report = read_report(r, self.directory)
         if result != JOB_DONE and (report is None or report.error is None):
             report = EngineReport(r.runtime, 0.0, error=f"the container helper's inspect ended with '{result}'")

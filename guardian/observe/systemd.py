@@ -25,6 +25,7 @@ from typing import Any
 from dbus_fast import BusType, Message, MessageType, Variant
 from dbus_fast.aio import MessageBus
 
+from ..core.container import helper_unit
 from ..core.observations import UnitInfo
 from ..core.vocab import ActiveState, LoadState, UnitFileState
 
@@ -377,6 +378,15 @@ class Systemd:
         (v,) = await self.call(PROPS, "Get", "ss", [SERVICE_IFACE, "MemoryCurrent"], path=path)
         value = int(_v(v))
         return value if value < 2**64 - 1 else None  # UINT64_MAX: not known
+
+    async def run_helper(self, verb: str, replica: str, timeout_s: float) -> str:
+        """Start guardian's container helper, guardian-container@VERB:REPLICA.service, and wait for its
+        result ("done" or why not): "inspect" for the observer (it writes a report the observer reads),
+        "restart" and "kill" for act/units.py. The one road to the helper, for both."""
+        try:
+            return await self.run_job("StartUnit", helper_unit(verb, replica), timeout_s)
+        except SystemdError as e:
+            return f"error: {e}"
 
     async def run_job(
         self, member: str, name: str, timeout_s: float, during: Callable[[], Awaitable[None]] | None = None
