@@ -1,7 +1,8 @@
 """What the core asks the shell to do, one type per act. Every Action goes through the one
 dispatcher (act/executor.py: `Executor.perform`, matched exhaustively), which performs it or hands
 it to its part: the fleet's slots (AcquireSlot, ReleaseSlot) to fleet/sync.py, SyncProxy to
-act/proxy.py. DrainReplica is not an Action: it never leaves the core (core/tick.py)."""
+act/proxy.py. DrainReplica is not an Action: it never leaves the core (the tick's memory step,
+core/memstep.py _take_memory_actions, consumes it)."""
 
 from __future__ import annotations
 
@@ -91,7 +92,8 @@ class SetFraction:
 @dataclass(frozen=True)
 class DrainReplica:
     """The memory guard asks for REPLICA to be drained at the proxy before it lowers it (M16).
-    Consumed by the tick, which keeps its drains (core/tick.py, core/drain.py); never performed."""
+    Consumed by the tick's memory step (core/memstep.py), which keeps its drains (core/drain.py);
+    never performed."""
 
     replica: str
     evidence: str

@@ -1,7 +1,8 @@
 """Steps 5 and 6 of a tick: the start guard (core/startguard.py, S1-S10) watches each replica's
 start and stops one that takes the box below the critical headroom, restarting it one step lower;
 that change becomes the memory guard's pending one. The memory guard (its view built once by
-core/memview.py, its verdict by core/memguard.py) then decides; a change it starts marks that
+core/memview.py, from step 5's replicas where step 5 built them and nothing changed since; its
+verdict by core/memguard.py) then decides; a change it starts marks that
 replica's restart in flight, as any other restart does, and its drains are core/drain.py's (D8,
 D10). Pure.
 """

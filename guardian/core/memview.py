@@ -3,9 +3,11 @@
 The tick (core/tick.py) has judged every replica's liveness, moved its drains on and issued its
 restarts before the memory guard looks. This module turns that (Inputs, a value the tick's
 memory step core/memstep.py takes of it), and what the memory observer found, into what
-core/memguard.py decides on. Each replica's part (replicas()) is built once a tick, before the
-start guard, which reads it too; the refusals (restart_blocked) once, after it, since a start it
-stops is a restart under way. Per replica:
+core/memguard.py decides on. Each replica's part (replicas()) is built by the start guard's step
+(core/memstep.py guard_starts) and handed to the memory guard's; it is built again there where
+the start guard is off or stopped a start this tick (its restart then under way changes it). The
+refusals (restart_blocked) are built after the start guard, since a start it stops is a restart
+under way. Per replica:
 
 - its fraction: guardian's env file for it, else what it reports (vllm:cache_config_info, else
   --gpu-memory-utilization on its command line);

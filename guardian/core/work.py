@@ -42,7 +42,7 @@ class TickState:
 
 @dataclass(frozen=True)
 class RestartAsk:
-    """A restart to put through admission (Tick._restart)."""
+    """A restart to put through admission (core/restarts.py restart())."""
 
     kind: RestartKind
     head: str  # how its journal lines start: "replica a: stalled (...)"

@@ -208,7 +208,8 @@ class Metrics:
         gauge, counter, histogram = self._gauge, self._counter, self._histogram
         self.restarts = counter(
             "guardian_restarts",
-            "restarts guardian issued, by reason (a verdict, operator, memory)",
+            "restarts guardian decided and handed to its restart step, by reason (a verdict, operator, "
+            "memory); the re-check right before the job may still refuse one (its journal line says so)",
             "replica",
             "reason",
         )
