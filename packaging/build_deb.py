@@ -32,12 +32,14 @@ import email.utils
 import fcntl
 import gzip
 import hashlib
+import io
 import os
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +48,7 @@ REPO = HERE.parent
 CACHE = Path(os.environ.get("GUARDIAN_BUILD_CACHE", "/var/cache/guardian-build"))
 sys.path.insert(0, str(HERE))
 from deps import requirement_name, runtime_deps  # noqa: E402  (the one dependency list: pyproject.toml)
+import manpages  # noqa: E402  (guardian.8 and guardian.toml.5, written from README.md)
 
 CHANGELOG = HERE / "debian" / "changelog"
 LOCK_DIR = HERE / "lock"
@@ -86,6 +89,17 @@ def version() -> str:
     if top != ver:
         sys.exit(f"build_deb: guardian.__version__ is {ver} but {CHANGELOG} starts with {top}: add its entry")
     return ver
+
+
+def man_date() -> str:
+    """The man pages' date: the changelog's top entry's, so the pages change with a release only."""
+    return time.strftime("%Y-%m-%d", time.gmtime(changelog_top()[1]))
+
+
+def man_pages(ver: str) -> dict[str, bytes]:
+    """{path in the package: gzipped page}: guardian.8 and guardian.toml.5, written from README.md now."""
+    texts = manpages.pages((REPO / "README.md").read_text(), ver, man_date())
+    return {manpages.INSTALLED[name]: gzipped(text.encode()) for name, text in texts.items()}
 
 
 def source_date_epoch() -> int:
@@ -186,14 +200,20 @@ Description: keeps local vLLM replicas serving (watchdog and memory guard)
 """
 
 
-def gzip_to(path: Path, data: bytes) -> None:
-    """Gzip DATA to PATH with no time and no name in the header: the same bytes every build."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=9, mtime=0, filename="") as gz:
+def gzipped(data: bytes) -> bytes:
+    """DATA gzipped at level 9 with no time and no name in the header (gzip -9n): the same bytes every build."""
+    raw = io.BytesIO()
+    with gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=9, mtime=0, filename="") as gz:
         gz.write(data)
+    return raw.getvalue()
 
 
-def lay_out(t: Target, root: Path) -> None:
+def gzip_to(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(gzipped(data))
+
+
+def lay_out(t: Target, root: Path, ver: str) -> None:
     """The package's files under ROOT (everything but DEBIAN/)."""
     lib = root / "usr/lib/guardian"
     shutil.copytree(bundled_deps(t), lib, ignore=shutil.ignore_patterns(".complete"))
@@ -222,7 +242,9 @@ def lay_out(t: Target, root: Path) -> None:
         p.write_text(text)
     # A native package (no Debian revision): lintian wants changelog.gz, not changelog.Debian.gz.
     gzip_to(root / "usr/share/doc/guardian/changelog.gz", CHANGELOG.read_bytes())
-    gzip_to(root / "usr/share/man/man1/guardian.1.gz", (HERE / "debian/guardian.1").read_bytes())
+    for rel, data in man_pages(ver).items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
     for py in lib.rglob("*.py"):
         text = py.read_bytes()
         if text.startswith(b"#!"):  # library modules are imported, never run: no interpreter line
@@ -261,7 +283,7 @@ def normalize_tree(root: Path, epoch: int) -> None:
 def build(t: Target, out_dir: Path, ver: str) -> Path:
     root = Path(tempfile.mkdtemp(prefix=f"guardian-{t.name}-"))
     try:
-        lay_out(t, root)
+        lay_out(t, root, ver)
         control_files(t, root, ver)
         epoch = source_date_epoch()
         normalize_tree(root, epoch)

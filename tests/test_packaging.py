@@ -4,6 +4,7 @@ lists what it bundles, and etcd's TLS verified with the system's CA store."""
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import re
 import ssl
@@ -20,7 +21,8 @@ from guardian.fleet.etcd import Etcd, Tls, tls_context
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "packaging"))
-from build_deb import TARGETS, changelog_top  # noqa: E402
+import manpages  # noqa: E402
+from build_deb import TARGETS, changelog_top, man_date  # noqa: E402
 from deps import requirement_name, runtime_deps  # noqa: E402
 from lock import read_lock  # noqa: E402
 
@@ -128,6 +130,12 @@ def test_two_builds_of_one_tree_are_byte_identical_and_copyright_lists_what_is_b
     listed = {requirement_name(n) for n in re.findall(r"([A-Za-z0-9_.-]+) \(", block)}
     assert listed == bundled, f"copyright lists {sorted(listed - bundled)} not bundled, omits {sorted(bundled - listed)}"
     assert bundled == set(read_lock("amd64-bookworm")), "the package bundles exactly what the lock pins"
+    # the man pages are the ones the README makes (tests/test_manpages.py checks what they say)
+    made = manpages.pages((REPO / "README.md").read_text(), guardian.__version__, man_date())
+    for name, text in made.items():
+        assert gzip.decompress((root / manpages.INSTALLED[name]).read_bytes()).decode() == text, name
+    pages = sorted(p.relative_to(root).as_posix() for p in (root / "usr/share/man").rglob("*.gz"))
+    assert pages == sorted(manpages.INSTALLED.values())
     # the README's links into docs/ resolve next to the README the package ships
     doc = root / "usr/share/doc/guardian"
     links = set(re.findall(r"\]\((docs/[^)#]+)", (doc / "README.md").read_text()))

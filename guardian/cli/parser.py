@@ -17,8 +17,8 @@ from .service import cmd_container, cmd_polkit_rule, cmd_run
 from .status import cmd_status
 
 # The one table of exit statuses: in general ("") and for each subcommand. `guardian --help` and
-# `guardian SUB --help` print it; the man page (packaging/debian/guardian.1) and the README say the same
-# (tests/test_cli.py checks the man page).
+# `guardian SUB --help` print it; the README says the same, and so does the man page guardian.8, written
+# from the README by packaging/manpages.py (tests/test_cli.py and tests/test_manpages.py check them).
 EXIT_STATUS: dict[str, dict[Exit, str]] = {
     "": {
         Exit.OK: "ok",
