@@ -260,7 +260,7 @@ class ReplicaConfig(_Strict):
 class WatchdogConfig(_Strict):
     stall_window_s: float = Field(default=60.0, gt=0, le=MAX_WINDOW_S)
     unresponsive_after_s: float = Field(default=10.0, gt=0, le=MAX_WINDOW_S)
-    # 10 s: with the closer look (core/liveness.py), a frozen idle engine is found within about
+    # 10 s: with the closer look (core/watchdog/canary.py), a frozen idle engine is found within about
     # 10 + 3 + 15 s (interval + the learned deadline's floor + canary_timeout_s): 30 s at p95 (issue 35).
     canary_interval_s: float = Field(default=10.0, gt=0, le=MAX_WINDOW_S)
     canary_retry_s: float = Field(default=5.0, gt=0, le=MAX_WINDOW_S)

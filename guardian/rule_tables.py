@@ -1,4 +1,4 @@
-"""The rule tables of docs/rules.md, rendered from the rule modules' rows (core/*.py RULES).
+"""The rule tables of docs/rules.md, rendered from the rule modules' rows (guardian/core/ and its subpackages: RULES).
 
 Outside the core on purpose: it reads every rule module, while each of them reads core/rules.py,
 which therefore stays a leaf. ``scripts/render-rules`` writes the tables into docs/rules.md (the
@@ -13,7 +13,6 @@ from .core import (
     drain,
     fleet,
     gates,
-    liveness,
     memguard,
     outside,
     startfit,
@@ -22,6 +21,7 @@ from .core import (
     weights,
 )
 from .core.rules import markdown_table
+from .core.watchdog import canary, liveness
 
 # Where the tables live, relative to the repository root.
 RULES_DOC = "docs/rules.md"
@@ -31,7 +31,7 @@ def tables() -> dict[str, str]:
     """Every rule table, keyed by the docs/rules.md marker it is rendered under."""
     return {
         "liveness": markdown_table(liveness.RULES, "state"),
-        "canary": markdown_table(liveness.CANARY_RULES, "meaning"),
+        "canary": markdown_table(canary.CANARY_RULES, "meaning"),
         "admission": markdown_table(admission.RULES, "refusal"),
         "gates": markdown_table(gates.RULES, "refusal"),
         "memory": markdown_table(memguard.RULES, "verdict"),

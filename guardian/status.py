@@ -12,9 +12,9 @@ from typing import Any
 from .config import Config, ReplicaConfig
 from .core import stopping
 from .core.admission import START_LOOP, budget, start_loop_why
-from .core.liveness import Track
 from .core.observations import Activity, MemorySample, PersistentView, ReplicaObservation, TickObservation, gib
 from .core.tick import TickState
+from .core.watchdog.track import Track
 from .core.weights import Weights
 from .observe.clock import Now
 

@@ -1146,11 +1146,11 @@ def _coverage(path: str) -> Callable[[], None]:
     def write() -> None:
         sys.settrace(None)
         report = {}
-        for file in sorted(core.glob("*.py")):
+        for file in sorted(core.rglob("*.py")):  # its subpackages too (core/watchdog/)
             code = compile(file.read_text(), str(file), "exec")
             body = lines_of(code, True) - lines_of(code, False)
             ran = {line for f, line in seen if f == str(file)} & body
-            report[file.name] = [len(ran), len(body), sorted(body - ran)]
+            report[str(file.relative_to(core))] = [len(ran), len(body), sorted(body - ran)]
         Path(path).write_text(json.dumps(report) + "\n")
 
     return write

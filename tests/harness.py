@@ -52,19 +52,23 @@ from systemd_box import wait_for
 
 
 def rule_modules() -> dict[str, ModuleType]:
-    """Every module of guardian.core with a RULES table, by name: a new family is found by construction."""
-    found = {}
-    for info in pkgutil.iter_modules(guardian.core.__path__):
-        module = importlib.import_module(f"guardian.core.{info.name}")
+    """Every module of guardian.core (its subpackages' too) with a RULES table, by its own name (no
+    package's name in it: `liveness` is guardian.core.watchdog.liveness): a new family is found by
+    construction."""
+    found: dict[str, ModuleType] = {}
+    for info in pkgutil.walk_packages(guardian.core.__path__, "guardian.core."):
+        module = importlib.import_module(info.name)
         if isinstance(getattr(module, "RULES", None), tuple):
-            found[info.name] = module
+            name = info.name.rpartition(".")[2]
+            assert name not in found, f"two rule modules named {name}: {found[name].__name__}, {info.name}"
+            found[name] = module
     return found
 
 
 def rule_tables() -> dict[str, tuple]:
-    """Every RULES table, and the tables a module keeps beside it (liveness's canary rows, C1-C4)."""
+    """Every RULES table, and the tables a module keeps beside it (the canary's rows beside the liveness rows, C1-C5)."""
     found = {name: module.RULES for name, module in rule_modules().items()}
-    found["canary"] = importlib.import_module("guardian.core.liveness").CANARY_RULES
+    found["canary"] = importlib.import_module("guardian.core.watchdog.canary").CANARY_RULES
     return found
 
 

@@ -144,7 +144,7 @@ def test_with_a_fleet_another_box_serving_the_model_is_the_peer_that_lets_a_lowe
     ('{"box": "b2", "name": "a", "model": "m", "state": "degraded"}', False),
 ])
 def test_another_box_counts_its_replica_by_the_one_definition_of_serving(value, serving):
-    """Issue 35 item 3: the fleet's counts use what the replica's own box judged (liveness.serves)."""
+    """Issue 35 item 3: the fleet's counts use what the replica's own box judged (watchdog/judge.py serves)."""
     from guardian.fleet.sync import read_member
 
     member_, _ = read_member(value)

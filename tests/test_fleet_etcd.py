@@ -14,7 +14,7 @@ import pytest
 
 from etcd_cluster import EtcdCluster
 from guardian.config import Config, FleetConfig, ReplicaConfig
-from guardian.core.liveness import Track
+from guardian.core.watchdog.track import Track
 from guardian.core.observations import FleetView
 from guardian.core.vocab import State
 from guardian.fleet.sync import FleetSync, fleet_status

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from guardian.config import Config, FleetConfig, ReplicaConfig
-from guardian.core.liveness import Track
+from guardian.core.watchdog.track import Track
 from guardian.core.observations import FleetView, PersistentView, TickObservation
 from guardian.core.vocab import Priority, State
 from guardian.fleet.etcd import KV, MAX_ANSWER_BYTES, Etcd, EtcdError

@@ -12,7 +12,7 @@ import pytest
 
 from guardian.core import memguard, tick
 from guardian.core.actions import LogLine
-from guardian.core.liveness import Track
+from guardian.core.watchdog.track import Track
 from guardian.core.memguard import MemoryView
 from guardian.core.rules import Refusal
 from guardian.core.vocab import Decision, Gate, Priority

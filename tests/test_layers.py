@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from guardian.core import admission, bypass, drain, fleet, gates, liveness, memguard, startguard
+from guardian.core import admission, bypass, drain, fleet, gates, memguard, startguard
+from guardian.core.watchdog import liveness
 from guardian.rule_tables import render_into, tables
 from harness import RULE_TABLES
 
@@ -71,19 +72,25 @@ def _third_party_and_stdlib(path: Path) -> set[str]:
     return names
 
 
+def _layer_files(layer: str, root: Path = PKG) -> list[Path]:
+    """Every module of LAYER, its subpackages' too (core/watchdog/ is core)."""
+    return sorted((root / layer).rglob("*.py"))
+
+
 @pytest.mark.parametrize("layer", sorted(ALLOWED))
 def test_imports_only_point_down(layer):
     bad = {}
-    for path in sorted((PKG / layer).glob("*.py")):
+    for path in _layer_files(layer):
         wrong = {m.removesuffix(".py") for m in _guardian_imports(path)} - ALLOWED[layer]
         if wrong:
-            bad[path.name] = sorted(wrong)
+            bad[str(path.relative_to(PKG))] = sorted(wrong)
     assert bad == {}, f"guardian/{layer} imports from layers above it: {bad}"
 
 
 def test_the_core_does_no_io_and_reads_no_clock():
-    bad = {p.name: sorted(_third_party_and_stdlib(p) & FORBIDDEN_IN_CORE) for p in (PKG / "core").glob("*.py")}
+    bad = {str(p.relative_to(PKG)): sorted(_third_party_and_stdlib(p) & FORBIDDEN_IN_CORE) for p in _layer_files("core")}
     assert {k: v for k, v in bad.items() if v} == {}
+    assert any(p.parent.name == "watchdog" for p in _layer_files("core")), "the core's subpackages are read"
 
 
 def test_the_import_checker_sees_a_violation(tmp_path):
@@ -93,6 +100,17 @@ def test_the_import_checker_sees_a_violation(tmp_path):
     fake.write_text("from ..observe import probes\nfrom ..act.journal import Journal\nimport time\n")
     assert _guardian_imports(fake, tmp_path) == {"observe", "act"}
     assert "time" in _third_party_and_stdlib(fake)
+
+
+def test_the_import_checker_counts_a_subpackage_of_the_core_as_core(tmp_path):
+    """A module of core/watchdog/ is in the core: `...observe` leaves it, `..rules` stays in it."""
+    fake = tmp_path / "guardian" / "core" / "family" / "probe.py"
+    fake.parent.mkdir(parents=True)
+    fake.write_text("from ...observe import probes\nfrom ..rules import Rule\nfrom . import sibling\n"
+                    "from ...config import Config\nimport os\n")
+    assert _guardian_imports(fake, tmp_path) == {"observe", "core", "config"}
+    assert fake in _layer_files("core", tmp_path / "guardian")
+    assert "os" in _third_party_and_stdlib(fake)
 
 
 def _run_time_nodes(node: ast.AST):
@@ -255,7 +273,7 @@ def test_the_rule_id_check_sees_a_literal_and_lets_a_row_be():
 
 def test_every_rule_is_in_its_own_familys_table():
     """Each Rule(...) the package builds is a row of a RULES table, and each table holds one family
-    (its ids' letter; the liveness module has two tables, L and C, admission A, gates G)."""
+    (its ids' letter; the liveness family has two tables, L and C (core/watchdog/liveness.py, canary.py), admission A, gates G)."""
     in_tables = {rule.id: name for name, rules in RULE_TABLES.items() for rule in rules}
     for name, rules in RULE_TABLES.items():
         letters = {rule.id[0] for rule in rules}
@@ -286,10 +304,10 @@ def test_observers_bring_the_wiring_facts_and_the_core_judges_them():
 def test_no_class_of_the_core_holds_a_room_of_its_own():
     """A class in core/ stays under 300 lines: the tick's steps live in the modules of their rules,
     not in methods of one Tick (which held 753 lines once)."""
-    for path in sorted((PKG / "core").glob("*.py")):
+    for path in _layer_files("core"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ClassDef):
-                assert node.end_lineno - node.lineno < 300, f"core/{path.name}: class {node.name}"
+                assert node.end_lineno - node.lineno < 300, f"{path.relative_to(PKG)}: class {node.name}"
 
 
 def test_observers_change_no_unit():

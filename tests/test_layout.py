@@ -1,8 +1,8 @@
 """docs/layout.md names the package as it is, and the shape limits hold.
 
-Each ``## `guardian/PKG/` `` heading of docs/layout.md is followed by one bullet per module of that
-package (``- `name.py`: what it is for``), and the ``## `guardian/` `` heading by the top-level
-modules: exactly the files there, each once."""
+Each ``## `guardian/PKG/` `` heading of docs/layout.md (``## `guardian/core/watchdog/` `` for a
+subpackage) is followed by one bullet per module of that package (``- `name.py`: what it is for``),
+and the ``## `guardian/` `` heading by the top-level modules: exactly the files there, each once."""
 
 from __future__ import annotations
 
@@ -21,13 +21,14 @@ def _layout() -> str:
 
 
 def _parts(text: str) -> dict[str, list[str]]:
-    """Package (``""`` for the top level) -> the ``name.py`` bullets under its heading, in order."""
+    """Package (``""`` for the top level, ``core/watchdog`` for a subpackage) -> the ``name.py``
+    bullets under its heading, in order."""
     parts: dict[str, list[str]] = {}
     current: str | None = None
     for line in text.splitlines():
         if line.startswith("## "):
-            m = re.match(r"## `guardian/(?:(\w+)/)?`", line)
-            current = (m.group(1) or "") if m else None
+            m = re.match(r"## `guardian/((?:\w+/)*)`", line)
+            current = m.group(1).rstrip("/") if m else None
             if current is not None:
                 assert current not in parts, f"docs/layout.md has two headings for guardian/{current}"
                 parts[current] = []
@@ -42,9 +43,15 @@ def _modules(folder: Path) -> set[str]:
     return {p.name for p in folder.glob("*.py")} - NOT_NAMED
 
 
+def _packages() -> set[str]:
+    """Every package under guardian/, subpackages too, as ``core/watchdog``."""
+    return {str(p.parent.relative_to(PACKAGE)) for p in PACKAGE.rglob("__init__.py")} - {"."}
+
+
 def test_layout_names_every_package_and_module_and_no_other():
     parts = _parts(_layout())
-    packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    packages = _packages()
+    assert "core/watchdog" in packages
     assert set(parts) - {""} == packages
     for name, named in parts.items():
         folder = PACKAGE / name if name else PACKAGE
@@ -60,6 +67,7 @@ def test_the_layout_check_sees_a_missing_module_and_one_without_a_line():
     assert "memview.py" not in _parts(no_line)["core"]
     assert "daemon.py" in _parts(text)[""] and "daemon.py" not in _parts(text)["core"]
     assert "check.py" in _parts(text)["cli"] and "check.py" not in _parts(text)[""]
+    assert "canary.py" in _parts(text)["core/watchdog"] and "canary.py" not in _parts(text)["core"]
 
 
 def test_no_function_breaks_the_shape_limits():

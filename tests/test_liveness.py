@@ -14,12 +14,14 @@ from guardian.config import Config, ReplicaConfig, WatchdogConfig
 from guardian.core import gates, tick
 from guardian.core.actions import LogLine, RecordCanaryLatencies
 from guardian.core.hazards import find_hazards
-from guardian.core.liveness import LEARNING_CANARIES
 from guardian.core.observations import (
     Activity, CanaryResult, GpuLife, Pause, PersistentView, Probe, ProcView, ReplicaObservation, RestartOutcome,
     VllmSample,
 )
 from guardian.core.vocab import Decision, HeldBy, Hidden, Nobody, Priority, State
+from guardian.core.watchdog.canary import LEARNING_CANARIES, canary_deadline, next_deadline
+from guardian.core.watchdog.steps import learn_step, longest_step_s
+from guardian.core.watchdog.track import Track
 from harness import (
     DEAD_503, OK, SLOW, SLOW_FAIL, TIMEOUT, Box, canaries, cfg, checked, conns, logs, obs, restarts, said, sample, unit,
 )
@@ -591,7 +593,6 @@ def test_a_canary_late_while_the_kv_cache_moves_proves_nothing():
     ((5.0, 1.0, 1.0), 15.0),  # capped at canary_timeout_s
 ])
 def test_canary_deadline_is_learned_within_floor_and_ceiling(latencies, deadline):
-    from guardian.core.liveness import Track, canary_deadline
     r = cfg(1).replicas[0]
     w = WatchdogConfig(canary_deadline_factor=4, canary_deadline_floor_s=3)
     assert canary_deadline(Track(canary_latencies=latencies), r, w) == pytest.approx(deadline)
@@ -615,7 +616,7 @@ def _failing_since(t_answer: float, t_fail: float, health=TIMEOUT) -> Box:
 ])
 def test_the_next_tick_judges_at_the_unresponsive_deadline(last_started, now, expected):
     box = _failing_since(200.0, 202.0)
-    assert tick.liveness.next_deadline(box.tracks["a"], box.cfg.watchdog) == 210.0
+    assert next_deadline(box.tracks["a"], box.cfg.watchdog) == 210.0
     assert tick.next_tick_at(box.core, last_started, now, box.cfg) == pytest.approx(expected)
 
 
@@ -623,7 +624,7 @@ def test_a_deadline_counts_from_the_later_of_the_last_answer_and_the_last_progre
     box = Box(cfg(1, unresponsive_after_s=10))
     healthy_start(box, t0=200.0, a=obs(t=200.0, s=sample(gen=5)))
     box.tick(203, a=obs(t=203, health=Probe(True, 503, 0.01, "HTTP 503"), s=sample(gen=9)))  # 503, yet progress
-    assert tick.liveness.next_deadline(box.tracks["a"], box.cfg.watchdog) == 213.0
+    assert next_deadline(box.tracks["a"], box.cfg.watchdog) == 213.0
 
 
 @pytest.mark.parametrize("setup", ["healthy", "stopped", "unresponsive"])
@@ -639,7 +640,7 @@ def test_no_deadline_for_a_replica_that_answers_is_down_or_already_judged(setup)
         box.tick(205, a=obs(t=205, health=TIMEOUT))
         box.tick(210, a=obs(t=210, health=TIMEOUT))
         assert box.state() is State.UNRESPONSIVE
-    assert tick.liveness.next_deadline(box.tracks["a"], box.cfg.watchdog) is None
+    assert next_deadline(box.tracks["a"], box.cfg.watchdog) is None
     assert tick.next_tick_at(box.core, 210.0, 210.5, box.cfg) == 212.0
 
 
@@ -925,12 +926,12 @@ def test_a_canary_in_flight_and_a_stall_canary_falling_due_are_deadlines_of_thei
     # the canary sent at 100: late at its learned deadline (the floor), failed only at canary_timeout_s
     assert (box.tracks["a"].canary_late_at, box.tracks["a"].canary_due_at) == (103.0, 115.0)
     # the first moment its verdict may change: the late mark, where a closer look may be due
-    assert tick.liveness.next_deadline(box.tracks["a"], box.cfg.watchdog) == 103.0
+    assert next_deadline(box.tracks["a"], box.cfg.watchdog) == 103.0
     box.tick(101, a=obs(t=101, canary=CanaryResult(True, 100.0, 0.1)))
-    assert tick.liveness.next_deadline(box.tracks["a"], box.cfg.watchdog) is None
+    assert next_deadline(box.tracks["a"], box.cfg.watchdog) is None
     box.tick(104, a=replace(obs(t=104), conns=conns(waiting=4, oldest_wait_s=3.0)))  # queued since 101
     assert box.tracks["a"].work_since == 101.0
-    assert tick.liveness.next_deadline(box.tracks["a"], box.cfg.watchdog) == 111.0
+    assert next_deadline(box.tracks["a"], box.cfg.watchdog) == 111.0
     # the tick starts a probe wait early, so that its judgment lands on the due moment
     assert tick.next_tick_at(box.core, 108.5, 109.0, box.cfg) == pytest.approx(111.0 - box.cfg.probe_wait_s)
 
@@ -944,7 +945,7 @@ def test_a_replica_never_idle_still_learns_its_canary_deadline():
         box.tick(t, a=obs(t=t, s=sample(gen=10.0 * (i + 1), running=4), canary=done))
     sent = canaries(box.actions)
     assert len(sent) == 3 and all(c.timeout_s == 15.0 for c in sent)  # one a tick until 3 succeeded
-    assert tick.liveness.canary_deadline(box.tracks["a"], box.cfg.replicas[0], box.cfg.watchdog) == pytest.approx(3.0)
+    assert canary_deadline(box.tracks["a"], box.cfg.replicas[0], box.cfg.watchdog) == pytest.approx(3.0)
 
 
 def test_clients_that_waited_before_guardian_first_looked_are_not_a_stall_at_its_first_tick():
@@ -985,7 +986,7 @@ def test_a_deadline_already_past_does_not_shorten_every_tick_and_a_lost_canary_i
     box.tick(101, a=obs(t=101, s=sample(running=4), canary=CanaryResult(True, 100.0, 0.1)))  # queued from 101
     slow = Probe(False, None, 2.0, "timeout")  # /health times out, /metrics answers: no canary can go
     box.tick(113, a=replace(obs(t=113, s=sample(running=4)), health=slow))
-    assert box.state() is State.BUSY and tick.liveness.next_deadline(box.tracks["a"], box.cfg.watchdog) == 111.0
+    assert box.state() is State.BUSY and next_deadline(box.tracks["a"], box.cfg.watchdog) == 111.0
     assert tick.probe_wait_s(box.core, 113.5, box.cfg) == pytest.approx(1.0)  # not the 0.05 floor
     s2 = Box(cfg(1), LEARNED)
     healthy_start(s2)  # its canary went out at 100, due at 115 (canary_timeout_s)
@@ -1053,7 +1054,7 @@ def test_only_a_holder_known_to_be_anothers_takes_the_answers_away(owner, state)
 
 # --- "serves": one definition for the drain, the memory guard's peers and the fleet (issue 35 item 3) ---
 
-from guardian.core.liveness import SERVED_RECENTLY_S, serves  # noqa: E402
+from guardian.core.watchdog.judge import SERVED_RECENTLY_S, serves  # noqa: E402
 
 METRICS_LATE = {"_obs": replace(obs(t=0), metrics_probe=replace(TIMEOUT, error="no answer yet (in flight for 1.1 s)"),
                                 metrics=None)}
@@ -1114,7 +1115,7 @@ def test_idle_canaries_late_past_the_learned_deadline_are_slow_not_failed_and_sa
     slow = [a for a in said(box.actions) if a.rule == "C2"]
     assert len(slow) == 1 and slow[0].priority == "info" and "past its learned deadline of 3.0 s" in slow[0].message
     assert box.tracks["a"].canary_latencies[-4:] == (5.0, 6.0, 7.0, 5.5)
-    deadline = tick.liveness.canary_deadline(box.tracks["a"], box.cfg.replicas[0], box.cfg.watchdog)
+    deadline = canary_deadline(box.tracks["a"], box.cfg.replicas[0], box.cfg.watchdog)
     assert deadline == 15.0  # 4 x 7.0, within canary_timeout_s: the next late mark follows the box
 
 
@@ -1138,7 +1139,8 @@ def test_what_a_canarys_result_means(canary, during, counted, rule):
     assert box.tracks["a"].canary_failures == (1 if counted else 0)
     lines = [a.rule for a in said(box.actions) if a.rule and a.rule.startswith("C")]
     assert lines == (["C2"] if rule == "C2" else [])
-    from guardian.core.liveness import CANARY_ROWS, _CanaryBack, first_match
+    from guardian.core.rules import first_match
+    from guardian.core.watchdog.canary import CANARY_ROWS, _CanaryBack
 
     found = first_match(CANARY_ROWS, _CanaryBack(canary, 3.0, bool(during)))
     assert found is not None and found[0].id == rule
@@ -1185,7 +1187,7 @@ def test_a_verdict_that_holds_is_said_once_with_how_long_it_held_and_a_hang_at_o
 
 # --- a long step is not a hang (issue 35 item 8) -------------------------------------------------
 
-from guardian.core.liveness import STEP_MARGIN, longest_new_prefill  # noqa: E402
+from guardian.core.watchdog.steps import STEP_MARGIN, longest_new_prefill  # noqa: E402
 
 INF = float("inf")
 
@@ -1248,7 +1250,7 @@ def test_a_long_step_is_learned_from_the_histogram_kept_in_the_state_file_and_bo
     acts = box.tick(102.0, a=obs(t=102.0, s=replace(buckets(5, 5, 5, 5, 6, 6), generation_tokens=1.0)))
     (record,) = [a for a in acts if isinstance(a, RecordCanaryLatencies)]
     assert record.steps == (("a", ((120.0, 102.0), (0.3, 0.0))),)  # longest first, the 0.3 s one from the state file
-    assert tick.liveness.longest_step_s(box.tracks["a"], 103.0, 300.0) == STEP_MARGIN * 120.0
+    assert longest_step_s(box.tracks["a"], 103.0, 300.0) == STEP_MARGIN * 120.0
     # L13 waits max(stall_window_s, 1.5 x 120 s) = 180 s of nothing moving with work queued
     flat = replace(buckets(5, 5, 5, 5, 6, 6), generation_tokens=1.0, running=2)
     for t in (104.0, 170.0, 283.0):
@@ -1335,7 +1337,7 @@ def test_a_late_mark_already_past_hides_no_later_deadline():
     box = Box(cfg(1, unresponsive_after_s=10), LEARNED)
     healthy_start(box)  # canary at 100, late at 103
     box.tick(101.0, a=obs(t=101.0, health=TIMEOUT))
-    assert tick.liveness.next_deadline(box.tracks["a"], box.cfg.watchdog, after=104.0) == 110.0
+    assert next_deadline(box.tracks["a"], box.cfg.watchdog, after=104.0) == 110.0
 
 
 def test_serving_again_after_guardians_restart_is_said_even_when_the_quiet_journal_holds_it():
@@ -1454,8 +1456,8 @@ def test_steps_read_back_from_the_state_file_are_held_to_the_cap(kept, want):
 
 @pytest.mark.parametrize("step_s", [float("nan"), float("inf"), -3.0, 0.0, None, 300.5])
 def test_a_step_that_is_not_a_positive_finite_number_is_not_learned(step_s):
-    track = tick.liveness.Track(steps=((2.0, 99.0),))
-    assert tick.liveness.learn_step(track, step_s, 100.0, 300.0) is track
+    track = Track(steps=((2.0, 99.0),))
+    assert learn_step(track, step_s, 100.0, 300.0) is track
 
 
 def test_a_partial_kernel_view_is_not_said_to_show_nothing_flowing():

@@ -90,7 +90,7 @@ def test_fit_check_steps_further_down_or_waits():
 
 @pytest.mark.parametrize("peer_serves, lowered", [(True, True), (False, False)])
 def test_a_peer_counts_by_the_one_definition_of_serving(peer_serves, lowered):
-    """Issue 35 item 3: b degraded only by a late /metrics still serves (liveness.serves), so a is
+    """Issue 35 item 3: b degraded only by a late /metrics still serves (watchdog/judge.py serves), so a is
     lowered while b carries the load; the verdict alone (degraded) would have deferred it."""
     pair = (rep("a", 0.78), replace(rep("b", 0.70, state="degraded"), serves=peer_serves))
     _, every, _ = run_memguard(memory_cfg(), [(100, view(5, *pair)), (130, view(5, *pair))])

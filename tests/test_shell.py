@@ -201,7 +201,7 @@ def test_status_shows_each_replicas_connections_flowing_and_waiting_clients():
 def test_status_shows_each_replicas_processes_and_how_long_each_group_has_been_quiet():
     """issue 43: `guardian status` shows what the replica's API server and engine did at the last look."""
     from guardian.cli.status import _processes_line
-    from guardian.core.liveness import Track
+    from guardian.core.watchdog.track import Track
     from guardian.core.observations import (
         Activity,
         PersistentView,

@@ -46,9 +46,9 @@ from ..core.actions import (
     SyncProxy,
     WarmUp,
 )
-from ..core.liveness import Track
 from ..core.observations import CanaryResult, RestartOutcome, WarmupResult
 from ..core.vocab import Decision, Gate, Priority
+from ..core.watchdog.track import Track
 from ..observe import probes
 from ..observe.clock import Now
 from ..observe.memory import env_path

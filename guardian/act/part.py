@@ -19,7 +19,7 @@ from typing import Protocol
 
 from ..config import Config
 from ..core.actions import AcquireSlot, Action, AnswerRequest, ReleaseSlot, RequestWaits
-from ..core.liveness import Track
+from ..core.watchdog.track import Track
 from ..observe.clock import Now
 
 

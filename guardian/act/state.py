@@ -25,12 +25,12 @@ wall time. A persisted time beyond MAX_TIME_S either way makes the file corrupt;
 (wall or monotonic) is clamped to now, a pause's end to now + the longest pause.
 
 "canary_latencies" keeps, per replica, its last successful canaries' latencies in seconds (newest
-last), from which the core learns its canary deadline (core/liveness.py): a guardian restarted or
+last), from which the core learns its canary deadline (core/watchdog/canary.py): a guardian restarted or
 reloaded starts from them instead of learning anew. Each is a number in (0, MAX_LATENCY_S]; any
 other value makes the file corrupt, and of a longer list the newest CANARY_LATENCIES_KEPT are read.
 
 "step_seconds" keeps, per replica, the longest steps it was seen to take (a long prompt's prefill;
-core/liveness.py learn_step), longest first, each {"s": seconds, "at": a stamp of when it was
+core/watchdog/steps.py learn_step), longest first, each {"s": seconds, "at": a stamp of when it was
 learned}: the stall rules never end a step shorter than its own, across guardian's restarts too,
 and a step is forgotten STEP_MEMORY_S after it was learned, restarts or not. Each "s" is a number
 in (0, MAX_STEP_S]; any other value makes the file corrupt, and of a longer list the first
@@ -64,8 +64,9 @@ from typing import Any, NoReturn
 
 from ..config import MAX_WINDOW_S, MIN_FRACTION, Config
 from ..core.actions import AnswerRequest
-from ..core.liveness import CANARY_LATENCIES_KEPT, STEPS_KEPT
 from ..core.observations import Pause, PersistentView, RestartRequest
+from ..core.watchdog.canary import CANARY_LATENCIES_KEPT
+from ..core.watchdog.steps import STEPS_KEPT
 from ..observe.clock import Now, boot_id
 from ..observe.clock import now as clock_now
 from ..observe.readback import read_back as read_back  # re-exported: export/files.py imports it from here

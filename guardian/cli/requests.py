@@ -40,9 +40,9 @@ from ..core.actions import (
     SyncProxy,
     WarmUp,
 )
-from ..core.liveness import Track
 from ..core.observations import RestartRequest, TickObservation
 from ..core.vocab import Decision, Priority
+from ..core.watchdog.track import Track
 from ..observe import askers, clock
 from ..observe.clock import Now
 from ..observe.probes import make_client

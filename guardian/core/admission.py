@@ -22,11 +22,11 @@ from dataclasses import dataclass
 from ..config import Config, ReplicaConfig, WatchdogConfig
 from . import gates, startfit
 from .actions import AnswerRequest, LogLine, RequestWaits
-from .liveness import Track
 from .observations import PersistentView, RestartRequest, TickObservation, gib
 from .rules import Refusal, Row, Rule, Why, first_match
 from .startloop import StartRun
 from .vocab import LOADING_STATES, Decision, Gate, Priority
+from .watchdog.track import Track
 from .work import Tick
 
 

@@ -20,7 +20,7 @@ steps of a procedure (a drain begun, followed, given up, a hung replica marked d
 by the function of this module its row names, at the bottom of this file; every line they say names
 its Rule. ``P`` = the [proxy] config.
 "Another replica of the model serves" means: a replica of this box with the same model that serves
-(liveness.serves: healthy or busy, or degraded only by a late probe, within the last
+(watchdog/judge.py serves(): healthy or busy, or degraded only by a late probe, within the last
 SERVED_RECENTLY_S) and is not marked down; or a `memory.peer_urls` peer that answered with the model; or,
 with [fleet], a replica of another box serving it in the fleet view.
 """
@@ -34,10 +34,11 @@ from ..config import Config, ReplicaConfig
 from . import admission, restarts, stopping
 from .actions import AnswerRequest, LogLine, SetFraction, WarmUp
 from .drainstate import Drain, Phase
-from .liveness import Track, serves
 from .observations import ProxyView, ReplicaObservation, RestartRequest, TickObservation, VllmSample, WarmupResult
 from .rules import Refusal, Row, Rule, first_match
 from .vocab import RESTART_STATES, SERVING_STATES, Decision, Gate, Priority, RestartKind
+from .watchdog.judge import serves
+from .watchdog.track import Track
 from .work import RestartAsk, Tick
 
 
@@ -297,7 +298,7 @@ def serving_peer_count(obs: TickObservation, cfg: Config, model: str) -> int:
 def others_serving(
     name: str, cfg: Config, tracks: dict[str, Track], drains: dict[str, Drain], peers: int, now: float
 ) -> int:
-    """How many other replicas of NAME's model serve (liveness.serves): this box's, not marked down, and PEERS."""
+    """How many other replicas of NAME's model serve (judge.serves): this box's, not marked down, and PEERS."""
     replica = cfg.replica(name)
     if replica is None:
         return 0

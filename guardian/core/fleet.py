@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 from ..config import Config, FleetConfig
 from .actions import Action, LogLine, ReleaseSlot
-from .liveness import Track
 from .observations import FleetView
 from .rules import Refusal, Row, Rule, Why, first_match
 from .vocab import Decision, Gate, Priority
+from .watchdog.track import Track
 
 
 @dataclass(frozen=True)

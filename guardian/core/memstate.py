@@ -33,12 +33,12 @@ class ReplicaMemory:
     drained: bool = False  # marked down at the proxy and drained (core/drain.py D6, D7)
     base: float | None = None  # its fraction before guardian first lowered it (state file); None: never lowered
     restarts_left: int | None = None  # restarts its budget still allows in the window (A1); None: not counted
-    serves: bool | None = None  # liveness.serves (None: not judged by it; then healthy or busy)
+    serves: bool | None = None  # watchdog/judge.py serves() (None: not judged by it; then healthy or busy)
     knob: str = "gpu_memory_utilization"  # its engine's fraction, as its flag names it (guardian/engines/)
 
     @property
     def serving(self) -> bool:
-        """It carries its model's load while another replica restarts (the one definition: liveness.serves)."""
+        """It carries its model's load while another replica restarts (the one definition: judge.serves)."""
         return self.serves if self.serves is not None else self.state in SERVING_STATES
 
 

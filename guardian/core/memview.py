@@ -28,14 +28,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..config import Config, ReplicaConfig
-from . import admission, drain, fleet, liveness
+from . import admission, drain, fleet
 from .drainstate import Drain, Phase
-from .liveness import Track
 from .memguard import not_read
 from .memstate import MemoryView, MemTrack, ReplicaMemory
 from .observations import MemoryObservation, ReplicaMemoryObservation, TickObservation
 from .rules import Refusal
 from .vocab import SERVING_STATES
+from .watchdog.judge import serves
+from .watchdog.track import Track
 from .wiring import KNOB, problem_of
 
 
@@ -109,7 +110,7 @@ def _replica(tick: Inputs, replica: ReplicaConfig, found: ReplicaMemoryObservati
         and drain.drained(down, seen, tick.now, tick.cfg) is not None,
         base=tick.obs.persistent.fraction_bases.get(replica.name),
         restarts_left=budget.limit - budget.used,
-        serves=liveness.serves(track, tick.now),
+        serves=serves(track, tick.now),
         knob=knob,
     )
 

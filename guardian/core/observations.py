@@ -398,7 +398,7 @@ class FleetMember:
     name: str
     model: str
     state: str
-    serves: bool | None = None  # liveness.serves, as its box judged it (None: a guardian that did not say)
+    serves: bool | None = None  # watchdog/judge.py serves(), as its box judged it (None: a guardian that did not say)
     weights: str | None = None  # the fingerprint of its weights, as its box read it (core/weights.py; None: unknown)
 
     @property

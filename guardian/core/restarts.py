@@ -13,9 +13,9 @@ from dataclasses import replace
 from ..config import ReplicaConfig
 from . import admission, memguard, stopping
 from .actions import HUNG_STOP_GRACE_S, LogLine, RestartUnit
-from .liveness import Track
 from .rules import Refusal
 from .vocab import RESTART_STATES, Decision, Priority, RestartKind
+from .watchdog.track import Track
 from .work import RestartAsk, Tick
 
 

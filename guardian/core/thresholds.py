@@ -4,8 +4,9 @@ gives one line per part of guardian (the loop, the watchdog, restarts ...), limi
 from __future__ import annotations
 
 from ..config import Config
-from . import liveness, startfit
+from . import startfit
 from .observations import gib
+from .watchdog import canary, liveness
 
 
 def describe(cfg: Config) -> list[str]:
@@ -27,7 +28,7 @@ def describe(cfg: Config) -> list[str]:
         f"a replica's processes are quiet when they use <= {watchdog.quiet_cpu:g} of a core (CPU plus run-queue "
         "wait) and none runs, waits to run or waits uninterruptibly; "
         f"quiet for >= {watchdog.engine_quiet_s:g} s with nothing moving: stalled with work in the engine "
-        f"({liveness.ENGINE_QUIET.id}), a canary out that long fails at once ({liveness.CANARY_UNTOUCHED.id}), "
+        f"({liveness.ENGINE_QUIET.id}), a canary out that long fails at once ({canary.CANARY_UNTOUCHED.id}), "
         f"unresponsive with no answer as long ({liveness.API_QUIET.id})",
         f"restarts: at most {watchdog.restart_budget} per replica in {watchdog.restart_window_s:g} s, "
         f"back-off {watchdog.backoff_s:g} s "

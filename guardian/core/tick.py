@@ -9,7 +9,7 @@ decide() makes a Tick (core/work.py), which holds what it was given and what it 
 far, and runs the steps over it in order; each step is a function of the module that holds its
 rules, and this module is only their order:
 
-1. verdicts.judge_liveness: each replica's observation is folded into its track (core/liveness.py,
+1. verdicts.judge_liveness: each replica's observation is folded into its track (core/watchdog/,
    L1-L18); state changes and unreadable /metrics are logged once; canaries are asked for;
    canary latencies that changed are recorded in the state file (one action a tick), where a
    track created later starts from them;
@@ -43,9 +43,10 @@ against the same budget and back-off.
 from __future__ import annotations
 
 from ..config import Config
-from . import bypass, drain, fleet, liveness, memstep, requests, restarts, verdicts
+from . import bypass, drain, fleet, memstep, requests, restarts
 from .actions import Action, SyncProxy
 from .observations import TickObservation
+from .watchdog import canary, verdicts
 from .work import Tick, TickState
 
 __all__ = ["TickState", "decide", "next_tick_at", "probe_wait_s", "watching_starts"]
@@ -85,7 +86,7 @@ def _watch_bypass(tick: Tick) -> None:
 
 def next_tick_at(state: TickState, last_started: float, now: float, cfg: Config) -> float:
     """When the next tick starts: INTERVAL_S after the last one started, or earlier so that its
-    judgment lands on a replica's deadline (liveness.next_deadline). A tick judges once its probes
+    judgment lands on a replica's deadline (watchdog/canary.py next_deadline). A tick judges once its probes
     are in, up to cfg.probe_wait_s after it starts, so it starts that much before the deadline; if
     that moment has passed (this tick judged just short of it), it starts at the deadline itself.
     At most two extra ticks per deadline; never one in the past.
@@ -95,7 +96,7 @@ def next_tick_at(state: TickState, last_started: float, now: float, cfg: Config)
     most critical_headroom_bytes between two looks before the box is out of memory."""
     at = last_started + _interval_s(state, cfg)
     for track in state.tracks.values():
-        deadline = liveness.next_deadline(track, cfg.watchdog, after=now)
+        deadline = canary.next_deadline(track, cfg.watchdog, after=now)
         if deadline is None:
             continue
         early = deadline - cfg.probe_wait_s
@@ -108,13 +109,13 @@ PROBE_WAIT_FLOOR_S = 0.05  # a healthy replica answers within it
 
 def probe_wait_s(state: TickState, now: float, cfg: Config) -> float:
     """How long this tick waits for its probes: cfg.probe_wait_s, but not past a replica's
-    deadline (liveness.next_deadline), so that the verdict is given at it rather than a whole
+    deadline (watchdog/canary.py next_deadline), so that the verdict is given at it rather than a whole
     wait later; at least PROBE_WAIT_FLOOR_S, for the replicas that do answer. While a start is
     watched, at most half the start guard's interval: a probe still out is carried to the next tick."""
     wait = min(cfg.probe_wait_s, _interval_s(state, cfg) / 2)
     for track in state.tracks.values():
         # one already past must not shorten every tick; one due now gets the floor
-        deadline = liveness.next_deadline(track, cfg.watchdog, after=now - 1e-6)
+        deadline = canary.next_deadline(track, cfg.watchdog, after=now - 1e-6)
         if deadline is not None:
             wait = min(wait, max(deadline - now, PROBE_WAIT_FLOOR_S))
     return wait

@@ -12,7 +12,7 @@ from enum import StrEnum
 
 
 class State(StrEnum):
-    """A replica's liveness verdict (rules in core/liveness.py)."""
+    """A replica's liveness verdict (rules in core/watchdog/liveness.py)."""
 
     PAUSED = "paused"
     UNKNOWN = "unknown"
@@ -258,7 +258,7 @@ class HeldBy:
     via: str = ""  # how the container was recognised, for the journal
     # Known not to be the replica's: a container its engine names that is another, a holder of
     # the other engine, a forged engine scope (observe/containers.py resolve). A holder that may
-    # still be the replica's own leaves this False; liveness.port_taken_by judges the rest.
+    # still be the replica's own leaves this False; watchdog/facts.py port_taken_by judges the rest.
     stray: bool = False
 
     def holder_text(self) -> str:

@@ -1,7 +1,7 @@
 """One tick's decision in the making (Tick), and what one tick hands the next (TickState). Pure.
 
 core/tick.py's decide() makes a Tick and runs the steps over it in order; each step is a function
-of the module that holds its rules (core/verdicts.py, drain.py, restarts.py, requests.py,
+of the module that holds its rules (core/watchdog/verdicts.py, drain.py, restarts.py, requests.py,
 admission.py, memstep.py, fleet.py, bypass.py), which reads what the Tick was given and adds to
 what it has decided. The Tick itself decides nothing: it holds the inputs, the next state's parts
 as the steps make them, and the action list.
@@ -15,9 +15,9 @@ from ..config import Config
 from . import bypass, memstate, startguard
 from .actions import AcquireSlot, Action, LogLine
 from .drainstate import Drain, Phase
-from .liveness import Track
 from .observations import TickObservation
 from .vocab import LOADING_STATES, RestartKind
+from .watchdog.track import Track
 
 
 @dataclass(frozen=True)

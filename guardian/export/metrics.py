@@ -24,10 +24,10 @@ from ..core import admission, startfit
 from ..core.actions import Action, LogLine, RestartUnit, SetFraction
 from ..core.bypass import Bypass
 from ..core.hazards import Hazard
-from ..core.liveness import Track
 from ..core.observations import PersistentView, ReplicaObservation, TickObservation
 from ..core.tick import TickState
 from ..core.vocab import RESTART_STATES, SERVING_STATES, Decision, Gate, RestartKind, State
+from ..core.watchdog.track import Track
 from ..core.weights import Weights
 from ..observe.clock import Now
 

@@ -36,10 +36,10 @@ from typing import Any
 from ..config import Config
 from ..core import fleet as fleet_rules
 from ..core.actions import AcquireSlot, LogLine, ReleaseSlot
-from ..core.liveness import Track
-from ..core.liveness import serves as serves_now
 from ..core.observations import FleetMember, FleetSlot, FleetView, TickObservation
 from ..core.vocab import Decision, Priority, State
+from ..core.watchdog.judge import serves as serves_now
+from ..core.watchdog.track import Track
 from ..core.weights import Weights
 from ..observe.clock import Now
 from .etcd import KV, Compare, Etcd, EtcdError, Tls, delete_op, json_kind, put_op
@@ -264,7 +264,7 @@ class FleetSync:
             t = tracks.get(r.name)
             state = str(t.state if t is not None else State.STARTING)
             since = at.wall - (at.mono - t.state_since) if t is not None else at.wall
-            # Whether it serves, by the one definition (liveness.serves): other boxes count it by that.
+            # Whether it serves, by the one definition (watchdog/judge.py serves): other boxes count it by that.
             serves = t is not None and serves_now(t, at.mono)
             w = self.weights.get(r.name)
             value = json.dumps(

@@ -1,4 +1,4 @@
-"""Step 1 of a tick: each replica's verdict (core/liveness.py, L1-L18 and the canary's C1-C3),
+"""Step 1 of a tick: each replica's verdict (core/watchdog/judge.py: the liveness rows L1-L22 and the canary's C1-C5),
 said when it changes; unreadable /metrics said once; canaries asked for; canary latencies that
 changed recorded in the state file (one action a tick), where a track created later starts from
 them. Pure.
@@ -8,13 +8,15 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..config import ReplicaConfig
-from . import admission, liveness, startfit, startloop
-from .actions import LogLine, RecordCanaryLatencies, StartCanary
-from .liveness import Track
-from .observations import TickObservation, gib
-from .vocab import RESTART_STATES, SERVING_STATES, Decision, Priority, State
-from .work import Tick
+from ...config import ReplicaConfig
+from .. import admission, startfit, startloop
+from ..actions import LogLine, RecordCanaryLatencies, StartCanary
+from ..observations import TickObservation, gib
+from ..vocab import RESTART_STATES, SERVING_STATES, Decision, Priority, State
+from ..work import Tick
+from . import canary, judge, liveness
+from .steps import kept_steps, longest_step_s
+from .track import Track
 
 
 def judge_liveness(t: Tick) -> None:
@@ -34,7 +36,7 @@ def judge_liveness(t: Tick) -> None:
 def _judge(t: Tick, replica: ReplicaConfig, old: Track) -> None:
     seen = t.obs.replicas[replica.name]
     pause = t.obs.persistent.pauses.get(replica.name)
-    new, canary_timeout_s = liveness.step(old, seen, t.now, replica, t.cfg.watchdog, pause)
+    new, canary_timeout_s = judge.step(old, seen, t.now, replica, t.cfg.watchdog, pause)
     if new.state not in RESTART_STATES:
         new = replace(new, last_notice=None)
     if _to_say(old, new, t.now):
@@ -67,7 +69,7 @@ def _judge(t: Tick, replica: ReplicaConfig, old: Track) -> None:
                 replica.name,
                 replica.unit,
                 state=new.state,
-                rule=liveness.CANARY_LATE.id,
+                rule=canary.CANARY_LATE.id,
             )
         )
     new = _start_loop(t, replica, old, new)
@@ -144,7 +146,7 @@ def _record_canary_latencies(t: Tick) -> None:
 
 def _kept(name: str, obs: TickObservation) -> tuple[float, ...]:
     """NAME's canary latencies as the state file kept them."""
-    return obs.persistent.canary_latencies.get(name, ())[-liveness.CANARY_LATENCIES_KEPT :]
+    return obs.persistent.canary_latencies.get(name, ())[-canary.CANARY_LATENCIES_KEPT :]
 
 
 def _new_track(name: str, obs: TickObservation, now: float, cap_s: float) -> Track:
@@ -152,7 +154,7 @@ def _new_track(name: str, obs: TickObservation, now: float, cap_s: float) -> Tra
     reload) starts from the canary latencies the state file kept: with 3 or more, its learned
     deadline holds from its first canary, and it gets no learning canaries. Its steps are those
     kept, each at most CAP_S (W.max_step_s)."""
-    steps = liveness.kept_steps(obs.persistent.step_seconds.get(name, ()), cap_s)
+    steps = kept_steps(obs.persistent.step_seconds.get(name, ()), cap_s)
     return Track(state_since=now, canary_latencies=_kept(name, obs), steps=steps)
 
 
@@ -160,8 +162,8 @@ def _learned(t: Tick, replica: ReplicaConfig, old: Track, new: Track) -> None:
     """Said at info when a longer step is learned, with its source: how long the stall window (L13)
     and a stall canary (L14) now wait (at most W.max_step_s)."""
     wcfg = t.cfg.watchdog
-    before = liveness.longest_step_s(old, t.now, wcfg.max_step_s) if old.observed else None
-    after = liveness.longest_step_s(new, t.now, wcfg.max_step_s)
+    before = longest_step_s(old, t.now, wcfg.max_step_s) if old.observed else None
+    after = longest_step_s(new, t.now, wcfg.max_step_s)
     if after is None or (before is not None and after <= before):
         return
     longest = max(s for s, _ in new.steps)
