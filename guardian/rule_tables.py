@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from .core import (
     admission,
-    bypass,
-    drain,
     fleet,
     gates,
     memguard,
@@ -20,6 +18,7 @@ from .core import (
     stopping,
     weights,
 )
+from .core.proxy import bypass, drain
 from .core.rules import markdown_table
 from .core.watchdog import canary, liveness
 

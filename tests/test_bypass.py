@@ -1,4 +1,4 @@
-"""Clients that bypass the proxy (core/bypass.py, rules B1-B3), at their boundaries."""
+"""Clients that bypass the proxy (core/proxy/bypass.py, rules B1-B3), at their boundaries."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from guardian.config import Config, ProxyConfig, ReplicaConfig, WatchdogConfig
-from guardian.core import bypass
+from guardian.core.proxy import bypass
 from guardian.core.actions import LogLine
 from guardian.core.observations import ConnView, Peer, PeerKind, ReplicaObservation
 from guardian.core.vocab import Decision, Priority

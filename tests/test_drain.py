@@ -1,4 +1,4 @@
-"""Draining through the proxy (core/drain.py, D1-D16) as the tick applies it: table rows before, at
+"""Draining through the proxy (core/proxy/drain.py, D1-D16) as the tick applies it: table rows before, at
 and after each threshold, with a fake clock. Assertions name rule ids, not wording."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from guardian.core.actions import LogLine, RequestWaits, SyncProxy, WarmUp
-from guardian.core.drain import Drain, Phase
+from guardian.core.proxy.drainstate import Drain, Phase
 from guardian.core.observations import ProxyView, RestartOutcome, RestartRequest, WarmupResult
 from guardian.core.vocab import Decision, Priority, RestartKind, State
 from harness import (

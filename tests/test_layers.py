@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from guardian.core import admission, bypass, drain, fleet, gates, memguard, startguard
+from guardian.core import admission, fleet, gates, memguard, startguard
+from guardian.core.proxy import bypass, drain
 from guardian.core.watchdog import liveness
 from guardian.rule_tables import render_into, tables
 from harness import RULE_TABLES

@@ -2,7 +2,8 @@
 
 Each ``## `guardian/PKG/` `` heading of docs/layout.md (``## `guardian/core/watchdog/` `` for a
 subpackage) is followed by one bullet per module of that package (``- `name.py`: what it is for``),
-and the ``## `guardian/` `` heading by the top-level modules: exactly the files there, each once."""
+and the ``## `guardian/` `` heading by the top-level modules: exactly the files there, each once.
+No module of the core is over CORE_MODULE_LINES lines."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "guardian"
 LAYOUT = REPO / "docs" / "layout.md"
 NOT_NAMED = {"__init__.py", "__main__.py"}
+CORE_MODULE_LINES = 600  # a module of guardian/core/ reads as one job; past this, split it by job
 
 
 def _layout() -> str:
@@ -68,6 +70,31 @@ def test_the_layout_check_sees_a_missing_module_and_one_without_a_line():
     assert "daemon.py" in _parts(text)[""] and "daemon.py" not in _parts(text)["core"]
     assert "check.py" in _parts(text)["cli"] and "check.py" not in _parts(text)[""]
     assert "canary.py" in _parts(text)["core/watchdog"] and "canary.py" not in _parts(text)["core"]
+    assert "draining.py" in _parts(text)["core/proxy"] and "drain.py" not in _parts(text)["core"]
+
+
+def _long_core_modules(core: Path = PACKAGE / "core") -> list[str]:
+    found = []
+    for path in sorted(core.rglob("*.py")):
+        lines = len(path.read_text().splitlines())
+        if lines > CORE_MODULE_LINES:
+            found.append(f"{path.relative_to(core.parent)}: {lines} lines")
+    return found
+
+
+def test_no_module_of_the_core_is_over_its_limit():
+    """A module of guardian/core/ is one job (issue 45 item 4): liveness.py held 1,290 lines once,
+    the rows, their facts, the track, the fold and the canary together (core/watchdog/ is it split),
+    and drain.py 680, the drain's rows and its procedure (core/proxy/)."""
+    assert _long_core_modules() == [], f"modules of the core over {CORE_MODULE_LINES} lines: split them by job"
+
+
+def test_the_size_check_sees_a_long_module(tmp_path):
+    core = tmp_path / "core"
+    (core / "family").mkdir(parents=True)
+    (core / "short.py").write_text("x = 1\n")
+    (core / "family" / "long.py").write_text("x = 1\n" * (CORE_MODULE_LINES + 1))
+    assert _long_core_modules(core) == [f"core/family/long.py: {CORE_MODULE_LINES + 1} lines"]
 
 
 def test_no_function_breaks_the_shape_limits():

@@ -1,5 +1,5 @@
 """Whether nginx sends a request with no byte of its answer yet to the other replica (issue 33):
-core/proxyretry.py on nginx texts, the README's snippet among them."""
+core/proxy/proxyretry.py on nginx texts, the README's snippet among them."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from guardian.core.proxyretry import nginx_seconds, retry_findings
+from guardian.core.proxy.proxyretry import nginx_seconds, retry_findings
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 BOUND_S = 12.0

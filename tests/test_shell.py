@@ -191,7 +191,7 @@ def test_status_shows_each_replicas_connections_flowing_and_waiting_clients():
     assert "unit CPU 350 ms" in line and "proxy nginx.service x7, other batch.service x2" in line
     none = status_dict(cfg, "x", Snapshot(TickState(), PersistentView(), None, None, {}), LoopStats(), True, now)
     assert none["replicas"]["a"]["connections"] is None and none["bypassing"] == []
-    from guardian.core.bypass import Bypass
+    from guardian.core.proxy.bypass import Bypass
 
     bypassing = TickState(bypassing=(Bypass("a", "batch.service", 2, 5.0),))
     data = status_dict(cfg, "x", Snapshot(bypassing, PersistentView(), None, None, {}), LoopStats(), True, now)

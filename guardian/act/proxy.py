@@ -1,4 +1,4 @@
-"""The proxy, made to match the core's set of replicas marked down (core/drain.py), as the last
+"""The proxy, made to match the core's set of replicas marked down (core/proxy/drain.py), as the last
 action of each tick (SyncProxy) asks; only a change is applied.
 
 nginx: guardian owns one file per upstream, ``P.nginx_upstream_dir/NAME.conf``, that the operator's
@@ -32,10 +32,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import Config, ReplicaConfig
-from ..core import drain
 from ..core.actions import LogLine
-from ..core.drainstate import Drain, Phase
 from ..core.observations import ProxyView
+from ..core.proxy import drain
+from ..core.proxy.drainstate import Drain, Phase
 from ..core.vocab import Decision, Priority
 from ..observe.clock import Now
 from ..observe.readback import Refused, read_back

@@ -1,6 +1,6 @@
 """What `guardian check` says of the proxy: which nginx file includes each upstream file guardian
 writes and what guardian would change in it (describe), and whether nginx's text sends a request
-with no byte yet to the other replica (retry_warnings, core/proxyretry.py). Reads; changes nothing.
+with no byte yet to the other replica (retry_warnings, core/proxy/proxyretry.py). Reads; changes nothing.
 """
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from ..config import Config, ReplicaConfig
-from ..core import proxyretry
 from ..core.actions import HUNG_STOP_GRACE_S
+from ..core.proxy import proxyretry
 from ..observe.readback import Refused, read_back
 from .proxy import UPSTREAM_MAX_BYTES, render_upstream, upstream_path, upstreams
 
@@ -94,7 +94,7 @@ def kill_bound_s(cfg: Config, replicas: Iterable[ReplicaConfig]) -> float:
 
 def retry_warnings(cfg: Config, conf_dir: Path = NGINX_CONF_DIR) -> list[str]:
     """For `guardian check`: where a file that proxy_passes to one of guardian's upstreams would not
-    send a request with no byte yet to the other replica (core/proxyretry.py)."""
+    send a request with no byte yet to the other replica (core/proxy/proxyretry.py)."""
     if cfg.proxy.nginx_upstream_dir is None:
         return []
     out = []

@@ -1,4 +1,4 @@
-"""A replica's warm-up (core/drain.py D13): its warm-up requests sent one after another straight to
+"""A replica's warm-up (core/proxy/drain.py D13): its warm-up requests sent one after another straight to
 its own URL, one token each, within the action's bound in all; how it ended comes back as the
 observation's WarmupResult. A request past the bound is not sent; one that fails is counted and
 the next is sent (a warm-up is best effort: the replica is marked up either way). Whatever this

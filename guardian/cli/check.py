@@ -17,11 +17,12 @@ import psutil
 from ..act import fit, proxy_check
 from ..act.state import STATUS_FILE, CorruptState, StateStore, view
 from ..config import Config, ConfigError, ReplicaConfig, config_path, load_config
-from ..core import bypass, drain, gates, hazards, startfit, stopping, thresholds
+from ..core import gates, hazards, startfit, stopping, thresholds
 from ..core import weights as core_weights
 from ..core.container import KEEPING_POLICIES, helper_unit, parse_run_line, unit_problems
 from ..core.observations import FleetMember, Probe, UnitInfo, VllmSample
 from ..core.outside import outside_hazards
+from ..core.proxy import bypass, drain
 from ..core.vocab import ActiveState, HeldBy, Hidden, Nobody, PortOwner
 from ..core.weights import Weights
 from ..core.wiring import problem_of
@@ -566,8 +567,8 @@ def _check_weights_in_fleet(
 def _check_connections(cfg: Config, report: Report) -> None:
     """The kernel's view of each replica's port, once; with a proxy configured, a client connected
     straight to a replica is a warning (B2 needs W.bypass_after_s of it; check shows it now)."""
-    from ..core.bypass import proxy_configured
     from ..core.observations import PeerKind
+    from ..core.proxy.bypass import proxy_configured
     from ..observe.conns import ConnObserver
 
     observer = ConnObserver()

@@ -92,7 +92,7 @@ class SetFraction:
 @dataclass(frozen=True)
 class DrainReplica:
     """The memory guard asks for REPLICA to be drained at the proxy before it lowers it (M16).
-    Consumed by the tick's memory step (core/memstep.py), which keeps its drains (core/drain.py);
+    Consumed by the tick's memory step (core/memstep.py), which keeps its drains (core/proxy/draining.py);
     never performed."""
 
     replica: str
@@ -150,7 +150,7 @@ class SyncProxy:
 @dataclass(frozen=True)
 class WarmUp:
     """Serve REPLICA's warm-up requests (R.warmup_file, one token each) within TIMEOUT_S; the result
-    comes back as a WarmupResult carrying STARTED_AT (core/drain.py D13)."""
+    comes back as a WarmupResult carrying STARTED_AT (core/proxy/drain.py D13)."""
 
     replica: str
     started_at: float

@@ -96,8 +96,8 @@ RESTORE_ROWS: tuple[Row[Raise, ReplicaMemory], ...] = (
         Rule(
             "M25",
             MemVerdict.RESTORE_DRAINING,
-            "a proxy is configured ([proxy]) AND the chosen replica is not drained yet (core/drain.py D6, D7): it "
-            "is marked down and drained first; the raise waits (with dry_run: not drained)",
+            "a proxy is configured ([proxy]) AND the chosen replica is not drained yet (core/proxy/drain.py D6, D7): "
+            "it is marked down and drained first; the raise waits (with dry_run: not drained)",
         ),
         lambda r: r.drain_first and not r.dry_run and not r.chosen.drained,
         _raised,

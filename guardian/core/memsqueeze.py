@@ -127,7 +127,7 @@ SQUEEZE_ROWS: tuple[Row[Squeeze, ReplicaMemory | None], ...] = (
             "M16",
             MemVerdict.DRAINING,
             "a proxy is configured ([proxy]) AND not critical AND the chosen replica is not drained yet "
-            "(core/drain.py D6, D7): it is marked down and drained first; the lowering waits (with dry_run: not "
+            "(core/proxy/drain.py D6, D7): it is marked down and drained first; the lowering waits (with dry_run: not "
             "drained)",
         ),
         lambda s: s.drain_first and not s.critical and not s.dry_run and not s.drained,

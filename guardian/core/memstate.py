@@ -30,7 +30,7 @@ class ReplicaMemory:
     usage_bytes: int | None = None  # NVML per-process memory, when the driver reports it
     start_failure: str | None = None  # vLLM's startup error, from the unit's journal since the lowering
     startup_grace_s: float = 1200.0
-    drained: bool = False  # marked down at the proxy and drained (core/drain.py D6, D7)
+    drained: bool = False  # marked down at the proxy and drained (core/proxy/drain.py D6, D7)
     base: float | None = None  # its fraction before guardian first lowered it (state file); None: never lowered
     restarts_left: int | None = None  # restarts its budget still allows in the window (A1); None: not counted
     serves: bool | None = None  # watchdog/judge.py serves() (None: not judged by it; then healthy or busy)

@@ -3,7 +3,7 @@ start and stops one that takes the box below the critical headroom, restarting i
 that change becomes the memory guard's pending one. The memory guard (its view built once by
 core/memview.py, from step 5's replicas where step 5 built them and nothing changed since; its
 verdict by core/memguard.py) then decides; a change it starts marks that
-replica's restart in flight, as any other restart does, and its drains are core/drain.py's (D8,
+replica's restart in flight, as any other restart does, and its drains are core/proxy/drain.py's (D8,
 D10). Pure.
 """
 
@@ -12,10 +12,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import replace
 
-from . import admission, drain, memguard, memstate, memview, startguard
+from . import admission, memguard, memstate, memview, startguard
 from .actions import DrainReplica, SetFraction
-from .drainstate import Drain, Phase
 from .observations import MemoryObservation, ReplicaMemoryObservation
+from .proxy import draining
+from .proxy.drainstate import Drain, Phase
 from .rules import Refusal
 from .vocab import LOADING_STATES, SERVING_STATES, ActiveState, Gate
 from .work import Tick
@@ -119,7 +120,7 @@ def guard_memory(t: Tick, replicas: tuple[memstate.ReplicaMemory, ...] | None) -
     view = memview.memory_view(replicas or memview.replicas(here, observed), here, observed)
     t.mem, actions = memguard.decide(t.mem, view, t.now, t.cfg)
     asked = _take_memory_actions(t, actions)
-    drain.mark_up_unasked(t, asked)
+    draining.mark_up_unasked(t, asked)
 
 
 def _take_memory_actions(t: Tick, actions: Iterable[memstate.MemAction]) -> set[str]:
@@ -138,7 +139,7 @@ def _take_memory_actions(t: Tick, actions: Iterable[memstate.MemAction]) -> set[
             # The watchdog keeps out of it, and no other restart starts, until the job is done.
             track = t.tracks[action.replica]
             t.tracks[action.replica] = replace(track, restart_in_flight=True, restart_issued_at=t.now)
-            t.actions.append(drain.lowering_at_the_proxy(t, action))
+            t.actions.append(draining.lowering_at_the_proxy(t, action))
             continue
         t.actions.append(action)
     return asked

@@ -15,7 +15,7 @@ under way. Per replica:
   with another fraction than its env file says is overridden by something, so not wired (not
   while the fraction written is one its running start predates: M18 gave up or M19 dropped the
   restart that would have read it);
-- whether it is drained at the proxy for a change of fraction (core/drain.py D6, D7);
+- whether it is drained at the proxy for a change of fraction (core/proxy/drain.py D6, D7);
 - why it could not be restarted now: admission (A1-A3), then a fleet slot (F3-F6); and how many
   restarts its budget still allows (a raise never spends the last one, M24);
 - its base: the fraction it had before guardian first lowered it (the state file), which a raise
@@ -28,11 +28,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..config import Config, ReplicaConfig
-from . import admission, drain, fleet
-from .drainstate import Drain, Phase
+from . import admission, fleet
 from .memguard import not_read
 from .memstate import MemoryView, MemTrack, ReplicaMemory
 from .observations import MemoryObservation, ReplicaMemoryObservation, TickObservation
+from .proxy import drain
+from .proxy.drainstate import Drain, Phase
 from .rules import Refusal
 from .vocab import SERVING_STATES
 from .watchdog.judge import serves

@@ -103,7 +103,7 @@ class CanaryResult:
 
 @dataclass(frozen=True)
 class WarmupResult:
-    """A replica's warm-up requests (core/drain.py D13-D16), as they ended."""
+    """A replica's warm-up requests (core/proxy/drain.py D13-D16), as they ended."""
 
     started_at: float  # the WarmUp action's tick (the drain's warm_from): which warm-up it is
     served: int
@@ -383,7 +383,7 @@ class MemoryObservation:
 
 @dataclass(frozen=True)
 class ProxyView:
-    """What the shell last applied at the proxy (act/proxy.py), for core/drain.py."""
+    """What the shell last applied at the proxy (act/proxy.py), for core/proxy/drain.py."""
 
     applied: frozenset[str]  # replicas marked down at the proxy now
     failed: frozenset[str] = frozenset()  # the down set of the last attempt, when it failed

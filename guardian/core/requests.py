@@ -1,6 +1,6 @@
 """Step 4 of a tick: operators' restart requests (`guardian restart NAME`, recorded in the state
 file). Each is acted on once: it waits for a fleet slot when [fleet] is set (core/fleet.py,
-F2-F6), passes admission, then drains first when a proxy is configured (core/drain.py D1-D3); it
+F2-F6), passes admission, then drains first when a proxy is configured (core/proxy/drain.py D1-D3); it
 is answered, refused or done, exactly once. One asked with `--wait` waits through a refusal that
 passes by itself (A4, core/admission.py). Pure.
 """
@@ -8,9 +8,10 @@ passes by itself (A4, core/admission.py). Pure.
 from __future__ import annotations
 
 from ..config import ReplicaConfig
-from . import admission, drain, fleet, restarts
+from . import admission, fleet, restarts
 from .actions import AcquireSlot, AnswerRequest, LogLine
 from .observations import RestartRequest
+from .proxy import drain, draining
 from .rules import Refusal
 from .vocab import Decision, Priority, RestartKind
 from .work import RestartAsk, Tick
@@ -47,10 +48,10 @@ def _take(t: Tick, request: RestartRequest) -> bool:
     # finish a drain, so it is restarted at once.
     drain_first = t.cfg.proxy.enabled and t.obs.proxy is not None and not t.cfg.dry_run
     if drain_first and replica.name not in t.drains and admission.admitted(t, replica):
-        rule, undrained = drain.plan(t, replica, request)
+        rule, undrained = draining.plan(t, replica, request)
         if rule is drain.NO_PEER:
-            return drain.wait_for_peer(t, replica, request, head, drain.no_peer(t, replica))
-        if drain.start_drain(t, replica, request, head, undrained):
+            return draining.wait_for_peer(t, replica, request, head, draining.no_peer(t, replica))
+        if draining.start_drain(t, replica, request, head, undrained):
             return True
     ask = RestartAsk(RestartKind.OPERATOR, head, "requested by an operator", request.id)
     refusal = restarts.restart(t, replica, ask, t.planned_restarts_blocked)

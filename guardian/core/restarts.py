@@ -123,4 +123,4 @@ def restart_unplanned(t: Tick, marked_down: Callable[[Tick, ReplicaConfig, Track
         restart(t, replica, ask, t.restart_under_way)
         if t.tracks[replica.name].restart_in_flight:
             t.restart_under_way = True
-            marked_down(t, replica, track)  # D10 (core/drain.py)
+            marked_down(t, replica, track)  # D10 (core/proxy/draining.py)

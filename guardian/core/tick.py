@@ -13,7 +13,7 @@ rules, and this module is only their order:
    L1-L18); state changes and unreadable /metrics are logged once; canaries are asked for;
    canary latencies that changed are recorded in the state file (one action a tick), where a
    track created later starts from them;
-2. drain.follow_drains (core/drain.py, D4-D9, D11, D12): a drained replica is restarted, a drain that
+2. draining.follow_drains (core/proxy/, D4-D9, D11, D12): a drained replica is restarted, a drain that
    cannot go on is abandoned, a replica back in service is marked up at the proxy;
 3. restarts.restart_unplanned: a replica whose verdict asks for one (stalled, unresponsive, idle-dead) is
    restarted if admission allows (core/admission.py, A1-A3 then G1-G9), at most one per tick,
@@ -31,7 +31,7 @@ rules, and this module is only their order:
    marks that replica's restart in flight, as any other restart does; its drains are kept here
    (D8, D10);
 7. fleet.release_slots: a fleet slot whose planned restart is over is given back (F7);
-8. bypass: clients that talk to a replica past the proxy are said (core/bypass.py, B1-B3);
+8. bypass: clients that talk to a replica past the proxy are said (core/proxy/bypass.py, B1-B3);
 9. with a proxy configured, the last action is SyncProxy(the replicas marked down).
 
 The steps are coupled through the Tick only: a restart under way (in flight, or issued in step
@@ -43,9 +43,10 @@ against the same budget and back-off.
 from __future__ import annotations
 
 from ..config import Config
-from . import bypass, drain, fleet, memstep, requests, restarts
+from . import fleet, memstep, requests, restarts
 from .actions import Action, SyncProxy
 from .observations import TickObservation
+from .proxy import bypass, draining
 from .watchdog import canary, verdicts
 from .work import Tick, TickState
 
@@ -55,8 +56,8 @@ __all__ = ["TickState", "decide", "next_tick_at", "probe_wait_s", "watching_star
 def decide(state: TickState, obs: TickObservation, now: float, cfg: Config) -> tuple[TickState, list[Action]]:
     tick = Tick(state, obs, now, cfg)
     verdicts.judge_liveness(tick)  # 1
-    drain.follow_drains(tick)  # 2
-    restarts.restart_unplanned(tick, drain.mark_down_hung)  # 3
+    draining.follow_drains(tick)  # 2
+    restarts.restart_unplanned(tick, draining.mark_down_hung)  # 3
     requests.take_requests(tick)  # 4
     replicas = memstep.guard_starts(tick)  # 5
     memstep.guard_memory(tick, replicas)  # 6

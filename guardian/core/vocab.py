@@ -63,7 +63,7 @@ class Decision(StrEnum):
     MEMORY_NOTE = "memory-note"  # the memory guard's state, deferrals and results
     HAZARD = "hazard"  # a set-up that makes a restart hurt something
     REQUEST = "request"  # an operator's request (pause, resume, restart)
-    PROXY = "proxy"  # a replica marked down or up at the proxy (rules in core/drain.py)
+    PROXY = "proxy"  # a replica marked down or up at the proxy (rules in core/proxy/drain.py)
     FLEET = "fleet"  # a planned restart waiting for, taking or giving back a fleet slot (core/fleet.py)
     CACHE = "cache"  # a start's fit: the page cache released before it, or a start that may not fit (core/startfit.py)
     NOTE = "note"  # anything else: start, limits, bus, reload

@@ -1,8 +1,8 @@
 """One tick's decision in the making (Tick), and what one tick hands the next (TickState). Pure.
 
 core/tick.py's decide() makes a Tick and runs the steps over it in order; each step is a function
-of the module that holds its rules (core/watchdog/verdicts.py, drain.py, restarts.py, requests.py,
-admission.py, memstep.py, fleet.py, bypass.py), which reads what the Tick was given and adds to
+of the module that holds its rules (core/watchdog/verdicts.py, proxy/draining.py, restarts.py, requests.py,
+admission.py, memstep.py, fleet.py, proxy/bypass.py), which reads what the Tick was given and adds to
 what it has decided. The Tick itself decides nothing: it holds the inputs, the next state's parts
 as the steps make them, and the action list.
 """
@@ -12,10 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..config import Config
-from . import bypass, memstate, startguard
+from . import memstate, startguard
 from .actions import AcquireSlot, Action, LogLine
-from .drainstate import Drain, Phase
 from .observations import TickObservation
+from .proxy import bypass
+from .proxy.drainstate import Drain, Phase
 from .vocab import LOADING_STATES, RestartKind
 from .watchdog.track import Track
 
@@ -27,12 +28,12 @@ class TickState:
     tracks: dict[str, Track] = field(default_factory=dict)
     mem: memstate.MemTrack = field(default_factory=memstate.MemTrack)
     requests_taken: frozenset[str] = frozenset()  # operators' requests acted on, answer not yet recorded
-    drains: dict[str, Drain] = field(default_factory=dict)  # replicas marked down at the proxy (core/drain.py)
+    drains: dict[str, Drain] = field(default_factory=dict)  # replicas marked down at the proxy (core/proxy/drain.py)
     # request id -> why it waits (a fleet slot, or a refusal that passes by itself: A4), as last said
     waits_said: dict[str, tuple[str, ...]] = field(default_factory=dict)
     slots_released: frozenset[str] = frozenset()  # fleet slots given back that the view may still show
     bypass_seen: dict[tuple[str, str], float] = field(default_factory=dict)  # (replica, peer) -> connected since
-    bypassing: tuple[bypass.Bypass, ...] = ()  # clients bypassing the proxy now (core/bypass.py B2)
+    bypassing: tuple[bypass.Bypass, ...] = ()  # clients bypassing the proxy now (core/proxy/bypass.py B2)
     starts: dict[str, startguard.Start] = field(default_factory=dict)  # starts the start guard watches (S1)
 
     @property

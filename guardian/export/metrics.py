@@ -22,9 +22,9 @@ from prometheus_client.metrics_core import Metric
 from ..config import Config, ReplicaConfig
 from ..core import admission, startfit
 from ..core.actions import Action, LogLine, RestartUnit, SetFraction
-from ..core.bypass import Bypass
 from ..core.hazards import Hazard
 from ..core.observations import PersistentView, ReplicaObservation, TickObservation
+from ..core.proxy.bypass import Bypass
 from ..core.tick import TickState
 from ..core.vocab import RESTART_STATES, SERVING_STATES, Decision, Gate, RestartKind, State
 from ..core.watchdog.track import Track

@@ -104,7 +104,7 @@ class Who:
         listeners: Mapping[str, Listener | None] | None = None,
     ) -> Who:
         proxy = {_normal(p) for p in cfg.watchdog.proxy_peers}
-        if cfg.proxy.nginx_upstream_dir is not None:  # guardian drives nginx on this box (core/bypass.py B1)
+        if cfg.proxy.nginx_upstream_dir is not None:  # guardian drives nginx on this box (core/proxy/bypass.py B1)
             proxy.add(cfg.proxy.nginx_unit)
         return cls(
             cgroups=cgroups or {},

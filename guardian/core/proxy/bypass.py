@@ -19,12 +19,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from ..config import Config
-from .actions import LogLine
-from .hazards import Hazard
-from .observations import ConnView, PeerKind
-from .rules import UNCHANGED, Rule
-from .vocab import Decision, Priority
+from ...config import Config
+from ..actions import LogLine
+from ..hazards import Hazard
+from ..observations import ConnView, PeerKind
+from ..rules import UNCHANGED, Rule
+from ..vocab import Decision, Priority
 
 NO_PROXY = Rule(  # enforced by proxy_configured(), which update() asks first
     "B1",

@@ -1,6 +1,6 @@
 """A replica's place at the proxy, as the core keeps it (TickState.drains): up (no entry), or
 marked down (a Drain). A leaf, so that the tick's working state (core/work.py) holds drains and
-core/drain.py, whose rules move them, can read that state. Pure.
+core/proxy/drain.py and draining.py, whose rules move them, can read that state. Pure.
 """
 
 from __future__ import annotations
