@@ -15,7 +15,9 @@ from ..observations import Activity, Pause, Probe, ProcView, ReplicaObservation,
 from ..vocab import HeldBy, PortOwner
 from .steps import longest_step_s
 
-if TYPE_CHECKING:  # the track holds the rows' first rule (track.py), and the rows read these facts
+# For the type checker alone: track.py imports the rows (a new track's rule is their first STARTING
+# rule), and the rows import this module; at run time it would be a cycle.
+if TYPE_CHECKING:
     from .track import Track
 
 

@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING
 
 from ..observations import VllmSample
 
-if TYPE_CHECKING:  # the track holds the rows' first rule, and the rows read the learned step
+# For the type checker alone: track.py imports the rows (a new track's rule is their first STARTING
+# rule), and the rows import this module; at run time it would be a cycle.
+if TYPE_CHECKING:
     from .track import Track
 
 STEPS_KEPT = 8
