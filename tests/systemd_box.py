@@ -169,6 +169,29 @@ WRAPPER = """#!/bin/sh
 export PYTHONPATH=/opt/guardian/src:/opt/guardian/deps
 exec python3 -m {module} "$@"
 """
+# Stand-ins for the other engines' own programs (tests/world.py EXEC_START): the simulator playing the
+# engine, in the process the unit starts, so that its command line is the engine's (SGLang's
+# `python3 -m sglang.launch_server ...`, `trtllm-serve MODEL ...`: a console script of python3).
+SHIMS = {
+    "/opt/shims/sglang/__init__.py": "",
+    "/opt/shims/sglang/launch_server.py": """\"\"\"SGLang's launcher in the test box: the replica simulator playing SGLang.\"\"\"
+import sys
+
+from vllm_sim.server import main
+
+if __name__ == "__main__":
+    sys.exit(main(["--sim-engine", "sglang", *sys.argv[1:]]))
+""",
+    "/usr/local/bin/trtllm-serve": """#!/usr/bin/python3
+\"\"\"trtllm-serve in the test box: the replica simulator playing TensorRT-LLM.\"\"\"
+import sys
+
+sys.path[:0] = ["/opt/guardian/src", "/opt/guardian/deps"]
+from vllm_sim.server import main
+
+sys.exit(main(["--sim-engine", "trtllm", *sys.argv[1:]]))
+""",
+}
 
 
 def build_deb(out_dir: Path, target: str = "amd64-bookworm") -> Path:
@@ -267,6 +290,8 @@ class SystemdBox:
         self.systemctl("stop", "guardian.service")  # each test starts it with its own config
         self.write("/usr/local/bin/vllm-sim", WRAPPER.format(module="vllm_sim"), mode=0o755)
         self.write("/usr/local/bin/vllm-sim-ctl", WRAPPER.format(module="vllm_sim.ctl"), mode=0o755)
+        for path, text in SHIMS.items():
+            self.write(path, text, mode=0o755 if path.startswith("/usr/local/bin/") else 0o644)
 
     def install_deb(self, deb: Path, keep_conffiles: bool = False) -> subprocess.CompletedProcess:
         """KEEP_CONFFILES: as an unattended upgrade does, a config file the operator edited is kept

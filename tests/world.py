@@ -12,19 +12,39 @@ from guardian.observe.meminfo import sample_memory
 from systemd_box import SystemdBox, wait_for
 
 REPLICA_UNIT = """[Unit]
-Description=simulated vLLM replica {name}
+Description=simulated {label} replica {name}
 {unit_extra}
 [Service]
 Type=simple
-Environment=GPU_MEMORY_UTILIZATION={fraction}
+Environment=GPU_MEMORY_UTILIZATION={fraction}{engine_env}
 {env_file}
-ExecStart=/usr/local/bin/vllm-sim serve --model {model_arg} --port {port} --gpu-memory-utilization {fraction_arg} --load-time-s {load_time_s} {sim_args}
+ExecStart={exec_start}
 Restart={restart}
 RestartSec={restart_sec}
 {service_extra}
 [Install]
 WantedBy=multi-user.target
 """
+
+# Each engine's command line, as its operators write it (shared/BRIEF.md, "Other engines the Spark runs"),
+# started by the simulator playing that engine (vllm_sim/engines.py) through a stand-in of the engine's own
+# program that systemd_box installs in the box (SHIMS): guardian's `engine = "auto"` tells them apart by
+# their unit's command line, and its memory guard lowers each by its own flag.
+EXEC_START = {
+    "vllm": "/usr/local/bin/vllm-sim serve --model {model_arg} --port {port} --gpu-memory-utilization {fraction_arg} "
+            "--load-time-s {load_time_s} {sim_args}",
+    "sglang": "/usr/bin/python3 -m sglang.launch_server --model-path {model_arg} --port {port} "
+              "--mem-fraction-static {fraction_arg} --enable-metrics --load-time-s {load_time_s} {sim_args}",
+    "trtllm": "/usr/local/bin/trtllm-serve {model_arg} --port {port} --kv_cache_free_gpu_memory_fraction {fraction_arg} "
+              "--extra_llm_api_options {options} --load-time-s {load_time_s} {sim_args}",
+}
+ENGINE_LABEL = {"vllm": "vLLM", "sglang": "SGLang", "trtllm": "TensorRT-LLM"}
+# `python3 -m sglang.launch_server` finds the stand-in package on this path
+ENGINE_ENV = {"sglang": "\nEnvironment=PYTHONPATH=/opt/shims:/opt/guardian/src:/opt/guardian/deps"}
+# trtllm-serve's Prometheus page (/prometheus/metrics) needs return_perf_metrics; its running and
+# waiting gauges are set from the iteration stats, which need enable_iter_perf_stats (vllm_sim/engines.py)
+TRTLLM_OPTIONS = "return_perf_metrics: true\nenable_iter_perf_stats: true\n"
+
 
 PLAIN_UNIT = """[Unit]
 Description={description}
@@ -69,6 +89,7 @@ class Replica:
     config: dict = field(default_factory=dict)  # more of its [[replicas]] keys (warmup_file, ...)
     model_path: str | None = None  # loads this path (--model), served as `model` (--served-model-name)
     url_host: str = "127.0.0.1"  # the host its URL names (a name is resolved in the box)
+    engine: str = "vllm"  # whose command line its unit runs (EXEC_START): "vllm", "sglang", "trtllm"
 
     @property
     def unit(self) -> str:
@@ -156,15 +177,20 @@ class World:
         self.box.write(path, text if text is not None else self.config_text())
 
     def install_replica(self, r: Replica) -> None:
+        options = f"/etc/trtllm/{r.name}.yaml"
+        if r.engine == "trtllm":
+            self.box.write(options, TRTLLM_OPTIONS)
+        exec_start = EXEC_START[r.engine].format(
+            model_arg=r.model if r.model_path is None else f"{r.model_path} --served-model-name {r.model}",
+            port=r.port, fraction_arg="${GPU_MEMORY_UTILIZATION}" if r.wired else r.fraction,
+            load_time_s=r.load_time_s, sim_args=r.sim_args, options=options)
         # Where a package puts units, so that `systemctl mask` (a symlink in /etc) can override it.
         self.box.write(f"/usr/lib/systemd/system/{r.unit}", REPLICA_UNIT.format(
-            name=r.name, model=r.model, port=r.port, fraction=r.fraction, load_time_s=r.load_time_s,
-            model_arg=r.model if r.model_path is None else f"{r.model_path} --served-model-name {r.model}",
-            sim_args=r.sim_args, restart=r.restart, unit_extra=r.unit_extra, service_extra=r.service_extra,
+            name=r.name, label=ENGINE_LABEL[r.engine], fraction=r.fraction, engine_env=ENGINE_ENV.get(r.engine, ""),
+            exec_start=exec_start, restart=r.restart, unit_extra=r.unit_extra, service_extra=r.service_extra,
             restart_sec=r.restart_sec,
             env_file=(f"EnvironmentFile=-/var/lib/guardian/replicas/{r.name}.env" if r.wired else "")
-            + (f"\nEnvironmentFile=-/etc/vllm/{r.name}.env" if r.env_after else ""),
-            fraction_arg="${GPU_MEMORY_UTILIZATION}" if r.wired else r.fraction))
+            + (f"\nEnvironmentFile=-/etc/vllm/{r.name}.env" if r.env_after else "")))
 
     def install_plain(self, name: str, exec_start: str = "/bin/sleep infinity", unit_extra: str = "", description: str = "") -> None:
         self.box.write(f"/etc/systemd/system/{name}", PLAIN_UNIT.format(
@@ -204,7 +230,7 @@ class World:
             b.systemctl("stop", "nginx.service", "loadgen.service", check=False)
             b.run(["rm", "-f", NGINX_SITE, "/run/loadgen.stop", "/run/loadgen.jsonl"], check=False)
         b.run("rm -rf /etc/systemd/system/guardian.service.d /var/lib/guardian /run/guardian /etc/guardian/guardian.toml "
-              "/run/sim-free-* /etc/vllm", check=False)
+              "/run/sim-free-* /etc/vllm /etc/trtllm", check=False)
         b.daemon_reload()
         b.systemctl("reset-failed", check=False)
 
