@@ -294,6 +294,11 @@ class WatchdogConfig(_Strict):
     # uses 0; the clock counts CPU in 10 ms ticks, so 20 ms a look is the least it can tell from 0.
     engine_quiet_s: float = Field(default=4.0, gt=0, le=MAX_WINDOW_S)
     quiet_cpu: float = Field(default=0.01, ge=0, le=1)
+    # An engine that serves from its own process (llama-server, trtllm-serve: guardian/engines/) answers
+    # guardian's probes with the same process it computes in: each probe it answered at a look adds
+    # this much CPU to what its quiet allows. A Python server spends 3-10 ms a probe (the simulator's
+    # trtllm-serve: 10-30 ms for three), a C++ one well under 1 ms; a working engine far more.
+    probe_cpu_s: float = Field(default=0.015, ge=0, le=1)
     # Peers that are not clients of their own: units ("x.service") or addresses. [proxy]'s
     # nginx_unit counts as a proxy when [proxy] is on.
     proxy_peers: list[str] = Field(default_factory=list, max_length=64)

@@ -409,3 +409,48 @@ def test_the_readmes_unit_per_engine_is_told_by_auto_and_wired_where_the_engine_
     assert lines["Restart"] == "always"
     if engine.metrics_flag is not None and engine.metrics_flag.startswith("--"):
         assert engine.metrics_flag in argv  # the page guardian counts work by is on
+
+
+# --- gauges that lag their engine's steps (SGLang), and a whole process answering guardian's probes ---------
+
+
+def stale_one_running(t, lags):
+    """An engine whose last batch ended at 100: its page still says 1 running (SGLang refreshes its gauges
+    per prefill batch and every 40 decode steps), its scheduler idle and quiet."""
+    from harness import sample
+
+    o = replace(obs(t=t, s=sample(gen=50, running=1)), queue_lags=lags)
+    return replace(o, procs=ProcView(t, 2.0, Activity(0.03, False, 1), Activity(0.0, False, 1), True))
+
+
+@pytest.mark.parametrize("lags, stalled", [(False, True), (True, False)], ids=["current-gauges", "lagging-gauges"])
+def test_a_lagging_running_gauge_in_a_quiet_engine_proves_no_work(lags, stalled):
+    from guardian.core.observations import PersistentView
+
+    learned = PersistentView(canary_latencies={"a": (0.1, 0.1, 0.1)})  # no learning canary in the way
+    box = Box(cfg(1, stall_canary_after_s=60, canary_after_traffic_s=60), learned)
+    box.tick(100.0, a=replace(stale_one_running(100.0, lags), procs=None))
+    for t in (102.0, 104.0):  # two quiet looks: engine_quiet_s (4 s)
+        box.tick(t, a=stale_one_running(t, lags))
+    assert (box.state() is State.STALLED) == stalled
+    assert (box.rule() == "L19") == stalled
+    assert bool(restarts(box.actions)) == stalled
+
+
+@pytest.mark.parametrize("used_ms, answered, quiet", [
+    (40.0, 3, True),  # a Python server's three answers: within 20 ms + 3 x 15 ms
+    (70.0, 3, False),  # more than its probes explain: it computes
+    (40.0, 0, False),  # no probe answered: only the plain 20 ms
+])
+def test_a_whole_process_engine_is_allowed_guardians_own_probes(used_ms, answered, quiet):
+    from guardian.core.watchdog.fold import _fold_procs
+    from guardian.core.watchdog.track import Track
+
+    o = obs(t=10.0)
+    if answered == 0:
+        o = replace(o, health=TIMEOUT, metrics_probe=TIMEOUT, models_probe=TIMEOUT)
+    o = replace(o, procs=whole(10.0, used_ms))
+    track = _fold_procs(Track(), o, 0.01, 0.015)
+    assert (track.engine_quiet_since is not None) == quiet
+    named = replace(o, procs=ProcView(10.0, 2.0, Activity(0.0, False, 1), Activity(used_ms / 1000, False, 1), True))
+    assert _fold_procs(Track(), named, 0.01, 0.015).engine_quiet_since is None  # a named engine: no allowance

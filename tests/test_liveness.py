@@ -1434,7 +1434,7 @@ def test_a_step_within_the_cap_is_learned_and_said_once_with_its_source(cap_s, l
     assert bool(lines) is learned and (box.tracks["a"].steps[0][0] == 120.0) is learned
     if learned:
         (line,) = lines
-        assert line.priority is Priority.INFO and "up to 120 s from vllm:request_prefill_time_seconds" in line.message
+        assert line.priority is Priority.INFO and "up to 120 s from its prefill-time histogram" in line.message
         assert "stall window (L13) is now 180 s" in line.message and "(L14) waits 180 s" in line.message
         again = box.tick(104.0, a=obs(t=104.0, s=replace(buckets(5, 5, 5, 5, 7, 7), generation_tokens=2.0)))
         assert not [x for x in said(again) if "learned a step" in x.message]  # the same step: said once

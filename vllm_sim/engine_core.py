@@ -75,7 +75,7 @@ def _burn(cpu_s: float) -> None:
         pass
 
 
-def _run_step(cpu_s: float, over_s: float) -> None:
+def run_step(cpu_s: float, over_s: float) -> None:
     """Burn CPU_S at once, or spread over OVER_S wall seconds in slices (a prefill's busy fraction)."""
     slices = max(1, round(over_s / SLICE_S))
     for _ in range(slices):
@@ -104,7 +104,7 @@ def _serve(sock: socket.socket) -> None:
         elif spin:
             owed = True
         else:
-            _run_step(float(msg["cpu_s"]), float(msg["over_s"]))
+            run_step(float(msg["cpu_s"]), float(msg["over_s"]))
             sock.send(b"{}")
 
 

@@ -249,6 +249,8 @@ class Engine:
         self.args = args
         self.m = metrics
         self.core = core
+        # no engine process, for an engine that has none (trtllm, llama.cpp): its steps burn here
+        self.burns_here = core is None and getattr(args, "sim_engine", "vllm") in ("trtllm", "llama.cpp")
         self.lock = threading.Lock()
         self.waiting: list[Req] = []
         self.running: list[Req] = []
@@ -326,8 +328,12 @@ class Engine:
         while True:
             began = time.monotonic()
             if not (self.dead or self.killed):
-                cost = self._step_cost(period) if self.core else None
-                if cost and not self.core.step(*cost):
+                cost = self._step_cost(period) if self.core or self.burns_here else None
+                if cost and self.core is None:
+                    # trtllm-serve and llama-server compute in their own process: the step's CPU is
+                    # this thread's (a frozen process burns none; one that computes always does)
+                    engine_core.run_step(*cost)
+                elif cost and not self.core.step(*cost):
                     return  # the engine core is gone (its monitor says so): no step can run again
                 self.iterate()
                 if self.on_step is not None and not self.dead:

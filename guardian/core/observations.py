@@ -268,6 +268,10 @@ class ReplicaObservation:
     # Its page is answered by the engine's own loop, not the API server alone (llama-server): a read
     # that times out while /health answers in time is the engine not answering.
     metrics_via_engine: bool = False
+    # Its page's running and waiting are refreshed only with its engine's own steps (SGLang: per prefill
+    # batch and every 40 decode steps): once it idles they may still show the last batch's work, so
+    # they never prove work in a quiet engine (L19); a canary still tells.
+    queue_lags: bool = False
 
     @property
     def all_probes_failed(self) -> bool:

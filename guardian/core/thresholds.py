@@ -26,7 +26,8 @@ def describe(cfg: Config) -> list[str]:
         f"canary deadline {watchdog.canary_deadline_factor:g} x the slowest of the last 8 good ones, within "
         f"[{watchdog.canary_deadline_floor_s:g} s, canary_timeout_s] once 3 succeeded; "
         f"a replica's processes are quiet when they use <= {watchdog.quiet_cpu:g} of a core (CPU plus run-queue "
-        "wait) and none runs, waits to run or waits uninterruptibly; "
+        f"wait; an engine that serves from its own process {watchdog.probe_cpu_s:g} s more for each probe it "
+        "answered) and none runs, waits to run or waits uninterruptibly; "
         f"quiet for >= {watchdog.engine_quiet_s:g} s with nothing moving: stalled with work in the engine "
         f"({liveness.ENGINE_QUIET.id}), a canary out that long fails at once ({canary.CANARY_UNTOUCHED.id}), "
         f"unresponsive with no answer as long ({liveness.API_QUIET.id})",

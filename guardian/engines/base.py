@@ -67,6 +67,9 @@ class Engine:
     # The page is answered by the engine's own loop (llama-server queues it to its task loop): a read
     # that times out while /health answers is the engine not answering, and does not hold canaries back.
     metrics_via_engine: bool
+    # Its page's running and waiting are refreshed only by its engine's steps, so they may show work
+    # after it idles (SGLang): they never prove work in a quiet engine (L19).
+    queue_lags: bool
     knob: Knob | None  # None: no fraction to lower (the memory guard never lowers it)
     engine_names: tuple[str, ...]  # comm prefixes of its engine's processes (observe/procs.py)
     engine_titles: tuple[str, ...]  # the same, by setproctitle's title on the command line

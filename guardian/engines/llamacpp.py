@@ -39,6 +39,7 @@ LLAMACPP = Engine(
     metrics_flag="--metrics",
     not_offered=frozenset({501, 404}),
     metrics_via_engine=True,
+    queue_lags=False,
     knob=None,
     engine_names=(),
     engine_titles=(),

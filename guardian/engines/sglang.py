@@ -41,6 +41,7 @@ SGLANG = Engine(
     metrics_flag="--enable-metrics",
     not_offered=frozenset({404}),
     metrics_via_engine=False,
+    queue_lags=True,
     knob=Knob("--mem-fraction-static", True, "a share of the device's whole memory for the weights and the KV pool"),
     engine_names=("sglang::schedul",),
     engine_titles=("sglang::scheduler",),

@@ -38,9 +38,10 @@ TRTLLM = Engine(
     health_note="/health: the server's shutdown flag only, 200 after its executor died (#13318)",
     metrics_path="/prometheus/metrics",
     page=PAGE,
-    metrics_flag="return_perf_metrics: true (in the --extra_llm_api_options file)",
+    metrics_flag="return_perf_metrics: true and enable_iter_perf_stats: true (in the --extra_llm_api_options file)",
     not_offered=frozenset({404}),
     metrics_via_engine=False,
+    queue_lags=False,
     knob=Knob(
         "--kv_cache_free_gpu_memory_fraction",
         False,

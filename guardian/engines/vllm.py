@@ -33,6 +33,7 @@ VLLM = Engine(
     metrics_flag=None,
     not_offered=frozenset(),
     metrics_via_engine=False,
+    queue_lags=False,
     knob=Knob(
         "--gpu-memory-utilization", True, "a share of the device's whole memory (weights, KV cache, activations)"
     ),

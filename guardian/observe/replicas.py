@@ -330,7 +330,9 @@ def replica_observation(
 def as_engine(o: ReplicaObservation, engine: Engine) -> ReplicaObservation:
     """O with what ENGINE's page means (engines/): offered as it is started, answered by its engine's loop."""
     offered = o.metrics_probe.status not in engine.not_offered
-    return replace(o, metrics_offered=offered, metrics_via_engine=engine.metrics_via_engine)
+    return replace(
+        o, metrics_offered=offered, metrics_via_engine=engine.metrics_via_engine, queue_lags=engine.queue_lags
+    )
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ def fold(
 ) -> tuple[Track, Seen]:
     """The bookkeeping that every rule may read: progress, queued work, traffic, the canary that
     came back, answers and 503s."""
-    track = _fold_procs(track, obs.procs, wcfg.quiet_cpu)
+    track = _fold_procs(track, obs, wcfg.quiet_cpu, wcfg.probe_cpu_s)
     sample = obs.metrics
     counters_moved = _progressed(track.last_sample, sample)  # a counter that went down (new engine) counts too
     track = learn_step(track, longest_new_prefill(track.last_sample, sample), now, wcfg.max_step_s)
@@ -92,22 +92,30 @@ def fold(
     return track, seen
 
 
-def _quiet_from(since: float | None, act: Activity | None, view: ProcView, quiet_cpu: float) -> float | None:
-    """When a group's quiet spell began, as of VIEW; None: it was not quiet at this look, or it is not known."""
+def _quiet_from(
+    since: float | None, act: Activity | None, view: ProcView, quiet_cpu: float, allowed_s: float = 0.0
+) -> float | None:
+    """When a group's quiet spell began, as of VIEW; None: it was not quiet at this look, or it is not
+    known. ALLOWED_S: CPU it may use besides (guardian's own probes, answered by a whole-process engine)."""
     if act is None or view.since_s is None or view.since_s <= 0:
         return None
-    if act.running or act.used_s > quiet_cpu * view.since_s:
+    if act.running or act.used_s > quiet_cpu * view.since_s + allowed_s:
         return None
     return since if since is not None else view.at - view.since_s
 
 
-def _fold_procs(track: Track, view: ProcView | None, quiet_cpu: float) -> Track:
-    """TRACK with this look at the replica's processes folded in: a look that could not be had ends both spells."""
+def _fold_procs(track: Track, obs: ReplicaObservation, quiet_cpu: float, probe_cpu_s: float) -> Track:
+    """TRACK with this look at the replica's processes folded in: a look that could not be had ends both
+    spells. An engine that is its whole process answers guardian's probes too: each answered at this
+    look adds PROBE_CPU_S to what its quiet allows (the API server's own quiet, L22, needs no answer)."""
+    view = obs.procs
     if view is None:
         api, engine = None, None
     else:
+        answered = sum(p.answered for p in (obs.health, obs.metrics_probe, obs.models_probe))
+        allowed_s = probe_cpu_s * answered if view.engine_whole else 0.0
         api = _quiet_from(track.api_quiet_since, view.api, view, quiet_cpu)
-        engine = _quiet_from(track.engine_quiet_since, view.engine, view, quiet_cpu)
+        engine = _quiet_from(track.engine_quiet_since, view.engine, view, quiet_cpu, allowed_s)
     if (api, engine) == (track.api_quiet_since, track.engine_quiet_since):
         return track
     return replace(track, api_quiet_since=api, engine_quiet_since=engine)

@@ -196,13 +196,16 @@ ROWS: tuple[Row[Facts, str], ...] = (
         ENGINE_QUIET := Rule(
             "L19",
             State.STALLED,
-            "/metrics readable AND running + waiting > 0 (the engine's own count) AND now - max(last progress, "
-            "work first queued) >= W.engine_quiet_s AND the engine's processes (named: observe/procs.py) quiet "
-            "for >= W.engine_quiet_s, as L22 measures it: work in the engine that its processes do not touch "
-            "(an engine that burns CPU while nothing moves is left to L13 and L14)",
+            "/metrics readable AND running + waiting > 0 (the engine's own count, and not one that lags its "
+            "steps: an observation's queue_lags, SGLang's) AND now - max(last progress, work first queued) >= "
+            "W.engine_quiet_s AND the engine's processes (named, or the whole process of an engine that serves "
+            "from it: observe/procs.py) quiet for >= W.engine_quiet_s, as L22 measures it (the whole process "
+            "allowed W.probe_cpu_s for each probe of guardian's it answered): work in the engine that its "
+            "processes do not touch (an engine that burns CPU while nothing moves is left to L13 and L14)",
         ),
         lambda f: (
             f.obs.metrics is not None
+            and not f.obs.queue_lags
             and f.obs.metrics.queued > 0
             and f.now - f.quiet_since >= f.wcfg.engine_quiet_s
             and f.engine_quiet_for_s >= f.wcfg.engine_quiet_s

@@ -167,7 +167,7 @@ def _learned(t: Tick, replica: ReplicaConfig, old: Track, new: Track) -> None:
     if after is None or (before is not None and after <= before):
         return
     longest = max(s for s, _ in new.steps)
-    source = "vllm:request_prefill_time_seconds" if old.observed else "the state file (learned before)"
+    source = "its prefill-time histogram" if old.observed else "the state file (learned before)"
     t.say(
         LogLine(
             Priority.INFO,
