@@ -22,6 +22,8 @@ _STARTED = pytest.StashKey[float]()
 SAME_WORKER = {
     # a module-scoped etcd cluster on fixed loopback ports of the host
     "test_fleet_etcd.py": "etcd-ports",
+    # three real llama-servers set up once for the module, guardian's config changed between its tests
+    "test_system_llamacpp_guardian.py": "llama-guardian",
     # dockerd and podman started in the box once, the image imported once
     "test_system_containers.py": "engines",
     "test_system_engines.py": "engines",
