@@ -80,8 +80,8 @@ def test_the_restart_line_says_what_was_running_at_the_stop():
     assert with_n.bound_text == ", its processes killed if the stop takes over 75 s (vLLM's --shutdown-timeout 60 s + 15 s: T1)"
     assert without.bound_text == ", its processes killed if the stop takes over 30 s"
     assert with_n.held_text(busy) == "; 2 running and 1 waiting at its last /metrics, which vLLM lets finish for up to 60 s"
-    assert without.held_text(busy) == ("; 2 running and 1 waiting at its last /metrics, which its stop aborts "
-                                       "(vLLM has no --shutdown-timeout)")
+    assert without.held_text(busy) == ("; 2 running and 1 waiting at its last /metrics, which its stop may cut "
+                                       "(no --shutdown-timeout on its command line)")
     assert without.held_text(sample()) == "; no request running or waiting at its last /metrics"
     assert "unknown (/metrics unreadable)" in with_n.held_text(None)
 

@@ -93,8 +93,9 @@ def _unit_hazards(replica: ReplicaConfig, unit: UnitInfo) -> list[Hazard]:
         found.append(
             Hazard(
                 f"restart:{unit_name}",
-                f"replica {name}: {unit_name} has Restart={unit.restart or 'no'}: vLLM's API server "
-                "exits with status 0 when its engine dies, which only Restart=always restarts; "
+                f"replica {name}: {unit_name} has Restart={unit.restart or 'no'}: a server may exit by "
+                "itself, with status 0 too (vLLM's API server when its engine dies), which only Restart=always "
+                "restarts, and guardian never starts a stopped unit; "
                 f"add Restart=always to {unit_name} (systemctl stop is still respected)",
                 name,
                 unit_name,

@@ -149,7 +149,7 @@ class PlannedStop:
         held = f"; {sample.running:.0f} running and {sample.waiting:.0f} waiting at its last /metrics"
         if self.shutdown_s is not None:
             return held + f", which vLLM lets finish for up to {self.shutdown_s:g} s"
-        return held + ", which its stop aborts (vLLM has no --shutdown-timeout)"
+        return held + ", which its stop may cut (no --shutdown-timeout on its command line)"
 
 
 def planned_stop(cfg: Config, declared: UnitDeclared | None) -> PlannedStop:
