@@ -1077,8 +1077,9 @@ def main() -> int:
                                  lambda: b.warmup(1 if args.quick else 3)),
                                 # last: it takes the vLLM world down
                                 ("engines", "every engine: llama-server (real), guardian's CPU per engine",
+                                 # 2 minutes a window per engine (4 engines): the cost part has 5 for one
                                  lambda: engines_part.engines(b, 1 if args.quick else min(trials, 5),
-                                                              30 if args.quick else 240, cost_s))):
+                                                              30 if args.quick else 240, min(cost_s, 120)))):
             if part in parts:
                 b.say(what)
                 results[part] = run()
