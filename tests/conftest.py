@@ -8,10 +8,11 @@ import re
 import time
 from pathlib import Path
 
+import psutil
 import pytest
-
 from engines import cleanup, start_engines
-from systemd_box import BoxError, SystemdBox, ensure_deps, ensure_rootfs
+from harness import Running
+from systemd_box import BoxError, SystemdBox, ensure_deps, ensure_rootfs, wait_for
 from world import World
 
 _STARTED = pytest.StashKey[float]()
@@ -128,3 +129,32 @@ def _save_journal(item: pytest.Item, box: SystemdBox) -> str:
     path.write_text(text)
     tail = "\n".join(text.splitlines()[-30:])
     return f"box {box.name} (nspawn log {box.log_path}); its journal during the test: {path}\n...\n{tail}"
+
+
+def _gone(pids: list[int]) -> bool:
+    """None of PIDS runs any more (a zombie left to a non-reaping init counts as gone)."""
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                return False
+        except psutil.NoSuchProcess:
+            pass
+    return True
+
+
+@pytest.fixture
+def sim():
+    """A simulator started per call (harness.Running), each stopped after the test, its engine
+    processes with it (tests/test_simulator.py, tests/test_simulator_engines.py)."""
+    started: list[Running] = []
+
+    def start(*args: str) -> Running:
+        r = Running(*args)
+        started.append(r)
+        return r
+    yield start
+    for r in started:
+        kids = psutil.Process(r.proc.pid).children(recursive=True) if r.proc.poll() is None else []
+        r.stop()
+        # the engine core and its workers die with the API server: no test leaves an orphan
+        wait_for(lambda kids=kids: _gone([k.pid for k in kids]), 10, "the engine processes to go")

@@ -114,22 +114,6 @@ def stopped(pids: list[int]) -> bool:
     return all(psutil.Process(pid).status() == psutil.STATUS_STOPPED for pid in pids)
 
 
-@pytest.fixture
-def sim():
-    started: list[Running] = []
-
-    def start(*args: str) -> Running:
-        r = Running(*args)
-        started.append(r)
-        return r
-    yield start
-    for r in started:
-        kids = psutil.Process(r.proc.pid).children(recursive=True) if r.proc.poll() is None else []
-        r.stop()
-        # the engine core and its workers die with the API server: no test leaves an orphan
-        wait_for(lambda kids=kids: gone([k.pid for k in kids]), 10, "the engine processes to go")
-
-
 def test_serves_vllms_endpoints_and_counters_move(sim):
     s = sim("--gpu-memory-utilization", "0.74").wait_up()
     assert s.get("/ping").status_code == 200 and "version" in s.get("/version").json()

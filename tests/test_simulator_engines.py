@@ -16,26 +16,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from systemd_box import wait_for
 
 
-@pytest.fixture
-def sim():
-    started: list[Running] = []
-
-    def start(*args: str) -> Running:
-        r = Running(*args)
-        started.append(r)
-        return r
-
-    yield start
-    for r in started:
-        kids = psutil.Process(r.proc.pid).children(recursive=True) if r.proc.poll() is None else []
-        r.stop()
-        wait_for(
-            lambda kids=kids: all(not psutil.pid_exists(k.pid) or k.status() == psutil.STATUS_ZOMBIE for k in kids),
-            10,
-            "the engine processes to go",
-        )
-
-
 def families(text: str) -> dict[str, dict[str, float]]:
     """Each family's samples (name -> value; the labels dropped: one series each here)."""
     out: dict[str, dict[str, float]] = {}
