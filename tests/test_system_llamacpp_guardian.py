@@ -49,7 +49,7 @@ pytestmark = pytest.mark.system
 
 ALIAS = "tiny"  # every replica's -a / LLAMA_ARG_ALIAS, and the model guardian expects
 LONG_CTX = 16384  # a's context: room for the long prompt (tests/llamacpp.py: 12,000 tokens prefill in ~10 s)
-LONG_PROMPT_TOKENS = 12000
+LONG_PROMPT_TOKENS = 8000  # its prefill ~10 s on one thread here: longer than engine_quiet_s, the stall canary
 
 # Nothing but the replica's own processes may decide in the freezing tests (as test_system_engine_cpu.py):
 # the stall window, the stall canary, the unresponsive window and the idle canary's bound (guardian's own
@@ -109,8 +109,9 @@ class LlamaWorld(World):
         return "\n".join(lines) + "\n"
 
     def install_replica(self, r: LlamaReplica) -> None:  # type: ignore[override]
+        # one compute thread each: a server that computes takes one core, not both, beside the suite's other tests
         install_llama_unit(self.box, r.name, r.port, metrics=r.metrics, alias=ALIAS, style=r.style, ctx=r.ctx,
-                           reload=False)
+                           threads=1, reload=False)
 
     def wait_serving(self, r: Replica, timeout_s: float = 60) -> None:
         wait_llama(self.box, r.port, timeout_s)
@@ -244,8 +245,8 @@ DEFAULTS: dict = {}  # no [watchdog] keys, no interval_s: guardian's defaults (a
 
 
 def test_busy_replicas_and_a_long_prompt_are_not_restarted_under_guardians_defaults(llw):
-    """c) four clients' completions on a for longer than every window, then one prompt of 12,000 tokens
-    (prefill of ~10-20 s here, 2048-token chunks): a is never restarted, never anything but healthy or busy."""
+    """c) four clients' completions on a for longer than every window, then one prompt of 8,000 tokens
+    (prefill of ~10 s here on one thread, 2048-token chunks): a is never restarted, never anything but healthy or busy."""
     w = llw
     w.configure(DEFAULTS, {})
     a = w.replica("a")
