@@ -11,7 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 from engines import cleanup, start_engines
-from harness import Running
+from harness import Running, gone
 from systemd_box import BoxError, SystemdBox, ensure_deps, ensure_rootfs, wait_for
 from world import World
 
@@ -131,17 +131,6 @@ def _save_journal(item: pytest.Item, box: SystemdBox) -> str:
     return f"box {box.name} (nspawn log {box.log_path}); its journal during the test: {path}\n...\n{tail}"
 
 
-def _gone(pids: list[int]) -> bool:
-    """None of PIDS runs any more (a zombie left to a non-reaping init counts as gone)."""
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                return False
-        except psutil.NoSuchProcess:
-            pass
-    return True
-
-
 @pytest.fixture
 def sim():
     """A simulator started per call (harness.Running), each stopped after the test, its engine
@@ -157,4 +146,4 @@ def sim():
         kids = psutil.Process(r.proc.pid).children(recursive=True) if r.proc.poll() is None else []
         r.stop()
         # the engine core and its workers die with the API server: no test leaves an orphan
-        wait_for(lambda kids=kids: _gone([k.pid for k in kids]), 10, "the engine processes to go")
+        wait_for(lambda kids=kids: gone([k.pid for k in kids]), 10, "the engine processes to go")

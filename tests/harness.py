@@ -33,20 +33,34 @@ from types import ModuleType
 
 import httpx
 import psutil
+from systemd_box import wait_for
 
 import guardian.core
 from guardian.act.journal import Journal
 from guardian.config import Config, FleetConfig, MemoryConfig, ProxyConfig, ReplicaConfig, WatchdogConfig
 from guardian.core import memguard, startguard, tick
-from guardian.core.actions import AnswerRequest, LogLine, SetFraction, RestartUnit, StartCanary
+from guardian.core.actions import AnswerRequest, LogLine, RestartUnit, SetFraction, StartCanary
 from guardian.core.observations import (
-    ConnView, EnvFile, FleetMember, FleetView, MemoryObservation, MemorySample, PersistentView, Probe, ProxyView,
-    ReplicaMemoryObservation, ReplicaObservation, RestartRequest, TickObservation, UnitInfo, UnitWiring, VllmSample,
+    ConnView,
+    EnvFile,
+    FleetMember,
+    FleetView,
+    MemoryObservation,
+    MemorySample,
+    PersistentView,
+    Probe,
+    ProxyView,
+    ReplicaMemoryObservation,
+    ReplicaObservation,
+    RestartRequest,
+    TickObservation,
+    UnitInfo,
+    UnitWiring,
+    VllmSample,
 )
 from guardian.core.rules import Refusal
 from guardian.core.vocab import ActiveState, Decision, HeldBy, LoadState, State, UnitFileState
 from guardian.observe.metrics import parse_vllm_metrics
-from systemd_box import wait_for
 
 # --- 1. rule ids ------------------------------------------------------------------------------------
 
@@ -474,3 +488,14 @@ class Running:
             psutil.Process(self.proc.pid).resume()
             self.proc.kill()
         self.proc.wait(5)
+
+
+def gone(pids: list[int]) -> bool:
+    """None of PIDS runs any more (a zombie left to a non-reaping init counts as gone)."""
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                return False
+        except psutil.NoSuchProcess:
+            pass
+    return True

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from harness import Running
+from harness import Running, gone
 from systemd_box import wait_for
 
 from guardian.observe.metrics import parse_vllm_metrics
@@ -84,17 +84,6 @@ def cpu_s(pids: list[int]) -> float:
 
 def engine_pids(s: Running) -> list[int]:
     return s.get("/_sim/state").json()["engine_pids"]
-
-
-def gone(pids: list[int]) -> bool:
-    """None of PIDS runs any more (a zombie left to a non-reaping init counts as gone)."""
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                return False
-        except psutil.NoSuchProcess:
-            pass
-    return True
 
 
 def cpu_rises(pids: list[int], by_s: float, what: str) -> None:
