@@ -322,7 +322,7 @@ async def _check_replica(
     health = await probes.health_at(client, r.url, r.health_timeout_s, pin.address, engine.health_path)
     mprobe, sample = await probes.probe_metrics(client, r, None, pin.address, engine)
     models_probe, models = await probes.probe_models(client, r, pin.address)
-    seen = _Probed(health, sample, mprobe, models, models_probe, mprobe.status in engine.not_offered)
+    seen = _Probed(health, sample, mprobe, models, models_probe, not engine.page_offered(mprobe.status))
     report.say(engine_line(r.name, said, mprobe if health.answered else None, memory_on))
     # Without the bus the port's holder is looked up only to say why the replica does not answer.
     owner = await _port_owner(r, bus, pin.address) if bus is not None or not health.answered else None

@@ -26,7 +26,7 @@ def engine_line(name: str, told: Told, metrics_probe: Probe | None, memory_guard
 
 
 def _page(e: Engine, probe: Probe | None) -> str:
-    if probe is not None and probe.status in e.not_offered:
+    if probe is not None and not e.page_offered(probe.status):
         return (
             f"its page ({e.metrics_path}) is NOT offered: {e.metrics_hint()} ({COUNT_RULES} are not applied till then)"
         )

@@ -78,7 +78,11 @@ class Engine:
     single_process: bool
     markers: tuple[str, ...]  # words on a command line or in an image name that tell this engine
     lacks: tuple[str, ...]  # figures its page does not give, each "figure: the rule left out"
-    canary_path: str = "/v1/completions"  # every engine here serves OpenAI's completions
+
+    def page_offered(self, status: int | None) -> bool:
+        """Whether a read of its page that got STATUS means the page is served (no status: no answer,
+        which says nothing of it); a not_offered status means it was not enabled as started."""
+        return status not in self.not_offered
 
     def metrics_hint(self) -> str:
         if self.metrics_flag is None:

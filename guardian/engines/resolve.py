@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ..config import Config, ReplicaConfig
+from ..config import ReplicaConfig
 from .base import Engine
 from .known import DEFAULT, detect, named
 
@@ -31,8 +30,3 @@ def told(r: ReplicaConfig, words: tuple[str, ...] | None, unseen: str | None = N
         return Told(DEFAULT, f"auto: no engine's name on {r.unit}'s command line; {DEFAULT.label} assumed")
     engine, word = found
     return Told(engine, f"auto: `{word}` on {r.unit}'s command line")
-
-
-def engines_of(cfg: Config, told_now: Mapping[str, Told]) -> dict[str, Engine]:
-    """Each replica's engine: as told (TOLD_NOW), else its configured one (auto: the default)."""
-    return {r.name: told_now[r.name].engine if r.name in told_now else named(r.engine) for r in cfg.replicas}

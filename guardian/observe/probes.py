@@ -155,7 +155,7 @@ async def probe_metrics(
     its page is not enabled (engines/: Engine.not_offered) is said so, with the flag that enables it."""
     bound_s = timeout_s if timeout_s is not None else r.metrics_timeout_s
     probe, body = await _get(client, r.url + engine.metrics_path, bound_s, MAX_METRICS_BYTES, address)
-    if probe.status in engine.not_offered:
+    if not engine.page_offered(probe.status):
         return replace(probe, error=f"not offered (HTTP {probe.status}): {engine.metrics_hint()}"), None
     if not probe.ok:
         return probe, None

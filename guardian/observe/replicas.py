@@ -329,7 +329,7 @@ def replica_observation(
 
 def as_engine(o: ReplicaObservation, engine: Engine) -> ReplicaObservation:
     """O with what ENGINE's page means (engines/): offered as it is started, answered by its engine's loop."""
-    offered = o.metrics_probe.status not in engine.not_offered
+    offered = engine.page_offered(o.metrics_probe.status)
     return replace(
         o, metrics_offered=offered, metrics_via_engine=engine.metrics_via_engine, queue_lags=engine.queue_lags
     )
