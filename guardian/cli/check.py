@@ -30,7 +30,7 @@ from ..engines.resolve import Told, told
 from ..observe import clock, probes, warmup
 from ..observe import weights as observe_weights
 from ..observe.addresses import pin_of
-from ..observe.containers import ContainerWatch
+from ..observe.containers import CHECK_HELPER_TIMEOUT_S, ContainerWatch
 from ..observe.declared import declared_of, read_logind
 from ..observe.memory import env_path, service_details, wiring_of
 from ..observe.nvml import Nvml
@@ -169,7 +169,7 @@ async def _check_live(cfg: Config, no_systemd: bool, report: Report) -> None:
 async def _check_units(cfg: Config, sd: Systemd, report: Report) -> _Bus:
     """Each replica's unit and container, the hazards among the enabled units, and the memory
     guard's wiring."""
-    watch = ContainerWatch(sd)
+    watch = ContainerWatch(sd, helper_timeout_s=CHECK_HELPER_TIMEOUT_S)
     units = {
         r.unit: (await watch.unitless_view(r) if r.unitless else await unit_or_error(sd, r.unit))[0]
         for r in cfg.replicas
@@ -333,6 +333,9 @@ async def _check_replica(
         findings.append(
             f"{r.unit}: " + (f"guardian could NOT restart it: {refusal.text}" if refusal else "restartable")
         )
+        asked = bus.watch.reports.get(r.name)
+        if isinstance(owner, HeldBy) and owner.container is None and asked is not None and asked.error:
+            findings.append(f"the holder's container is not named: {asked.error}")
     loading = _starting_now(r, unit, time.monotonic()) if not seen.health.ok else None
     if seen.health.ok and not wrong:
         report.say(f"replica {r.name} ({r.url}): " + "; ".join(findings))

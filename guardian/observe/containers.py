@@ -44,6 +44,9 @@ FORCED_GAP_S = 2.0  # a report older than the port's holder is asked for again a
 # A tick waits this long for an inspect (systemd's watchdog is pinged after each tick); a slower
 # one finishes on its own and its report is read at the next refresh.
 HELPER_TIMEOUT_S = 5.0  # one helper job; a tick's together: config.CONTAINER_PHASE_S
+# `guardian check` has no tick to keep: it waits as long as a restart's helper may take, so that a
+# loaded box (docker inspect slow) still has its holders named rather than left as a bare scope.
+CHECK_HELPER_TIMEOUT_S = 30.0
 _MAX_TEXT = 256
 
 
@@ -279,9 +282,10 @@ def _known(seen: Seen, r: ReplicaConfig, report: EngineReport | None) -> bool:
 class ContainerWatch:
     """Each container replica's last helper report, and the unit-less ones' view as a unit."""
 
-    def __init__(self, sd: Systemd, directory: Path = REPORT_DIR) -> None:
+    def __init__(self, sd: Systemd, directory: Path = REPORT_DIR, helper_timeout_s: float = HELPER_TIMEOUT_S) -> None:
         self.sd = sd
         self.directory = directory
+        self.helper_timeout_s = helper_timeout_s
         self._asked: dict[str, float] = {}
         self.reports: dict[str, EngineReport] = {}
 
@@ -291,7 +295,7 @@ class ContainerWatch:
         if not force and mono - self._asked.get(r.name, -1e9) < REFRESH_S:
             return self.reports.get(r.name)
         self._asked[r.name] = mono
-        result = await self.sd.run_helper("inspect", r.name, HELPER_TIMEOUT_S)
+        result = await self.sd.run_helper("inspect", r.name, self.helper_timeout_s)
         report = read_report(r, self.directory)
         if result != JOB_DONE and (report is None or report.error is None):
             report = EngineReport(r.runtime, 0.0, error=f"the container helper's inspect ended with '{result}'")
