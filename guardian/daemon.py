@@ -34,7 +34,7 @@ from .act.proxy import ProxySync
 from .act.restart import Tools
 from .act.state import STATUS_FILE, StateCache, StateStore, atomic_write_json
 from .config import Config, ConfigError, load_config
-from .core import memguard, thresholds, tick
+from .core import thresholds, tick
 from .core.hazards import Hazard
 from .core.observations import MemorySample, TickObservation
 from .core.vocab import Priority
@@ -77,6 +77,7 @@ class Daemon:
         self.weights = WeightsWatch()
         self.weights_found: dict[str, Weights | None] = {}
         self.weights_differ: list[Hazard] = []
+        self.weights_moved: tuple[str, ...] = ()  # W2 found since the last decision, for the next one
         self.weights_error_said = False
         self.watchdog = Watchdog(self.notifier, self.journal)
         self.sd, self.client = Systemd(), make_client()
@@ -199,7 +200,13 @@ class Daemon:
         # Judge as of when the answers were in: a probe that hung for its whole timeout has
         # shown no answer for that long, and the tick started before it was sent.
         at = self.clock()
-        obs = replace(obs, proxy=self.proxy.view(), not_returned=fit.not_returned_now(self.executor.tools.leftovers))
+        obs = replace(
+            obs,
+            proxy=self.proxy.view(),
+            not_returned=fit.not_returned_now(self.executor.tools.leftovers),
+            weights_moved=self.weights_moved,
+        )
+        self.weights_moved = ()
         self.state, actions = tick.decide(self.state, obs, at.mono, self.cfg)
         self.executor.perform(actions, self.state.tracks, at)
         self.exports.metrics.gauges(self.cfg, self.state, obs, self.persistent.view(at), at)
@@ -245,8 +252,7 @@ class Daemon:
             return
         self.weights_error_said = False
         self.weights_differ, moved = self.notices.weights(self.cfg, self.weights_found, obs.fleet)
-        for name in moved:  # the daemon's sequencing: the next tick decides on the core's state without it
-            self.state = replace(self.state, mem=memguard.weights_changed(self.state.mem, name))
+        self.weights_moved += tuple(moved)  # the next tick's decision drops what was learned of the old weights
         self.exports.metrics.set_weights(self.weights_found, self.weights_differ)
         self.fleet.publish_weights(self.weights_found)
 

@@ -117,3 +117,58 @@ def test_the_readme_layout_names_every_package_and_points_at_the_page():
     assert "[docs/layout.md](docs/layout.md)" in section
     packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
     assert {name for name in packages if f"`{name}/`" not in section} == set()
+
+
+# --- the shell measures and acts; the core decides (issue 45 item 1) ------------------------------------
+
+SHELL = ("act", "observe")
+RULE_TABLE = re.compile(r"^(ROWS|RULES|[A-Z_]+_ROWS|Row|Rule|first_match)$")
+# The core's pure judges the shell may call itself, each right before acting, on figures measured at
+# that moment (earlyoom's re-check): a fit or a gate judged a tick earlier could be wrong by then.
+RECHECKS = {
+    ("act/fit.py", "startfit.judge"),  # the start fit on the memory right before the start (U1-U7)
+    ("act/fit.py", "startfit.judge_kept"),  # a kept U8 finding on this tick's memory
+    ("act/fit.py", "judge_kept"),  # the same, through act/fit.judge_kept (the daemon's tick)
+    ("act/restart.py", "gates.unit_refusal"),  # the unit gates on a fresh look at the unit and port
+}
+JUDGE = re.compile(r"(^|\.)(judge\w*|decide|first_match|unit_refusal)$")
+
+
+def _shell_verdicts(root: Path = PACKAGE) -> list[str]:
+    """Where a module of act/ or observe/ takes a verdict the core does not hand it: imports a rule
+    table, calls a judge the RECHECKS do not name, or writes a rule id of its own into a line."""
+    import ast
+
+    found = []
+    for pkg in SHELL:
+        for path in sorted((root / pkg).glob("*.py")):
+            where = f"{pkg}/{path.name}"
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and node.module and "core" in node.module:
+                    found += [f"{where}:{node.lineno} imports {a.name}" for a in node.names if RULE_TABLE.match(a.name)]
+                elif isinstance(node, ast.Attribute) and RULE_TABLE.match(node.attr):
+                    found.append(f"{where}:{node.lineno} reads {ast.unparse(node)}")
+                elif isinstance(node, ast.Call):
+                    called = ast.unparse(node.func)
+                    if JUDGE.search(called) and (where, called) not in RECHECKS:
+                        found.append(f"{where}:{node.lineno} calls {called}")
+                    rules = [k for k in node.keywords if k.arg == "rule" and isinstance(k.value, ast.Constant)]
+                    found += [f"{where}:{node.lineno} writes rule {k.value.value!r} itself" for k in rules]  # type: ignore[attr-defined]
+    return found
+
+
+def test_no_module_of_the_shell_takes_a_verdict():
+    assert _shell_verdicts() == []
+
+
+def test_the_verdict_check_sees_a_rule_table_a_judge_and_a_rule_of_its_own(tmp_path):
+    for pkg in SHELL:
+        (tmp_path / pkg).mkdir()
+    (tmp_path / "act" / "bad.py").write_text(
+        "from ..core.gates import ROWS\nfrom ..core import liveness\n"
+        "x = liveness.judge(1)\ny = LogLine(1, 'x', 2, rule='L9')\nz = startfit.RULES\n"
+    )
+    (tmp_path / "observe" / "fine.py").write_text("from ..core.vocab import State\nx = gates.refused_on_recheck(1)\n")
+    found = _shell_verdicts(tmp_path)
+    assert [line.split(" ", 1)[1] for line in found] == [
+        "imports ROWS", "calls liveness.judge", "writes rule 'L9' itself", "reads startfit.RULES"], found

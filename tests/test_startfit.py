@@ -491,3 +491,33 @@ def test_the_status_line_of_a_kept_finding_no_longer_says_only_a_reboot_frees_it
     assert text.startswith("replica a: 1.5 GiB its processes held did not come back when they exited (U8)")
     assert "comes back once deleted" in text and "(U10)" in text and "(U9)" in text
     assert "a reboot frees it" not in text
+
+
+# --- what the fit says (core/fitsay.py): the core chooses the lines, the fit step writes them -------
+
+def test_a_refusal_is_said_when_its_episode_begins_and_a_start_ends_the_episode() -> None:
+    from guardian.core import fitsay
+
+    no_fit, fits = fit(free_bytes=0, own_cached_bytes=0), fit(free_bytes=9 * GiB)
+    said, episode, out = None, None, []
+    for f in (no_fit, no_fit, replace(no_fit, fraction=0.8), fits, no_fit):
+        said = fitsay.verdict("a", "vllm-a.service", f, startfit.judge(f), episode)
+        episode = said.episode
+        out.append((said.refused is not None, [(x.rule, x.gate) for x in said.lines]))
+    u7 = [("U7", "no-fit")]
+    # refused each time; said at the first, again for another need (0.8 x 20 GiB), and after a start between
+    assert out == [(True, u7), (True, []), (True, u7), (False, []), (True, u7)], out
+
+
+@pytest.mark.parametrize("kw, rule, priority", [
+    ({"free_bytes": 7 * GiB, "own_cached_bytes": 0, **LOWERABLE}, "U6", "warning"),  # 0.35 x 20 <= 7 + 1 - 1
+    ({"free_bytes": 0, "own_cached_bytes": 0, "held_bytes": 12 * GiB}, "U5", "warning"),
+    ({"free_bytes": 9 * GiB}, None, None),  # U2: a start that fits says nothing
+])
+def test_a_lowered_or_doubtful_start_is_said_at_warning_with_its_rule(kw, rule, priority) -> None:
+    from guardian.core import fitsay
+
+    f = fit(**kw)
+    said = fitsay.verdict("a", "vllm-a.service", f, startfit.judge(f), None)
+    assert said.refused is None and said.episode is None
+    assert [(x.rule, x.priority.name.lower()) for x in said.lines] == ([(rule, priority)] if rule else [])

@@ -11,11 +11,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
 from ..config import Config, ReplicaConfig
-from ..core import startfit
-from ..core.actions import LogLine
+from ..core import fitsay, startfit
 from ..core.observations import MemorySample, UnitInfo, gib
 from ..core.startfit import DROP_CACHES_UNIT, Leftover, LeftoverLook, Release, StartFit, Verdict
-from ..core.vocab import ActiveState, Decision, Gate, Priority
+from ..core.vocab import ActiveState
 from ..core.wiring import VAR, VAR_FORMS, EnvFile, cmdline_fraction, wiring_problem
 from ..observe import modelfiles, nvml
 from ..observe.meminfo import sample_memory
@@ -255,20 +254,7 @@ def judge_kept(leftovers: dict[str, Leftover], r: ReplicaConfig, look: LeftoverL
         leftovers[r.name] = verdict.kept
         return
     del leftovers[r.name]
-    assert verdict.rule is not None
-    journal.line(
-        LogLine(
-            Priority.INFO,
-            f"hazard over: replica {r.name}: the {gib(kept.missing_bytes)} its processes held that did not come back "
-            f"when they exited ({startfit.NOT_RETURNED.id}) is back: {verdict.why} ({verdict.rule.id}: "
-            f"{verdict.rule.outcome})",
-            Decision.NOTE,
-            r.name,
-            r.unit,
-            rule=verdict.rule.id,
-            hazard=f"memory-not-returned:{r.name}",
-        )
-    )
+    journal.line(fitsay.kept_over(r.name, r.unit, kept, verdict))
 
 
 def not_returned_now(leftovers: Mapping[str, Leftover]) -> dict[str, int]:
@@ -333,22 +319,7 @@ class FitStep:
             judge_kept(self.leftovers, r, LeftoverLook(0, 0, 0, time.monotonic(), restarted_clean=True), self.journal)
             return
         self.leftovers[r.name] = Leftover(missing, held, time.time())  # a finding kept replaces the one before
-        self.journal.line(
-            LogLine(
-                Priority.CRITICAL,
-                f"replica {r.name}: {gib(missing)} not returned after {r.unit}'s processes exited (they "
-                f"held {gib(held)}; MemFree rose by at most {gib(max(0, best))}, once they were gone and within "
-                f"{startfit.RETURN_WAIT_S:g} s of the restart): the driver, or a file they left in /dev/shm, still "
-                "holds it (a file there comes back once deleted; what the driver keeps, at the latest by a reboot) "
-                f"({startfit.NOT_RETURNED.id}); its next start is judged on what is left, and guardian says when it "
-                f"is back ({startfit.REGAINED.id}) or a clean restart of it ends this ({startfit.CLEAN.id})",
-                Decision.HAZARD,
-                r.name,
-                r.unit,
-                rule=startfit.NOT_RETURNED.id,
-                hazard=f"memory-not-returned:{r.name}",
-            )
-        )
+        self.journal.line(fitsay.not_returned(r.name, r.unit, missing, held, best))
 
     async def _release(
         self,
@@ -381,16 +352,7 @@ class FitStep:
             if result is None:
                 self._said_release(r, Freed("all", freed, time.monotonic() - began), m, verdict, after.fit)
             else:
-                self.journal.line(
-                    LogLine(
-                        Priority.ERROR,
-                        f"replica {r.name}: could not drop the page cache before starting {r.unit}: {result}",
-                        Decision.CACHE,
-                        r.name,
-                        r.unit,
-                        rule=verdict.rule.id,
-                    )
-                )
+                self.journal.line(fitsay.drop_failed(r.name, r.unit, result, verdict))
             m = after
         return m
 
@@ -411,76 +373,16 @@ class FitStep:
             if freed.how == "own"
             else f"the page cache (drop_caches, by {DROP_CACHES_UNIT}): the file cache fell by {gib(freed.bytes)}"
         )
-        self.journal.line(
-            LogLine(
-                Priority.WARNING,
-                f"replica {r.name}: released {what} in {freed.took_s:.2f} s before starting {r.unit} "
-                f"({verdict.rule.id}: {verdict.rule.outcome}); now {startfit.figures(after)}",
-                Decision.CACHE,
-                r.name,
-                r.unit,
-                rule=verdict.rule.id,
-            )
-        )
+        self.journal.line(fitsay.released(r.name, r.unit, what, freed.took_s, verdict, after))
         if self.released is not None:
             self.released(r.name, freed.how, freed.bytes)
 
     def _say(self, r: ReplicaConfig, m: Measured, verdict: Verdict) -> str | None:
-        f = m.fit
-        rule = verdict.rule.id
-        episode = f"{rule}:{f.need_bytes >> 30}"  # the same refusal of the same need: said once
-        if rule != startfit.NO_FIT.id:
+        said = fitsay.verdict(r.name, r.unit, m.fit, verdict, self.said.get(r.name))
+        if said.episode is None:
             self.said.pop(r.name, None)
-        if rule == startfit.NO_FIT.id:
-            why = f"it cannot fit: {startfit.figures(f)}"
-            if self.said.get(r.name) == episode:
-                return why  # a watchdog asking again every tick: said when it began
-            self.said[r.name] = episode
-            self.journal.line(
-                LogLine(
-                    Priority.ERROR,
-                    f"replica {r.name}: not starting {r.unit}: {why}; vLLM's start would fail its free-memory check "
-                    f"({startfit.NO_FIT.id}); {startfit.remedy(f)}",
-                    Decision.REFUSED,
-                    r.name,
-                    r.unit,
-                    gate=Gate.NO_FIT,
-                    rule=rule,
-                )
-            )
-            return why
-        if rule == startfit.LOWERED.id:
-            self.journal.line(
-                LogLine(
-                    Priority.WARNING,
-                    f"replica {r.name}: starting {r.unit} at gpu_memory_utilization {verdict.fraction:g}, lowered "
-                    f"from {f.fraction:g}: at its own it cannot fit: {startfit.figures(f)} ({startfit.LOWERED.id}: "
-                    f"{verdict.rule.outcome}); {f.fraction:g} is kept as its base, and the memory guard raises it "
-                    "back once headroom allows"
-                    + (
-                        "; it may still not fit unless what its fraction reserves comes back"
-                        if f.held_bytes > f.returned_bytes
-                        else ""
-                    ),
-                    Decision.MEMORY,
-                    r.name,
-                    r.unit,
-                    rule=rule,
-                )
-            )
-        if rule == startfit.MAY_FIT.id and f.need_bytes > f.sure_bytes:
-            off = " (memory.release_cache is off)" if not f.release_own and f.own_cached_bytes else ""
-            self.journal.line(
-                LogLine(
-                    Priority.WARNING,
-                    f"replica {r.name}: starting {r.unit} though it may not fit "
-                    f"({startfit.MAY_FIT.id}: {verdict.rule.outcome}): "
-                    f"{startfit.figures(f)}{off}; vLLM's start fails its free-memory check unless memory its "
-                    f"processes hold comes back; {startfit.remedy(f)}",
-                    Decision.CACHE,
-                    r.name,
-                    r.unit,
-                    rule=rule,
-                )
-            )
-        return None
+        else:
+            self.said[r.name] = said.episode
+        for line in said.lines:
+            self.journal.line(line)
+        return said.refused

@@ -226,18 +226,7 @@ async def _fresh_look(
 
 def _refused(tools: Tools, order: RestartOrder, refusal: Refusal) -> RestartOutcome:
     r = order.replica
-    tools.journal.line(
-        LogLine(
-            Priority.ERROR,
-            f"replica {r.name}: restart of {r.unit} refused on the re-check right before acting: {refusal.text} "
-            f"(it was for {order.why})",
-            Decision.REFUSED,
-            r.name,
-            r.unit,
-            gate=refusal.gate,
-            rule=refusal.rule,
-        )
-    )
+    tools.journal.line(gates.refused_on_recheck(r.name, r.unit, refusal, order.why))
     return RestartOutcome(r.unit, f"refused: {refusal.reason}")
 
 

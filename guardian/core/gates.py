@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .actions import LogLine
 from .observations import UnitInfo
 from .rules import Refusal, Row, Rule, Why, first_match
-from .vocab import ActiveState, Gate, HeldBy, Hidden, LoadState, PortOwner, Unreadable
+from .vocab import ActiveState, Decision, Gate, HeldBy, Hidden, LoadState, PortOwner, Priority, Unreadable
 
 
 @dataclass(frozen=True)
@@ -183,3 +184,18 @@ def unit_refusal(
     # A D-Bus error's text changes from try to try; the episode is the gate alone.
     episode = why.reason if gate is not Gate.DBUS else ""
     return Refusal(gate, rule.id, why.reason, why.remedy, key=(gate, episode))
+
+
+def refused_on_recheck(replica: str, unit: str, refusal: Refusal, why: str) -> LogLine:
+    """The line of a restart the gates refused on the executor's look right before acting (the
+    world changed since the tick that ordered it, for WHY)."""
+    return LogLine(
+        Priority.ERROR,
+        f"replica {replica}: restart of {unit} refused on the re-check right before acting: {refusal.text} "
+        f"(it was for {why})",
+        Decision.REFUSED,
+        replica,
+        unit,
+        gate=refusal.gate,
+        rule=refusal.rule,
+    )

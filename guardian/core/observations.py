@@ -464,6 +464,9 @@ class TickObservation:
     # replica -> the bytes its processes held that did not come back when they exited (core/startfit.py
     # U8's standing findings, as the shell keeps them: act/fit.py not_returned_now); read by the start loop
     not_returned: Mapping[str, int] = field(default_factory=dict)
+    # the replicas whose weights changed since the last tick's decision (W2, core/notices.py's
+    # weights_read): what the memory guard learned of their old weights is dropped before it judges
+    weights_moved: tuple[str, ...] = ()
 
 
 def gib(n: float) -> str:

@@ -1,14 +1,20 @@
 """One tick's decision: ``decide(state, observation, now, cfg) -> (state, actions)``. Pure.
 
-This is the whole of guardian's judgement; the daemon observes, calls this once, and performs
-the actions. ``now`` is the tick's moment in monotonic seconds (CLOCK_MONOTONIC, a float): the
-clock of every time in the observation and in the state (core/observations.py). The core never
-reads a clock itself.
+This is guardian's judgement of the replicas, their restarts and the box's memory; the daemon
+observes, calls this once, and performs the actions. What is judged elsewhere, and why: the
+said-once conditions (hazards, weights W1-W3, a host's split, the engine) in core/notices.py, whose
+transitions the shell runs as its scans and reads come in (they act on nothing); the start fit
+(core/startfit.py, U1-U8), judged by its pure `judge` on figures measured right before a start,
+since a fit measured a tick earlier could be wrong by then.
+
+``now`` is the tick's moment in monotonic seconds (CLOCK_MONOTONIC, a float): the clock of every
+time in the observation and in the state (core/observations.py). The core never reads a clock itself.
 
 decide() makes a Tick (core/work.py), which holds what it was given and what it has decided so
 far, and runs the steps over it in order; each step is a function of the module that holds its
 rules, and this module is only their order:
 
+0. weights: the memory guard forgets what it learned of a replica whose weights changed (W2);
 1. verdicts.judge_liveness: each replica's observation is folded into its track (core/watchdog/,
    L1-L18); state changes and unreadable /metrics are logged once; canaries are asked for;
    canary latencies that changed are recorded in the state file (one action a tick), where a
@@ -34,16 +40,20 @@ rules, and this module is only their order:
 8. bypass: clients that talk to a replica past the proxy are said (core/proxy/bypass.py, B1-B3);
 9. with a proxy configured, the last action is SyncProxy(the replicas marked down).
 
-The steps are coupled through the Tick only: a restart under way (in flight, or issued in step
-2, 3 or 4: Tick.restart_under_way) blocks the others (one at a time per box), and a drain in
-progress blocks the planned ones too (Tick.planned_restarts_blocked); a lowering's restart counts
-against the same budget and back-off.
+The steps are coupled through the Tick: a restart under way (in flight, or issued in step 2, 3
+or 4: Tick.restart_under_way) blocks the others (one at a time per box), and a drain in progress
+blocks the planned ones too (Tick.planned_restarts_blocked); a lowering's restart counts against
+the same budget and back-off. Two hand values besides: step 3 is given how a hung replica is
+marked down at the proxy (draining.mark_down_hung, so restarts.py does not import the proxy's
+family), and step 5 hands step 6 the replicas as the start guard left them.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..config import Config
-from . import fleet, memstep, requests, restarts
+from . import fleet, memguard, memstep, requests, restarts
 from .actions import Action, SyncProxy
 from .observations import TickObservation
 from .proxy import bypass, draining
@@ -54,6 +64,8 @@ __all__ = ["TickState", "decide", "next_tick_at", "probe_wait_s", "watching_star
 
 
 def decide(state: TickState, obs: TickObservation, now: float, cfg: Config) -> tuple[TickState, list[Action]]:
+    for name in obs.weights_moved:  # 0
+        state = replace(state, mem=memguard.weights_changed(state.mem, name))
     tick = Tick(state, obs, now, cfg)
     verdicts.judge_liveness(tick)  # 1
     draining.follow_drains(tick)  # 2
