@@ -397,3 +397,17 @@ def test_a_replica_that_hangs_while_it_warms_is_not_marked_up_and_warms_again_on
     for t in (150, 160):  # long past the warm-up's bound: still down, never D15
         assert "D15" not in proxy_rules(box.tick(t, a=obs("a", t, health=TIMEOUT, u=NEW)))
         assert "a" in box.core.drains
+
+
+@pytest.mark.parametrize("unread, says", [
+    (False, "restarted once its 3 running and 1 waiting requests end or after"),
+    (True, "restarted once its requests end (how many is not known: its /metrics was not read) or after"),
+])
+def test_the_drain_line_reads_right_whether_or_not_its_work_is_known(unread, says):
+    """Issue 45 item 6: built from parts, it once read "restarted once its an unknown number of requests end"."""
+    box = Box(with_proxy(cfg(2)))
+    box.tick(98.0, a=obs("a", 98.0, s=sample(gen=0)))
+    asked(box, at=100.0)
+    acts = box.tick(100.0, a=obs("a", 100.0, s=BUSY, metrics_down=unread))
+    lines = [a for a in acts if isinstance(a, LogLine) and a.rule == "D1"]
+    assert len(lines) == 1 and says in lines[0].message, lines

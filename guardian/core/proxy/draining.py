@@ -317,13 +317,15 @@ def start_drain(t: Tick, replica: ReplicaConfig, request: RestartRequest, head: 
         return False
     sample = t.obs.replicas[replica.name].metrics
     work = (
-        "an unknown number of" if sample is None else f"{sample.running:.0f} running and {sample.waiting:.0f} waiting"
+        "requests end (how many is not known: its /metrics was not read)"
+        if sample is None
+        else f"{sample.running:.0f} running and {sample.waiting:.0f} waiting requests end"
     )
     t.drains[replica.name] = Drain(Phase.DRAINING, t.now, "an operator's restart", request_id)
     t.say(
         LogLine(
             Priority.WARNING,
-            f"{head}; draining first: marked down at the proxy, restarted once its {work} requests end or after "
+            f"{head}; draining first: marked down at the proxy, restarted once its {work} or after "
             f"{t.cfg.proxy.drain_timeout_s:g} s ({DRAINING.id})",
             Decision.PROXY,
             replica.name,
