@@ -42,6 +42,7 @@ from .core.weights import Weights
 from .core.wiring import problem_of
 from .export.exports import Exports
 from .fleet.sync import Fleet
+from .observe import startlook
 from .observe.askers import askers_checked
 from .observe.clock import Now
 from .observe.clock import now as clock_now
@@ -231,7 +232,7 @@ class Daemon:
             r, seen = self.cfg.replica(name), obs.replicas.get(name)
             pid = seen.unit.main_pid if seen is not None and seen.unit is not None else 0
             try:
-                look = await asyncio.to_thread(fit.look_kept, pid, at.mono)
+                look = await asyncio.to_thread(startlook.look_kept, pid, at.mono)
             except (OSError, ValueError, KeyError):
                 continue  # /proc unreadable this tick: kept as it was, judged again at the next
             if r is not None:

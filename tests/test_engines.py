@@ -454,3 +454,32 @@ def test_a_whole_process_engine_is_allowed_guardians_own_probes(used_ms, answere
     assert (track.engine_quiet_since is not None) == quiet
     named = replace(o, procs=ProcView(10.0, 2.0, Activity(0.0, False, 1), Activity(used_ms / 1000, False, 1), True))
     assert _fold_procs(Track(), named, 0.01, 0.015).engine_quiet_since is None  # a named engine: no allowance
+
+
+def test_the_wiring_the_start_fit_and_the_daemon_tell_one_engine_from_an_expanded_exec_start(tmp_path):
+    """An ExecStart= whose program is a ${VAR}: the daemon told the engine from it expanded, the memory
+    guard's wiring and the start fit from it raw, so one replica had two engines (and two knobs)."""
+    import asyncio
+
+    from guardian.config import Config
+    from guardian.observe import declared as declared_mod
+    from guardian.observe import memory
+    from guardian.observe.replicas import engine_told
+    from guardian.observe.systemd import ServiceDetails
+
+    env = tmp_path / "llama.env"
+    env.write_text("SERVER=/usr/bin/llama-server\n")
+    details = ServiceDetails((str(env),), ("${SERVER}", "-m", "/models/x.gguf", "--port", "8001"))
+    cfg = Config.model_validate({"replicas": [{"name": "a", "unit": "llama-a.service", "url": "http://127.0.0.1:8001",
+                                               "model": "m", "engine": "auto"}]})
+    r = cfg.replicas[0]
+
+    class Sd:
+        async def service_details(self, unit):
+            return details
+
+    daemon = engine_told(r, declared_mod.declared_from(r.unit, details)).engine.label
+    wiring = asyncio.run(memory.wiring_of(Sd(), cfg, r)).engine  # type: ignore[arg-type]
+    runs = memory.runs_with(0, details)
+    fit = memory.engine_of_unit(r, runs.declared).label
+    assert daemon == wiring == fit == "llama.cpp (llama-server)", (daemon, wiring, fit)

@@ -235,7 +235,7 @@ def test_a_kept_u8_finding_is_judged_each_tick_and_leaves_status_once_it_is_back
     here, with a fake clock) and it stays in the status file until it is back, said over once."""
     import json
 
-    from guardian.act import fit
+    from guardian.observe import startlook
     from guardian.core import startfit
     from guardian.core.observations import PersistentView, TickObservation
     from guardian.observe.clock import Now
@@ -249,7 +249,7 @@ def test_a_kept_u8_finding_is_judged_each_tick_and_leaves_status_once_it_is_back
     def looked(pid: int, now_mono: float) -> startfit.LeftoverLook:
         return startfit.LeftoverLook(next(free) * GiB, 0, 0, now_mono)
 
-    monkeypatch.setattr(fit, "look_kept", looked)
+    monkeypatch.setattr(startlook, "look_kept", looked)
 
     async def go() -> list[bool]:
         d = Daemon(cfg, tmp_path / "guardian.toml", journal=journal)

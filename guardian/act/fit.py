@@ -14,20 +14,10 @@ from ..config import Config, ReplicaConfig
 from ..core import fitsay, startfit
 from ..core.observations import MemorySample, UnitInfo, gib
 from ..core.startfit import DROP_CACHES_UNIT, Leftover, LeftoverLook, Release, StartFit, Verdict
-from ..core.vocab import ActiveState
-from ..core.wiring import VAR, VAR_FORMS, EnvFile, cmdline_fraction, wiring_problem
-from ..observe import modelfiles, nvml
+from ..core.wiring import EnvFile, wiring_problem
+from ..observe import modelfiles, startlook
 from ..observe.meminfo import sample_memory
-from ..observe.memory import (
-    cmdline_of,
-    engine_of_unit,
-    env_path,
-    process_tree,
-    read_env_fraction,
-    runs_with,
-    service_details,
-)
-from ..observe.sockets import CGROUP_ROOT, cgroup_of_pid
+from ..observe.memory import env_path, service_details
 from ..observe.systemd import ServiceDetails, Systemd, SystemdError
 from . import units
 from .journal import Journal
@@ -56,75 +46,6 @@ class Measured:
     files: modelfiles.ModelFiles
 
 
-def nvml_bytes(pid: int) -> int:
-    """NVML's per-process memory of PID's process tree (GB10 reports it), 0 where NVML cannot say."""
-    by_pid = nvml.shared().process_memory() if pid else None
-    if not by_pid:
-        return 0
-    return sum(by_pid.get(p, 0) for p in process_tree(pid))
-
-
-def process_held_bytes(pid: int) -> int:
-    """RssAnon + RssShmem of PID's process tree (/proc/PID/status): what they hold that their exit
-    should give back, where no memory controller counts it (shared memory only if its files go: U8)."""
-    total = 0
-    for p in process_tree(pid) if pid else ():
-        try:
-            with open(f"/proc/{p}/status") as f:
-                fields = dict(line.split(":", 1) for line in f if ":" in line)
-            total += sum(int(fields[k].split()[0]) * 1024 for k in ("RssAnon", "RssShmem") if k in fields)
-        except (OSError, ValueError):
-            continue
-    return total
-
-
-def cgroup_held_bytes(pid: int) -> int:
-    """The anonymous and shared memory of PID's cgroup (memory.stat anon + shmem): what its processes
-    should give back on exit (shared memory only if they remove its files: U8 checks)."""
-    path = cgroup_of_pid(pid) if pid else None
-    if path is None:
-        return 0
-    try:
-        with open(f"{CGROUP_ROOT}{path}/memory.stat") as f:
-            stat = dict(line.split(" ", 1) for line in f if " " in line)
-        return int(stat.get("anon", 0)) + int(stat.get("shmem", 0))
-    except (OSError, ValueError):
-        return 0
-
-
-def held_now(pid: int) -> int:
-    """What PID's processes hold that their exit should give back: the largest of the measures
-    above (StartFit.returned_bytes; U8 and its kept findings read the same)."""
-    return max(cgroup_held_bytes(pid), process_held_bytes(pid), nvml_bytes(pid))
-
-
-def unified(cfg: Config) -> bool:
-    """M.unified, with "auto" asked of NVML (once)."""
-    return nvml.unified_memory_gpu() if cfg.memory.unified == "auto" else cfg.memory.unified
-
-
-def _running_fraction(pid: int, knob: str | None) -> float | None:
-    """KNOB (its engine's memory flag) of the first process in PID's tree that was given one."""
-    for p in process_tree(pid) if pid else ():
-        found = cmdline_fraction(cmdline_of(p), knob)
-        if found is not None:
-            return found
-    return None
-
-
-def _own_fraction(
-    cfg: Config, r: ReplicaConfig, argv: tuple[str, ...], env: Mapping[str, str], knob: str | None
-) -> float | None:
-    """What its next start at its own fraction runs with: guardian's env file, else the command line
-    (its ${GPU_MEMORY_UTILIZATION} as the unit's environment sets it, after KNOB, its engine's flag);
-    None: nothing says (vLLM's default)."""
-    found = read_env_fraction(env_path(cfg, r.name))
-    if found is not None:
-        return found
-    value = env.get(VAR)
-    return cmdline_fraction(tuple(value if a in VAR_FORMS and value is not None else a for a in argv), knob)
-
-
 @dataclass(frozen=True)
 class Start:
     """The start being judged. NEW: the fraction a change of fraction starts it at (None: its own);
@@ -144,55 +65,45 @@ def measure(
     start: Start = Start(),
     deadline_mono: float = math.inf,
 ) -> Measured:
-    """The figures of R's next START, right now (blocking: run in a thread); its model files' walk
-    and measure stop at DEADLINE_MONO (time.monotonic's). The files are those its unit declares
-    (RunsWith.declared), never those its live command line names."""
-    sample = sample_memory()
-    total = cfg.memory.device_total_bytes or sample.total_bytes
-    pid = unit.main_pid if unit is not None else 0
-    runs = runs_with(pid, details)
-    argv, env_files, env = runs.argv, runs.env_files, runs.env
-    files = modelfiles.find(runs.declared, env, runs.home, deadline_mono)
-    returned = held_now(pid)
-    engine = engine_of_unit(r, details.exec_start if details is not None else None)
-    knob = engine.knob.flag if engine.knob is not None else None
-    own_fraction = _own_fraction(cfg, r, argv, env, knob)
-    fraction = start.new or own_fraction or VLLM_DEFAULT_FRACTION
-    held = returned
-    if unit is not None and unit.active_state in (ActiveState.ACTIVE, ActiveState.RELOADING):
+    """The figures of R's next START, right now (blocking: run in a thread): one look
+    (observe/startlook.py) made into the core's StartFit."""
+    seen = startlook.look(cfg, r, unit, details, deadline_mono)
+    total = seen.total_bytes
+    fraction = start.new or seen.own_fraction or VLLM_DEFAULT_FRACTION
+    held = seen.returned_bytes
+    if seen.running:
         # a wrapper (a shell, `docker run -e ...`) hides the fraction vLLM runs with: then what it
         # would start with, as a refusal on too small a hold would leave a hung replica unrestarted
-        running = _running_fraction(pid, knob) or own_fraction or VLLM_DEFAULT_FRACTION
-        held = max(returned, int(running * total))
-    cached = modelfiles.cached_bytes(files.paths, files.top, deadline_mono)
-    own_measured = cached.measured and not files.cut
+        running = seen.running_fraction or seen.own_fraction or VLLM_DEFAULT_FRACTION
+        held = max(seen.returned_bytes, int(running * total))
+    knob = seen.engine.knob.flag if seen.engine.knob is not None else None
     fit = StartFit(
         replica=r.name,
         unit=r.unit,
         fraction=fraction,
         total_bytes=total,
-        free_bytes=sample.free_bytes,
-        returned_bytes=returned,
+        free_bytes=seen.sample.free_bytes,
+        returned_bytes=seen.returned_bytes,
         held_bytes=held,
-        own_cached_bytes=_own_cached_bytes(files, cached, sample, start),
-        own_measured=own_measured,
-        own_files=len(files.paths),
-        cache_bytes=sample.file_cache_bytes,
+        own_cached_bytes=_own_cached_bytes(seen.files, seen.cached, seen.sample, start),
+        own_measured=seen.cached.measured and not seen.files.cut,
+        own_files=len(seen.files.paths),
+        cache_bytes=seen.sample.file_cache_bytes,
         release_own=cfg.memory.release_cache,
         drop_caches=cfg.memory.drop_caches,
-        unified=unified(cfg),
+        unified=startlook.unified(cfg),
         lower_floor=startfit.lowering_floor(
             cfg.memory.enabled,
             cfg.memory.floor,
-            _wired(cfg, r, details, env_files, knob),
+            _wired(cfg, r, details, seen.env_files, knob),
             start.may_lower and start.new is None,
-            own_fraction is not None,
+            seen.own_fraction is not None,
         ),
         reserve_bytes=cfg.memory.reserve_bytes,
-        sized_by_fraction=engine.knob is not None and engine.knob.of_total,
-        engine=engine.label,
+        sized_by_fraction=seen.engine.knob is not None and seen.engine.knob.of_total,
+        engine=seen.engine.label,
     )
-    return Measured(fit, files)
+    return Measured(fit, seen.files)
 
 
 def _own_cached_bytes(
@@ -235,13 +146,6 @@ def would_release(m: Measured, verdict: Verdict) -> str:
     if verdict.release is Release.ALL:
         return f"{own + ', then ' if own else ''}the whole page cache (drop_caches)"
     return "nothing"
-
-
-def look_kept(pid: int, now_mono: float) -> LeftoverLook:
-    """This tick's figures for a kept U8 finding of the replica whose main process is PID (0: none):
-    MemFree, the file cache, and what its processes hold (blocking: run in a thread)."""
-    sample = sample_memory()
-    return LeftoverLook(sample.free_bytes, sample.file_cache_bytes, held_now(pid), now_mono)
 
 
 def judge_kept(leftovers: dict[str, Leftover], r: ReplicaConfig, look: LeftoverLook, journal: Journal) -> None:
@@ -288,7 +192,7 @@ class FitStep:
     deadline_mono: float = field(default=math.inf, init=False)  # its threads stop here (time.monotonic's)
 
     async def run(self, r: ReplicaConfig, unit: UnitInfo | None, start: Start) -> Fitted:
-        if not unified(self.cfg):
+        if not startlook.unified(self.cfg):
             return Fitted(None)  # U1, without measuring anything
         self.deadline_mono = time.monotonic() + self.bound_s
         self.doing = f"asking systemd for {r.unit}'s ExecStart= and environment"

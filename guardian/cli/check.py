@@ -27,7 +27,7 @@ from ..core.vocab import ActiveState, HeldBy, Hidden, Nobody, PortOwner
 from ..core.weights import Weights
 from ..core.wiring import problem_of
 from ..engines.resolve import Told, told
-from ..observe import clock, probes, warmup
+from ..observe import clock, probes, startlook, warmup
 from ..observe import weights as observe_weights
 from ..observe.addresses import pin_of
 from ..observe.containers import CHECK_HELPER_TIMEOUT_S, ContainerWatch
@@ -198,7 +198,7 @@ async def _check_units(cfg: Config, sd: Systemd, report: Report) -> _Bus:
 
 async def _check_fit(cfg: Config, sd: Systemd, units: dict[str, UnitInfo | None], report: Report) -> None:
     """Each replica's next start as the fit step would judge it now (core/startfit.py)."""
-    if not fit.unified(cfg):
+    if not startlook.unified(cfg):
         why = "the GPU's memory is not the box's, or no GPU"
         report.say(f"start fit: not judged on this box ({startfit.NOT_UNIFIED.id}: {why})")
         return

@@ -92,7 +92,9 @@ async def wiring_of(sd: Systemd, cfg: Config, r: ReplicaConfig) -> UnitWiring:
     except SystemdError as e:
         return UnitWiring(r.unit, unseen=f"systemd could not be asked about {r.unit}: {e}")
     files = await asyncio.to_thread(lambda: tuple(read_env_file(p) for p in d.environment_files))
-    engine = engine_of_unit(r, d.exec_start)
+    engine = engine_of_unit(
+        r, modelfiles.unit_argv(d.exec_start, modelfiles.unit_env(d.environment, tuple(f.text for f in files)))
+    )
     knob = engine.knob.flag if engine.knob is not None else None
     return UnitWiring(r.unit, files, d.exec_start, str(env_path(cfg, r.name)), knob=knob, engine=engine.label)
 
@@ -102,9 +104,11 @@ def _knob(wiring: UnitWiring | None) -> str | None:
     return wiring.knob if wiring is not None else DEFAULT.knob.flag if DEFAULT.knob is not None else None
 
 
-def engine_of_unit(r: ReplicaConfig, exec_start: tuple[str, ...] | None) -> Engine:
-    """R's engine as its config says, or (auto) as its unit's EXEC_START says (engines/resolve.py)."""
-    return told(r, engine_words(exec_start) if exec_start is not None else None).engine
+def engine_of_unit(r: ReplicaConfig, declared: tuple[str, ...] | None) -> Engine:
+    """R's engine as its config says, or (auto) as its unit's ExecStart= says as systemd runs it
+    (DECLARED: its ${VAR}s expanded, modelfiles.unit_argv; None: unread), the words the daemon tells
+    it from too (observe/replicas.py engine_told), so the two never tell two engines."""
+    return told(r, engine_words(declared) if declared is not None else None).engine
 
 
 async def service_details(sd: Systemd, r: ReplicaConfig) -> ServiceDetails | None:
