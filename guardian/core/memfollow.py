@@ -230,8 +230,6 @@ RETRY_ROWS: tuple[Row[_Follow, Followed], ...] = (
         },
     ),
 )
-LOWERING_RULES = tuple(row.rule for row in FOLLOW_ROWS)
-RETRY_RULES = tuple(row.rule for row in RETRY_ROWS)
 
 # What M18 heeds: admission's own rows (A1-A3). A failed start's unit is down already, so a
 # fleet slot (F3-F6, for a planned restart of a serving replica) does not hold it back. It waits

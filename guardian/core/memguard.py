@@ -4,15 +4,17 @@
 is a fraction of: ``memory.device_total_bytes``, or MemTotal when unset (GB10: one memory).
 
 Rules: RULES below (ids M1-M26), rendered into docs/rules.md. ``M`` = the memory config, times in
-seconds, sizes in bytes. M1 and M2 say when the box is squeezed. A pending change of fraction (a
-lowering, or a raise) is followed by M3-M8, and a failed start's restart that admission held back
-by M18 and M19 (follow_change). M9 is applied where the view is built (core/memview.py).
-Otherwise, when squeezed, the rows of SQUEEZE_ROWS (M10-M17) are checked in order and the first
-that holds is the verdict (squeeze_chain); when not squeezed and memory.restore is on, a replica
-below its base (M20) is raised back one step by the rows of RESTORE_ROWS (M21-M26, restore_chain).
+seconds, sizes in bytes. M1 and M2 (rows of core/memsqueeze.py) say when the box is squeezed. A
+pending change of fraction (a lowering, or a raise) is followed by M3-M8, and a failed start's
+restart that admission held back by M18 and M19 (follow_change). M9's row is asked where the view is
+built (core/memview.py). Otherwise, when squeezed, the rows of SQUEEZE_ROWS (M10-M17) are checked in
+order and the first that holds is the verdict (squeeze_chain); when not squeezed and memory.restore
+is on, a replica below its base (M20) is raised back one step by the rows of RESTORE_ROWS (M21-M26,
+restore_chain).
 
-Each verdict's journal line is its row of MESSAGES, filled in from the replica it is about and
-its Facts; it is said once per squeeze and cause, or every time when the row says so.
+Each verdict's journal line is its Message, which sits in the row that yields the verdict
+(memstate.SaidRow.says: the rule's id, condition and lines together), filled in from the replica it
+is about and its Facts; it is said once per squeeze and cause, or every time when the row says so.
 
 A lowering is confirmed from what the restarted replica reports (vllm:cache_config_info, else
 --gpu-memory-utilization on its command line): a replica that serves with another fraction than

@@ -16,9 +16,10 @@ SyncProxy(that set) when a proxy is configured, and the shell makes the proxy ma
 
 Rules: RULES below (D1-D16), rendered into docs/rules.md; PLAN_ROWS (D1-D3: an admitted planned
 restart drained, restarted undrained, or waiting for a peer), DRAINED_ROWS (D6, D7) and BACK_ROWS
-(D11, D13-D16: an away replica marked up, or warmed first) are checked in order. The others are
-steps of a procedure (a drain begun, followed, given up, a hung replica marked down), each enforced
-by the function of draining.py its row names; every line they say names its Rule. ``P`` = the [proxy] config.
+(D11, D13-D16: an away replica marked up, or warmed first) and FOLLOW_ROWS (D4, D5: a drain given
+up) are checked in order. The others (D8-D10, D12) are rows asked alone at a step of the procedure
+(a memory guard's drain, a restart refused when due, a replica marked down as it restarts, one gone
+from the config); every line they say names its Rule. ``P`` = the [proxy] config.
 "Another replica of the model serves" means: a replica of this box with the same model that serves
 (watchdog/judge.py serves(): healthy or busy, or degraded only by a late probe, within the last
 SERVED_RECENTLY_S) and is not marked down; or a `memory.peer_urls` peer that answered with the model; or,
