@@ -172,25 +172,73 @@ PASSING_RULES: frozenset[str] = frozenset(
         gates.JOB_PENDING.id,  # a systemd job is pending for the unit: the job finishes
     }
 )
-WAIT_RULE = Rule(  # enforced by waits_through(), passing_refusal() and say_wait() below, and drain._requeue()
-    "A4",
-    "waits",
-    "an operator's `guardian restart NAME --wait D` is refused by a rule that passes by itself (A2 back-off, "
-    "A3 one at a time or a drain in progress, G1 the system bus, G6 a job pending) or waits for a fleet slot "
-    "(F3-F6) AND now < when it was asked + D: it stays open, said once per cause (info), and is asked again "
-    "every tick; once now >= that, it is refused as it stands, after waiting D. Under a proxy, such a refusal "
-    "when its drain is over marks the replica up again and the request waits again (drained anew once it may "
-    "go). Any other refusal (A1, A6, G2-G5, G7-G9) is answered at once",
+
+
+@dataclass(frozen=True)
+class _Waiting:
+    """An operator's request, and the refusal it meets now (None: admitted, or its wait is over and
+    the refusal was not asked), as WAIT_ROW reads them."""
+
+    request: RestartRequest
+    now: float
+    refusal: Refusal | None
+
+
+WAIT_ROW: Row[_Waiting, Refusal] = Row(
+    WAIT_RULE := Rule(  # waits_through(), passing_refusal() and say_wait() below, and drain._requeue() act on it
+        "A4",
+        "waits",
+        "an operator's `guardian restart NAME --wait D` is refused by a rule that passes by itself (A2 back-off, "
+        "A3 one at a time or a drain in progress, G1 the system bus, G6 a job pending) or waits for a fleet slot "
+        "(F3-F6) AND now < when it was asked + D: it stays open, said once per cause (info), and is asked again "
+        "every tick; once now >= that, it is refused as it stands, after waiting D. Under a proxy, such a refusal "
+        "when its drain is over marks the replica up again and the request waits again (drained anew once it may "
+        "go). Any other refusal (A1, A6, G2-G5, G7-G9) is answered at once",
+    ),
+    lambda w: (
+        w.request.wait_until is not None
+        and not wait_over(w.request, w.now)
+        and w.refusal is not None
+        and passes_by_itself(w.refusal)
+    ),
+    lambda w: _passing(w.refusal),
 )
-WITHDRAW_RULE = Rule(  # enforced by core/requests.py _withdraw(), before any other rule of a request
-    "A5",
-    "withdrawn",
-    "an operator's request not acted on yet whose command is gone (the process that asked, by its pid and "
-    "start time, no longer runs: killed with SIGKILL, a machine lost; SIGINT, SIGTERM and SIGHUP make it "
-    "withdraw the request itself) OR now >= its expiry (when the command stops waiting: asked + its --wait + "
-    "the answer's margin): withdrawn, nothing done, said once (error). A restart already issued goes on",
+
+
+def _passing(refusal: Refusal | None) -> Refusal:
+    assert refusal is not None, "the row holds only for a refusal"
+    return refusal
+
+
+@dataclass(frozen=True)
+class Withdrawing:
+    """An operator's request not acted on yet, as WITHDRAW_ROW reads it."""
+
+    request: RestartRequest
+    now: float
+
+
+def _withdrawn_why(a: Withdrawing) -> str:
+    if a.request.asker_gone:
+        assert a.request.asker is not None, "a command known gone was known"
+        return f"the command that asked (pid {a.request.asker[0]}) is gone without withdrawing it"
+    return f"the command that asked stopped waiting for its answer {a.now - (a.request.expires or 0.0):.0f} s ago"
+
+
+# Asked of a request before any other rule (core/requests.py); its evidence is why it is withdrawn.
+WITHDRAW_ROW: Row[Withdrawing, str] = Row(
+    WITHDRAW_RULE := Rule(
+        "A5",
+        "withdrawn",
+        "an operator's request not acted on yet whose command is gone (the process that asked, by its pid and "
+        "start time, no longer runs: killed with SIGKILL, a machine lost; SIGINT, SIGTERM and SIGHUP make it "
+        "withdraw the request itself) OR now >= its expiry (when the command stops waiting: asked + its --wait + "
+        "the answer's margin): withdrawn, nothing done, said once (error). A restart already issued goes on",
+    ),
+    lambda a: a.request.asker_gone or (a.request.expires is not None and a.now >= a.request.expires),
+    _withdrawn_why,
 )
-RULES = (*(row.rule for row in ROWS), WAIT_RULE, WITHDRAW_RULE)
+RULES = (*(row.rule for row in ROWS), WAIT_ROW.rule, WITHDRAW_ROW.rule)
 
 
 def passes_by_itself(refusal: Refusal) -> bool:
@@ -258,10 +306,10 @@ def waits_through(t: Tick, replica: ReplicaConfig, request: RestartRequest) -> b
 def passing_refusal(t: Tick, replica: ReplicaConfig, request: RestartRequest, busy: bool) -> Refusal | None:
     """A4: the refusal REQUEST waits through now (BUSY: another restart under way): one that passes
     by itself, while the wait it was asked with has not ended; None when it would not wait."""
-    if request.wait_until is None or wait_over(request, t.now):
-        return None
-    found = refusal(replica.name, t.tracks, t.obs, t.now, t.cfg, busy)
-    return found if found is not None and passes_by_itself(found) else None
+    waiting = request.wait_until is not None and not wait_over(request, t.now)
+    found = refusal(replica.name, t.tracks, t.obs, t.now, t.cfg, busy) if waiting else None
+    matched = first_match((WAIT_ROW,), _Waiting(request, t.now, found))
+    return matched[1] if matched is not None else None
 
 
 def say_wait(t: Tick, replica: ReplicaConfig, request: RestartRequest, cause: Refusal, decision: Decision) -> None:

@@ -124,14 +124,29 @@ ROWS: tuple[Row[_Planned, Why | None], ...] = (
         lambda p: Why("asking the fleet for a planned-restart slot", priority=Priority.INFO),
     ),
 )
-# Not a question a planned restart asks: each tick gives back the slots this rule names (core/tick.py).
-RELEASE = Rule(
-    "F7",
-    "release",
-    "a slot of this box whose replica is not draining, away, restarting, starting, being lowered or "
-    "asking: given back at once (its planned restart is over, or given up)",
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """A slot of this box that the fleet view shows held, as RELEASE_ROW reads it."""
+
+    name: str
+    in_use: bool  # its replica is draining, away, restarting, starting, being lowered or asking
+    state: str  # its replica's verdict, for the line ("not configured" when it has none)
+
+
+# Not a question a planned restart asks: each tick gives back the slots this row names (core/tick.py).
+RELEASE_ROW: Row[_Slot, str] = Row(
+    RELEASE := Rule(
+        "F7",
+        "release",
+        "a slot of this box whose replica is not draining, away, restarting, starting, being lowered or "
+        "asking: given back at once (its planned restart is over, or given up)",
+    ),
+    lambda s: not s.in_use,
+    lambda s: f"replica {s.name}: its planned restart is over ({s.state}); fleet slot given back ({RELEASE.id})",
 )
-RULES = (*(row.rule for row in ROWS), RELEASE)
+RULES = (*(row.rule for row in ROWS), RELEASE_ROW.rule)
 
 
 def slot_refusal(
@@ -164,19 +179,14 @@ def release_slots(
     released = released_before & view.mine
     actions: list[Action] = []
     for name in sorted(view.mine - released):
-        if in_use(name):
-            continue
         track = tracks.get(name)
-        state = track.state if track is not None else "not configured"
-        actions.append(ReleaseSlot(name))
-        actions.append(
-            LogLine(
-                Priority.INFO,
-                f"replica {name}: its planned restart is over ({state}); fleet slot given back ({RELEASE.id})",
-                Decision.FLEET,
-                name,
-                rule=RELEASE.id,
-            )
+        found = first_match(
+            (RELEASE_ROW,), _Slot(name, in_use(name), track.state if track is not None else "not configured")
         )
+        if found is None:
+            continue
+        rule, text = found
+        actions.append(ReleaseSlot(name))
+        actions.append(LogLine(Priority.INFO, text, Decision.FLEET, name, rule=rule.id))
         released |= {name}
     return released, actions

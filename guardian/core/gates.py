@@ -120,8 +120,9 @@ ROWS: tuple[Row[_UnitView, Why], ...] = (
         Rule(
             "G5",
             Gate.INACTIVE,
-            "it is not active, reloading or refreshing (guardian never starts a stopped unit; "
-            "the memory guard may restart a unit that failed after its own lowering)",
+            "it is not active, reloading, refreshing or activating (so inactive, failed, deactivating, in "
+            "maintenance, or in a state this guardian does not know): guardian never starts a stopped unit; the "
+            "memory guard may restart a unit that failed after its own lowering",
         ),
         _inactive,
         lambda v: Why(

@@ -10,15 +10,17 @@ from ..config import MemoryConfig
 from .memstate import (
     Facts,
     MemoryView,
+    Message,
     Pending,
     ReplicaMemory,
+    SaidRow,
     choose_fraction,
     grid_below,
     held_of,
     highest_fit_between,
 )
 from .rules import Refusal, Row, Rule, first_match
-from .vocab import SERVING_STATES, Gate, MemVerdict, State
+from .vocab import SERVING_STATES, Decision, Gate, MemVerdict, Priority, State
 
 
 @dataclass(frozen=True)
@@ -76,7 +78,7 @@ FOLLOW_ROWS: tuple[Row[_Follow, Followed], ...] = (
         lambda f: f.abandoned is None and not f.started and not f.owed and f.failure is None,
         lambda f: (MemVerdict.PENDING, f.facts),
     ),
-    Row(
+    SaidRow(
         Rule(
             "M4",
             MemVerdict.DONE,
@@ -85,8 +87,16 @@ FOLLOW_ROWS: tuple[Row[_Follow, Followed], ...] = (
         ),
         lambda f: f.abandoned is None and f.started and not f.overridden,
         lambda f: (MemVerdict.DONE, f.facts),
+        says={
+            MemVerdict.DONE: Message(
+                Priority.INFO,
+                "replica {replica.name}: serving again with {replica.knob} {written:g} {since_lowering_s:.0f} s "
+                "after the {change}; headroom {headroom_bytes:GiB}",
+                every_time=True,
+            )
+        },
     ),
-    Row(
+    SaidRow(
         Rule(
             "M5",
             MemVerdict.MISMATCH,
@@ -95,13 +105,28 @@ FOLLOW_ROWS: tuple[Row[_Follow, Followed], ...] = (
         ),
         lambda f: f.abandoned is None and f.started and f.overridden,
         lambda f: (MemVerdict.MISMATCH, f.facts),
+        says={
+            MemVerdict.MISMATCH: Message(
+                Priority.ERROR,
+                "replica {replica.name}: serving again, but with {replica.knob} {replica.running_fraction:g}, not the "
+                "{written:g} guardian wrote: something overrides guardian's env file (a later EnvironmentFile= that "
+                "sets GPU_MEMORY_UTILIZATION, or an ExecStart= drop-in); not changing its fraction again until that is "
+                "fixed (guardian check; systemctl cat {replica.unit})",
+                every_time=True,
+            )
+        },
     ),
-    Row(
+    SaidRow(
         Rule("M6", MemVerdict.ABANDONED, "the change's restart was refused by a gate or failed"),
         lambda f: f.abandoned is not None,
         lambda f: (MemVerdict.ABANDONED, replace(f.facts, failure=f.abandoned or "")),
+        says={
+            MemVerdict.ABANDONED: Message(
+                Priority.ERROR, "replica {replica.name}: {change} to {written:g} abandoned: {failure}", every_time=True
+            )
+        },
     ),
-    Row(
+    SaidRow(
         Rule(
             "M7",
             MemVerdict.RETRY,
@@ -112,8 +137,16 @@ FOLLOW_ROWS: tuple[Row[_Follow, Followed], ...] = (
         ),
         lambda f: f.failing and f.lower is not None and f.refusal is None,
         lambda f: (MemVerdict.RETRY, replace(_failed(f), new=f.lower or 0.0)),
+        says={
+            MemVerdict.RETRY: Message(
+                Priority.ERROR,
+                "replica {replica.name}: start with {replica.knob} {written:g} failed ({failure}); trying "
+                "{new:g}{not_again}",
+                every_time=True,
+            )
+        },
     ),
-    Row(
+    SaidRow(
         Rule(
             "M8",
             MemVerdict.GAVE_UP,
@@ -121,13 +154,22 @@ FOLLOW_ROWS: tuple[Row[_Follow, Followed], ...] = (
         ),
         lambda f: f.failing and f.lower is None,
         lambda f: (MemVerdict.GAVE_UP, _failed(f)),
+        says={
+            MemVerdict.GAVE_UP: Message(
+                Priority.ERROR,
+                "replica {replica.name}: start with {replica.knob} {written:g} failed ({failure}); no lower "
+                "fraction >= floor {memory.floor:g} fits in headroom {headroom_bytes:GiB}; leaving it to the operator "
+                "(journalctl -u {replica.unit}){not_again}",
+                every_time=True,
+            )
+        },
     ),
 )
 
 # M18, M19: M7's restart through admission. Rows of the same table as M3-M8 (FOLLOW_ROWS), kept
 # apart in the rule table only because the squeeze's rows came to be numbered before them.
 RETRY_ROWS: tuple[Row[_Follow, Followed], ...] = (
-    Row(
+    SaidRow(
         RETRY_HELD := Rule(
             "M18",
             MemVerdict.RETRY_WAITS,
@@ -139,8 +181,23 @@ RETRY_ROWS: tuple[Row[_Follow, Followed], ...] = (
         ),
         lambda f: f.retrying and f.refusal is not None,
         _retried,
+        says={
+            MemVerdict.RETRY_WAITS: Message(
+                Priority.ERROR,
+                "replica {replica.name}: start with {replica.knob} {written:g} failed ({failure}); {new:g} is "
+                "written to its env file, but restarting {replica.unit} waits: {refusal.text}{not_again}",
+            ),
+            MemVerdict.RETRY_GIVEN_UP: Message(
+                Priority.CRITICAL,
+                "replica {replica.name}: start with {replica.knob} {written:g} failed ({failure}); {new:g} is "
+                "written to its env file, but restarting {replica.unit} is refused: {refusal.text}; giving up on the "
+                "lowering: the unit's next start reads {new:g} (journalctl -u {replica.unit}; systemctl restart "
+                "{replica.unit}){not_again}",
+                every_time=True,
+            ),
+        },
     ),
-    Row(
+    SaidRow(
         RETRY_OWED := Rule(
             "M19",
             MemVerdict.RETRY_RESTART,
@@ -155,10 +212,24 @@ RETRY_ROWS: tuple[Row[_Follow, Followed], ...] = (
             if f.dropped is not None
             else (MemVerdict.RETRY_RESTART, f.facts)
         ),
+        says={
+            MemVerdict.RETRY_RESTART: Message(
+                Priority.WARNING,
+                "replica {replica.name}: restarting {replica.unit} with {replica.knob} {new:g}, written after its "
+                "start with {written:g} failed ({failure}): admission lets it through now",
+                Decision.MEMORY,
+                every_time=True,
+            ),
+            MemVerdict.RETRY_DROPPED: Message(
+                Priority.INFO,
+                "replica {replica.name}: {dropped}; the restart owed to it with {replica.knob} {new:g} (written "
+                "after its start with {written:g} was judged failed: {failure}) is dropped and the lowering concluded: "
+                "{new:g} stays in its env file and is read at its next start",
+                every_time=True,
+            ),
+        },
     ),
 )
-LOWERING_RULES = tuple(row.rule for row in FOLLOW_ROWS)
-RETRY_RULES = tuple(row.rule for row in RETRY_ROWS)
 
 # What M18 heeds: admission's own rows (A1-A3). A failed start's unit is down already, so a
 # fleet slot (F3-F6, for a planned restart of a serving replica) does not hold it back. It waits

@@ -4,15 +4,17 @@
 is a fraction of: ``memory.device_total_bytes``, or MemTotal when unset (GB10: one memory).
 
 Rules: RULES below (ids M1-M26), rendered into docs/rules.md. ``M`` = the memory config, times in
-seconds, sizes in bytes. M1 and M2 say when the box is squeezed. A pending change of fraction (a
-lowering, or a raise) is followed by M3-M8, and a failed start's restart that admission held back
-by M18 and M19 (follow_change). M9 is applied where the view is built (core/memview.py).
-Otherwise, when squeezed, the rows of SQUEEZE_ROWS (M10-M17) are checked in order and the first
-that holds is the verdict (squeeze_chain); when not squeezed and memory.restore is on, a replica
-below its base (M20) is raised back one step by the rows of RESTORE_ROWS (M21-M26, restore_chain).
+seconds, sizes in bytes. M1 and M2 (rows of core/memsqueeze.py) say when the box is squeezed. A
+pending change of fraction (a lowering, or a raise) is followed by M3-M8, and a failed start's
+restart that admission held back by M18 and M19 (follow_change). M9's row is asked where the view is
+built (core/memview.py). Otherwise, when squeezed, the rows of SQUEEZE_ROWS (M10-M17) are checked in
+order and the first that holds is the verdict (squeeze_chain); when not squeezed and memory.restore
+is on, a replica below its base (M20) is raised back one step by the rows of RESTORE_ROWS (M21-M26,
+restore_chain).
 
-Each verdict's journal line is its row of MESSAGES, filled in from the replica it is about and
-its Facts; it is said once per squeeze and cause, or every time when the row says so.
+Each verdict's journal line is its Message, which sits in the row that yields the verdict
+(memstate.SaidRow.says: the rule's id, condition and lines together), filled in from the replica it
+is about and its Facts; it is said once per squeeze and cause, or every time when the row says so.
 
 A lowering is confirmed from what the restarted replica reports (vllm:cache_config_info, else
 --gpu-memory-utilization on its command line): a replica that serves with another fraction than
@@ -29,19 +31,28 @@ squeezed, so a raise cannot cause the lowering that would undo it.
 from __future__ import annotations
 
 import string
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from ..config import Config
 from . import fleet
 from .actions import AcquireSlot, DrainReplica, LogLine, SetFraction
-from .memfollow import LOWERING_RULES, RETRY_HELD, RETRY_OWED, RETRY_RULES, follow_change
-from .memrestore import RAISABLE, RAISE, RESTORE_ROWS, count_clear, restore_chain
-from .memsqueeze import DEFINITIONS, LOWER, OVERRIDDEN, SQUEEZE_ROWS, count_squeeze, is_squeezed, squeeze_chain
-from .memstate import Facts, MemAction, MemoryView, MemTrack, Pending, ReplicaMemory, choose_fraction
+from .memfollow import FOLLOW_ROWS, RETRY_ROWS, follow_change
+from .memrestore import RAISABLE_ROW, RESTORE_ROWS, count_clear, restore_chain
+from .memsqueeze import (
+    CRITICAL_ROW,
+    NO_SLOT_BUT_CRITICAL,
+    OVERRIDDEN_ROW,
+    SQUEEZE_ROWS,
+    SQUEEZED_ROW,
+    count_squeeze,
+    is_squeezed,
+    squeeze_chain,
+)
+from .memstate import Facts, MemAction, MemoryView, MemTrack, Message, Pending, ReplicaMemory, SaidRow, choose_fraction
 from .observations import gib
 from .rules import Rule
-from .vocab import Decision, Gate, MemVerdict, Priority, State
+from .vocab import Gate, MemVerdict, State
 
 # The memory guard's values live in core/memstate.py; they are named here too, as the memory guard's.
 __all__ = [
@@ -60,189 +71,31 @@ __all__ = [
 ]
 
 RULES: tuple[Rule, ...] = (
-    *DEFINITIONS,
-    *LOWERING_RULES,
-    OVERRIDDEN,
+    SQUEEZED_ROW.rule,
+    CRITICAL_ROW.rule,
+    *(row.rule for row in FOLLOW_ROWS),
+    OVERRIDDEN_ROW.rule,
     *(row.rule for row in SQUEEZE_ROWS),
-    *RETRY_RULES,
-    RAISABLE,
+    *(row.rule for row in RETRY_ROWS),
+    RAISABLE_ROW.rule,
     *(row.rule for row in RESTORE_ROWS),
 )
+# The rule behind each verdict: the row whose outcome it is, or whose lines it is said by.
 _ID = {rule.outcome: rule.id for rule in RULES} | {
-    MemVerdict.DRY_RUN: LOWER.id,
-    MemVerdict.RESTORE_DRY_RUN: RAISE.id,
-    MemVerdict.RETRY_GIVEN_UP: RETRY_HELD.id,
-    MemVerdict.RETRY_DROPPED: RETRY_OWED.id,
+    verdict: row.rule.id
+    for row in (*FOLLOW_ROWS, *SQUEEZE_ROWS, *RETRY_ROWS, *RESTORE_ROWS)
+    if isinstance(row, SaidRow)
+    for verdict in row.says
 }
 
 
-@dataclass(frozen=True)
-class Message:
-    """How a verdict is said: a str.format template over `replica`, `memory` (the [memory] config)
-    and the fields of Facts, where a size takes the GiB spec: {total_bytes:GiB} is "128.0 GiB"."""
-
-    priority: Priority
-    template: str
-    decision: Decision = Decision.MEMORY_NOTE
-    every_time: bool = False  # False: once per squeeze and cause
-
-
+# Each verdict's line, from the row that yields it.
 MESSAGES: dict[MemVerdict, Message] = {
-    MemVerdict.DONE: Message(
-        Priority.INFO,
-        "replica {replica.name}: serving again with {replica.knob} {written:g} {since_lowering_s:.0f} s "
-        "after the {change}; headroom {headroom_bytes:GiB}",
-        every_time=True,
-    ),
-    MemVerdict.MISMATCH: Message(
-        Priority.ERROR,
-        "replica {replica.name}: serving again, but with {replica.knob} {replica.running_fraction:g}, "
-        "not the {written:g} guardian wrote: something overrides guardian's env file (a later EnvironmentFile= "
-        "that sets GPU_MEMORY_UTILIZATION, or an ExecStart= drop-in); not changing its fraction again until that "
-        "is fixed (guardian check; systemctl cat {replica.unit})",
-        every_time=True,
-    ),
-    MemVerdict.ABANDONED: Message(
-        Priority.ERROR, "replica {replica.name}: {change} to {written:g} abandoned: {failure}", every_time=True
-    ),
-    MemVerdict.RETRY: Message(
-        Priority.ERROR,
-        "replica {replica.name}: start with {replica.knob} {written:g} failed ({failure}); trying {new:g}{not_again}",
-        every_time=True,
-    ),
-    MemVerdict.GAVE_UP: Message(
-        Priority.ERROR,
-        "replica {replica.name}: start with {replica.knob} {written:g} failed ({failure}); no lower "
-        "fraction >= floor {memory.floor:g} fits in headroom {headroom_bytes:GiB}; leaving it to the operator "
-        "(journalctl -u {replica.unit}){not_again}",
-        every_time=True,
-    ),
-    MemVerdict.RETRY_WAITS: Message(
-        Priority.ERROR,
-        "replica {replica.name}: start with {replica.knob} {written:g} failed ({failure}); {new:g} is "
-        "written to its env file, but restarting {replica.unit} waits: {refusal.text}{not_again}",
-    ),
-    MemVerdict.RETRY_GIVEN_UP: Message(
-        Priority.CRITICAL,
-        "replica {replica.name}: start with {replica.knob} {written:g} failed ({failure}); {new:g} is "
-        "written to its env file, but restarting {replica.unit} is refused: {refusal.text}; giving up on the "
-        "lowering: the unit's next start reads {new:g} (journalctl -u {replica.unit}; systemctl restart "
-        "{replica.unit}){not_again}",
-        every_time=True,
-    ),
-    MemVerdict.RETRY_DROPPED: Message(
-        Priority.INFO,
-        "replica {replica.name}: {dropped}; the restart owed to it with {replica.knob} {new:g} (written "
-        "after its start with {written:g} was judged failed: {failure}) is dropped and the lowering concluded: "
-        "{new:g} stays in its env file and is read at its next start",
-        every_time=True,
-    ),
-    MemVerdict.RETRY_RESTART: Message(
-        Priority.WARNING,
-        "replica {replica.name}: restarting {replica.unit} with {replica.knob} {new:g}, written after its "
-        "start with {written:g} failed ({failure}): admission lets it through now",
-        Decision.MEMORY,
-        every_time=True,
-    ),
-    MemVerdict.COOLDOWN: Message(
-        Priority.INFO,
-        "memory squeezed: {why}; cooldown: last lowering {since_lowering_s:.0f} s ago, next allowed after "
-        "{memory.cooldown_s:g} s",
-    ),
-    MemVerdict.UNWIRED: Message(
-        Priority.ERROR,
-        "memory squeezed: {why}; replica {replica.name}: {replica.unit} is not wired for the memory guard, "
-        "refusing to restart it (a restart without a lower fraction frees nothing): {replica.wiring_problem}",
-    ),
-    MemVerdict.FLOOR: Message(
-        Priority.ERROR,
-        "memory squeezed: {why}; every replica is at its floor {memory.floor:g} (or its fraction is unknown): "
-        "nothing left to give",
-    ),
-    MemVerdict.NO_FIT: Message(
-        Priority.ERROR,
-        "memory squeezed: {why}; replica {replica.name}: no fraction between {highest:g} and the floor "
-        "{memory.floor:g} fits (total {total_bytes:GiB} x fraction must be <= headroom + what it holds - reserve "
-        "{memory.reserve_bytes:GiB}); waiting rather than a start vLLM would refuse",
-    ),
-    MemVerdict.NO_PEER: Message(
-        Priority.ERROR,
-        "memory squeezed: {why}; replica {replica.name}: no other replica of {replica.model} is serving right now, "
-        "deferring the lowering to {new:g} (acts anyway below {memory.critical_headroom_bytes:GiB})",
-    ),
-    MemVerdict.DEFERRED: Message(
-        Priority.ERROR, "memory squeezed: {why}; replica {replica.name}: lowering to {new:g} deferred: {refusal.text}"
-    ),
-    MemVerdict.DRY_RUN: Message(
-        Priority.WARNING,
-        "memory squeezed: {why}; DRY-RUN: would lower replica {replica.name} {current:g} -> {new:g} and restart "
-        "{replica.unit} alone; {serving}",
-        Decision.DRY_RUN,
-    ),
-    MemVerdict.DRAINING: Message(
-        Priority.WARNING,
-        "memory squeezed: {why}; replica {replica.name}: draining it at the proxy first, then lowering it "
-        "{current:g} -> {new:g}; {serving}",
-        Decision.PROXY,
-    ),
-    MemVerdict.LOWER: Message(
-        Priority.WARNING,
-        "{why}; replica {replica.name} {current:g} -> {new:g}; restarting {replica.unit} alone; {serving}{undrained}",
-        Decision.MEMORY,
-        every_time=True,
-    ),
+    verdict: message
+    for row in (*FOLLOW_ROWS, *SQUEEZE_ROWS, *RETRY_ROWS, *RESTORE_ROWS)
+    if isinstance(row, SaidRow)
+    for verdict, message in row.says.items()
 }
-# The raise's lines (M21-M26): "headroom 20.0 GiB >= 14.1 GiB for 600 s" is their {why}.
-MESSAGES |= {
-    MemVerdict.RESTORE_WAIT: Message(
-        Priority.INFO,
-        "replica {replica.name}: {replica.knob} {current:g}, below its base {base:g}; it is raised to "
-        "{new:g} once headroom has stayed >= {line_bytes:GiB} (min_headroom {memory.min_headroom_bytes:GiB} + the "
-        "raise {raise_bytes:GiB} + reserve {memory.reserve_bytes:GiB}) for {memory.restore_after_s:g} s with no "
-        "replica starting; headroom now {headroom_bytes:GiB}",
-    ),
-    MemVerdict.RESTORE_COOLDOWN: Message(
-        Priority.INFO,
-        "replica {replica.name}: {why}; raising it {current:g} -> {new:g} waits for the cooldown: last change of "
-        "fraction {since_change_s:.0f} s ago, next allowed after {memory.restore_cooldown_s:g} s",
-    ),
-    MemVerdict.RESTORE_NO_PEER: Message(
-        Priority.ERROR,
-        "replica {replica.name}: {why}; not raising it {current:g} -> {new:g} (base {base:g}): no other replica of "
-        "{replica.model} is serving to carry its load while it restarts",
-    ),
-    MemVerdict.RESTORE_DEFERRED: Message(
-        Priority.ERROR,
-        "replica {replica.name}: {why}; raising it {current:g} -> {new:g} (base {base:g}) deferred: {refusal.text}",
-    ),
-    MemVerdict.RESTORE_DRY_RUN: Message(
-        Priority.WARNING,
-        "replica {replica.name}: {why}; DRY-RUN: would raise it {current:g} -> {new:g} (base {base:g}) and restart "
-        "{replica.unit} alone; {serving}",
-        Decision.DRY_RUN,
-    ),
-    MemVerdict.RESTORE_DRAINING: Message(
-        Priority.WARNING,
-        "replica {replica.name}: {why}; draining it at the proxy first, then raising it {current:g} -> {new:g} "
-        "(base {base:g}); {serving}",
-        Decision.PROXY,
-    ),
-    MemVerdict.RAISE: Message(
-        Priority.WARNING,
-        "replica {replica.name}: {why}; raising it {current:g} -> {new:g} (base {base:g}); restarting "
-        "{replica.unit} alone; {serving}",
-        Decision.MEMORY,
-        every_time=True,
-    ),
-}
-# Said before a critical lowering's own line when it goes ahead without a fleet slot (M15).
-NO_SLOT_BUT_CRITICAL = Message(
-    Priority.ERROR,
-    "memory squeezed: {why}; replica {replica.name}: no fleet slot ({no_slot.text}); critical, so the lowering goes "
-    "ahead without one",
-    Decision.FLEET,
-    every_time=True,
-)
 
 
 class _Text(string.Formatter):

@@ -9,21 +9,41 @@ from dataclasses import dataclass, replace
 
 from ..config import Config, MemoryConfig
 from .memsqueeze import serving_peers
-from .memstate import Facts, MemoryView, MemTrack, ReplicaMemory, grid_below
+from .memstate import Facts, MemoryView, MemTrack, Message, ReplicaMemory, SaidRow, grid_below
 from .observations import gib
 from .rules import Refusal, Row, Rule, first_match
-from .vocab import LOADING_STATES, SERVING_STATES, Gate, MemVerdict
+from .vocab import LOADING_STATES, SERVING_STATES, Decision, Gate, MemVerdict, Priority
 
-# M20: a definition, not a verdict: which replica a raise is for, and how far; enforced by
-# _raisable() and _raise_to(), whose choice the rows below (M21-M26) judge.
-RAISABLE = Rule(
-    "M20",
-    "raisable",
-    "M.restore = true AND not squeezed (M1) AND no change pending AND a replica serves (healthy or busy), is wired "
-    "and has a fraction < its base (the fraction it had before guardian first lowered it, kept in the state file); "
-    "the chosen: the one furthest below its base (a tie: the first configured); its raise: new = the highest 0.01 "
-    "grid fraction <= min(base, current + M.step, a fraction its raise to which failed to start - 0.01), when > "
-    "current; the raise line = M.min_headroom_bytes + total x (new - current) + M.reserve_bytes",
+
+@dataclass(frozen=True)
+class _Below:
+    """Whether a raise is asked for now, and M20's choice, as RAISABLE_ROW reads them."""
+
+    restore: bool  # M.restore
+    pending: bool  # a change of fraction is pending
+    chosen: tuple[ReplicaMemory, float] | None  # the replica furthest below its base, and its raise (_furthest)
+
+
+def _chosen(b: _Below) -> tuple[ReplicaMemory, float]:
+    assert b.chosen is not None, "the row holds only for a replica chosen"
+    return b.chosen
+
+
+# M20: not a verdict but what the restore rows stand on: which replica a raise is for, and how far
+# (its evidence); asked only when the box is not squeezed (M1, memguard.decide()).
+RAISABLE_ROW: Row[_Below, tuple[ReplicaMemory, float]] = Row(
+    RAISABLE := Rule(
+        "M20",
+        "raisable",
+        "M.restore = true AND not squeezed (M1) AND no change pending AND a replica serves (healthy or busy), is "
+        "wired and has a fraction < its base (the fraction it had before guardian first lowered it, kept in the "
+        "state file); the chosen: the one furthest below its base (a tie: the first configured); its raise: new = "
+        "the highest 0.01 grid fraction <= min(base, current + M.step, a fraction its raise to which failed to "
+        "start - 0.01), when > current; the raise line = M.min_headroom_bytes + total x (new - current) + "
+        "M.reserve_bytes",
+    ),
+    lambda b: b.restore and not b.pending and b.chosen is not None,
+    _chosen,
 )
 
 
@@ -50,7 +70,7 @@ def _raised(r: Raise) -> ReplicaMemory:
 # M21-M26: when M20 holds, the first row that holds is the verdict; the evidence is the chosen
 # replica. M26 with dry_run = true is the RESTORE_DRY_RUN verdict.
 RESTORE_ROWS: tuple[Row[Raise, ReplicaMemory], ...] = (
-    Row(
+    SaidRow(
         Rule(
             "M21",
             MemVerdict.RESTORE_WAIT,
@@ -61,8 +81,17 @@ RESTORE_ROWS: tuple[Row[Raise, ReplicaMemory], ...] = (
         ),
         lambda r: r.clear_for_s < r.memory.restore_after_s,
         _raised,
+        says={
+            MemVerdict.RESTORE_WAIT: Message(
+                Priority.INFO,
+                "replica {replica.name}: {replica.knob} {current:g}, below its base {base:g}; it is raised to {new:g} "
+                "once headroom has stayed >= {line_bytes:GiB} (min_headroom {memory.min_headroom_bytes:GiB} + the "
+                "raise {raise_bytes:GiB} + reserve {memory.reserve_bytes:GiB}) for {memory.restore_after_s:g} s with "
+                "no replica starting; headroom now {headroom_bytes:GiB}",
+            )
+        },
     ),
-    Row(
+    SaidRow(
         Rule(
             "M22",
             MemVerdict.RESTORE_COOLDOWN,
@@ -70,8 +99,15 @@ RESTORE_ROWS: tuple[Row[Raise, ReplicaMemory], ...] = (
         ),
         lambda r: r.since_change_s < r.memory.restore_cooldown_s,
         _raised,
+        says={
+            MemVerdict.RESTORE_COOLDOWN: Message(
+                Priority.INFO,
+                "replica {replica.name}: {why}; raising it {current:g} -> {new:g} waits for the cooldown: last change "
+                "of fraction {since_change_s:.0f} s ago, next allowed after {memory.restore_cooldown_s:g} s",
+            )
+        },
     ),
-    Row(
+    SaidRow(
         Rule(
             "M23",
             MemVerdict.RESTORE_NO_PEER,
@@ -80,8 +116,15 @@ RESTORE_ROWS: tuple[Row[Raise, ReplicaMemory], ...] = (
         ),
         lambda r: not r.peers,
         _raised,
+        says={
+            MemVerdict.RESTORE_NO_PEER: Message(
+                Priority.ERROR,
+                "replica {replica.name}: {why}; not raising it {current:g} -> {new:g} (base {base:g}): no other "
+                "replica of {replica.model} is serving to carry its load while it restarts",
+            )
+        },
     ),
-    Row(
+    SaidRow(
         LAST_RESTART := Rule(
             "M24",
             MemVerdict.RESTORE_DEFERRED,
@@ -91,8 +134,15 @@ RESTORE_ROWS: tuple[Row[Raise, ReplicaMemory], ...] = (
         ),
         lambda r: r.refusal is not None,
         _raised,
+        says={
+            MemVerdict.RESTORE_DEFERRED: Message(
+                Priority.ERROR,
+                "replica {replica.name}: {why}; raising it {current:g} -> {new:g} (base {base:g}) deferred: "
+                "{refusal.text}",
+            )
+        },
     ),
-    Row(
+    SaidRow(
         Rule(
             "M25",
             MemVerdict.RESTORE_DRAINING,
@@ -101,8 +151,16 @@ RESTORE_ROWS: tuple[Row[Raise, ReplicaMemory], ...] = (
         ),
         lambda r: r.drain_first and not r.dry_run and not r.chosen.drained,
         _raised,
+        says={
+            MemVerdict.RESTORE_DRAINING: Message(
+                Priority.WARNING,
+                "replica {replica.name}: {why}; draining it at the proxy first, then raising it {current:g} -> {new:g} "
+                "(base {base:g}); {serving}",
+                Decision.PROXY,
+            )
+        },
     ),
-    Row(
+    SaidRow(
         RAISE := Rule(
             "M26",
             MemVerdict.RAISE,
@@ -111,6 +169,21 @@ RESTORE_ROWS: tuple[Row[Raise, ReplicaMemory], ...] = (
         ),
         lambda r: True,
         _raised,
+        says={
+            MemVerdict.RAISE: Message(
+                Priority.WARNING,
+                "replica {replica.name}: {why}; raising it {current:g} -> {new:g} (base {base:g}); restarting "
+                "{replica.unit} alone; {serving}",
+                Decision.MEMORY,
+                every_time=True,
+            ),
+            MemVerdict.RESTORE_DRY_RUN: Message(
+                Priority.WARNING,
+                "replica {replica.name}: {why}; DRY-RUN: would raise it {current:g} -> {new:g} (base {base:g}) and "
+                "restart {replica.unit} alone; {serving}",
+                Decision.DRY_RUN,
+            ),
+        },
     ),
 )
 
@@ -129,9 +202,14 @@ def _raise_to(replica: ReplicaMemory, track: MemTrack, memory: MemoryConfig) -> 
 
 
 def _raisable(track: MemTrack, view: MemoryView, memory: MemoryConfig) -> tuple[ReplicaMemory, float] | None:
-    """M20: the replica furthest below its base (a tie: the first configured) and its new fraction."""
-    if not memory.restore:
-        return None
+    """M20: the replica to raise and its new fraction; None when none is raised now."""
+    chosen = _furthest(track, view, memory) if memory.restore else None
+    found = first_match((RAISABLE_ROW,), _Below(memory.restore, track.pending is not None, chosen))
+    return found[1] if found is not None else None
+
+
+def _furthest(track: MemTrack, view: MemoryView, memory: MemoryConfig) -> tuple[ReplicaMemory, float] | None:
+    """The replica furthest below its base (a tie: the first configured) and its new fraction."""
     best: tuple[ReplicaMemory, float] | None = None
     for replica in view.replicas:
         new = _raise_to(replica, track, memory)
@@ -157,7 +235,7 @@ def count_clear(track: MemTrack, view: MemoryView, now: float, memory: MemoryCon
     """M21's clock: since when headroom has been at or above the raise line of the same replica's
     raise on every tick, with no change pending, no replica starting (one that has not taken its
     memory yet makes headroom look larger than it is) and PSI under its threshold when one is set."""
-    found = _raisable(track, view, memory) if track.pending is None else None
+    found = _raisable(track, view, memory)
     starting = any(replica.state in LOADING_STATES for replica in view.replicas)
     psi, threshold = view.sample.psi_some_avg10, memory.psi_some_threshold_pct
     pressed = threshold is not None and psi is not None and psi >= threshold

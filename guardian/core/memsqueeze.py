@@ -10,33 +10,80 @@ import math
 from dataclasses import dataclass, replace
 
 from ..config import Config, MemoryConfig
-from .memstate import Facts, MemoryView, MemTrack, ReplicaMemory, choose_fraction, grid, held_of
+from .memstate import Facts, MemoryView, MemTrack, Message, ReplicaMemory, SaidRow, choose_fraction, grid, held_of
 from .observations import MemorySample, gib
 from .rules import Refusal, Row, Rule, first_match
-from .vocab import Gate, MemVerdict
+from .vocab import Decision, Gate, MemVerdict, Priority
 
 # --- the rules ------------------------------------------------------------------------------
 
-# M1, M2: definitions, not verdicts: M1 is enforced by count_squeeze() and is_squeezed(), M2 by
-# _squeeze() (Squeeze.critical), which the rows below read.
-DEFINITIONS = (
+
+@dataclass(frozen=True)
+class Clocks:
+    """M1's clocks on this tick (count_squeeze keeps them)."""
+
+    below_since: float | None  # headroom below M.min_headroom_bytes on every tick since
+    psi_since: float | None  # PSI some avg10 at or above its threshold on every tick since
+    now: float
+    memory: MemoryConfig
+
+    def lasted(self, since: float | None) -> bool:
+        return since is not None and self.now - since >= self.memory.sustain_s
+
+
+# M1, M2: not verdicts but what the verdicts stand on: when M1 holds the squeeze rows (M10-M17)
+# judge, and M2 is what they read as critical (asked only of a squeezed box, in _squeeze()).
+SQUEEZED_ROW: Row[Clocks, None] = Row(
     Rule(
         "M1",
         "squeezed",
         "headroom (MemAvailable) < M.min_headroom_bytes on every tick for >= M.sustain_s, AND, "
         "when M.psi_some_threshold_pct is set, PSI some avg10 >= it on every tick for >= M.sustain_s",
     ),
+    lambda c: c.lasted(c.below_since) and (c.memory.psi_some_threshold_pct is None or c.lasted(c.psi_since)),
+    lambda c: None,
+)
+CRITICAL_ROW: Row[tuple[int, MemoryConfig], None] = Row(
     Rule("M2", "critical", "squeezed AND headroom < M.critical_headroom_bytes on this tick"),
+    lambda h: h[0] < h[1].critical_headroom_bytes,
+    lambda h: None,
 )
 
-# M9: enforced where the view is built (core/memview.py _overridden()), so that M11 and M12 see it.
-OVERRIDDEN = Rule(
-    "M9",
-    "not wired",
-    "a replica with no lowering pending serves (healthy or busy) and reports another fraction than guardian's "
-    "env file for it says: something overrides that file (a later EnvironmentFile=, an ExecStart= drop-in); it "
-    "counts as not wired. Not while the fraction written is unread: written after its running start began, its "
-    "restart given up (M18) or dropped (M19); its next start reads it",
+
+@dataclass(frozen=True)
+class Served:
+    """A replica as M9 reads it, where the view is built (core/memview.py)."""
+
+    wired: bool  # core/wiring.py found its unit wired
+    settled: bool  # no change of its fraction pending, none written that its running start has not read
+    serving: bool  # healthy or busy
+    configured: float | None  # guardian's env file
+    reported: float | None  # what it reports it serves with
+    knob: str  # its engine's fraction, as its flag names it
+
+
+# M9: applied where the view is built, so that M11 and M12 see it; the evidence is its wiring problem.
+OVERRIDDEN_ROW: Row[Served, str] = Row(
+    OVERRIDDEN := Rule(
+        "M9",
+        "not wired",
+        "a replica with no lowering pending serves (healthy or busy) and reports another fraction than guardian's "
+        "env file for it says: something overrides that file (a later EnvironmentFile=, an ExecStart= drop-in); it "
+        "counts as not wired. Not while the fraction written is unread: written after its running start began, "
+        "its restart given up (M18) or dropped (M19); its next start reads it",
+    ),
+    lambda v: (
+        v.wired
+        and v.settled
+        and v.serving
+        and v.configured is not None
+        and v.reported is not None
+        and abs(v.configured - v.reported) > 1e-6
+    ),
+    lambda v: (
+        f"it serves with {v.knob} {v.reported:g} while guardian's env file says "
+        f"{v.configured:g}: something overrides that file (a later EnvironmentFile= or an ExecStart= drop-in)"
+    ),
 )
 
 
@@ -71,12 +118,19 @@ def _chosen(squeeze: Squeeze) -> ReplicaMemory | None:
 # M10-M17: when squeezed and no lowering is pending, the first row that holds is the verdict; the
 # evidence is the replica its line is about. M17 with dry_run = true is the DRY_RUN verdict.
 SQUEEZE_ROWS: tuple[Row[Squeeze, ReplicaMemory | None], ...] = (
-    Row(
+    SaidRow(
         Rule("M10", MemVerdict.COOLDOWN, "now - last lowering < M.cooldown_s"),
         lambda s: s.since_lowering_s < s.memory.cooldown_s,
         lambda s: None,
+        says={
+            MemVerdict.COOLDOWN: Message(
+                Priority.INFO,
+                "memory squeezed: {why}; cooldown: last lowering {since_lowering_s:.0f} s ago, next allowed after "
+                "{memory.cooldown_s:g} s",
+            )
+        },
     ),
-    Row(
+    SaidRow(
         Rule(
             "M11",
             MemVerdict.UNWIRED,
@@ -85,13 +139,27 @@ SQUEEZE_ROWS: tuple[Row[Squeeze, ReplicaMemory | None], ...] = (
         ),
         lambda s: s.chosen is None and s.unwired is not None,
         lambda s: s.unwired,
+        says={
+            MemVerdict.UNWIRED: Message(
+                Priority.ERROR,
+                "memory squeezed: {why}; replica {replica.name}: {replica.unit} is not wired for the memory guard, "
+                "refusing to restart it (a restart without a lower fraction frees nothing): {replica.wiring_problem}",
+            )
+        },
     ),
-    Row(
+    SaidRow(
         Rule("M12", MemVerdict.FLOOR, "no replica can give: every fraction is unknown or <= M.floor"),
         lambda s: s.chosen is None,
         lambda s: None,
+        says={
+            MemVerdict.FLOOR: Message(
+                Priority.ERROR,
+                "memory squeezed: {why}; every replica is at its floor {memory.floor:g} (or its fraction is unknown): "
+                "nothing left to give",
+            )
+        },
     ),
-    Row(
+    SaidRow(
         Rule(
             "M13",
             MemVerdict.NO_FIT,
@@ -101,8 +169,16 @@ SQUEEZE_ROWS: tuple[Row[Squeeze, ReplicaMemory | None], ...] = (
         ),
         lambda s: s.new is None,
         _chosen,
+        says={
+            MemVerdict.NO_FIT: Message(
+                Priority.ERROR,
+                "memory squeezed: {why}; replica {replica.name}: no fraction between {highest:g} and the floor "
+                "{memory.floor:g} fits (total {total_bytes:GiB} x fraction must be <= headroom + what it holds - "
+                "reserve {memory.reserve_bytes:GiB}); waiting rather than a start vLLM would refuse",
+            )
+        },
     ),
-    Row(
+    SaidRow(
         Rule(
             "M14",
             MemVerdict.NO_PEER,
@@ -111,8 +187,15 @@ SQUEEZE_ROWS: tuple[Row[Squeeze, ReplicaMemory | None], ...] = (
         ),
         lambda s: not s.peers and not s.critical,
         _chosen,
+        says={
+            MemVerdict.NO_PEER: Message(
+                Priority.ERROR,
+                "memory squeezed: {why}; replica {replica.name}: no other replica of {replica.model} is serving right "
+                "now, deferring the lowering to {new:g} (acts anyway below {memory.critical_headroom_bytes:GiB})",
+            )
+        },
     ),
-    Row(
+    SaidRow(
         Rule(
             "M15",
             MemVerdict.DEFERRED,
@@ -121,8 +204,14 @@ SQUEEZE_ROWS: tuple[Row[Squeeze, ReplicaMemory | None], ...] = (
         ),
         lambda s: s.refusal is not None and not s.without_slot,
         _chosen,
+        says={
+            MemVerdict.DEFERRED: Message(
+                Priority.ERROR,
+                "memory squeezed: {why}; replica {replica.name}: lowering to {new:g} deferred: {refusal.text}",
+            )
+        },
     ),
-    Row(
+    SaidRow(
         Rule(
             "M16",
             MemVerdict.DRAINING,
@@ -132,8 +221,16 @@ SQUEEZE_ROWS: tuple[Row[Squeeze, ReplicaMemory | None], ...] = (
         ),
         lambda s: s.drain_first and not s.critical and not s.dry_run and not s.drained,
         _chosen,
+        says={
+            MemVerdict.DRAINING: Message(
+                Priority.WARNING,
+                "memory squeezed: {why}; replica {replica.name}: draining it at the proxy first, then lowering it "
+                "{current:g} -> {new:g}; {serving}",
+                Decision.PROXY,
+            )
+        },
     ),
-    Row(
+    SaidRow(
         LOWER := Rule(
             "M17",
             MemVerdict.LOWER,
@@ -142,8 +239,34 @@ SQUEEZE_ROWS: tuple[Row[Squeeze, ReplicaMemory | None], ...] = (
         ),
         lambda s: True,
         _chosen,
+        says={
+            MemVerdict.LOWER: Message(
+                Priority.WARNING,
+                "{why}; replica {replica.name} {current:g} -> {new:g}; restarting {replica.unit} alone; "
+                "{serving}{undrained}",
+                Decision.MEMORY,
+                every_time=True,
+            ),
+            MemVerdict.DRY_RUN: Message(
+                Priority.WARNING,
+                "memory squeezed: {why}; DRY-RUN: would lower replica {replica.name} {current:g} -> {new:g} and "
+                "restart {replica.unit} alone; {serving}",
+                Decision.DRY_RUN,
+            ),
+        },
     ),
 )
+# Said before a critical lowering's own line when it goes ahead without a fleet slot (M15); its rule
+# is M17's, whose line follows it.
+NO_SLOT_BUT_CRITICAL = Message(
+    Priority.ERROR,
+    "memory squeezed: {why}; replica {replica.name}: no fleet slot ({no_slot.text}); critical, so the lowering goes "
+    "ahead without one",
+    Decision.FLEET,
+    every_time=True,
+)
+
+
 # The verdicts past M15: a lowering that waits for nothing more (M16 drains first, then lowers).
 _GOES_AHEAD = frozenset({MemVerdict.DRAINING, MemVerdict.DRY_RUN, MemVerdict.LOWER})
 
@@ -162,11 +285,7 @@ def count_squeeze(track: MemTrack, sample: MemorySample, now: float, memory: Mem
 
 def is_squeezed(track: MemTrack, now: float, memory: MemoryConfig) -> bool:
     """M1."""
-
-    def lasted(since: float | None) -> bool:
-        return since is not None and now - since >= memory.sustain_s
-
-    return lasted(track.below_since) and (memory.psi_some_threshold_pct is None or lasted(track.psi_since))
+    return SQUEEZED_ROW.holds(Clocks(track.below_since, track.psi_since, now, memory))
 
 
 def squeeze_chain(
@@ -201,7 +320,7 @@ def squeeze_chain(
 def _squeeze(track: MemTrack, view: MemoryView, now: float, cfg: Config) -> Squeeze:
     memory = cfg.memory
     headroom = view.sample.available_bytes
-    critical = headroom < memory.critical_headroom_bytes
+    critical = CRITICAL_ROW.holds((headroom, memory))
     order = _giving_order(view.replicas, memory)
     chosen = next((r for r in order if _can_give(r, memory)), None)
     new = None

@@ -9,12 +9,36 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 from ..config import MemoryConfig
 from .actions import AcquireSlot, DrainReplica, LogLine, SetFraction
 from .observations import MemorySample, RestartOutcome
-from .rules import Refusal
-from .vocab import SERVING_STATES, MemVerdict, State
+from .rules import Refusal, Row
+from .vocab import SERVING_STATES, Decision, MemVerdict, Priority, State
+
+Context = TypeVar("Context")
+Evidence = TypeVar("Evidence")
+
+
+@dataclass(frozen=True)
+class Message:
+    """How a verdict is said: a str.format template over `replica`, `memory` (the [memory] config)
+    and the fields of Facts, where a size takes the GiB spec: {total_bytes:GiB} is "128.0 GiB"."""
+
+    priority: Priority
+    template: str
+    decision: Decision = Decision.MEMORY_NOTE
+    every_time: bool = False  # False: once per squeeze and cause
+
+
+@dataclass(frozen=True)
+class SaidRow(Row[Context, Evidence], Generic[Context, Evidence]):
+    """A memory guard's row with its lines: the verdicts it yields (its outcome, and the one it
+    turns into under dry_run or a spent budget) and how each is said; one yielding nothing to say
+    (M3) is a plain Row."""
+
+    says: Mapping[MemVerdict, Message] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

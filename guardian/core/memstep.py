@@ -18,7 +18,7 @@ from .observations import MemoryObservation, ReplicaMemoryObservation
 from .proxy import draining
 from .proxy.drainstate import Drain, Phase
 from .rules import Refusal
-from .vocab import LOADING_STATES, SERVING_STATES, ActiveState, Gate
+from .vocab import SERVING_STATES, ActiveState, Gate
 from .work import Tick
 
 
@@ -74,7 +74,8 @@ def _starting(t: Tick, mine: memstate.ReplicaMemory, found: ReplicaMemoryObserva
     track, seen = t.tracks[mine.name], t.obs.replicas[mine.name]
     unit = seen.unit
     active = unit is not None and unit.active_state in (ActiveState.ACTIVATING, ActiveState.ACTIVE)
-    loading = track.state in LOADING_STATES and not track.restart_in_flight and active
+    state = unit.active_state if unit is not None else None
+    loading = startguard.WATCHED_ROW.holds(startguard.Loading(track.state, track.restart_in_flight, state))
     wiring = mine.wiring_problem
     if wiring is None and loading and found is not None:  # S5: an ExecStart= drop-in shows while it loads
         pending = t.previous.mem.pending

@@ -30,11 +30,12 @@ from dataclasses import dataclass
 from ..config import Config, ReplicaConfig
 from . import admission, fleet
 from .memguard import not_read
+from .memsqueeze import OVERRIDDEN_ROW, Served
 from .memstate import MemoryView, MemTrack, ReplicaMemory
 from .observations import MemoryObservation, ReplicaMemoryObservation, TickObservation
 from .proxy import drain
 from .proxy.drainstate import Drain, Phase
-from .rules import Refusal
+from .rules import Refusal, first_match
 from .vocab import SERVING_STATES
 from .watchdog.judge import serves
 from .watchdog.track import Track
@@ -89,8 +90,11 @@ def _replica(tick: Inputs, replica: ReplicaConfig, found: ReplicaMemoryObservati
     unread = written_at is not None and not_read(started_at, written_at)
     wiring = problem_of(found.wiring) if found is not None else "not observed"
     knob = knob_name(found.wiring.knob if found is not None and found.wiring is not None else KNOB)
-    if wiring is None and not changing and not unread and track.state in SERVING_STATES:
-        wiring = _overridden(configured, reported, knob)
+    settled = not changing and not unread
+    served = Served(wiring is None, settled, track.state in SERVING_STATES, configured, reported, knob)
+    overridden = first_match((OVERRIDDEN_ROW,), served)
+    if overridden is not None:
+        wiring = overridden[1]
     down = tick.drains.get(replica.name)
     budget = admission.budget(replica.name, tick.obs.persistent, tick.now, tick.cfg)
     return ReplicaMemory(
@@ -120,16 +124,6 @@ def knob_name(flag: str | None) -> str:
     """How a journal line names an engine's fraction: its flag's words (--mem-fraction-static:
     mem_fraction_static); "its memory fraction" for an engine with none."""
     return flag.lstrip("-").replace("-", "_") if flag else "its memory fraction"
-
-
-def _overridden(configured: float | None, reported: float | None, knob: str) -> str | None:
-    """M9, for a serving replica with no change of fraction pending: why it is not wired, or None."""
-    if configured is not None and reported is not None and abs(configured - reported) > 1e-6:
-        return (
-            f"it serves with {knob} {reported:g} while guardian's env file says "
-            f"{configured:g}: something overrides that file (a later EnvironmentFile= or an ExecStart= drop-in)"
-        )
-    return None
 
 
 def _refusals(tick: Inputs) -> dict[str, Refusal]:

@@ -12,7 +12,7 @@ from . import admission, fleet, restarts
 from .actions import AcquireSlot, AnswerRequest, LogLine
 from .observations import RestartRequest
 from .proxy import drain, draining
-from .rules import Refusal
+from .rules import Refusal, first_match
 from .vocab import Decision, Priority, RestartKind
 from .work import RestartAsk, Tick
 
@@ -35,8 +35,9 @@ def _take(t: Tick, request: RestartRequest) -> bool:
         answer = f"no replica named {request.replica!r} in the config"
         t.actions.append(AnswerRequest(request.id, request.replica, False, answer))
         return True
-    if request.asker_gone or (request.expires is not None and t.now >= request.expires):
-        _withdraw(t, replica, request)
+    withdrawn = first_match((admission.WITHDRAW_ROW,), admission.Withdrawing(request, t.now))
+    if withdrawn is not None:
+        _withdraw(t, replica, request, withdrawn[1])
         return True
     head = f"replica {replica.name}: an operator asked for a restart (it is {t.tracks[replica.name].state})"
     slot = _fleet_wait(t, replica)
@@ -64,13 +65,8 @@ def _take(t: Tick, request: RestartRequest) -> bool:
     return True
 
 
-def _withdraw(t: Tick, replica: ReplicaConfig, request: RestartRequest) -> None:
-    """A5: a request whose command is gone, or stopped waiting, is never acted on later."""
-    if request.asker_gone:
-        assert request.asker is not None
-        why = f"the command that asked (pid {request.asker[0]}) is gone without withdrawing it"
-    else:
-        why = f"the command that asked stopped waiting for its answer {t.now - (request.expires or 0.0):.0f} s ago"
+def _withdraw(t: Tick, replica: ReplicaConfig, request: RestartRequest, why: str) -> None:
+    """A5: a request whose command is gone, or stopped waiting (WHY), is never acted on later."""
     t.say(
         LogLine(
             Priority.ERROR,

@@ -209,16 +209,6 @@ ROWS: tuple[Row[StartFit, Release], ...] = (
         lambda f: Release.NOTHING,
     ),
 )
-# Checked after a restart's job, not first-match with the rows above (act/fit.py).
-NOT_RETURNED = Rule(
-    "U8",
-    "not returned",
-    "returned (measured before the stop) >= 1 GiB AND MemFree rose by less than returned - max(0.5 GiB, "
-    "returned / 4) by every sample: the moment its stop is seen over (polled every 0.2 s), and within 3 s of "
-    "the restart job's end: the rest is said at critical as memory the driver (or a "
-    "file its processes left in /dev/shm) still holds, and kept as a hazard (guardian status, guardian check) "
-    "until U9 or U10 ends it; the next start is judged on what is left",
-)
 RETURN_CHECK_MIN_BYTES = 2**30  # less than this held: too little to tell from the box's own noise
 RETURN_SLACK_BYTES = 2**29
 RETURN_WAIT_S = 3.0  # after the restart job: how long the memory may take to come back
@@ -227,13 +217,42 @@ RETURN_WAIT_S = 3.0  # after the restart job: how long the memory may take to co
 RETURN_BACK_S = 10.0
 
 
+@dataclass(frozen=True)
+class _Returned:
+    """What the old processes held (measured before the stop), and how far MemFree rose once they were gone."""
+
+    returned_bytes: int
+    rise_bytes: int
+
+    @property
+    def missing_bytes(self) -> int:
+        return self.returned_bytes - max(0, self.rise_bytes)
+
+
+# Checked after a restart's job, not first-match with the rows above (act/fit.py); its evidence is
+# what did not come back.
+NOT_RETURNED_ROW: Row[_Returned, int] = Row(
+    NOT_RETURNED := Rule(
+        "U8",
+        "not returned",
+        "returned (measured before the stop) >= 1 GiB AND MemFree rose by less than returned - max(0.5 GiB, "
+        "returned / 4) by every sample: the moment its stop is seen over (polled every 0.2 s), and within 3 s of "
+        "the restart job's end: the rest is said at critical as memory the driver (or a "
+        "file its processes left in /dev/shm) still holds, and kept as a hazard (guardian status, guardian check) "
+        "until U9 or U10 ends it; the next start is judged on what is left",
+    ),
+    lambda r: (
+        r.returned_bytes >= RETURN_CHECK_MIN_BYTES and r.missing_bytes > max(RETURN_SLACK_BYTES, r.returned_bytes // 4)
+    ),
+    lambda r: r.missing_bytes,
+)
+
+
 def not_returned_bytes(returned_bytes: int, rise_bytes: int) -> int | None:
     """What of RETURNED_BYTES (held by the old processes, measured before the stop) did not come back,
     when MemFree rose by RISE_BYTES once they were gone (U8); None: it came back."""
-    if returned_bytes < RETURN_CHECK_MIN_BYTES:
-        return None
-    missing = returned_bytes - max(0, rise_bytes)
-    return missing if missing > max(RETURN_SLACK_BYTES, returned_bytes // 4) else None
+    found = first_match((NOT_RETURNED_ROW,), _Returned(returned_bytes, rise_bytes))
+    return found[1] if found is not None else None
 
 
 @dataclass(frozen=True)
@@ -315,7 +334,7 @@ KEPT_ROWS: tuple[Row[KeptCase, str], ...] = (
         ),
     ),
 )
-RULES = (*(row.rule for row in ROWS), NOT_RETURNED, *(row.rule for row in KEPT_ROWS))
+RULES = (*(row.rule for row in ROWS), NOT_RETURNED_ROW.rule, *(row.rule for row in KEPT_ROWS))
 
 
 def not_returned_text(replica: str, missing_bytes: int, by: str = "") -> str:

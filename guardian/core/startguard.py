@@ -37,7 +37,7 @@ from .actions import HUNG_STOP_GRACE_S, LogLine, SetFraction
 from .memstate import Pending, choose_fraction, grid
 from .observations import ReplicaObservation, gib
 from .rules import Refusal, Row, Rule, first_match
-from .vocab import ActiveState, Decision, Priority
+from .vocab import LOADING_STATES, ActiveState, Decision, Priority, State
 
 # Where a replica's growth was measured (S4), best first.
 NVML = "NVML per-process memory"
@@ -136,15 +136,35 @@ class _Look:
 
 # --- the rules ------------------------------------------------------------------------------
 
-WATCHED = Rule(  # enforced by decide(), which picks the starts to watch before ROWS judge each
-    "S1",
-    "watched",
-    "M.enabled AND M.start_guard AND a configured replica's liveness is starting AND its unit is activating or "
-    "active (a start, not a stop) AND no restart job of guardian's is in flight for it; at the first tick that sees "
-    "this start (its unit's InvocationID and InactiveExitTimestampMonotonic), the headroom and the replica's own "
-    "memory (NVML, else its cgroup's MemoryCurrent) are recorded, and S2-S10 are checked from the next tick on; "
-    "a stopped start's record is kept until its unit starts anew, it serves or its unit stops; while a start is "
-    "watched and not stopped, ticks come every min(M.start_guard_interval_s, interval_s)",
+
+@dataclass(frozen=True)
+class Loading:
+    """A configured replica as WATCHED_ROW reads it (core/memstep.py builds Starting.loading with it)."""
+
+    state: State  # its liveness verdict
+    restart_in_flight: bool  # a restart job of guardian's
+    active_state: ActiveState | None  # its unit's (None: systemd not reachable)
+
+
+# Asked of each replica, by core/memstep.py, only while M.enabled and M.start_guard; decide() records
+# a start it holds for at its first look, and the record carries its id until ROWS judge it.
+WATCHED_ROW: Row[Loading, None] = Row(
+    WATCHED := Rule(
+        "S1",
+        "watched",
+        "M.enabled AND M.start_guard AND a configured replica's liveness is starting AND its unit is activating or "
+        "active (a start, not a stop) AND no restart job of guardian's is in flight for it; at the first tick that "
+        "sees this start (its unit's InvocationID and InactiveExitTimestampMonotonic), the headroom and the "
+        "replica's own memory (NVML, else its cgroup's MemoryCurrent) are recorded, and S2-S10 are checked from the "
+        "next tick on; a stopped start's record is kept until its unit starts anew, it serves or its unit stops; "
+        "while a start is watched and not stopped, ticks come every min(M.start_guard_interval_s, interval_s)",
+    ),
+    lambda k: (
+        k.state in LOADING_STATES
+        and not k.restart_in_flight
+        and k.active_state in (ActiveState.ACTIVATING, ActiveState.ACTIVE)
+    ),
+    lambda k: None,
 )
 
 # What a row says when it holds: its line's priority and template (after _HEAD; "{rule}" is its id),
@@ -276,7 +296,7 @@ ROWS: tuple[Row[_Look, Says | None], ...] = (
     ),
 )
 
-RULES: tuple[Rule, ...] = (WATCHED, *(row.rule for row in ROWS))
+RULES: tuple[Rule, ...] = (WATCHED_ROW.rule, *(row.rule for row in ROWS))
 
 
 # --- what each verdict says -----------------------------------------------------------------
@@ -382,7 +402,15 @@ def _first_look(replica: Starting, view: StartView, now: float, memory: MemoryCo
     pending = view.pending
     lowered_critical = pending is not None and pending.replica == replica.name and pending.critical
     critical = view.headroom_bytes < memory.critical_headroom_bytes or lowered_critical
-    return Start(replica.start, now, view.headroom_bytes, replica.nvml_bytes or 0, replica.cgroup_bytes, critical)
+    return Start(
+        replica.start,
+        now,
+        view.headroom_bytes,
+        replica.nvml_bytes or 0,
+        replica.cgroup_bytes,
+        critical,
+        rule=WATCHED.id,
+    )
 
 
 def _carried(start: Start | None, replica: Starting) -> Start | None:

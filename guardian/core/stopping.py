@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from ..config import Config
 from .container import last_option, served
 from .observations import UnitDeclared, VllmSample
-from .rules import Row, Rule
+from .rules import Row, Rule, first_match
 
 SHUTDOWN_FLAG = "--shutdown-timeout"
 # Past vLLM's own N: its API server then aborts what is left, shuts its engine down and exits, and
@@ -36,14 +36,28 @@ SHUTDOWN_FLAG = "--shutdown-timeout"
 # #5496): 15 s. A hung stop past it is killed, as any planned stop past its bound.
 SHUTDOWN_MARGIN_S = 15.0
 
-BOUND = Rule(
-    "T1",
-    "stop bound",
-    "a planned restart (an operator's, drained or not; a lowering or a raise) of a replica whose unit's ExecStart= "
-    "passes vLLM's --shutdown-timeout N > 0: its stop is bounded by max(P.stop_timeout_s, N + SHUTDOWN_MARGIN_S) "
-    "(15 s) instead of P.stop_timeout_s, and its restart job waited for as much longer; its restart line says "
-    "how many requests its last /metrics showed running and waiting, and that vLLM lets them finish for up to N s "
-    "(without N: that its stop aborts them)",
+
+@dataclass(frozen=True)
+class _Stop:
+    """A planned restart's stop as BOUND_ROW reads it."""
+
+    stop_timeout_s: float  # P.stop_timeout_s
+    shutdown_s: float | None  # N, where its unit passes one > 0 (shutdown_s())
+
+
+# Its evidence is the stop's bound; where it does not hold the bound is P.stop_timeout_s.
+BOUND_ROW: Row[_Stop, float] = Row(
+    BOUND := Rule(
+        "T1",
+        "stop bound",
+        "a planned restart (an operator's, drained or not; a lowering or a raise) of a replica whose unit's "
+        "ExecStart= passes vLLM's --shutdown-timeout N > 0: its stop is bounded by max(P.stop_timeout_s, N + "
+        "SHUTDOWN_MARGIN_S) (15 s) instead of P.stop_timeout_s, and its restart job waited for as much longer; its "
+        "restart line says how many requests its last /metrics showed running and waiting, and that vLLM lets them "
+        "finish for up to N s (without N: that its stop aborts them)",
+    ),
+    lambda s: s.shutdown_s is not None,
+    lambda s: max(s.stop_timeout_s, (s.shutdown_s or 0.0) + SHUTDOWN_MARGIN_S),
 )
 
 
@@ -98,7 +112,7 @@ WARNING_ROWS: tuple[Row[_Unit, str], ...] = (
     ),
 )
 
-RULES = (BOUND, *(row.rule for row in WARNING_ROWS))
+RULES = (BOUND_ROW.rule, *(row.rule for row in WARNING_ROWS))
 
 
 def given(argv: tuple[str, ...]) -> str | None:
@@ -155,8 +169,8 @@ class PlannedStop:
 def planned_stop(cfg: Config, declared: UnitDeclared | None) -> PlannedStop:
     """T1: a planned restart's stop bound, P.stop_timeout_s or N + SHUTDOWN_MARGIN_S, the longer."""
     n = shutdown_s(declared)
-    bound_s = cfg.proxy.stop_timeout_s if n is None else max(cfg.proxy.stop_timeout_s, n + SHUTDOWN_MARGIN_S)
-    return PlannedStop(bound_s, n)
+    bounded = first_match((BOUND_ROW,), _Stop(cfg.proxy.stop_timeout_s, n))
+    return PlannedStop(bounded[1] if bounded is not None else cfg.proxy.stop_timeout_s, n)
 
 
 def job_wait_s(cfg: Config, stop_timeout_s: float | None) -> float:

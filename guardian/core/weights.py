@@ -33,31 +33,102 @@ from dataclasses import dataclass
 from ..config import Config
 from .hazards import Hazard
 from .observations import FleetMember
-from .rules import Rule
-
-RULES = (
-    DIFFER := Rule(
-        "W1", "differ", "two or more replicas of one model name on this box have known fingerprints that differ"
-    ),
-    CHANGED := Rule(
-        "W2",
-        "changed",
-        "a replica's known fingerprint differs from the known one guardian saw before it: said at info, and the "
-        "memory guard's M20 ceiling for it dropped",
-    ),
-    DIFFER_FLEET := Rule(
-        "W3",
-        "differ across the fleet",
-        "a replica of this box and one of another box in the fleet view serve one model name with known "
-        "fingerprints that differ",
-    ),
-)
+from .rules import Row, Rule, first_match
 
 
 @dataclass(frozen=True)
 class Weights:
     digest: str  # "dir2:1a2b3c4d5e6f", "file2:...", "hf:Org/Name@c0ffee123456"
     what: str  # where it was read, for a reader
+
+
+@dataclass(frozen=True)
+class _Here:
+    """One model name's replicas on this box with a known fingerprint, as DIFFER reads them."""
+
+    model: str
+    seen: tuple[tuple[str, Weights], ...]  # (replica, its fingerprint), in the config's order
+
+
+@dataclass(frozen=True)
+class _Moved:
+    """One replica's fingerprint before and after, as CHANGED reads it."""
+
+    name: str
+    was: Weights | None
+    now: Weights | None
+
+
+@dataclass(frozen=True)
+class _Fleet:
+    """One model name, this box's known fingerprints of it and the other boxes' members that serve it
+    with a known fingerprint of a kind this box has, as DIFFER_FLEET reads them."""
+
+    model: str
+    here: frozenset[tuple[str, str]]  # (replica, digest)
+    there: tuple[FleetMember, ...]
+
+
+def _differ_here(h: _Here) -> Hazard:
+    each = "; ".join(f"{name}: {w.digest} ({w.what})" for name, w in h.seen)
+    return Hazard(
+        f"weights-differ:{h.model}",
+        f"replicas {', '.join(n for n, _ in h.seen)} serve model {h.model} with different weights ({each}): its "
+        "clients get answers from whichever replica they reach; give each set of weights its own model "
+        f"name, or bring them to the same weights ({DIFFER.id})",
+        rule=DIFFER.id,
+        over=f"hazard over: {h.model}'s replicas serve the same weights",
+    )
+
+
+def _differ_fleet(f: _Fleet) -> Hazard:
+    mine = "; ".join(f"{name}: {digest}" for name, digest in sorted(f.here))
+    theirs = "; ".join(f"{m.box}/{m.name}: {m.weights}" for m in sorted(f.there, key=lambda m: (m.box, m.name)))
+    return Hazard(
+        f"weights-differ-fleet:{f.model}",
+        f"model {f.model} is served with other weights on other boxes of the fleet (here {mine}; {theirs}): its "
+        "clients get answers from whichever box they reach; bring the boxes to the same weights, or give each "
+        f"its own model name ({DIFFER_FLEET.id})",
+        rule=DIFFER_FLEET.id,
+        over=f"hazard over: {f.model}'s replicas serve the same weights across the fleet",
+    )
+
+
+# Each row is asked of its own context (one model name here, one replica, one model name across the
+# fleet); W2's evidence is (replica, before, after), said by the shell (act/notices.py).
+DIFFER_ROW: Row[_Here, Hazard] = Row(
+    DIFFER := Rule(
+        "W1", "differ", "two or more replicas of one model name on this box have known fingerprints that differ"
+    ),
+    lambda h: _differ(w.digest for _, w in h.seen),
+    _differ_here,
+)
+CHANGED_ROW: Row[_Moved, tuple[str, Weights, Weights]] = Row(
+    CHANGED := Rule(
+        "W2",
+        "changed",
+        "a replica's known fingerprint differs from the known one guardian saw before it: said at info, and the "
+        "memory guard's M20 ceiling for it dropped",
+    ),
+    lambda m: m.was is not None and m.now is not None and m.was.digest != m.now.digest,
+    lambda m: (m.name, _known(m.was), _known(m.now)),
+)
+DIFFER_FLEET_ROW: Row[_Fleet, Hazard] = Row(
+    DIFFER_FLEET := Rule(
+        "W3",
+        "differ across the fleet",
+        "a replica of this box and one of another box in the fleet view serve one model name with known "
+        "fingerprints that differ",
+    ),
+    lambda f: bool(f.here) and bool(f.there),
+    _differ_fleet,
+)
+RULES = (DIFFER_ROW.rule, CHANGED_ROW.rule, DIFFER_FLEET_ROW.rule)
+
+
+def _known(w: Weights | None) -> Weights:
+    assert w is not None, "the row holds only between two known fingerprints"
+    return w
 
 
 def differing(cfg: Config, found: Mapping[str, Weights | None]) -> list[Hazard]:
@@ -67,22 +138,8 @@ def differing(cfg: Config, found: Mapping[str, Weights | None]) -> list[Hazard]:
         w = found.get(r.name)
         if w is not None:
             by_model[r.model].append((r.name, w))
-    out = []
-    for model, seen in sorted(by_model.items()):
-        if not _differ([w.digest for _, w in seen]):
-            continue
-        each = "; ".join(f"{name}: {w.digest} ({w.what})" for name, w in seen)
-        out.append(
-            Hazard(
-                f"weights-differ:{model}",
-                f"replicas {', '.join(n for n, _ in seen)} serve model {model} with different weights ({each}): its "
-                "clients get answers from whichever replica they reach; give each set of weights its own model "
-                f"name, or bring them to the same weights ({DIFFER.id})",
-                rule=DIFFER.id,
-                over=f"hazard over: {model}'s replicas serve the same weights",
-            )
-        )
-    return out
+    matched = (first_match((DIFFER_ROW,), _Here(model, tuple(seen))) for model, seen in sorted(by_model.items()))
+    return [hazard for _, hazard in filter(None, matched)]
 
 
 def _kind(digest: str) -> str:
@@ -107,28 +164,17 @@ def differing_in_fleet(
     for model in sorted({r.model for r in cfg.replicas}):
         here = {(r.name, w.digest) for r in cfg.replicas if r.model == model and (w := found.get(r.name)) is not None}
         kinds = {_kind(d) for _, d in here}
-        there = [
+        there = tuple(
             m
             for m in others
             if m.model == model
             and m.weights is not None
             and _kind(m.weights) in kinds
             and m.weights not in {d for _, d in here}
-        ]
-        if not here or not there:
-            continue
-        mine = "; ".join(f"{name}: {digest}" for name, digest in sorted(here))
-        theirs = "; ".join(f"{m.box}/{m.name}: {m.weights}" for m in sorted(there, key=lambda m: (m.box, m.name)))
-        out.append(
-            Hazard(
-                f"weights-differ-fleet:{model}",
-                f"model {model} is served with other weights on other boxes of the fleet (here {mine}; {theirs}): its "
-                "clients get answers from whichever box they reach; bring the boxes to the same weights, or give each "
-                f"its own model name ({DIFFER_FLEET.id})",
-                rule=DIFFER_FLEET.id,
-                over=f"hazard over: {model}'s replicas serve the same weights across the fleet",
-            )
         )
+        matched = first_match((DIFFER_FLEET_ROW,), _Fleet(model, frozenset(here), there))
+        if matched is not None:
+            out.append(matched[1])
     return out
 
 
@@ -136,9 +182,5 @@ def changed(
     before: Mapping[str, Weights | None], after: Mapping[str, Weights | None]
 ) -> list[tuple[str, Weights, Weights]]:
     """W2: (replica, before, after) for each replica whose known fingerprint changed."""
-    out = []
-    for name, now in sorted(after.items()):
-        was = before.get(name)
-        if was is not None and now is not None and was.digest != now.digest:
-            out.append((name, was, now))
-    return out
+    matched = (first_match((CHANGED_ROW,), _Moved(name, before.get(name), now)) for name, now in sorted(after.items()))
+    return [moved for _, moved in filter(None, matched)]

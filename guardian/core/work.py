@@ -15,7 +15,7 @@ from ..config import Config
 from . import memstate, startguard
 from .actions import AcquireSlot, Action, LogLine
 from .observations import TickObservation
-from .proxy import bypass
+from .proxy import bypass, drain
 from .proxy.drainstate import Drain, Phase
 from .vocab import LOADING_STATES, RestartKind
 from .watchdog.track import Track
@@ -65,8 +65,7 @@ class Tick:
         self.actions: list[Action] = []
         # The next state's parts, as the steps make them.
         self.tracks: dict[str, Track] = {}
-        # D12: a replica gone from the config leaves the proxy's file with its server line.
-        self.drains = {name: down for name, down in previous.drains.items() if cfg.replica(name) is not None}
+        self.drains = drain.forget_unconfigured(previous.drains, cfg)
         self.mem = previous.mem
         self.requests_taken = previous.requests_taken
         asked = {request.id for request in obs.persistent.requests}

@@ -1,8 +1,8 @@
 """Clients that bypass the proxy (the seed's incident: a batch job had one box's own address in its
 configuration; all its load went to one replica while the other had capacity to spare). Pure.
 
-Rules (RULES, rendered into docs/rules.md's "What the kernel shows"; they are not first-match rows,
-so each names the code that enforces it):
+Rules: RULES, rendered into docs/rules.md's "What the kernel shows"; each is a row asked of its
+own context: NO_PROXY_ROW of the config, NO_VIEW_ROW of a replica's look, BYPASSING_ROW of a peer.
 - B1: only while guardian knows the proxy's connections ([proxy] with nginx on this box, or
   watchdog.proxy_peers not empty): without one, every client talks to the replicas directly, and
   that is the set-up; with only drain commands (a proxy elsewhere) its address is not known, and
@@ -22,24 +22,9 @@ from dataclasses import dataclass
 from ...config import Config
 from ..actions import LogLine
 from ..hazards import Hazard
-from ..observations import ConnView, PeerKind
-from ..rules import UNCHANGED, Rule
+from ..observations import ConnView, Peer, PeerKind
+from ..rules import UNCHANGED, Row, Rule, first_match
 from ..vocab import Decision, Priority
-
-NO_PROXY = Rule(  # enforced by proxy_configured(), which update() asks first
-    "B1",
-    "(no hazard)",
-    "no proxy whose connections guardian knows (proxy.nginx_upstream_dir unset AND watchdog.proxy_peers empty)",
-)
-BYPASSING = Rule(  # enforced by update(), for each replica's view; Bypass.hazard() says it
-    "B2",
-    "bypass",
-    "a peer of kind other has connections to the replica's own port at every look for >= W.bypass_after_s",
-)
-NO_VIEW = Rule(  # enforced by update(), for a replica whose view is None
-    "B3", UNCHANGED, "the kernel's view could not be read at this look: what was seen, and who bypasses, stands"
-)
-RULES = (NO_PROXY, BYPASSING, NO_VIEW)
 
 Seen = Mapping[tuple[str, str], float]  # (replica, peer) -> first look at which it was connected
 
@@ -65,9 +50,68 @@ class Bypass:
         )
 
 
+@dataclass(frozen=True)
+class _Look:
+    """One replica's connections at this look (None: the kernel's view could not be read), and what
+    was seen and who was bypassing at the last one."""
+
+    replica: str
+    view: ConnView | None
+    seen: Seen
+    bypassing: tuple[Bypass, ...]
+
+
+@dataclass(frozen=True)
+class _Peer:
+    """One peer connected to a replica at this look, and since when it has been at every look."""
+
+    replica: str
+    peer: Peer
+    since: float
+    now: float
+    after_s: float  # W.bypass_after_s
+
+
+NO_PROXY_ROW: Row[Config, None] = Row(
+    NO_PROXY := Rule(
+        "B1",
+        "(no hazard)",
+        "no proxy whose connections guardian knows (proxy.nginx_upstream_dir unset AND watchdog.proxy_peers empty)",
+    ),
+    lambda cfg: cfg.proxy.nginx_upstream_dir is None and not cfg.watchdog.proxy_peers,
+    lambda cfg: None,
+)
+# Its evidence: what this replica's peers were seen since, and who of them bypassed, as they stand.
+NO_VIEW_ROW: Row[_Look, tuple[dict[tuple[str, str], float], list[Bypass]]] = Row(
+    NO_VIEW := Rule(
+        "B3", UNCHANGED, "the kernel's view could not be read at this look: what was seen, and who bypasses, stands"
+    ),
+    lambda k: k.view is None,
+    lambda k: (
+        {key: since for key, since in k.seen.items() if key[0] == k.replica},
+        [bypass for bypass in k.bypassing if bypass.replica == k.replica],
+    ),
+)
+BYPASSING_ROW: Row[_Peer, Bypass] = Row(
+    BYPASSING := Rule(  # Bypass.hazard() says it
+        "B2",
+        "bypass",
+        "a peer of kind other has connections to the replica's own port at every look for >= W.bypass_after_s",
+    ),
+    lambda p: _other(p.peer) and p.now - p.since >= p.after_s,
+    lambda p: Bypass(p.replica, p.peer.name, p.peer.connections, p.since),
+)
+RULES = (NO_PROXY_ROW.rule, BYPASSING_ROW.rule, NO_VIEW_ROW.rule)
+
+
+def _other(peer: Peer) -> bool:
+    """A client connected now: not the proxy, guardian or monitoring."""
+    return peer.kind is PeerKind.OTHER and peer.connections > 0
+
+
 def proxy_configured(cfg: Config) -> bool:
     """Guardian knows the proxy's connections (nginx on this box, or proxy_peers): else NO_PROXY."""
-    return cfg.proxy.nginx_upstream_dir is not None or bool(cfg.watchdog.proxy_peers)
+    return not NO_PROXY_ROW.holds(cfg)
 
 
 def update(
@@ -75,22 +119,26 @@ def update(
 ) -> tuple[dict[tuple[str, str], float], list[Bypass]]:
     """The peers seen connected from now on, and those bypassing the proxy (RULES), given what was
     seen and who was BYPASSING at the last look."""
-    if not proxy_configured(cfg):  # NO_PROXY
+    if NO_PROXY_ROW.holds(cfg):
         return {}, []
     still_seen: dict[tuple[str, str], float] = {}
     found: list[Bypass] = []
+    bypassing = tuple(bypassing)
     for replica, view in views.items():
-        if view is None:  # NO_VIEW: no news is not "gone"
-            still_seen.update({key: since for key, since in seen.items() if key[0] == replica})
-            found += [bypass for bypass in bypassing if bypass.replica == replica]
+        unchanged = first_match((NO_VIEW_ROW,), _Look(replica, view, seen, bypassing))
+        if unchanged is not None:  # no news is not "gone"
+            still_seen.update(unchanged[1][0])
+            found += unchanged[1][1]
             continue
+        assert view is not None, "a look without a view is kept as it stands"
         for peer in view.peers:
-            if peer.kind is not PeerKind.OTHER or peer.connections <= 0:
+            if not _other(peer):
                 continue
             since = seen.get((replica, peer.name), now)
             still_seen[(replica, peer.name)] = since
-            if now - since >= cfg.watchdog.bypass_after_s:  # BYPASSING
-                found.append(Bypass(replica, peer.name, peer.connections, since))
+            bypass = first_match((BYPASSING_ROW,), _Peer(replica, peer, since, now, cfg.watchdog.bypass_after_s))
+            if bypass is not None:
+                found.append(bypass[1])
     return still_seen, found
 
 

@@ -16,9 +16,10 @@ SyncProxy(that set) when a proxy is configured, and the shell makes the proxy ma
 
 Rules: RULES below (D1-D16), rendered into docs/rules.md; PLAN_ROWS (D1-D3: an admitted planned
 restart drained, restarted undrained, or waiting for a peer), DRAINED_ROWS (D6, D7) and BACK_ROWS
-(D11, D13-D16: an away replica marked up, or warmed first) are checked in order. The others are
-steps of a procedure (a drain begun, followed, given up, a hung replica marked down), each enforced
-by the function of draining.py its row names; every line they say names its Rule. ``P`` = the [proxy] config.
+(D11, D13-D16: an away replica marked up, or warmed first) and FOLLOW_ROWS (D4, D5: a drain given
+up) are checked in order. The others (D8-D10, D12) are rows asked alone at a step of the procedure
+(a memory guard's drain, a restart refused when due, a replica marked down as it restarts, one gone
+from the config); every line they say names its Rule. ``P`` = the [proxy] config.
 "Another replica of the model serves" means: a replica of this box with the same model that serves
 (watchdog/judge.py serves(): healthy or busy, or degraded only by a late probe, within the last
 SERVED_RECENTLY_S) and is not marked down; or a `memory.peer_urls` peer that answered with the model; or,
@@ -27,12 +28,13 @@ with [fleet], a replica of another box serving it in the fleet view.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from ...config import Config
 from ..observations import ProxyView, ReplicaObservation, TickObservation, VllmSample, WarmupResult
-from ..rules import Row, Rule, first_match
+from ..rules import Refusal, Row, Rule, first_match
 from ..vocab import SERVING_STATES
 from ..watchdog.judge import serves
 from ..watchdog.track import Track
@@ -126,72 +128,136 @@ PLAN_ROWS: tuple[Row[Plan, str | None], ...] = (
     ),
 )
 
-RULES = (
-    *(row.rule for row in PLAN_ROWS),
-    PROXY_FAILED := Rule(  # enforced by draining.py _follow_drain() (and _say_memory_drain_waits() for a memory drain)
-        "D4",
-        "drain abandoned",
-        "draining for an operator AND the proxy reported that marking it down failed: marked up again, no "
-        "restart, the request refused with the proxy's error (a memory guard's drain waits for the proxy's "
-        "retry instead, said once)",
+
+@dataclass(frozen=True)
+class Following:
+    """A draining replica as FOLLOW_ROWS read it (draining.py _follow_drain)."""
+
+    error: str | None  # the proxy's error when its last attempt to mark it down failed (refused_by_proxy)
+    serving: int  # other replicas of its model that serve now (others_serving)
+    model: str
+
+
+# A draining replica, first match, before its drain is judged over (D6, D7); the evidence is why
+# it is given up. A memory guard's drain that D4 holds for waits instead (draining.py).
+FOLLOW_ROWS: tuple[Row[Following, str], ...] = (
+    Row(
+        PROXY_FAILED := Rule(
+            "D4",
+            "drain abandoned",
+            "draining for an operator AND the proxy reported that marking it down failed: marked up again, no "
+            "restart, the request refused with the proxy's error (a memory guard's drain waits for the proxy's "
+            "retry instead, said once)",
+        ),
+        lambda f: f.error is not None,
+        lambda f: (
+            f"marking it down at the proxy failed: {f.error}; fix the proxy (see `guardian check`) or "
+            "P.drain_command, then ask again"
+        ),
     ),
-    NONE_LEFT := Rule(  # enforced by draining.py _follow_drain(), after D4
-        "D5",
-        "drain abandoned",
-        "draining AND no other replica of the model serves any more: marked up again, no restart, the request refused",
+    Row(
+        NONE_LEFT := Rule(
+            "D5",
+            "drain abandoned",
+            "draining AND no other replica of the model serves any more: marked up again, no restart, the request "
+            "refused",
+        ),
+        lambda f: f.serving == 0,
+        lambda f: f"no other replica of {f.model} serves any more, so draining it would leave none",
     ),
-    *(row.rule for row in DRAINED_ROWS),
-    MEMORY_DRAIN := Rule(  # enforced by draining.py lowering_at_the_proxy() and mark_up_unasked() (core/memstep.py)
+)
+
+# A memory guard's drain still draining (draining.py): once drained it is lowered on this tick
+# (lowering_at_the_proxy), and one the memory guard no longer asks for is marked up (mark_up_unasked).
+MEMORY_DRAIN_ROW: Row[Drain | None, None] = Row(
+    MEMORY_DRAIN := Rule(
         "D8",
         "memory drain: lowered, or given up",
         "a memory guard's drain (M16) that is drained (D6, D7): the memory guard lowers it on this tick (M17) "
         "and it is away; one the memory guard no longer asks for (the squeeze ended, it chose another): "
         "marked up again",
     ),
-    REFUSED_WHEN_DUE := Rule(  # enforced by draining.py _restart_drained(), after D6/D7 and A4 (_requeue())
+    lambda d: d is not None and d.for_memory and d.phase is Phase.DRAINING,
+    lambda d: None,
+)
+
+# The restart of a drained replica, when it comes to it (draining.py _restart_drained): its refusal.
+REFUSED_WHEN_DUE_ROW: Row[Refusal | None, str] = Row(
+    REFUSED_WHEN_DUE := Rule(
         "D9",
         "marked up",
         "draining AND the restart is refused when it comes to it (admission A1-A3, G1-G9): marked up "
         "again, the request answered with the refusal",
     ),
-    MARKED_DOWN := Rule(  # enforced by draining.py mark_down_hung() (step 3) and lowering_at_the_proxy()
+    lambda r: r is not None,
+    lambda r: f"refused ({r.gate}): {r.text}" if r is not None else "",
+)
+
+
+@dataclass(frozen=True)
+class Restarting:
+    """A replica whose restart is issued unplanned, as MARKED_DOWN_ROW reads it."""
+
+    proxy: bool  # a proxy is configured
+    down: Drain | None  # its place at the proxy before
+    hung: bool  # a hung replica's restart (else a critical lowering's, not drained)
+
+
+MARKED_DOWN_ROW: Row[Restarting, None] = Row(
+    MARKED_DOWN := Rule(
         "D10",
         "away",
         "a hung replica's restart is issued (L8, L9, L13, L14, L15), or a critical lowering's (not drained): "
         "marked down at once; a proxy that cannot be told never holds that restart up",
     ),
-    MARKED_UP := Rule(
-        "D11",
-        "marked up",
-        "away AND no restart by guardian in flight AND the replica is healthy or busy (back) AND it has no "
-        "R.warmup_file",
-    ),
-    # enforced by core/work.py Tick.__init__, which drops the drain
+    # a hung replica that was draining is away from now on; a lowering's drain is D8's
+    lambda r: r.proxy and (r.down is None or (r.hung and r.down.phase is Phase.DRAINING)),
+    lambda r: None,
+)
+
+MARKED_UP = Rule(
+    "D11",
+    "marked up",
+    "away AND no restart by guardian in flight AND the replica is healthy or busy (back) AND it has no R.warmup_file",
+)
+
+
+@dataclass(frozen=True)
+class Configured:
+    """A replica marked down at the proxy, and the config of this tick."""
+
+    name: str
+    cfg: Config
+
+
+FORGOTTEN_ROW: Row[Configured, None] = Row(
     FORGOTTEN := Rule("D12", "forgotten", "the replica is no longer in the config: its server line goes with it"),
-    WARMING := Rule(
-        "D13",
-        "warming",
-        "away AND back AND R.warmup_file AND not warming yet: its warm-up requests are sent (one token each, "
-        "within R.warmup_timeout_s in all); still marked down",
-    ),
-    WARMED := Rule(
-        "D14",
-        "marked up (warm)",
-        "warming AND its warm-up ended: marked up, said with how many of its requests were served in how long "
-        "(at warning when some failed)",
-    ),
-    WARMUP_LATE := Rule(
-        "D15",
-        "marked up (warm-up past its bound)",
-        "warming AND now - the warm-up's start >= R.warmup_timeout_s + WARMUP_MARGIN_S with no end reported: "
-        "marked up anyway, said at warning",
-    ),
-    WARMUP_DROPPED := Rule(
-        "D16",
-        "warm-up dropped",
-        "warming AND not back any more (it hung, or a restart of it is in flight): its warm-up is forgotten and it "
-        "stays marked down; once back it is warmed afresh (D13)",
-    ),
+    lambda c: c.cfg.replica(c.name) is None,
+    lambda c: None,
+)
+WARMING = Rule(
+    "D13",
+    "warming",
+    "away AND back AND R.warmup_file AND not warming yet: its warm-up requests are sent (one token each, "
+    "within R.warmup_timeout_s in all); still marked down",
+)
+WARMED = Rule(
+    "D14",
+    "marked up (warm)",
+    "warming AND its warm-up ended: marked up, said with how many of its requests were served in how long "
+    "(at warning when some failed)",
+)
+WARMUP_LATE = Rule(
+    "D15",
+    "marked up (warm-up past its bound)",
+    "warming AND now - the warm-up's start >= R.warmup_timeout_s + WARMUP_MARGIN_S with no end reported: "
+    "marked up anyway, said at warning",
+)
+WARMUP_DROPPED = Rule(
+    "D16",
+    "warm-up dropped",
+    "warming AND not back any more (it hung, or a restart of it is in flight): its warm-up is forgotten and it "
+    "stays marked down; once back it is warmed afresh (D13)",
 )
 WARMUP_MARGIN_S = 2.0  # past the warm-up's own bound: the tick that brings its result
 
@@ -229,6 +295,27 @@ BACK_ROWS: tuple[Row[_Away, Back], ...] = (
     Row(WARMING, lambda a: a.back and a.has_warmup and a.warm_from is None, lambda a: Back.WARM),
     Row(MARKED_UP, lambda a: a.back and not a.has_warmup, lambda a: Back.MARK_UP),
 )
+
+
+RULES = (
+    *(row.rule for row in PLAN_ROWS),
+    *(row.rule for row in FOLLOW_ROWS),
+    *(row.rule for row in DRAINED_ROWS),
+    MEMORY_DRAIN_ROW.rule,
+    REFUSED_WHEN_DUE_ROW.rule,
+    MARKED_DOWN_ROW.rule,
+    MARKED_UP,
+    FORGOTTEN_ROW.rule,
+    WARMING,
+    WARMED,
+    WARMUP_LATE,
+    WARMUP_DROPPED,
+)
+
+
+def forget_unconfigured(drains: Mapping[str, Drain], cfg: Config) -> dict[str, Drain]:
+    """DRAINS less those of replicas gone from the config (D12): the proxy's file loses their server lines."""
+    return {name: down for name, down in drains.items() if not FORGOTTEN_ROW.holds(Configured(name, cfg))}
 
 
 def away_verdict(

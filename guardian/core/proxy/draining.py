@@ -19,18 +19,22 @@ from ..watchdog.track import Track
 from ..work import RestartAsk, Tick
 from .drain import (
     DRAINING,
+    FOLLOW_ROWS,
     MARKED_DOWN,
+    MARKED_DOWN_ROW,
     MEMORY_DRAIN,
+    MEMORY_DRAIN_ROW,
     NO_PEER,
-    NONE_LEFT,
     PLAN_ROWS,
     PROXY_FAILED,
-    REFUSED_WHEN_DUE,
+    REFUSED_WHEN_DUE_ROW,
     UNDRAINED,
     WARMED,
     WARMUP_LATE,
     Back,
+    Following,
     Plan,
+    Restarting,
     away_verdict,
     confirmed,
     drained,
@@ -116,23 +120,15 @@ def _follow_drain(t: Tick, replica: ReplicaConfig, down: Drain) -> None:
     down = confirmed(down, replica.name, t.obs.proxy, t.now)
     t.drains[replica.name] = down
     error = refused_by_proxy(down, replica.name, t.obs.proxy)
-    if error is not None and down.for_memory:
-        _say_memory_drain_waits(t, replica, down, error)
-        return
-    if error is not None:
-        _abandon(
-            t,
-            replica,
-            down,
-            PROXY_FAILED.id,
-            f"marking it down at the proxy failed: {error}; fix the proxy (see `guardian check`) or "
-            "P.drain_command, then ask again",
-        )
-        return
     peers = serving_peer_count(t.obs, t.cfg, replica.model)
-    if others_serving(replica.name, t.cfg, t.tracks, t.drains, peers, t.now) == 0:
-        none_left = f"no other replica of {replica.model} serves any more, so draining it would leave none"
-        _abandon(t, replica, down, NONE_LEFT.id, none_left)
+    serving = others_serving(replica.name, t.cfg, t.tracks, t.drains, peers, t.now)
+    found = first_match(FOLLOW_ROWS, Following(error, serving, replica.model))
+    if found is not None:
+        rule, why = found
+        if rule is PROXY_FAILED and error is not None and down.for_memory:
+            _say_memory_drain_waits(t, replica, down, error)
+        else:
+            _abandon(t, replica, down, rule.id, why)
         return
     over = drained(down, t.obs.replicas[replica.name], t.now, t.cfg)
     if over is not None and not down.for_memory:
@@ -168,9 +164,10 @@ def _restart_drained(t: Tick, replica: ReplicaConfig, down: Drain, why: str) -> 
         f"requested by an operator; {why}",
         down.request_id,
     )
-    refusal = restarts.restart(t, replica, ask, t.restart_under_way)
-    if refusal is not None:
-        _abandon(t, replica, down, REFUSED_WHEN_DUE.id, f"refused ({refusal.gate}): {refusal.text}", already_said=True)
+    refused = first_match((REFUSED_WHEN_DUE_ROW,), restarts.restart(t, replica, ask, t.restart_under_way))
+    if refused is not None:
+        rule, why = refused
+        _abandon(t, replica, down, rule.id, why, already_said=True)
         return
     t.drains[replica.name] = Drain(
         Phase.AWAY, t.now, "planned restart after its drain", down.request_id, down.confirmed_at
@@ -219,7 +216,7 @@ def _abandon(t: Tick, replica: ReplicaConfig, down: Drain, rule: str, why: str, 
 def mark_down_hung(t: Tick, replica: ReplicaConfig, track: Track) -> None:
     """D10: marked down while it restarts; a drain it hung in ends here, its request answered."""
     down = t.drains.get(replica.name)
-    if not t.cfg.proxy.enabled or (down is not None and down.phase is not Phase.DRAINING):
+    if not MARKED_DOWN_ROW.holds(Restarting(t.cfg.proxy.enabled, down, hung=True)):
         return
     if down is not None and down.request_id is not None:
         t.actions.append(
@@ -348,14 +345,15 @@ def lowering_at_the_proxy(t: Tick, lowering: SetFraction) -> SetFraction:
     down = t.drains.get(name)
     replica = t.cfg.replica(name)
     unit = replica.unit if replica is not None else None
-    if down is not None and down.for_memory and down.phase is Phase.DRAINING:
+    if MEMORY_DRAIN_ROW.holds(down):
+        assert down is not None
         why = drained(down, t.obs.replicas[name], t.now, t.cfg) or "drained"
         t.drains[name] = replace(down, phase=Phase.AWAY, since=t.now)
         verb = "raises" if lowering.new > lowering.old else "lowers"
         text = f"replica {name}: {why}; the memory guard {verb} it now ({MEMORY_DRAIN.id})"
         t.say(LogLine(Priority.INFO, text, Decision.PROXY, name, unit, rule=MEMORY_DRAIN.id))
         return lowering
-    if down is None:
+    if MARKED_DOWN_ROW.holds(Restarting(t.cfg.proxy.enabled, down, hung=False)):
         t.drains[name] = Drain(Phase.AWAY, t.now, "a critical lowering")
         text = f"replica {name}: marked down at the proxy while the memory guard restarts it ({MARKED_DOWN.id})"
         t.say(LogLine(Priority.WARNING, text, Decision.PROXY, name, unit, rule=MARKED_DOWN.id))
@@ -366,7 +364,7 @@ def mark_up_unasked(t: Tick, asked: set[str]) -> None:
     """D8: a drain the memory guard no longer asks for (the squeeze ended, it chose another)."""
     for replica in t.cfg.replicas:
         down = t.drains.get(replica.name)
-        if down is None or not down.for_memory or down.phase is not Phase.DRAINING or replica.name in asked:
+        if not MEMORY_DRAIN_ROW.holds(down) or replica.name in asked:
             continue
         del t.drains[replica.name]
         t.say(

@@ -98,7 +98,8 @@ ROWS: tuple[Row[Facts, str], ...] = (
         Rule(
             "L5",
             State.STARTING,
-            "unit activating, deactivating or in maintenance, or a restart by guardian is in flight",
+            "unit activating, deactivating, in maintenance or in a state this guardian does not know (a newer "
+            "systemd's), or a restart by guardian is in flight",
         ),
         lambda f: (
             f.unit.active_state.transitional or f.unit.active_state is ActiveState.OTHER or f.track.restart_in_flight
