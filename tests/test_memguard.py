@@ -11,27 +11,7 @@ from guardian.core.memguard import MemoryView, MemTrack, Pending, ReplicaMemory,
 from guardian.core.observations import MemorySample, RestartOutcome
 from guardian.core.rules import Refusal
 from guardian.core.vocab import Gate, MemVerdict, State
-from harness import TOTAL, GiB, cfg, logs, lowerings, rules, run_memguard, with_memory
-
-
-def memory_cfg(**memory) -> Config:
-    """Replicas a and b with the memory guard on as harness.with_memory has it, but a squeeze must
-    last 30 s (sustain_s) before it acts. MEMORY overrides."""
-    return with_memory(cfg(2), **({"sustain_s": 30} | memory))
-
-
-def rep(name="a", fraction=0.78, state="healthy", wiring=None, running=None, started_at=0.0, failure=None, model="m"):
-    return ReplicaMemory(name=name, unit=f"vllm-{name}.service", model=model, fraction=fraction,
-                         running_fraction=running if running is not None else fraction, started_at=started_at,
-                         wiring_problem=wiring, state=State(state), start_failure=failure)
-
-
-def view(headroom_gib: float, *replicas, psi=None, blocked=None, peers=None) -> MemoryView:
-    """PEERS: model -> the peer URLs serving it."""
-    s = MemorySample(TOTAL, int(headroom_gib * GiB), int(headroom_gib * GiB), psi, None)
-    reps = replicas or (rep("a", 0.78), rep("b", 0.70))
-    return MemoryView(s, TOTAL, tuple(reps), peers_serving=peers or {}, consumers="db.service 22.1 GiB",
-                      restart_blocked=blocked)
+from harness import TOTAL, GiB, cfg, logs, lowerings, memory_cfg, rep, rules, run_memguard, view, with_memory
 
 
 @pytest.mark.parametrize("dt, acts", [(29.0, False), (30.0, True), (31.0, True)])

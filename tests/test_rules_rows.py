@@ -12,7 +12,7 @@ from types import ModuleType, SimpleNamespace
 
 import pytest
 from harness import RULE_TABLES, GiB, cfg, lowerings, rule_modules, rules, run_memguard
-from test_memguard import memory_cfg, rep, view
+from harness import memory_cfg, rep, view
 
 from guardian.core import gates, memrestore
 from guardian.core.memsqueeze import CRITICAL_ROW, OVERRIDDEN_ROW, SQUEEZED_ROW, Clocks, Served
