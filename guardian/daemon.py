@@ -36,10 +36,10 @@ from .act.state import STATUS_FILE, StateCache, StateStore, atomic_write_json
 from .config import Config, ConfigError, load_config
 from .core import thresholds, tick
 from .core.hazards import Hazard
+from .core.memory.wiring import problem_of
 from .core.observations import MemorySample, TickObservation
 from .core.vocab import Priority
 from .core.weights import Weights
-from .core.wiring import problem_of
 from .export.exports import Exports
 from .fleet.sync import Fleet
 from .observe import startlook

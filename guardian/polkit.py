@@ -26,7 +26,7 @@ from pathlib import Path
 
 from .config import Config
 from .core.container import helper_unit
-from .core.startfit import DROP_CACHES_UNIT
+from .core.fit.startfit import DROP_CACHES_UNIT
 
 RULE_PATH = Path("/etc/polkit-1/rules.d/50-guardian.rules")
 SERVICE_USER = "guardian"

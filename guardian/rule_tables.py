@@ -7,17 +7,9 @@ README keeps a short account and links there); a test checks docs/rules.md again
 
 from __future__ import annotations
 
-from .core import (
-    admission,
-    fleet,
-    gates,
-    memguard,
-    outside,
-    startfit,
-    startguard,
-    stopping,
-    weights,
-)
+from .core import admission, fleet, gates, outside, stopping, weights
+from .core.fit import startfit
+from .core.memory import memguard, startguard
 from .core.proxy import bypass, drain
 from .core.rules import markdown_table
 from .core.watchdog import canary, liveness

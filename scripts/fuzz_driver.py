@@ -78,7 +78,7 @@ def replica_memory(facts: dict[str, Any], **kw: Any) -> ob.ReplicaMemoryObservat
     observer computes with core.wiring); a tree that judges the raw facts in the core takes them."""
     have = {f.name for f in dataclasses.fields(ob.ReplicaMemoryObservation)}
     if "wiring_problem" in have:
-        from guardian.core import wiring
+        from guardian.core.memory import wiring
 
         files = tuple(wiring.EnvFile(*e) for e in facts["env_files"])
         kw["wiring_problem"] = wiring.wiring_problem(facts["unit"], files, facts["exec_start"], facts["env_path"])

@@ -38,7 +38,8 @@ from systemd_box import wait_for
 import guardian.core
 from guardian.act.journal import Journal
 from guardian.config import Config, FleetConfig, MemoryConfig, ProxyConfig, ReplicaConfig, WatchdogConfig
-from guardian.core import memguard, startguard, tick
+from guardian.core.memory import memguard, startguard
+from guardian.core import tick
 from guardian.core.actions import AnswerRequest, LogLine, RestartUnit, SetFraction, StartCanary
 from guardian.core.observations import (
     ConnView,
@@ -60,7 +61,7 @@ from guardian.core.observations import (
 )
 from guardian.core.rules import Refusal
 from guardian.core.vocab import ActiveState, Decision, HeldBy, LoadState, State, UnitFileState
-from guardian.core.memguard import MemoryView, ReplicaMemory
+from guardian.core.memory.memguard import MemoryView, ReplicaMemory
 from guardian.observe.metrics import parse_vllm_metrics
 
 # --- 1. rule ids ------------------------------------------------------------------------------------

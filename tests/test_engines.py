@@ -15,7 +15,7 @@ from guardian.config import Config, ConfigError, ReplicaConfig, load_config
 from guardian.core.container import engine_words
 from guardian.core.observations import Activity, CanaryResult, EnvFile, Probe, ProcView
 from guardian.core.vocab import State
-from guardian.core.wiring import cmdline_fraction, wiring_problem
+from guardian.core.memory.wiring import cmdline_fraction, wiring_problem
 from guardian.engines import ENGINES, detect
 from guardian.engines.llamacpp import LLAMACPP
 from guardian.engines.resolve import told

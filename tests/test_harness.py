@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from guardian.core import memguard, tick
+from guardian.core.memory import memguard
+from guardian.core import tick
 from guardian.core.actions import LogLine
 from guardian.core.watchdog.track import Track
-from guardian.core.memguard import MemoryView
+from guardian.core.memory.memguard import MemoryView
 from guardian.core.rules import Refusal
 from guardian.core.vocab import Decision, Gate, Priority
 from harness import (

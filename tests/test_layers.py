@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from guardian.core import admission, fleet, gates, memguard, startguard
+from guardian.core import admission, fleet, gates
+from guardian.core.memory import memguard, startguard
 from guardian.core.proxy import bypass, drain
 from guardian.core.watchdog import liveness
 from guardian.rule_tables import render_into, tables
@@ -291,14 +292,14 @@ def test_every_rule_is_in_its_own_familys_table():
 
 def test_observers_bring_the_wiring_facts_and_the_core_judges_them():
     """observe/ reads a unit's wiring (core/observations.py UnitWiring); the judgement
-    (core/wiring.py wiring_problem, problem_of) is made in the core, from those values. From
-    core/wiring.py an observer takes only the parsers of what it read."""
+    (core/memory/wiring.py wiring_problem, problem_of) is made in the core, from those values. From
+    core/memory/wiring.py an observer takes only the parsers of what it read."""
     parsers = {"cmdline_fraction", "env_value", "parse_fraction", "VAR", "VAR_FORMS", "EnvFile"}  # EnvFile: a value
     for path in sorted((PKG / "observe").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.endswith("core.wiring"):
                 taken = {a.name for a in node.names}
-                assert taken <= parsers, f"{path.name} takes {sorted(taken - parsers)} of core/wiring.py"
+                assert taken <= parsers, f"{path.name} takes {sorted(taken - parsers)} of core/memory/wiring.py"
     assert "wiring_problem" not in (PKG / "observe" / "memory.py").read_text()
 
 

@@ -63,10 +63,10 @@ def test_layout_names_every_package_and_module_and_no_other():
 
 def test_the_layout_check_sees_a_missing_module_and_one_without_a_line():
     text = _layout()
-    assert "memview.py" in _parts(text)["core"]
-    assert "memview.py" not in _parts(text.replace("- `memview.py`:", "- `memview`:"))["core"]
+    assert "memview.py" in _parts(text)["core/memory"]
+    assert "memview.py" not in _parts(text.replace("- `memview.py`:", "- `memview`:"))["core/memory"]
     no_line = re.sub(r"^- `memview.py`: .*$", "- `memview.py`:", text, flags=re.M)
-    assert "memview.py" not in _parts(no_line)["core"]
+    assert "memview.py" not in _parts(no_line)["core/memory"]
     assert "daemon.py" in _parts(text)[""] and "daemon.py" not in _parts(text)["core"]
     assert "check.py" in _parts(text)["cli"] and "check.py" not in _parts(text)[""]
     assert "canary.py" in _parts(text)["core/watchdog"] and "canary.py" not in _parts(text)["core"]

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from guardian.config import Config, MemoryConfig
-from guardian.core.memguard import MemoryView, MemTrack, Pending, ReplicaMemory, choose_fraction
+from guardian.core.memory.memguard import MemoryView, MemTrack, Pending, ReplicaMemory, choose_fraction
 from guardian.core.observations import MemorySample, RestartOutcome
 from guardian.core.rules import Refusal
 from guardian.core.vocab import Gate, MemVerdict, State
@@ -552,7 +552,7 @@ def test_status_shows_the_base_and_the_current_fraction_and_the_raise_in_progres
 
     from guardian.act.state import atomic_write_json
     from guardian.cli import main
-    from guardian.core.memguard import MemTrack
+    from guardian.core.memory.memguard import MemTrack
     from guardian.core.observations import TickObservation
     from guardian.core.tick import TickState
     from guardian.observe.clock import Now
@@ -809,13 +809,13 @@ def test_a_lowering_records_its_base_only_when_its_env_file_is_written(tmp_path,
     ],
 )
 def test_a_start_is_lowered_to_fit_only_with_no_change_of_its_fraction_in_flight(track, settled):
-    from guardian.core.memguard import fraction_settled
+    from guardian.core.memory.memguard import fraction_settled
 
     assert fraction_settled(track, "a") is settled
 
 
 def test_a_change_of_weights_drops_what_the_memory_guard_learned_of_the_old_ones():
-    from guardian.core.memguard import weights_changed
+    from guardian.core.memory.memguard import weights_changed
 
     track = MemTrack(ceilings={"a": 0.86, "b": 0.9})
     assert weights_changed(track, "a").ceilings == {"b": 0.9}  # a's failed raise was the old model's size

@@ -7,7 +7,7 @@ import asyncio
 
 from harness import Running, lowerings, run_memguard, with_memory, cfg
 from guardian.config import ReplicaConfig
-from guardian.core.memguard import MemoryView, ReplicaMemory
+from guardian.core.memory.memguard import MemoryView, ReplicaMemory
 from guardian.core.observations import MemorySample
 from guardian.core.vocab import MemVerdict, State
 from guardian.observe.memory import MemoryObserver

@@ -12,7 +12,7 @@ from harness import Box, cfg
 from guardian.config import Config
 from guardian.core import notices, tick
 from guardian.core.hazards import Hazard
-from guardian.core.memstate import MemTrack
+from guardian.core.memory.memstate import MemTrack
 from guardian.core.vocab import Decision, Priority
 from guardian.core.weights import Weights
 

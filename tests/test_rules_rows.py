@@ -14,8 +14,9 @@ import pytest
 from harness import RULE_TABLES, GiB, cfg, lowerings, rule_modules, rules, run_memguard
 from harness import memory_cfg, rep, view
 
-from guardian.core import gates, memrestore
-from guardian.core.memsqueeze import CRITICAL_ROW, OVERRIDDEN_ROW, SQUEEZED_ROW, Clocks, Served
+from guardian.core import gates
+from guardian.core.memory import memrestore
+from guardian.core.memory.memsqueeze import CRITICAL_ROW, OVERRIDDEN_ROW, SQUEEZED_ROW, Clocks, Served
 from guardian.core.proxy import bypass, drain
 from guardian.core.proxy.drainstate import Drain, Phase
 from guardian.core.rules import Row, Rule, first_match
@@ -39,7 +40,7 @@ def _rows_of(module: ModuleType) -> list[Row]:
 def _all_rows() -> list[Row]:
     modules = {*rule_modules().values(), importlib.import_module("guardian.core.watchdog.canary")}
     # the memory guard's rows live in the modules its RULES gathers them from
-    modules |= {importlib.import_module(f"guardian.core.{m}") for m in ("memsqueeze", "memfollow", "memrestore")}
+    modules |= {importlib.import_module(f"guardian.core.memory.{m}") for m in ("memsqueeze", "memfollow", "memrestore")}
     return [row for module in modules for row in _rows_of(module)]
 
 

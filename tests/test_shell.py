@@ -236,7 +236,7 @@ def test_a_kept_u8_finding_is_judged_each_tick_and_leaves_status_once_it_is_back
     import json
 
     from guardian.observe import startlook
-    from guardian.core import startfit
+    from guardian.core.fit import startfit
     from guardian.core.observations import PersistentView, TickObservation
     from guardian.observe.clock import Now
 

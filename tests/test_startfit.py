@@ -1,4 +1,4 @@
-"""A start that fits (core/startfit.py): the rows U1-U7 at their boundaries, and the model files a
+"""A start that fits (core/fit/startfit.py): the rows U1-U7 at their boundaries, and the model files a
 replica's command line names (observe/modelfiles.py) with their real page cache."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from dataclasses import replace
 
 import pytest
 
-from guardian.core import startfit
-from guardian.core.startfit import Release, StartFit
+from guardian.core.fit import startfit
+from guardian.core.fit.startfit import Release, StartFit
 from guardian.observe import modelfiles
 
 GiB = 2**30
@@ -493,10 +493,10 @@ def test_the_status_line_of_a_kept_finding_no_longer_says_only_a_reboot_frees_it
     assert "a reboot frees it" not in text
 
 
-# --- what the fit says (core/fitsay.py): the core chooses the lines, the fit step writes them -------
+# --- what the fit says (core/fit/fitsay.py): the core chooses the lines, the fit step writes them -------
 
 def test_a_refusal_is_said_when_its_episode_begins_and_a_start_ends_the_episode() -> None:
-    from guardian.core import fitsay
+    from guardian.core.fit import fitsay
 
     no_fit, fits = fit(free_bytes=0, own_cached_bytes=0), fit(free_bytes=9 * GiB)
     said, episode, out = None, None, []
@@ -515,7 +515,7 @@ def test_a_refusal_is_said_when_its_episode_begins_and_a_start_ends_the_episode(
     ({"free_bytes": 9 * GiB}, None, None),  # U2: a start that fits says nothing
 ])
 def test_a_lowered_or_doubtful_start_is_said_at_warning_with_its_rule(kw, rule, priority) -> None:
-    from guardian.core import fitsay
+    from guardian.core.fit import fitsay
 
     f = fit(**kw)
     said = fitsay.verdict("a", "vllm-a.service", f, startfit.judge(f), None)

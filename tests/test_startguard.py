@@ -1,4 +1,4 @@
-"""The start guard (core/startguard.py, S1-S10): a start that takes the box below the critical
+"""The start guard (core/memory/startguard.py, S1-S10): a start that takes the box below the critical
 headroom is stopped and restarted a step lower. Its rows alone (startguard.decide on a fake clock),
 then through the real tick (harness.Box): the look interval, admission, the memory guard's
 following of the change, and never a unit that is not a configured replica."""
@@ -10,14 +10,15 @@ from dataclasses import replace
 import pytest
 
 from guardian.config import MemoryConfig
-from guardian.core import startguard, tick
+from guardian.core.memory import startguard
+from guardian.core import tick
 from guardian.core.actions import LogLine, RestartUnit, SetFraction
-from guardian.core.memguard import Pending
+from guardian.core.memory.memguard import Pending
 from guardian.core.observations import (
     MemoryObservation, MemorySample, PersistentView, Probe, ReplicaMemoryObservation, RestartOutcome,
 )
 from guardian.core.rules import Refusal
-from guardian.core.startguard import CGROUP, FALL, NVML, StartView, Starting
+from guardian.core.memory.startguard import CGROUP, FALL, NVML, StartView, Starting
 from guardian.core.vocab import Decision, Gate, Priority, State
 from harness import TOTAL, Box, GiB, cfg, lines, obs, unit, wired, with_memory
 from harness import run_startguard as run

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from guardian.core.startguard import CGROUP, FALL
+from guardian.core.memory.startguard import CGROUP, FALL
 from systemd_box import wait_for
 from world import HOG, GiB, World, hog, line_with, mem_available, start_with_thresholds
 

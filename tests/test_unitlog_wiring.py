@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from guardian.observe.unitlog import find_start_error
-from guardian.core.wiring import EnvFile, wiring_problem
+from guardian.core.memory.wiring import EnvFile, wiring_problem
 from guardian.observe.memory import read_env_fraction
 from harness import returns_within
 
@@ -85,7 +85,7 @@ def test_env_file_reading(tmp_path):
     ("", None), ("0." + "9" * 40, None), ("٠.٥", None),
 ])
 def test_a_fraction_is_a_plain_decimal_from_one_hundredth_to_one(value, fraction):
-    from guardian.core.wiring import cmdline_fraction, parse_fraction
+    from guardian.core.memory.wiring import cmdline_fraction, parse_fraction
 
     assert parse_fraction(value) == fraction
     assert cmdline_fraction(("vllm", "serve", "m", "--gpu-memory-utilization", value)) == fraction

@@ -1,4 +1,4 @@
-"""A start that fits (core/startfit.py), as a restart performs it right before its job: the figures
+"""A start that fits (core/fit/startfit.py), as a restart performs it right before its job: the figures
 measured afresh, the releases the verdict asks for done and measured, and the start refused where
 it cannot fit. Nothing here decides: `startfit.judge` does."""
 
@@ -11,10 +11,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
 from ..config import Config, ReplicaConfig
-from ..core import fitsay, startfit
+from ..core.fit import fitsay, startfit
+from ..core.fit.startfit import DROP_CACHES_UNIT, Leftover, LeftoverLook, Release, StartFit, Verdict
+from ..core.memory.wiring import EnvFile, wiring_problem
 from ..core.observations import MemorySample, UnitInfo, gib
-from ..core.startfit import DROP_CACHES_UNIT, Leftover, LeftoverLook, Release, StartFit, Verdict
-from ..core.wiring import EnvFile, wiring_problem
 from ..observe import modelfiles, startlook
 from ..observe.meminfo import sample_memory
 from ..observe.memory import env_path, service_details
@@ -122,7 +122,8 @@ def _own_cached_bytes(
 def _wired(
     cfg: Config, r: ReplicaConfig, details: ServiceDetails | None, env_files: tuple[EnvFile, ...], knob: str | None
 ) -> bool:
-    """Its unit passes guardian's env file to KNOB, its engine's flag (core/wiring.py); unknown without its details."""
+    """Its unit passes guardian's env file to KNOB, its engine's flag (core/memory/wiring.py); unknown
+    without its details."""
     return (
         details is not None
         and wiring_problem(r.unit, env_files, details.exec_start, str(env_path(cfg, r.name)), knob) is None
@@ -149,7 +150,7 @@ def would_release(m: Measured, verdict: Verdict) -> str:
 
 
 def judge_kept(leftovers: dict[str, Leftover], r: ReplicaConfig, look: LeftoverLook, journal: Journal) -> None:
-    """R's kept U8 finding judged on LOOK (core/startfit.py judge_kept): kept, or ended and said once at info."""
+    """R's kept U8 finding judged on LOOK (core/fit/startfit.py judge_kept): kept, or ended and said once at info."""
     kept = leftovers.get(r.name)
     if kept is None:
         return

@@ -18,9 +18,9 @@ from ..config import Config, ReplicaConfig
 from ..core import gates, stopping
 from ..core.actions import HUNG_STOP_GRACE_S, LogLine
 from ..core.container import helper_unit
+from ..core.fit.startfit import Leftover
 from ..core.observations import MemorySample, RestartOutcome, UnitInfo
 from ..core.rules import Refusal
-from ..core.startfit import Leftover
 from ..core.vocab import ActiveState, Decision, Gate, HeldBy, Priority
 from ..observe.addresses import pin_of
 from ..observe.clock import Now
@@ -128,7 +128,7 @@ async def checked_restart(tools: Tools, order: RestartOrder) -> RestartOutcome:
 
 
 def fraction_text(new: float) -> bytes:
-    """guardian's env file for a replica (core/wiring.py: what its unit must read)."""
+    """guardian's env file for a replica (core/memory/wiring.py: what its unit must read)."""
     return f"# written by guardian's memory guard\nGPU_MEMORY_UTILIZATION={new:g}\n".encode()
 
 
@@ -281,7 +281,7 @@ class Stop:
     """How one restart's stop is helped along, in the way its order says (during):
 
     - kill_hung (kill_first): a hung replica's processes, or those of a start the start guard stops
-      (core/startguard.py), are SIGKILLed if the stop has not ended HUNG_STOP_GRACE_S after the
+      (core/memory/startguard.py), are SIGKILLed if the stop has not ended HUNG_STOP_GRACE_S after the
       job began;
     - bounded (stop_timeout_s): a drained replica's stop is waited for up to its bound, then its
       processes are SIGKILLed; how long the stop took is said either way;

@@ -17,15 +17,16 @@ import psutil
 from ..act import fit, proxy_check
 from ..act.state import STATUS_FILE, CorruptState, StateStore, view
 from ..config import Config, ConfigError, ReplicaConfig, config_path, load_config
-from ..core import gates, hazards, startfit, stopping, thresholds
+from ..core import gates, hazards, stopping, thresholds
 from ..core import weights as core_weights
 from ..core.container import KEEPING_POLICIES, helper_unit, parse_run_line, unit_problems
+from ..core.fit import startfit
+from ..core.memory.wiring import problem_of
 from ..core.observations import FleetMember, Probe, UnitInfo, VllmSample
 from ..core.outside import outside_hazards
 from ..core.proxy import bypass, drain
 from ..core.vocab import ActiveState, HeldBy, Hidden, Nobody, PortOwner
 from ..core.weights import Weights
-from ..core.wiring import problem_of
 from ..engines.resolve import Told, told
 from ..observe import clock, probes, startlook, warmup
 from ..observe import weights as observe_weights
@@ -197,7 +198,7 @@ async def _check_units(cfg: Config, sd: Systemd, report: Report) -> _Bus:
 
 
 async def _check_fit(cfg: Config, sd: Systemd, units: dict[str, UnitInfo | None], report: Report) -> None:
-    """Each replica's next start as the fit step would judge it now (core/startfit.py)."""
+    """Each replica's next start as the fit step would judge it now (core/fit/startfit.py)."""
     if not startlook.unified(cfg):
         why = "the GPU's memory is not the box's, or no GPU"
         report.say(f"start fit: not judged on this box ({startfit.NOT_UNIFIED.id}: {why})")

@@ -3,8 +3,8 @@ is not judged for it (guardian/engines/)."""
 
 from __future__ import annotations
 
+from ..core.fit.startfit import NOT_SIZED
 from ..core.observations import Probe
-from ..core.startfit import NOT_SIZED
 from ..core.watchdog.liveness import ENGINE_QUIET, STALL_CANARY, STALL_WINDOW
 from ..engines.base import Engine
 from ..engines.resolve import Told

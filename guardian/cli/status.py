@@ -13,7 +13,7 @@ from typing import Any
 
 from ..act.state import STATUS_FILE
 from ..config import Config, ConfigError
-from ..core import startfit
+from ..core.fit import startfit
 from ..observe.readback import Refused, read_back
 from .common import STATUS_MAX_BYTES, Exit, load, one_line
 

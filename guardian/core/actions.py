@@ -2,7 +2,7 @@
 dispatcher (act/executor.py: `Executor.perform`, matched exhaustively), which performs it or hands
 it to its part: the fleet's slots (AcquireSlot, ReleaseSlot) to fleet/sync.py, SyncProxy to
 act/proxy.py. DrainReplica is not an Action: it never leaves the core (the tick's memory step,
-core/memstep.py _take_memory_actions, consumes it)."""
+core/memory/memstep.py _take_memory_actions, consumes it)."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ class RestartUnit:
     # there is said only as refused (act/restart.py)
     said: LogLine | None = None
     # no change of its fraction in flight (no lowering or raise pending, none written and unread): a
-    # start that cannot fit at its own fraction may be lowered to fit (core/startfit.py U6)
+    # start that cannot fit at its own fraction may be lowered to fit (core/fit/startfit.py U6)
     may_lower: bool = False
 
 
@@ -85,14 +85,14 @@ class SetFraction:
     retry: bool = False  # after a failed start with the previous fraction: a failed unit may be restarted
     stop_timeout_s: float | None = None  # drained first: SIGKILL its processes if the stop takes longer
     # SIGKILL the unit's processes if the stop lasts HUNG_STOP_GRACE_S, as RestartUnit's: the start guard
-    # stops a start that is taking the box's last memory at once (core/startguard.py)
+    # stops a start that is taking the box's last memory at once (core/memory/startguard.py)
     kill_first: bool = False
 
 
 @dataclass(frozen=True)
 class DrainReplica:
     """The memory guard asks for REPLICA to be drained at the proxy before it lowers it (M16).
-    Consumed by the tick's memory step (core/memstep.py), which keeps its drains (core/proxy/draining.py);
+    Consumed by the tick's memory step (core/memory/memstep.py), which keeps its drains (core/proxy/draining.py);
     never performed."""
 
     replica: str

@@ -20,8 +20,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..config import Config, ReplicaConfig, WatchdogConfig
-from . import gates, startfit
+from . import gates
 from .actions import AnswerRequest, LogLine, RequestWaits
+from .fit import startfit
 from .observations import PersistentView, RestartRequest, TickObservation, gib
 from .rules import Refusal, Row, Rule, Why, first_match
 from .startloop import StartRun

@@ -331,7 +331,7 @@ class MemorySample:
     psi_some_avg10: float | None  # percent of time some task stalled on memory, last 10 s
     psi_full_avg10: float | None
     # The reclaimable file cache, Active(file) + Inactive(file): counted in MemAvailable, NOT in MemFree,
-    # and on GB10 not free to the GPU (core/startfit.py)
+    # and on GB10 not free to the GPU (core/fit/startfit.py)
     file_cache_bytes: int = 0
 
 
@@ -347,7 +347,7 @@ class EnvFile:
 @dataclass(frozen=True)
 class UnitWiring:
     """What a replica's unit shows of its wiring for the memory guard, which the core judges
-    (core/wiring.py): its EnvironmentFile= entries as read, its ExecStart=, and guardian's env file
+    (core/memory/wiring.py): its EnvironmentFile= entries as read, its ExecStart=, and guardian's env file
     for it; or why the unit could not be looked at (UNSEEN: a container without a unit, systemd
     not answering), said as it is."""
 
@@ -461,7 +461,7 @@ class TickObservation:
     memory: MemoryObservation | None = None  # None: the memory guard is off
     proxy: ProxyView | None = None  # None: no proxy configured
     fleet: FleetView | None = None  # None: no fleet configured, or not read (core/fleet.py)
-    # replica -> the bytes its processes held that did not come back when they exited (core/startfit.py
+    # replica -> the bytes its processes held that did not come back when they exited (core/fit/startfit.py
     # U8's standing findings, as the shell keeps them: act/fit.py not_returned_now); read by the start loop
     not_returned: Mapping[str, int] = field(default_factory=dict)
     # the replicas whose weights changed since the last tick's decision (W2, core/notices.py's

@@ -11,8 +11,9 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from ..config import ReplicaConfig
-from . import admission, memguard, stopping
+from . import admission, stopping
 from .actions import HUNG_STOP_GRACE_S, LogLine, RestartUnit
+from .memory import memguard
 from .rules import Refusal
 from .vocab import RESTART_STATES, Decision, Priority, RestartKind
 from .watchdog.track import Track

@@ -1,7 +1,7 @@
 """A replica whose starts fail one after another (issue 44 item 3): counted from what systemd says
 of its unit at each tick. Pure.
 
-Why: a start that fails because memory its processes held did not come back (core/startfit.py U8:
+Why: a start that fails because memory its processes held did not come back (core/fit/startfit.py U8:
 the driver, or a file left in /dev/shm, still holds it) fails again at the next start, and the
 next: a compose restart loop of about 35 starts thrashed a GB10 until a physical reset
 (eugr/spark-vllm-docker #257). guardian must not feed that loop; its unit's own Restart= still does,

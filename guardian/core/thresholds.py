@@ -4,7 +4,7 @@ gives one line per part of guardian (the loop, the watchdog, restarts ...), limi
 from __future__ import annotations
 
 from ..config import Config
-from . import startfit
+from .fit import startfit
 from .observations import gib
 from .watchdog import canary, liveness
 

@@ -4,7 +4,7 @@ This is guardian's judgement of the replicas, their restarts and the box's memor
 observes, calls this once, and performs the actions. What is judged elsewhere, and why: the
 said-once conditions (hazards, weights W1-W3, a host's split, the engine) in core/notices.py, whose
 transitions the shell runs as its scans and reads come in (they act on nothing); the start fit
-(core/startfit.py, U1-U8), judged by its pure `judge` on figures measured right before a start,
+(core/fit/startfit.py, U1-U8), judged by its pure `judge` on figures measured right before a start,
 since a fit measured a tick earlier could be wrong by then.
 
 ``now`` is the tick's moment in monotonic seconds (CLOCK_MONOTONIC, a float): the clock of every
@@ -29,11 +29,11 @@ rules, and this module is only their order:
    admission, then drain first when a proxy is configured (D1, D2); each is answered, refused
    or done, exactly once; one asked with `--wait` waits through a refusal that passes by itself
    (A4: back-off, one at a time, a job pending), said once per cause, until its wait ends;
-5. memstep.guard_starts: the start guard (core/startguard.py, S1-S10) watches each replica's start, and
+5. memstep.guard_starts: the start guard (core/memory/startguard.py, S1-S10) watches each replica's start, and
    stops one that takes the box below the critical headroom, restarting it one step lower; that
    change becomes the memory guard's pending one, which step 6 follows (M3-M8);
-6. memstep.guard_memory: the memory guard (its view built by core/memview.py, its verdict by
-   core/memguard.py, M1-M26) sees the tracks and what admission would say; a change it starts
+6. memstep.guard_memory: the memory guard (its view built by core/memory/memview.py, its verdict by
+   core/memory/memguard.py, M1-M26) sees the tracks and what admission would say; a change it starts
    marks that replica's restart in flight, as any other restart does; its drains are kept here
    (D8, D10);
 7. fleet.release_slots: a fleet slot whose planned restart is over is given back (F7);
@@ -53,8 +53,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..config import Config
-from . import fleet, memguard, memstep, requests, restarts
+from . import fleet, requests, restarts
 from .actions import Action, SyncProxy
+from .memory import memguard, memstep
 from .observations import TickObservation
 from .proxy import bypass, draining
 from .watchdog import canary, verdicts

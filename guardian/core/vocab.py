@@ -65,7 +65,9 @@ class Decision(StrEnum):
     REQUEST = "request"  # an operator's request (pause, resume, restart)
     PROXY = "proxy"  # a replica marked down or up at the proxy (rules in core/proxy/drain.py)
     FLEET = "fleet"  # a planned restart waiting for, taking or giving back a fleet slot (core/fleet.py)
-    CACHE = "cache"  # a start's fit: the page cache released before it, or a start that may not fit (core/startfit.py)
+    CACHE = (
+        "cache"  # a start's fit: the page cache released before it, or a start that may not fit (core/fit/startfit.py)
+    )
     NOTE = "note"  # anything else: start, limits, bus, reload
 
 
@@ -87,12 +89,12 @@ class Gate(StrEnum):
     ENV_FILE = "env-file"  # the memory guard could not write the replica's env file
     FLEET = "fleet"  # a planned restart waits for the fleet (core/fleet.py)
     NO_PEER = "no-peer"  # under a proxy, a planned restart waits for another replica of its model to serve
-    NO_FIT = "no-fit"  # the start cannot fit in the memory the device would see free (core/startfit.py U7)
+    NO_FIT = "no-fit"  # the start cannot fit in the memory the device would see free (core/fit/startfit.py U7)
     START_LOOP = "start-loop"  # its starts fail one after another while its memory did not come back (A6)
 
 
 class MemVerdict(StrEnum):
-    """What the memory guard concluded on a tick (rules in core/memguard.py)."""
+    """What the memory guard concluded on a tick (rules in core/memory/memguard.py)."""
 
     NOT_SQUEEZED = "not-squeezed"
     PENDING = "pending"

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..config import Config
-from . import memstate, startguard
 from .actions import AcquireSlot, Action, LogLine
+from .memory import memstate, startguard
 from .observations import TickObservation
 from .proxy import bypass, drain
 from .proxy.drainstate import Drain, Phase

@@ -20,8 +20,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.metrics_core import Metric
 
 from ..config import Config, ReplicaConfig
-from ..core import admission, startfit
+from ..core import admission
 from ..core.actions import Action, LogLine, RestartUnit, SetFraction
+from ..core.fit import startfit
 from ..core.hazards import Hazard
 from ..core.observations import PersistentView, ReplicaObservation, TickObservation
 from ..core.proxy.bypass import Bypass
@@ -259,7 +260,7 @@ class Metrics:
         self.lowerings = counter("guardian_memory_lowerings", "fractions the memory guard lowered", "replica")
         self.cache_released = counter(
             "guardian_cache_released_bytes",
-            "page cache released before a start guardian caused (core/startfit.py), by how: own (its model "
+            "page cache released before a start guardian caused (core/fit/startfit.py), by how: own (its model "
             "files, posix_fadvise) or all (drop_caches)",
             "replica",
             "how",

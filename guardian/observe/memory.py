@@ -14,7 +14,9 @@ import psutil
 
 from ..config import Config, ReplicaConfig
 from ..core.container import engine_words
-from ..core.memstate import Pending
+from ..core.memory.memstate import Pending
+from ..core.memory.startguard import may_be_loading
+from ..core.memory.wiring import cmdline_fraction, env_value, parse_fraction
 from ..core.observations import (
     EnvFile,
     MemoryObservation,
@@ -23,8 +25,6 @@ from ..core.observations import (
     UnitWiring,
     gib,
 )
-from ..core.startguard import may_be_loading
-from ..core.wiring import cmdline_fraction, env_value, parse_fraction
 from ..engines import DEFAULT
 from ..engines.base import Engine
 from ..engines.resolve import told
@@ -77,7 +77,7 @@ def read_env_file(path: str) -> EnvFile:
 
 
 async def wiring_of(sd: Systemd, cfg: Config, r: ReplicaConfig) -> UnitWiring:
-    """What R's unit shows of its wiring for the memory guard (judged by core/wiring.py)."""
+    """What R's unit shows of its wiring for the memory guard (judged by core/memory/wiring.py)."""
     if r.unitless:
         return UnitWiring(
             r.unit,
@@ -188,7 +188,7 @@ def unit_of_pid(pid: int, proc: str = "/proc") -> str | None:
 def consumers_text(units: list[tuple[str, int]], procs: list[tuple[str, int, int, str | None]]) -> str:
     """The largest consumers as the journal lines say them: each unit, then each process with its pid
     and, where known, its unit ("python3 (pid 9 in vllm-b.service) 50.0 GiB"): the start guard leaves
-    out a replica's own (core/startguard.py, S10's "largest others")."""
+    out a replica's own (core/memory/startguard.py, S10's "largest others")."""
     named = [f"{n} (pid {pid}{f' in {u}' if u else ''}) {gib(b)}" for n, pid, b, u in procs]
     return ", ".join([f"{n} {gib(b)}" for n, b in units] + named)
 

@@ -29,8 +29,8 @@ from collections.abc import Iterable, Mapping
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from ..core.memory.wiring import parse_fraction
 from ..core.observations import VllmSample
-from ..core.wiring import parse_fraction
 from ..engines.base import PageShape
 from ..engines.vllm import PAGE as VLLM
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-from ..core import startfit
+from ..core.fit import startfit
 from ..core.observations import GpuLife
 
 

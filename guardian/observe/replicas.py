@@ -16,7 +16,7 @@ import httpx
 from .. import engines
 from ..config import Config, ReplicaConfig
 from ..core.container import engine_words
-from ..core.memstate import Pending
+from ..core.memory.memstate import Pending
 from ..core.observations import (
     CanaryResult,
     ConnView,

@@ -1,4 +1,4 @@
-"""A start's figures, right now, as the start fit needs them (core/startfit.py judges them): the
+"""A start's figures, right now, as the start fit needs them (core/fit/startfit.py judges them): the
 box's memory, what the replica's processes hold that their exit gives back, the fraction it runs
 with and the one its next start would take, its unit's env files, and its model files with their
 page cache. Looked at by a restart's fit step (act/fit.py) right before the start, by `guardian
@@ -11,10 +11,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..config import Config, ReplicaConfig
+from ..core.fit.startfit import LeftoverLook
+from ..core.memory.wiring import VAR, VAR_FORMS, EnvFile, cmdline_fraction
 from ..core.observations import MemorySample, UnitInfo
-from ..core.startfit import LeftoverLook
 from ..core.vocab import ActiveState
-from ..core.wiring import VAR, VAR_FORMS, EnvFile, cmdline_fraction
 from ..engines.base import Engine
 from . import modelfiles, nvml
 from .meminfo import sample_memory

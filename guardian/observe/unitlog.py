@@ -2,7 +2,7 @@
 
 Only vLLM's memory refusal counts ("Free memory on device ... is less than desired GPU memory
 utilization (0.74, ...)"), and only when it names the fraction that was written: a start is
-failed by facts (this refusal, the unit failed, or the startup grace ran out; core/memguard.py
+failed by facts (this refusal, the unit failed, or the startup grace ran out; core/memory/memguard.py
 M7), never by a word in a log. Every vLLM start logs warnings that say "error" (the ulimit one).
 """
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ...config import ReplicaConfig
-from .. import admission, startfit, startloop
+from .. import admission, startloop
 from ..actions import LogLine, RecordCanaryLatencies, StartCanary
+from ..fit import startfit
 from ..observations import TickObservation, gib
 from ..vocab import RESTART_STATES, SERVING_STATES, Decision, Priority, State
 from ..work import Tick

@@ -13,17 +13,17 @@ later file overrides an earlier one, and every EnvironmentFile= overrides Enviro
    --kv_cache_free_gpu_memory_fraction); an engine with none (llama.cpp) is never wired.
 
 Otherwise a restart would start it with the same fraction and free nothing. What the restarted
-replica really runs with is confirmed afterwards (core/memguard.py, M4/M5), and a serving
-replica that reports another fraction than guardian's file counts as not wired (core/memview.py, M9).
+replica really runs with is confirmed afterwards (core/memory/memguard.py, M4/M5), and a serving
+replica that reports another fraction than guardian's file counts as not wired (core/memory/memview.py, M9).
 """
 
 from __future__ import annotations
 
 import re
 
-from ..config import MIN_FRACTION
-from .observations import EnvFile as EnvFile  # the observed value it judges, named here too
-from .observations import UnitWiring
+from ...config import MIN_FRACTION
+from ..observations import EnvFile as EnvFile  # the observed value it judges, named here too
+from ..observations import UnitWiring
 
 VAR = "GPU_MEMORY_UTILIZATION"
 VAR_FORMS = ("${GPU_MEMORY_UTILIZATION}", "$GPU_MEMORY_UTILIZATION")

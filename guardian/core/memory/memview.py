@@ -2,16 +2,16 @@
 
 The tick (core/tick.py) has judged every replica's liveness, moved its drains on and issued its
 restarts before the memory guard looks. This module turns that (Inputs, a value the tick's
-memory step core/memstep.py takes of it), and what the memory observer found, into what
-core/memguard.py decides on. Each replica's part (replicas()) is built by the start guard's step
-(core/memstep.py guard_starts) and handed to the memory guard's; it is built again there where
+memory step core/memory/memstep.py takes of it), and what the memory observer found, into what
+core/memory/memguard.py decides on. Each replica's part (replicas()) is built by the start guard's step
+(core/memory/memstep.py guard_starts) and handed to the memory guard's; it is built again there where
 the start guard is off or stopped a start this tick (its restart then under way changes it). The
 refusals (restart_blocked) are built after the start guard, since a start it stops is a restart
 under way. Per replica:
 
 - its fraction: guardian's env file for it, else what it reports (vllm:cache_config_info, else
   --gpu-memory-utilization on its command line);
-- whether it is wired (core/wiring.py), and M9: a replica with no lowering pending that serves
+- whether it is wired (core/memory/wiring.py), and M9: a replica with no lowering pending that serves
   with another fraction than its env file says is overridden by something, so not wired (not
   while the fraction written is one its running start predates: M18 gave up or M19 dropped the
   restart that would have read it);
@@ -27,18 +27,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ..config import Config, ReplicaConfig
-from . import admission, fleet
+from ...config import Config, ReplicaConfig
+from .. import admission, fleet
+from ..observations import MemoryObservation, ReplicaMemoryObservation, TickObservation
+from ..proxy import drain
+from ..proxy.drainstate import Drain, Phase
+from ..rules import Refusal, first_match
+from ..vocab import SERVING_STATES
+from ..watchdog.judge import serves
+from ..watchdog.track import Track
 from .memguard import not_read
 from .memsqueeze import OVERRIDDEN_ROW, Served
 from .memstate import MemoryView, MemTrack, ReplicaMemory
-from .observations import MemoryObservation, ReplicaMemoryObservation, TickObservation
-from .proxy import drain
-from .proxy.drainstate import Drain, Phase
-from .rules import Refusal, first_match
-from .vocab import SERVING_STATES
-from .watchdog.judge import serves
-from .watchdog.track import Track
 from .wiring import KNOB, problem_of
 
 

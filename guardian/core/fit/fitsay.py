@@ -1,4 +1,4 @@
-"""What the start fit says (core/startfit.py judges): the line of each verdict, once per episode
+"""What the start fit says (core/fit/startfit.py judges): the line of each verdict, once per episode
 where a watchdog asks again every tick, the line of each release a restart performed, and U8's
 findings. Pure: the restart's fit step (act/fit.py) measures, performs the releases the verdict
 asks for, and writes the lines chosen here."""
@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..actions import LogLine
+from ..observations import gib
+from ..vocab import Decision, Gate, Priority
 from . import startfit
-from .actions import LogLine
-from .observations import gib
 from .startfit import Leftover, StartFit, Verdict
-from .vocab import Decision, Gate, Priority
 
 
 @dataclass(frozen=True)

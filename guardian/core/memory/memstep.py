@@ -1,8 +1,8 @@
-"""Steps 5 and 6 of a tick: the start guard (core/startguard.py, S1-S10) watches each replica's
+"""Steps 5 and 6 of a tick: the start guard (core/memory/startguard.py, S1-S10) watches each replica's
 start and stops one that takes the box below the critical headroom, restarting it one step lower;
 that change becomes the memory guard's pending one. The memory guard (its view built once by
-core/memview.py, from step 5's replicas where step 5 built them and nothing changed since; its
-verdict by core/memguard.py) then decides; a change it starts marks that
+core/memory/memview.py, from step 5's replicas where step 5 built them and nothing changed since; its
+verdict by core/memory/memguard.py) then decides; a change it starts marks that
 replica's restart in flight, as any other restart does, and its drains are core/proxy/drain.py's (D8,
 D10). Pure.
 """
@@ -12,14 +12,15 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import replace
 
-from . import admission, memguard, memstate, memview, startguard
-from .actions import DrainReplica, SetFraction
-from .observations import MemoryObservation, ReplicaMemoryObservation
-from .proxy import draining
-from .proxy.drainstate import Drain, Phase
-from .rules import Refusal
-from .vocab import SERVING_STATES, ActiveState, Gate
-from .work import Tick
+from .. import admission
+from ..actions import DrainReplica, SetFraction
+from ..observations import MemoryObservation, ReplicaMemoryObservation
+from ..proxy import draining
+from ..proxy.drainstate import Drain, Phase
+from ..rules import Refusal
+from ..vocab import SERVING_STATES, ActiveState, Gate
+from ..work import Tick
+from . import memguard, memstate, memview, startguard
 
 
 def inputs(t: Tick) -> memview.Inputs:

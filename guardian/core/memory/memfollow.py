@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..config import MemoryConfig
+from ...config import MemoryConfig
+from ..rules import Refusal, Row, Rule, first_match
+from ..vocab import SERVING_STATES, Decision, Gate, MemVerdict, Priority, State
 from .memstate import (
     Facts,
     MemoryView,
@@ -19,8 +21,6 @@ from .memstate import (
     held_of,
     highest_fit_between,
 )
-from .rules import Refusal, Row, Rule, first_match
-from .vocab import SERVING_STATES, Decision, Gate, MemVerdict, Priority, State
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ restarted one step lower. Pure.
 Why: on a GB10 the CPU and the GPU share the 128 GB, vLLM's start takes its whole
 --gpu-memory-utilization x total, and a host that runs out does not OOM-kill, it wedges (NVIDIA
 open-gpu-kernel-modules #1358). A start is when that happens: guardian's own restarts, systemd's
-Restart=, an operator's. The memory guard's squeeze rules (core/memguard.py) need a squeeze to
+Restart=, an operator's. The memory guard's squeeze rules (core/memory/memguard.py) need a squeeze to
 last M.sustain_s, and admission keeps them from restarting another replica while one loads (A3),
 so they cannot help here.
 
@@ -32,12 +32,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..config import Config, MemoryConfig
-from .actions import HUNG_STOP_GRACE_S, LogLine, SetFraction
+from ...config import Config, MemoryConfig
+from ..actions import HUNG_STOP_GRACE_S, LogLine, SetFraction
+from ..observations import ReplicaObservation, gib
+from ..rules import Refusal, Row, Rule, first_match
+from ..vocab import LOADING_STATES, ActiveState, Decision, Priority, State
 from .memstate import Pending, choose_fraction, grid
-from .observations import ReplicaObservation, gib
-from .rules import Refusal, Row, Rule, first_match
-from .vocab import LOADING_STATES, ActiveState, Decision, Priority, State
 
 # Where a replica's growth was measured (S4), best first.
 NVML = "NVML per-process memory"
@@ -60,14 +60,14 @@ def may_be_loading(seen: ReplicaObservation, startup_grace_s: float, now: float)
 
 @dataclass(frozen=True)
 class Starting:
-    """One configured replica as the start guard sees it on this tick (built by core/memstep.py)."""
+    """One configured replica as the start guard sees it on this tick (built by core/memory/memstep.py)."""
 
     name: str
     unit: str
     loading: bool  # S1: liveness starting, its unit activating or active, no restart job of guardian's in flight
     start: tuple[str, float | None]  # which start: the unit's InvocationID and InactiveExitTimestampMonotonic
     fraction: float | None  # its fraction: guardian's env file, else what it reports or its command line
-    wiring_problem: str | None  # None: wired for the memory guard (core/wiring.py, M9)
+    wiring_problem: str | None  # None: wired for the memory guard (core/memory/wiring.py, M9)
     nvml_bytes: int | None = None  # NVML per-process memory of its process tree, when the driver reports it
     cgroup_bytes: int | None = None  # its unit's MemoryCurrent (never a container replica's)
     refusal: Refusal | None = None  # admission's budget (A1) for a restart of it now
@@ -139,14 +139,14 @@ class _Look:
 
 @dataclass(frozen=True)
 class Loading:
-    """A configured replica as WATCHED_ROW reads it (core/memstep.py builds Starting.loading with it)."""
+    """A configured replica as WATCHED_ROW reads it (core/memory/memstep.py builds Starting.loading with it)."""
 
     state: State  # its liveness verdict
     restart_in_flight: bool  # a restart job of guardian's
     active_state: ActiveState | None  # its unit's (None: systemd not reachable)
 
 
-# Asked of each replica, by core/memstep.py, only while M.enabled and M.start_guard; decide() records
+# Asked of each replica, by core/memory/memstep.py, only while M.enabled and M.start_guard; decide() records
 # a start it holds for at its first look, and the record carries its id until ROWS judge it.
 WATCHED_ROW: Row[Loading, None] = Row(
     WATCHED := Rule(

@@ -46,9 +46,9 @@ import math
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
-from .memstate import grid, grid_below, highest_fit
-from .observations import gib
-from .rules import Row, Rule, first_match
+from ..memory.memstate import grid, grid_below, highest_fit
+from ..observations import gib
+from ..rules import Row, Rule, first_match
 
 # The root helper's one unit for U4 (units/guardian-drop-caches.service), allowed by polkit only
 # with M.drop_caches (guardian/polkit.py).

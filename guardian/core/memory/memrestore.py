@@ -7,12 +7,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from ..config import Config, MemoryConfig
+from ...config import Config, MemoryConfig
+from ..observations import gib
+from ..rules import Refusal, Row, Rule, first_match
+from ..vocab import LOADING_STATES, SERVING_STATES, Decision, Gate, MemVerdict, Priority
 from .memsqueeze import serving_peers
 from .memstate import Facts, MemoryView, MemTrack, Message, ReplicaMemory, SaidRow, grid_below
-from .observations import gib
-from .rules import Refusal, Row, Rule, first_match
-from .vocab import LOADING_STATES, SERVING_STATES, Decision, Gate, MemVerdict, Priority
 
 
 @dataclass(frozen=True)

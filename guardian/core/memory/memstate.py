@@ -11,11 +11,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from ..config import MemoryConfig
-from .actions import AcquireSlot, DrainReplica, LogLine, SetFraction
-from .observations import MemorySample, RestartOutcome
-from .rules import Refusal, Row
-from .vocab import SERVING_STATES, Decision, MemVerdict, Priority, State
+from ...config import MemoryConfig
+from ..actions import AcquireSlot, DrainReplica, LogLine, SetFraction
+from ..observations import MemorySample, RestartOutcome
+from ..rules import Refusal, Row
+from ..vocab import SERVING_STATES, Decision, MemVerdict, Priority, State
 
 Context = TypeVar("Context")
 Evidence = TypeVar("Evidence")
@@ -49,7 +49,7 @@ class ReplicaMemory:
     fraction: float | None  # what it is configured with: guardian's env file, else what it runs with
     running_fraction: float | None  # what it reports: vllm:cache_config_info, else its command line
     started_at: float | None  # its unit's last start (InactiveExitTimestampMonotonic)
-    wiring_problem: str | None  # None: wired for the memory guard (core/wiring.py, and M9)
+    wiring_problem: str | None  # None: wired for the memory guard (core/memory/wiring.py, and M9)
     state: State  # the watchdog's verdict
     usage_bytes: int | None = None  # NVML per-process memory, when the driver reports it
     start_failure: str | None = None  # vLLM's startup error, from the unit's journal since the lowering
@@ -68,7 +68,7 @@ class ReplicaMemory:
 
 @dataclass(frozen=True)
 class MemoryView:
-    """What the memory guard decides on (built by core/memview.py)."""
+    """What the memory guard decides on (built by core/memory/memview.py)."""
 
     sample: MemorySample
     total_bytes: int

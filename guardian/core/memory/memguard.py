@@ -4,10 +4,10 @@
 is a fraction of: ``memory.device_total_bytes``, or MemTotal when unset (GB10: one memory).
 
 Rules: RULES below (ids M1-M26), rendered into docs/rules.md. ``M`` = the memory config, times in
-seconds, sizes in bytes. M1 and M2 (rows of core/memsqueeze.py) say when the box is squeezed. A
+seconds, sizes in bytes. M1 and M2 (rows of core/memory/memsqueeze.py) say when the box is squeezed. A
 pending change of fraction (a lowering, or a raise) is followed by M3-M8, and a failed start's
 restart that admission held back by M18 and M19 (follow_change). M9's row is asked where the view is
-built (core/memview.py). Otherwise, when squeezed, the rows of SQUEEZE_ROWS (M10-M17) are checked in
+built (core/memory/memview.py). Otherwise, when squeezed, the rows of SQUEEZE_ROWS (M10-M17) are checked in
 order and the first that holds is the verdict (squeeze_chain); when not squeezed and memory.restore
 is on, a replica below its base (M20) is raised back one step by the rows of RESTORE_ROWS (M21-M26,
 restore_chain).
@@ -34,9 +34,12 @@ import string
 from dataclasses import replace
 from typing import Any
 
-from ..config import Config
-from . import fleet
-from .actions import AcquireSlot, DrainReplica, LogLine, SetFraction
+from ...config import Config
+from .. import fleet
+from ..actions import AcquireSlot, DrainReplica, LogLine, SetFraction
+from ..observations import gib
+from ..rules import Rule
+from ..vocab import Gate, MemVerdict, State
 from .memfollow import FOLLOW_ROWS, RETRY_ROWS, follow_change
 from .memrestore import RAISABLE_ROW, RESTORE_ROWS, count_clear, restore_chain
 from .memsqueeze import (
@@ -50,11 +53,8 @@ from .memsqueeze import (
     squeeze_chain,
 )
 from .memstate import Facts, MemAction, MemoryView, MemTrack, Message, Pending, ReplicaMemory, SaidRow, choose_fraction
-from .observations import gib
-from .rules import Rule
-from .vocab import Gate, MemVerdict, State
 
-# The memory guard's values live in core/memstate.py; they are named here too, as the memory guard's.
+# The memory guard's values live in core/memory/memstate.py; they are named here too, as the memory guard's.
 __all__ = [
     "RULES",
     "MemAction",

@@ -1,6 +1,6 @@
 """When the box is squeezed (M1, M2), and what the memory guard does then: the rows of
 SQUEEZE_ROWS (M10-M17), read in order, the first that holds the verdict. M9 (a replica overridden,
-so not wired) is a row of this family applied where the view is built (core/memview.py), so that
+so not wired) is a row of this family applied where the view is built (core/memory/memview.py), so that
 M11 and M12 see it. Pure.
 """
 
@@ -9,11 +9,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from ..config import Config, MemoryConfig
+from ...config import Config, MemoryConfig
+from ..observations import MemorySample, gib
+from ..rules import Refusal, Row, Rule, first_match
+from ..vocab import Decision, Gate, MemVerdict, Priority
 from .memstate import Facts, MemoryView, MemTrack, Message, ReplicaMemory, SaidRow, choose_fraction, grid, held_of
-from .observations import MemorySample, gib
-from .rules import Refusal, Row, Rule, first_match
-from .vocab import Decision, Gate, MemVerdict, Priority
 
 # --- the rules ------------------------------------------------------------------------------
 
@@ -52,9 +52,9 @@ CRITICAL_ROW: Row[tuple[int, MemoryConfig], None] = Row(
 
 @dataclass(frozen=True)
 class Served:
-    """A replica as M9 reads it, where the view is built (core/memview.py)."""
+    """A replica as M9 reads it, where the view is built (core/memory/memview.py)."""
 
-    wired: bool  # core/wiring.py found its unit wired
+    wired: bool  # core/memory/wiring.py found its unit wired
     settled: bool  # no change of its fraction pending, none written that its running start has not read
     serving: bool  # healthy or busy
     configured: float | None  # guardian's env file
