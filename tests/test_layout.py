@@ -172,3 +172,27 @@ def test_the_verdict_check_sees_a_rule_table_a_judge_and_a_rule_of_its_own(tmp_p
     found = _shell_verdicts(tmp_path)
     assert [line.split(" ", 1)[1] for line in found] == [
         "imports ROWS", "calls liveness.judge", "writes rule 'L9' itself", "reads startfit.RULES"], found
+
+
+def _tick_flags(source: str) -> list[str]:
+    """The attributes the Tick's __init__ sets to a bool: a flag one step would set for another."""
+    import ast
+
+    tick = next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef) and n.name == "Tick")
+    init = next(n for n in tick.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    return [
+        target.attr
+        for node in ast.walk(init)
+        if isinstance(node, (ast.Assign, ast.AnnAssign))
+        and isinstance(node.value, ast.Constant)
+        and isinstance(node.value.value, bool)
+        for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        if isinstance(target, ast.Attribute)
+    ]
+
+
+def test_the_tick_holds_no_flag_that_one_step_sets_for_another():
+    """Issue 45 item 2: restart_under_way was a flag set in four steps and read in three; it is now
+    what the tracks (and a dry run's stand-ins) say, asked when needed."""
+    assert _tick_flags((PACKAGE / "core" / "work.py").read_text()) == []
+    assert _tick_flags("class Tick:\n    def __init__(self):\n        self.busy = False\n") == ["busy"]

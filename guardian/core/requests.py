@@ -60,8 +60,6 @@ def _take(t: Tick, request: RestartRequest) -> bool:
         t.actions.append(admission.refused_answer(t, request, refusal, admission.passes_by_itself(refusal)))
     elif t.cfg.dry_run:
         t.actions.append(AnswerRequest(request.id, replica.name, True, f"DRY-RUN: would restart {replica.unit}"))
-    else:
-        t.restart_under_way = True
     return True
 
 

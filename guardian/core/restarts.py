@@ -7,7 +7,6 @@ at most one a tick. Pure.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import replace
 
 from ..config import ReplicaConfig
@@ -109,19 +108,17 @@ def _issue(t: Tick, replica: ReplicaConfig, ask: RestartAsk) -> None:
     )
 
 
-def restart_unplanned(t: Tick, marked_down: Callable[[Tick, ReplicaConfig, Track], None]) -> None:
-    """Step 3: a replica whose verdict asks for a restart gets one if admitted, and is marked
-    down at the proxy (D10)."""
-    for replica in t.cfg.replicas:
-        track = t.tracks[replica.name]
-        if track.state not in RESTART_STATES:
-            continue
-        ask = RestartAsk(
-            RestartKind.HANG,
-            f"replica {replica.name}: {track.state} ({track.evidence})",
-            f"{track.state}: {track.evidence}",
-        )
-        restart(t, replica, ask, t.restart_under_way)
-        if t.tracks[replica.name].restart_in_flight:
-            t.restart_under_way = True
-            marked_down(t, replica, track)  # D10 (core/proxy/draining.py)
+def restart_unplanned(t: Tick, replica: ReplicaConfig) -> Track | None:
+    """Step 3, for one replica: its verdict asks for a restart (stalled, unresponsive, idle-dead)
+    and admission lets it through; the track it was restarted from, for the proxy's D10 (None: not
+    restarted)."""
+    track = t.tracks[replica.name]
+    if track.state not in RESTART_STATES:
+        return None
+    ask = RestartAsk(
+        RestartKind.HANG,
+        f"replica {replica.name}: {track.state} ({track.evidence})",
+        f"{track.state}: {track.evidence}",
+    )
+    restart(t, replica, ask, t.restart_under_way)
+    return track if t.tracks[replica.name].restart_in_flight else None

@@ -40,12 +40,13 @@ rules, and this module is only their order:
 8. bypass: clients that talk to a replica past the proxy are said (core/proxy/bypass.py, B1-B3);
 9. with a proxy configured, the last action is SyncProxy(the replicas marked down).
 
-The steps are coupled through the Tick: a restart under way (in flight, or issued in step 2, 3
-or 4: Tick.restart_under_way) blocks the others (one at a time per box), and a drain in progress
-blocks the planned ones too (Tick.planned_restarts_blocked); a lowering's restart counts against
-the same budget and back-off. Two hand values besides: step 3 is given how a hung replica is
-marked down at the proxy (draining.mark_down_hung, so restarts.py does not import the proxy's
-family), and step 5 hands step 6 the replicas as the start guard left them.
+The steps are coupled through what the Tick holds, never through a flag one step sets for another:
+a restart under way (Tick.restart_under_way: a track with its restart in flight, since an earlier
+tick or issued on this one, or a dry run's restart that stood for one) blocks the others (one at a
+time per box), and a drain in progress blocks the planned ones too (Tick.planned_restarts_blocked);
+a lowering's restart counts against the same budget and back-off. Step 3 returns the track a hung
+replica was restarted from, which decide() hands to the proxy's D10, and step 5 hands step 6 the
+replicas as the start guard left them.
 """
 
 from __future__ import annotations
@@ -70,7 +71,10 @@ def decide(state: TickState, obs: TickObservation, now: float, cfg: Config) -> t
     tick = Tick(state, obs, now, cfg)
     verdicts.judge_liveness(tick)  # 1
     draining.follow_drains(tick)  # 2
-    restarts.restart_unplanned(tick, draining.mark_down_hung)  # 3
+    for replica in cfg.replicas:  # 3
+        hung = restarts.restart_unplanned(tick, replica)
+        if hung is not None:
+            draining.mark_down_hung(tick, replica, hung)  # D10
     requests.take_requests(tick)  # 4
     replicas = memstep.guard_starts(tick)  # 5
     memstep.guard_memory(tick, replicas)  # 6

@@ -74,10 +74,16 @@ class Tick:
         self.bypass_seen = previous.bypass_seen
         self.bypassing = previous.bypassing
         self.starts = previous.starts
-        # A restart is under way on this box: in flight since an earlier tick, or issued on this
-        # one. No other starts (A3).
-        self.restart_under_way = False
+        # Replicas whose planned restart a dry run stood for on this tick: it blocks the others as
+        # the restart would have (A3), though no track waits for a job that never comes.
+        self.stood_for: set[str] = set()
         self.requeued: set[str] = set()  # requests whose drain ended into a refusal they wait through (A4)
+
+    @property
+    def restart_under_way(self) -> bool:
+        """A restart is under way on this box (in flight since an earlier tick, or issued on this
+        one, a dry run's included): no other starts (A3)."""
+        return bool(self.stood_for) or any(track.restart_in_flight for track in self.tracks.values())
 
     @property
     def planned_restarts_blocked(self) -> bool:

@@ -53,7 +53,6 @@ def guard_starts(t: Tick) -> tuple[memstate.ReplicaMemory, ...] | None:
     for action in actions:
         if isinstance(action, SetFraction):
             t.mem = memguard.start_stopped(t.mem, action, t.now)
-            t.restart_under_way = True
     _take_memory_actions(t, actions)  # its restart in flight, marked down at the proxy (D10)
     return None if actions else replicas
 

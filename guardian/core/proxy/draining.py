@@ -172,7 +172,8 @@ def _restart_drained(t: Tick, replica: ReplicaConfig, down: Drain, why: str) -> 
     t.drains[replica.name] = Drain(
         Phase.AWAY, t.now, "planned restart after its drain", down.request_id, down.confirmed_at
     )
-    t.restart_under_way = True  # a dry run's too, as the restart it stands for would be
+    if t.cfg.dry_run:
+        t.stood_for.add(replica.name)  # the restart a dry run stands for blocks the others as it would
 
 
 def _requeue(t: Tick, replica: ReplicaConfig, down: Drain) -> bool:

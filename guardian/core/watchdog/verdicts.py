@@ -31,7 +31,6 @@ def judge_liveness(t: Tick) -> None:
         )
         _judge(t, replica, old)
     _record_canary_latencies(t)
-    t.restart_under_way = any(track.restart_in_flight for track in t.tracks.values())
 
 
 def _judge(t: Tick, replica: ReplicaConfig, old: Track) -> None:
