@@ -17,10 +17,11 @@ from .vocab import Decision, Priority, RestartKind
 from .work import RestartAsk, Tick
 
 
-def take_requests(t: Tick) -> None:
-    """Each operator's request is acted on once: admitted and issued, or refused; and answered."""
+def take_requests(t: Tick, requeued: frozenset[str] = frozenset()) -> None:
+    """Each operator's request is acted on once: admitted and issued, or refused; and answered.
+    REQUEUED: those whose drain ended into a refusal they wait through (step 2, A4): taken again."""
     asked = {request.id for request in t.obs.persistent.requests}
-    taken = set(t.previous.requests_taken & asked) - t.requeued  # answered ones have left the file
+    taken = set(t.previous.requests_taken & asked) - requeued  # answered ones have left the file
     for request in t.obs.persistent.requests:
         if request.id not in taken and _take(t, request):
             taken.add(request.id)

@@ -45,8 +45,9 @@ a restart under way (Tick.restart_under_way: a track with its restart in flight,
 tick or issued on this one, or a dry run's restart that stood for one) blocks the others (one at a
 time per box), and a drain in progress blocks the planned ones too (Tick.planned_restarts_blocked);
 a lowering's restart counts against the same budget and back-off. Step 3 returns the track a hung
-replica was restarted from, which decide() hands to the proxy's D10, and step 5 hands step 6 the
-replicas as the start guard left them.
+replica was restarted from, which decide() hands to the proxy's D10; step 2 hands step 4 the
+requests whose drain ended into a refusal they wait through (A4); step 5 hands step 6 the replicas
+as the start guard left them.
 """
 
 from __future__ import annotations
@@ -70,12 +71,12 @@ def decide(state: TickState, obs: TickObservation, now: float, cfg: Config) -> t
         state = replace(state, mem=memguard.weights_changed(state.mem, name))
     tick = Tick(state, obs, now, cfg)
     verdicts.judge_liveness(tick)  # 1
-    draining.follow_drains(tick)  # 2
+    requeued = draining.follow_drains(tick)  # 2
     for replica in cfg.replicas:  # 3
         hung = restarts.restart_unplanned(tick, replica)
         if hung is not None:
             draining.mark_down_hung(tick, replica, hung)  # D10
-    requests.take_requests(tick)  # 4
+    requests.take_requests(tick, requeued)  # 4
     replicas = memstep.guard_starts(tick)  # 5
     memstep.guard_memory(tick, replicas)  # 6
     _release_slots(tick)  # 7

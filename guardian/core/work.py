@@ -77,7 +77,6 @@ class Tick:
         # Replicas whose planned restart a dry run stood for on this tick: it blocks the others as
         # the restart would have (A3), though no track waits for a job that never comes.
         self.stood_for: set[str] = set()
-        self.requeued: set[str] = set()  # requests whose drain ended into a refusal they wait through (A4)
 
     @property
     def restart_under_way(self) -> bool:

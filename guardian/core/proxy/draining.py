@@ -47,8 +47,10 @@ from .drain import (
 from .drainstate import Drain, Phase
 
 
-def follow_drains(t: Tick) -> None:
-    """Step 2: each replica marked down at the proxy (drain.py D4-D9, D11)."""
+def follow_drains(t: Tick) -> frozenset[str]:
+    """Step 2: each replica marked down at the proxy (drain.py D4-D9, D11). Returns the requests
+    whose drain ended into a refusal they wait through (A4), for step 4 to take again."""
+    requeued = set()
     for replica in t.cfg.replicas:
         down = t.drains.get(replica.name)
         if down is None:
@@ -56,7 +58,10 @@ def follow_drains(t: Tick) -> None:
         if down.phase is Phase.AWAY:
             _mark_up_when_back(t, replica, down)
         elif t.tracks[replica.name].state not in RESTART_STATES:  # one that hung: step 3 restarts it (D10)
-            _follow_drain(t, replica, down)
+            again = _follow_drain(t, replica, down)
+            if again is not None:
+                requeued.add(again)
+    return frozenset(requeued)
 
 
 def _mark_up_when_back(t: Tick, replica: ReplicaConfig, down: Drain) -> None:
@@ -114,9 +119,10 @@ def _back_line(t: Tick, replica: ReplicaConfig, track: Track, rule: Rule, priori
     )
 
 
-def _follow_drain(t: Tick, replica: ReplicaConfig, down: Drain) -> None:
+def _follow_drain(t: Tick, replica: ReplicaConfig, down: Drain) -> str | None:
     """A draining replica: wait, give the drain up (D4, D5), or restart it once drained (D6, D7,
-    D9); one the memory guard waits for is its business once drained (D8)."""
+    D9); one the memory guard waits for is its business once drained (D8). Returns the request
+    taken again (A4), if its restart waits."""
     down = confirmed(down, replica.name, t.obs.proxy, t.now)
     t.drains[replica.name] = down
     error = refused_by_proxy(down, replica.name, t.obs.proxy)
@@ -129,10 +135,11 @@ def _follow_drain(t: Tick, replica: ReplicaConfig, down: Drain) -> None:
             _say_memory_drain_waits(t, replica, down, error)
         else:
             _abandon(t, replica, down, rule.id, why)
-        return
+        return None
     over = drained(down, t.obs.replicas[replica.name], t.now, t.cfg)
     if over is not None and not down.for_memory:
-        _restart_drained(t, replica, down, over)
+        return _restart_drained(t, replica, down, over)
+    return None
 
 
 def _say_memory_drain_waits(t: Tick, replica: ReplicaConfig, down: Drain, error: str) -> None:
@@ -153,11 +160,12 @@ def _say_memory_drain_waits(t: Tick, replica: ReplicaConfig, down: Drain, error:
     t.drains[replica.name] = replace(down, error_said=True)
 
 
-def _restart_drained(t: Tick, replica: ReplicaConfig, down: Drain, why: str) -> None:
+def _restart_drained(t: Tick, replica: ReplicaConfig, down: Drain, why: str) -> str | None:
     """D6, D7: the planned restart, with a bounded stop; refused when it comes to it: D9, unless
     its request waits through that refusal (A4): then it is marked up and waits as asked."""
-    if _requeue(t, replica, down):
-        return
+    again = _requeue(t, replica, down)
+    if again is not None:
+        return again
     ask = RestartAsk(
         RestartKind.OPERATOR,
         f"replica {replica.name}: {why}",
@@ -168,30 +176,30 @@ def _restart_drained(t: Tick, replica: ReplicaConfig, down: Drain, why: str) -> 
     if refused is not None:
         rule, why = refused
         _abandon(t, replica, down, rule.id, why, already_said=True)
-        return
+        return None
     t.drains[replica.name] = Drain(
         Phase.AWAY, t.now, "planned restart after its drain", down.request_id, down.confirmed_at
     )
     if t.cfg.dry_run:
         t.stood_for.add(replica.name)  # the restart a dry run stands for blocks the others as it would
+    return None
 
 
-def _requeue(t: Tick, replica: ReplicaConfig, down: Drain) -> bool:
+def _requeue(t: Tick, replica: ReplicaConfig, down: Drain) -> str | None:
     """A4 after a drain: the request asked with a wait that has not ended, refused now by a rule
     that passes by itself, is taken again this tick (take_requests), the replica marked up
     meanwhile: kept down, it would serve nobody for as long as the other restart takes."""
     request = next((q for q in t.obs.persistent.requests if q.id == down.request_id), None)
     refusal = admission.passing_refusal(t, replica, request, t.restart_under_way) if request else None
     if request is None or refusal is None:
-        return False
+        return None
     del t.drains[replica.name]
-    t.requeued.add(request.id)
     text = (
         f"replica {replica.name}: drained, but its restart waits: {refusal.text} ({refusal.rule}); "
         f"marked up again at the proxy meanwhile, drained again once it may go ({admission.WAIT_RULE.id})"
     )
     t.say(LogLine(Priority.INFO, text, Decision.REQUEST, replica.name, replica.unit, rule=admission.WAIT_RULE.id))
-    return True
+    return request.id
 
 
 def _abandon(t: Tick, replica: ReplicaConfig, down: Drain, rule: str, why: str, already_said: bool = False) -> None:
