@@ -85,7 +85,7 @@ def _fleet_wait(t: Tick, replica: ReplicaConfig) -> Refusal | None:
     slot, or None (no fleet, a slot held, or refused on this box's own grounds: the restart path says so)."""
     if not t.cfg.fleet.enabled or t.cfg.dry_run or not admission.admitted(t, replica):
         return None
-    return fleet.slot_refusal(replica.name, replica.model, t.obs.fleet, t.cfg, t.slots_released)
+    return fleet.slot_refusal(replica.name, replica.model, t.obs.fleet, t.cfg, t.previous.slots_released)
 
 
 def _wait_for_fleet(t: Tick, replica: ReplicaConfig, request: RestartRequest, head: str, slot: Refusal) -> bool:

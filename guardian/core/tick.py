@@ -79,28 +79,32 @@ def decide(state: TickState, obs: TickObservation, now: float, cfg: Config) -> t
     requests.take_requests(tick, requeued)  # 4
     replicas = memstep.guard_starts(tick)  # 5
     memstep.guard_memory(tick, replicas)  # 6
-    _release_slots(tick)  # 7
-    _watch_bypass(tick)  # 8
+    slots_released = _release_slots(tick)  # 7
+    bypass_seen, bypassing = _watch_bypass(tick)  # 8
     if cfg.proxy.enabled:  # 9: the whole set, every tick: the shell applies a change, and retries a failed one
         tick.actions.append(SyncProxy(frozenset(tick.drains)))
-    return tick.next_state(), tick.actions
+    return tick.next_state(slots_released, bypass_seen, bypassing), tick.actions
 
 
-def _release_slots(tick: Tick) -> None:
+def _release_slots(tick: Tick) -> frozenset[str]:
+    """Step 7: the fleet slots given back (F7), their ReleaseSlot actions added; the slots released
+    that the view may still show."""
     view = tick.obs.fleet
-    if view is not None and view.ok:
-        tick.slots_released, released = fleet.release_slots(
-            view, tick.previous.slots_released, tick.slot_in_use, tick.tracks
-        )
-        tick.actions += released
+    if view is None or not view.ok:
+        return tick.previous.slots_released
+    slots_released, released = fleet.release_slots(view, tick.previous.slots_released, tick.slot_in_use, tick.tracks)
+    tick.actions += released
+    return slots_released
 
 
-def _watch_bypass(tick: Tick) -> None:
+def _watch_bypass(tick: Tick) -> tuple[dict[tuple[str, str], float], tuple[bypass.Bypass, ...]]:
+    """Step 8: clients bypassing the proxy, said when they begin and end (B1-B3); what is seen of
+    them for the next tick."""
     conns = {name: seen.conns for name, seen in tick.obs.replicas.items()}
     before = tick.previous.bypassing
-    tick.bypass_seen, found = bypass.update(tick.previous.bypass_seen, before, conns, tick.now, tick.cfg)
-    tick.bypassing = tuple(found)
+    bypass_seen, found = bypass.update(tick.previous.bypass_seen, before, conns, tick.now, tick.cfg)
     tick.actions += bypass.said(before, found, tick.cfg, tick.now)
+    return bypass_seen, tuple(found)
 
 
 def next_tick_at(state: TickState, last_started: float, now: float, cfg: Config) -> float:

@@ -54,7 +54,7 @@ class RestartAsk:
 class Tick:
     """One tick's decision in the making: what it was given (the previous state, the observation,
     now, the config) and what it has decided so far (the next state's parts and the actions).
-    core/tick.py's decide() runs each step over it once, in order, then takes next_state() and the
+    core/tick.py's decide() runs each step over it once, in order, then takes next_state(...) and the
     actions."""
 
     def __init__(self, previous: TickState, obs: TickObservation, now: float, cfg: Config) -> None:
@@ -70,9 +70,6 @@ class Tick:
         self.requests_taken = previous.requests_taken
         asked = {request.id for request in obs.persistent.requests}
         self.waits_said = {rid: said for rid, said in previous.waits_said.items() if rid in asked}
-        self.slots_released = previous.slots_released
-        self.bypass_seen = previous.bypass_seen
-        self.bypassing = previous.bypassing
         self.starts = previous.starts
         # Replicas whose planned restart a dry run stood for on this tick: it blocks the others as
         # the restart would have (A3), though no track waits for a job that never comes.
@@ -104,16 +101,23 @@ class Tick:
             or (track is not None and (track.restart_in_flight or track.state in LOADING_STATES))
         )
 
-    def next_state(self) -> TickState:
+    def next_state(
+        self,
+        slots_released: frozenset[str],
+        bypass_seen: dict[tuple[str, str], float],
+        bypassing: tuple[bypass.Bypass, ...],
+    ) -> TickState:
+        """The state the next tick starts from: the parts the steps made here, and those steps 7
+        and 8 returned to decide()."""
         return TickState(
             self.tracks,
             self.mem,
             self.requests_taken,
             self.drains,
             self.waits_said,
-            self.slots_released,
-            self.bypass_seen,
-            self.bypassing,
+            slots_released,
+            bypass_seen,
+            bypassing,
             self.starts,
         )
 

@@ -33,7 +33,7 @@ def inputs(t: Tick) -> memview.Inputs:
         dict(t.drains),
         t.previous.mem,
         t.planned_restarts_blocked,
-        t.slots_released,
+        t.previous.slots_released,
     )
 
 
