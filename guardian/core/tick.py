@@ -44,10 +44,13 @@ The steps are coupled through what the Tick holds, never through a flag one step
 a restart under way (Tick.restart_under_way: a track with its restart in flight, since an earlier
 tick or issued on this one, or a dry run's restart that stood for one) blocks the others (one at a
 time per box), and a drain in progress blocks the planned ones too (Tick.planned_restarts_blocked);
-a lowering's restart counts against the same budget and back-off. Step 3 returns the track a hung
-replica was restarted from, which decide() hands to the proxy's D10; step 2 hands step 4 the
-requests whose drain ended into a refusal they wait through (A4); step 5 hands step 6 the replicas
-as the start guard left them.
+a lowering's restart counts against the same budget and back-off. Every other hand-over is a value
+decide() passes on: step 1 returns the tracks and its actions; step 2 the requests whose drain ended
+into a refusal they wait through (A4), for step 4; step 3 the track a hung replica was restarted
+from, for the proxy's D10; step 5 the starts it watches and the replicas as it left them, for step
+6; steps 7 and 8 their parts of the next state. What several steps still write in turn is the next
+state's tracks, drains and memory track, through the one restart path (restarts.restart) that every
+kind of restart takes, and the actions.
 """
 
 from __future__ import annotations
@@ -70,14 +73,15 @@ def decide(state: TickState, obs: TickObservation, now: float, cfg: Config) -> t
     for name in obs.weights_moved:  # 0
         state = replace(state, mem=memguard.weights_changed(state.mem, name))
     tick = Tick(state, obs, now, cfg)
-    verdicts.judge_liveness(tick)  # 1
+    tick.tracks, judged = verdicts.judge_liveness(tick)  # 1
+    tick.actions += judged
     requeued = draining.follow_drains(tick)  # 2
     for replica in cfg.replicas:  # 3
         hung = restarts.restart_unplanned(tick, replica)
         if hung is not None:
             draining.mark_down_hung(tick, replica, hung)  # D10
     requests.take_requests(tick, requeued)  # 4
-    replicas = memstep.guard_starts(tick)  # 5
+    tick.starts, replicas = memstep.guard_starts(tick)  # 5
     memstep.guard_memory(tick, replicas)  # 6
     slots_released = _release_slots(tick)  # 7
     bypass_seen, bypassing = _watch_bypass(tick)  # 8

@@ -37,24 +37,24 @@ def inputs(t: Tick) -> memview.Inputs:
     )
 
 
-def guard_starts(t: Tick) -> tuple[memstate.ReplicaMemory, ...] | None:
+def guard_starts(t: Tick) -> tuple[dict[str, startguard.Start], tuple[memstate.ReplicaMemory, ...] | None]:
     """Step 5 (S1-S10): each replica's start is watched; one that takes the box below the critical
     headroom is stopped and restarted a step lower. That restart is the memory guard's pending
     change from now on (memguard.Pending), so that step 6 follows it as it follows a lowering (M3-M8).
-    Returns the memory view's replicas for step 6, or None where step 6 must build them: the start
-    guard is off, or it stopped a start (its restart in flight, its drain moved)."""
+    Returns the starts it watches (the next state's), and the memory view's replicas for step 6, or
+    None where step 6 must build them: the start guard is off, or it stopped a start (its restart in
+    flight, its drain moved)."""
     observed = t.obs.memory
     if observed is None or not t.cfg.memory.start_guard:  # off: nothing is watched
-        t.starts = {}
-        return None
+        return {}, None
     replicas = memview.replicas(inputs(t), observed)
     view = _start_view(t, observed, replicas)
-    t.starts, actions = startguard.decide(t.previous.starts, view, t.now, t.cfg)
+    starts, actions = startguard.decide(t.previous.starts, view, t.now, t.cfg)
     for action in actions:
         if isinstance(action, SetFraction):
             t.mem = memguard.start_stopped(t.mem, action, t.now)
     _take_memory_actions(t, actions)  # its restart in flight, marked down at the proxy (D10)
-    return None if actions else replicas
+    return starts, None if actions else replicas
 
 
 def _start_view(

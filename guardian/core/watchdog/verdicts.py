@@ -10,7 +10,7 @@ from dataclasses import replace
 
 from ...config import ReplicaConfig
 from .. import admission, startloop
-from ..actions import LogLine, RecordCanaryLatencies, StartCanary
+from ..actions import Action, LogLine, RecordCanaryLatencies, StartCanary
 from ..fit import startfit
 from ..observations import TickObservation, gib
 from ..vocab import RESTART_STATES, SERVING_STATES, Decision, Priority, State
@@ -20,33 +20,39 @@ from .steps import kept_steps, longest_step_s
 from .track import Track
 
 
-def judge_liveness(t: Tick) -> None:
-    """Step 1 (L1-L18): every replica's verdict, said when it changes; canaries asked for."""
+def judge_liveness(t: Tick) -> tuple[dict[str, Track], list[Action]]:
+    """Step 1 (L1-L22): every replica's verdict, said when it changes; canaries asked for. Reads
+    what the Tick was given; returns the new tracks and the actions (lines, canaries, the canary
+    latencies to record), which decide() puts in the Tick."""
     before = t.previous.tracks
+    tracks: dict[str, Track] = {}
+    out: list[Action] = []
     for replica in t.cfg.replicas:
         old = (
             before[replica.name]
             if replica.name in before
             else _new_track(replica.name, t.obs, t.now, t.cfg.watchdog.max_step_s)
         )
-        _judge(t, replica, old)
-    _record_canary_latencies(t)
+        tracks[replica.name] = _judge(t, replica, old, out)
+    recorded = _record_canary_latencies(t, tracks)
+    return tracks, out + ([recorded] if recorded is not None else [])
 
 
-def _judge(t: Tick, replica: ReplicaConfig, old: Track) -> None:
+def _judge(t: Tick, replica: ReplicaConfig, old: Track, out: list[Action]) -> Track:
+    """REPLICA's new track, its lines and canary added to OUT."""
     seen = t.obs.replicas[replica.name]
     pause = t.obs.persistent.pauses.get(replica.name)
     new, canary_timeout_s = judge.step(old, seen, t.now, replica, t.cfg.watchdog, pause)
     if new.state not in RESTART_STATES:
         new = replace(new, last_notice=None)
     if _to_say(old, new, t.now):
-        t.say(_state_change(replica, old, new, t.now))
+        out.append(_state_change(replica, old, new, t.now))
         new = replace(new, said_state=new.state)
     # Garbage on /metrics is bad input: say so once, and base no restart on it.
     error = seen.metrics_probe.error if seen.metrics_probe.answered and seen.metrics is None else None
     if error != new.metrics_error:
         if error is not None:
-            t.say(
+            out.append(
                 LogLine(
                     Priority.ERROR,
                     f"replica {replica.name}: /metrics {error}; progress cannot be judged, so no "
@@ -61,7 +67,7 @@ def _judge(t: Tick, replica: ReplicaConfig, old: Track) -> None:
     if new.state is State.HEALTHY and new.said_state is State.HEALTHY and new.restart_issued_at is not None:
         new = replace(new, restart_issued_at=None)
     if new.slow_said is not None:
-        t.say(
+        out.append(
             LogLine(
                 Priority.INFO,
                 f"replica {replica.name}: {new.slow_said}",
@@ -72,14 +78,14 @@ def _judge(t: Tick, replica: ReplicaConfig, old: Track) -> None:
                 rule=canary.CANARY_LATE.id,
             )
         )
-    new = _start_loop(t, replica, old, new)
-    _learned(t, replica, old, new)
+    new = _start_loop(t, replica, old, new, out)
+    _learned(t, replica, old, new, out)
     if canary_timeout_s is not None:
-        t.actions.append(StartCanary(replica.name, canary_timeout_s, t.now))
-    t.tracks[replica.name] = new
+        out.append(StartCanary(replica.name, canary_timeout_s, t.now))
+    return new
 
 
-def _start_loop(t: Tick, replica: ReplicaConfig, old: Track, new: Track) -> Track:
+def _start_loop(t: Tick, replica: ReplicaConfig, old: Track, new: Track, out: list[Action]) -> Track:
     """NEW with this tick's look at its unit's starts folded in (core/startloop.py); a start loop (A6)
     said once at critical when it begins, once at info when it ends."""
     seen = t.obs.replicas[replica.name]
@@ -93,7 +99,7 @@ def _start_loop(t: Tick, replica: ReplicaConfig, old: Track, new: Track) -> Trac
             if restart != "no"
             else f"{replica.unit} has Restart=no: nothing starts it again but an operator"
         )
-        t.say(
+        out.append(
             LogLine(
                 Priority.CRITICAL,
                 f"replica {replica.name}: {run.failed} starts of {replica.unit} in a row ended without serving while "
@@ -111,7 +117,7 @@ def _start_loop(t: Tick, replica: ReplicaConfig, old: Track, new: Track) -> Trac
         )
     elif old.start_run.looping and not run.looping:
         why = "it served again" if run.failed == 0 else "the memory its processes held came back"
-        t.say(
+        out.append(
             LogLine(
                 Priority.INFO,
                 f"replica {replica.name}: its start loop is over ({why}): guardian may cause its starts again "
@@ -126,22 +132,21 @@ def _start_loop(t: Tick, replica: ReplicaConfig, old: Track, new: Track) -> Trac
     return replace(new, start_run=run)
 
 
-def _record_canary_latencies(t: Tick) -> None:
+def _record_canary_latencies(t: Tick, tracks: dict[str, Track]) -> RecordCanaryLatencies | None:
     """One action for all the replicas whose canary latencies changed this tick (a canary
     succeeded), none when nothing changed: the state file is written at most once a tick."""
     before = t.previous.tracks
     changed = tuple(
         (name, track.canary_latencies)
-        for name, track in t.tracks.items()
+        for name, track in tracks.items()
         if track.canary_latencies != (before[name].canary_latencies if name in before else _kept(name, t.obs))
     )
     steps = tuple(
         (name, track.steps)
-        for name, track in t.tracks.items()
+        for name, track in tracks.items()
         if track.steps != (before[name].steps if name in before else t.obs.persistent.step_seconds.get(name, ()))
     )
-    if changed or steps:
-        t.actions.append(RecordCanaryLatencies(changed, steps))
+    return RecordCanaryLatencies(changed, steps) if changed or steps else None
 
 
 def _kept(name: str, obs: TickObservation) -> tuple[float, ...]:
@@ -158,7 +163,7 @@ def _new_track(name: str, obs: TickObservation, now: float, cap_s: float) -> Tra
     return Track(state_since=now, canary_latencies=_kept(name, obs), steps=steps)
 
 
-def _learned(t: Tick, replica: ReplicaConfig, old: Track, new: Track) -> None:
+def _learned(t: Tick, replica: ReplicaConfig, old: Track, new: Track, out: list[Action]) -> None:
     """Said at info when a longer step is learned, with its source: how long the stall window (L13)
     and a stall canary (L14) now wait (at most W.max_step_s)."""
     wcfg = t.cfg.watchdog
@@ -168,7 +173,7 @@ def _learned(t: Tick, replica: ReplicaConfig, old: Track, new: Track) -> None:
         return
     longest = max(s for s, _ in new.steps)
     source = "its prefill-time histogram" if old.observed else "the state file (learned before)"
-    t.say(
+    out.append(
         LogLine(
             Priority.INFO,
             f"replica {replica.name}: learned a step of up to {longest:g} s from {source}: with work queued and "
