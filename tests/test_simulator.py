@@ -448,8 +448,9 @@ def test_a_shared_prefix_is_a_hit_in_whole_blocks_and_a_restart_empties_the_cach
 def test_a_long_chunked_prefill_moves_only_the_kv_cache_and_blocks_others_unless_coscheduled(sim, coschedule):
     s = sim().wait_up()
     before = s.sample()
-    # 16 chunks of 0.5 s: the checks between the second chunk and the end need seconds on a loaded box.
-    s.post("/_sim/prefill", {"prompt_tokens": 8192, "chunk_tokens": 512, "chunk_s": 0.5, "coschedule": coschedule})
+    # 32 chunks of 0.5 s: the checks between the second chunk and the blocked request took over 7 s
+    # on the suite's loaded box (8 chunks, then 16, were not enough).
+    s.post("/_sim/prefill", {"prompt_tokens": 16384, "chunk_tokens": 512, "chunk_s": 0.5, "coschedule": coschedule})
     wait_for(lambda: s.sample().kv_cache_usage > before.kv_cache_usage, 30, "the first chunk")
     first = s.sample()
     assert first.running == 1 and first.prompt_tokens == before.prompt_tokens  # counted only at the end
@@ -460,7 +461,7 @@ def test_a_long_chunked_prefill_moves_only_the_kv_cache_and_blocks_others_unless
     else:
         with pytest.raises(httpx.TimeoutException):
             s.post("/v1/completions", {"model": "m", "prompt": "x", "max_tokens": 1}, timeout=0.8)
-    wait_for(lambda: s.sample().prompt_tokens >= before.prompt_tokens + 8192, 30, "the prefill to complete")
+    wait_for(lambda: s.sample().prompt_tokens >= before.prompt_tokens + 16384, 60, "the prefill to complete")
     assert s.sample().running == 0 or coschedule
 
 
