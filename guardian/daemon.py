@@ -207,8 +207,8 @@ class Daemon:
             not_returned=fit.not_returned_now(self.executor.tools.leftovers),
             weights_moved=self.weights_moved,
         )
-        self.weights_moved = ()
         self.state, actions = tick.decide(self.state, obs, at.mono, self.cfg)
+        self.weights_moved = ()  # decided on: a tick abandoned before this hands them to the next
         self.executor.perform(actions, self.state.tracks, at)
         self.exports.metrics.gauges(self.cfg, self.state, obs, self.persistent.view(at), at)
         self.notices.kernel_view(self.observer.conns.unavailable)

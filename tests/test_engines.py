@@ -463,7 +463,7 @@ def test_the_wiring_the_start_fit_and_the_daemon_tell_one_engine_from_an_expande
 
     from guardian.config import Config
     from guardian.observe import declared as declared_mod
-    from guardian.observe import memory
+    from guardian.observe import memory, startlook
     from guardian.observe.replicas import engine_told
     from guardian.observe.systemd import ServiceDetails
 
@@ -480,6 +480,5 @@ def test_the_wiring_the_start_fit_and_the_daemon_tell_one_engine_from_an_expande
 
     daemon = engine_told(r, declared_mod.declared_from(r.unit, details)).engine.label
     wiring = asyncio.run(memory.wiring_of(Sd(), cfg, r)).engine  # type: ignore[arg-type]
-    runs = memory.runs_with(0, details)
-    fit = memory.engine_of_unit(r, runs.declared).label
+    fit = startlook.look(cfg, r, None, details).engine.label  # the start fit's look (no process: pid 0)
     assert daemon == wiring == fit == "llama.cpp (llama-server)", (daemon, wiring, fit)

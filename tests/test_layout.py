@@ -122,16 +122,21 @@ def test_the_readme_layout_names_every_package_and_points_at_the_page():
 # --- the shell measures and acts; the core decides (issue 45 item 1) ------------------------------------
 
 SHELL = ("act", "observe")
-RULE_TABLE = re.compile(r"^(ROWS|RULES|[A-Z_]+_ROWS|Row|Rule|first_match)$")
+RULE_TABLE = re.compile(r"^(ROWS|RULES|[A-Z_]+_ROWS?|Row|Rule|first_match|holds)$")
 # The core's pure judges the shell may call itself, each right before acting, on figures measured at
 # that moment (earlyoom's re-check): a fit or a gate judged a tick earlier could be wrong by then.
 RECHECKS = {
     ("act/fit.py", "startfit.judge"),  # the start fit on the memory right before the start (U1-U7)
     ("act/fit.py", "startfit.judge_kept"),  # a kept U8 finding on this tick's memory
     ("act/fit.py", "judge_kept"),  # the same, through act/fit.judge_kept (the daemon's tick)
+    ("act/fit.py", "startfit.not_returned_bytes"),  # U8 on MemFree as it rises after the restart job
+    ("act/fit.py", "startfit.lowering_floor"),  # U6's floor, a part of the fit's figures
+    ("act/fit.py", "wiring_problem"),  # whether U6 may lower it: its unit's wiring (core/memory/wiring.py)
     ("act/restart.py", "gates.unit_refusal"),  # the unit gates on a fresh look at the unit and port
 }
-JUDGE = re.compile(r"(^|\.)(judge\w*|decide|first_match|unit_refusal)$")
+JUDGE = re.compile(
+    r"(^|\.)(judge\w*|decide|first_match|unit_refusal|\w*_hazards|not_returned_bytes|lowering_floor|wiring_problem)$"
+)
 
 
 def _shell_verdicts(root: Path = PACKAGE) -> list[str]:
@@ -167,11 +172,13 @@ def test_the_verdict_check_sees_a_rule_table_a_judge_and_a_rule_of_its_own(tmp_p
     (tmp_path / "act" / "bad.py").write_text(
         "from ..core.gates import ROWS\nfrom ..core import liveness\n"
         "x = liveness.judge(1)\ny = LogLine(1, 'x', 2, rule='L9')\nz = startfit.RULES\n"
+        "w = drain.MARKED_DOWN_ROW.holds(1)\nv = hazards.find_hazards(1)\n"
     )
     (tmp_path / "observe" / "fine.py").write_text("from ..core.vocab import State\nx = gates.refused_on_recheck(1)\n")
     found = _shell_verdicts(tmp_path)
-    assert [line.split(" ", 1)[1] for line in found] == [
-        "imports ROWS", "calls liveness.judge", "writes rule 'L9' itself", "reads startfit.RULES"], found
+    assert sorted(line.split(" ", 1)[1] for line in found) == sorted([
+        "imports ROWS", "calls liveness.judge", "writes rule 'L9' itself", "reads startfit.RULES",
+        "reads drain.MARKED_DOWN_ROW", "reads drain.MARKED_DOWN_ROW.holds", "calls hazards.find_hazards"]), found
 
 
 def _tick_flags(source: str) -> list[str]:
@@ -192,7 +199,8 @@ def _tick_flags(source: str) -> list[str]:
 
 
 def test_the_tick_holds_no_flag_that_one_step_sets_for_another():
-    """Issue 45 item 2: restart_under_way was a flag set in four steps and read in three; it is now
-    what the tracks (and a dry run's stand-ins) say, asked when needed."""
+    """Issue 45 item 2: restart_under_way was a boolean flag set in four steps and read in three; it
+    is now what the tracks (and Tick.stood_for, a dry run's stand-ins) say, asked when needed. This
+    catches a boolean flag coming back; the Tick's other parts are the next state's (core/tick.py)."""
     assert _tick_flags((PACKAGE / "core" / "work.py").read_text()) == []
     assert _tick_flags("class Tick:\n    def __init__(self):\n        self.busy = False\n") == ["busy"]

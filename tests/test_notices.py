@@ -44,11 +44,11 @@ def run(steps, step):
                         [(Priority.INFO, "port shared no more")]]),
 ])
 def test_a_hazard_is_said_when_a_scan_first_finds_it_and_its_end_once(scans, said):
-    assert run(scans, lambda s, found: notices.hazards(s, found, None)) == said
+    assert run(scans, lambda s, found: notices.said_hazards(s, found, None)) == said
 
 
 def test_a_hazard_line_carries_its_rule_and_key_and_a_partial_scan_says_why():
-    said, lines = notices.hazards(notices.Said(), [H1], "Access denied")
+    said, lines = notices.said_hazards(notices.Said(), [H1], "Access denied")
     assert [(x.decision, x.rule, x.hazard, x.replica) for x in lines] == [
         (Decision.NOTE, None, None, None), (Decision.HAZARD, "H9", "port:8001", "a")]
     assert "Access denied" in lines[0].message and lines[0].priority == Priority.ERROR

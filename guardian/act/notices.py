@@ -8,9 +8,8 @@ from collections.abc import Mapping
 from ..config import Config
 from ..core import notices
 from ..core.actions import LogLine
-from ..core.hazards import Hazard, find_hazards
+from ..core.hazards import Hazard
 from ..core.observations import FleetView
-from ..core.outside import outside_hazards
 from ..core.weights import Weights
 from ..engines.resolve import Told
 from ..observe.addresses import Pin
@@ -44,10 +43,10 @@ class Notices:
         self._write(notices.engines(self.said, cfg, {name: f"{t.engine.label} ({t.how})" for name, t in told.items()}))
 
     def hazards(self, cfg: Config, seen: UnitScan) -> list[Hazard]:
-        """The hazards in what a scan SEEN (core/hazards.py, core/outside.py), said as the core chose."""
-        found = find_hazards(cfg, seen.units, seen.enabled_conflicts)
-        found += outside_hazards(cfg, seen.declared, seen.logind)
-        self._write(notices.hazards(self.said, found, seen.enabled_error))
+        """The hazards a scan SEEN shows, said as the core chose (core/notices.py); those found."""
+        scan = notices.Scan(seen.units, seen.enabled_conflicts, seen.enabled_error, seen.declared, seen.logind)
+        said, lines, found = notices.hazards(self.said, cfg, scan)
+        self._write((said, lines))
         return found
 
     def weights(

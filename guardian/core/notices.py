@@ -10,7 +10,7 @@ longer pinged, are said by act/notify.Watchdog (they are the shell's own health)
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import TypeVar
@@ -18,8 +18,9 @@ from typing import TypeVar
 from ..config import Config
 from . import weights
 from .actions import LogLine
-from .hazards import Hazard
-from .observations import FleetView
+from .hazards import Hazard, find_hazards
+from .observations import FleetView, LogindConf, UnitDeclared, UnitInfo
+from .outside import outside_hazards
 from .vocab import Decision, Priority
 from .weights import Weights
 
@@ -115,11 +116,19 @@ def engines(said: Said, cfg: Config, told: Mapping[str, str]) -> SaidLines:
     return replace(said, engines=_frozen(now)), lines
 
 
-def hazards(said: Said, found: Iterable[Hazard], enabled_error: str | None) -> SaidLines:
-    """The hazards a scan FOUND, each said once, when a scan first finds it, again if it comes back
-    after a scan without it; one that says when it ends (Hazard.over) says so once. ENABLED_ERROR:
-    why the enabled unit files could not be listed (the Conflicts= scan is partial then)."""
-    found = list(found)
+def hazards(said: Said, cfg: Config, scan: Scan) -> tuple[Said, list[LogLine], list[Hazard]]:
+    """The hazards in what a scan saw (core/hazards.py, core/outside.py), said by said_hazards;
+    returns the hazards found too."""
+    found = find_hazards(cfg, scan.units, scan.enabled_conflicts)
+    found += outside_hazards(cfg, scan.declared, scan.logind)
+    after, lines = said_hazards(said, found, scan.enabled_error)
+    return after, lines, found
+
+
+def said_hazards(said: Said, found: list[Hazard], enabled_error: str | None) -> SaidLines:
+    """Each hazard FOUND said once, when a scan first finds it, again if it comes back after a scan
+    without it; one that says when it ends (Hazard.over) says so once. ENABLED_ERROR: why the
+    enabled unit files could not be listed (the Conflicts= scan is partial then)."""
     lines = []
     if enabled_error is not None:
         lines.append(
@@ -149,6 +158,17 @@ def hazards(said: Said, found: Iterable[Hazard], enabled_error: str | None) -> S
                 LogLine(Priority.INFO, gone.over, Decision.NOTE, gone.replica, gone.unit, rule=gone.rule, hazard=key)
             )
     return replace(said, hazards=_frozen({h.key: h for h in found})), lines
+
+
+@dataclass(frozen=True)
+class Scan:
+    """What a scan of the units saw, as the hazards read it (observe/replicas.py UnitScan)."""
+
+    units: Mapping[str, UnitInfo | None]
+    enabled_conflicts: Mapping[str, tuple[str, ...]]
+    enabled_error: str | None
+    declared: Mapping[str, UnitDeclared | None]
+    logind: LogindConf | None
 
 
 @dataclass(frozen=True)

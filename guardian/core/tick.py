@@ -4,8 +4,9 @@ This is guardian's judgement of the replicas, their restarts and the box's memor
 observes, calls this once, and performs the actions. What is judged elsewhere, and why: the
 said-once conditions (hazards, weights W1-W3, a host's split, the engine) in core/notices.py, whose
 transitions the shell runs as its scans and reads come in (they act on nothing); the start fit
-(core/fit/startfit.py, U1-U8), judged by its pure `judge` on figures measured right before a start,
-since a fit measured a tick earlier could be wrong by then.
+(core/fit/startfit.py, U1-U11), judged by its pure `judge` on figures measured right before a
+start, since a fit measured a tick earlier could be wrong by then, and a kept U8 finding judged
+each tick on that tick's memory (U9, U10: startfit.judge_kept).
 
 ``now`` is the tick's moment in monotonic seconds (CLOCK_MONOTONIC, a float): the clock of every
 time in the observation and in the state (core/observations.py). The core never reads a clock itself.
@@ -16,7 +17,7 @@ rules, and this module is only their order:
 
 0. weights: the memory guard forgets what it learned of a replica whose weights changed (W2);
 1. verdicts.judge_liveness: each replica's observation is folded into its track (core/watchdog/,
-   L1-L18); state changes and unreadable /metrics are logged once; canaries are asked for;
+   L1-L22); state changes and unreadable /metrics are logged once; canaries are asked for;
    canary latencies that changed are recorded in the state file (one action a tick), where a
    track created later starts from them;
 2. draining.follow_drains (core/proxy/, D4-D9, D11, D12): a drained replica is restarted, a drain that
@@ -40,17 +41,18 @@ rules, and this module is only their order:
 8. bypass: clients that talk to a replica past the proxy are said (core/proxy/bypass.py, B1-B3);
 9. with a proxy configured, the last action is SyncProxy(the replicas marked down).
 
-The steps are coupled through what the Tick holds, never through a flag one step sets for another:
-a restart under way (Tick.restart_under_way: a track with its restart in flight, since an earlier
-tick or issued on this one, or a dry run's restart that stood for one) blocks the others (one at a
-time per box), and a drain in progress blocks the planned ones too (Tick.planned_restarts_blocked);
-a lowering's restart counts against the same budget and back-off. Every other hand-over is a value
+The steps are coupled through what the Tick holds. A restart under way (Tick.restart_under_way:
+a track with its restart in flight, since an earlier tick or issued on this one, or a planned
+restart after its drain that a dry run stood for, Tick.stood_for) blocks the others (one at a time
+per box), and a drain in progress blocks the planned ones too (Tick.planned_restarts_blocked); a
+lowering's restart counts against the same budget and back-off. The other hand-overs are values
 decide() passes on: step 1 returns the tracks and its actions; step 2 the requests whose drain ended
 into a refusal they wait through (A4), for step 4; step 3 the track a hung replica was restarted
 from, for the proxy's D10; step 5 the starts it watches and the replicas as it left them, for step
-6; steps 7 and 8 their parts of the next state. What several steps still write in turn is the next
-state's tracks, drains and memory track, through the one restart path (restarts.restart) that every
-kind of restart takes, and the actions.
+6; steps 7 and 8 their parts of the next state. What steps 2-6 still write in turn are the next
+state's tracks (a restart put in flight: restarts.restart, and memstep for the guards' restarts),
+drains (draining.py, memstep), the memory track (memstep), the requests taken and the waits said
+(step 4), and the actions.
 """
 
 from __future__ import annotations

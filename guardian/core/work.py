@@ -71,8 +71,9 @@ class Tick:
         asked = {request.id for request in obs.persistent.requests}
         self.waits_said = {rid: said for rid, said in previous.waits_said.items() if rid in asked}
         self.starts = previous.starts
-        # Replicas whose planned restart a dry run stood for on this tick: it blocks the others as
-        # the restart would have (A3), though no track waits for a job that never comes.
+        # Replicas whose planned restart after their drain a dry run stood for on this tick
+        # (draining.py): it blocks the others as the restart would have (A3), though no track waits
+        # for a job that never comes. (A dry run's other restarts block nothing, as before.)
         self.stood_for: set[str] = set()
 
     @property
