@@ -150,6 +150,27 @@ def test_unit_restarted_by_anyone_starts_a_new_grace():
     assert box.state() == State.STARTING
 
 
+@pytest.mark.parametrize("sent_at, state, rule", [
+    (294.9, State.STARTING, "L6"),  # sent to the old server, read beside the new start: not this start's
+    (295.0, State.HEALTHY, "L18"),
+    (None, State.HEALTHY, "L18"),  # when it was sent is not known: an answer, as before
+])
+def test_an_answer_sent_before_the_units_latest_start_is_not_that_starts(sent_at, state, rule):
+    """The suite's r41: an operator's restart stopped the old server while guardian's /health to it
+    was out; its 200 came in the tick whose view of the unit showed the new start, ended the grace
+    (L6) at once, and the loading server was restarted as unresponsive 4 s later."""
+    box = Box(cfg(1))
+    healthy_start(box)
+    restarted = unit(inactive_exit_mono=295.0)
+    late = replace(OK, sent_at=sent_at)
+    answered = replace(obs(t=300, u=restarted), health=late, metrics_probe=late, models_probe=late)
+    box.tick(300, a=answered)
+    assert (box.state(), box.rule()) == (state, rule)
+    if state is State.STARTING:  # and the grace holds while it loads
+        box.tick(310, a=obs(t=310, health=TIMEOUT, u=restarted))
+        assert (box.state(), box.rule()) == (State.STARTING, "L6")
+
+
 # --- idle-dead and canaries ---------------------------------------------------------------------
 
 def test_canary_only_when_idle_and_due():

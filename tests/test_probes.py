@@ -192,6 +192,8 @@ def test_a_health_answer_counts_while_metrics_are_still_in_flight(pages):
         assert not mprobe.ok and mprobe.status is None and "no answer yet" in mprobe.error and sample is None
     (health, (mprobe, sample), _), pending_s = seen[3]
     assert health.ok and mprobe.ok and sample is not None and sample.running == 2 and pending_s is None
+    # each answer carries when its probe was sent: the carried /metrics at the first tick's start
+    assert (health.sent_at, mprobe.sent_at) == (3.0, 0.0)
     assert server.asked["/metrics"] == 1 and server.asked["/health"] == 4  # the slow one is not sent twice
 
 

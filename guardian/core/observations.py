@@ -25,6 +25,7 @@ class Probe:
     latency_s: float = 0.0
     error: str | None = None  # "timeout", "connection refused", "HTTP 503", "unparseable: ..."
     pending: bool = False  # no answer yet: the probe is still in flight, carried to a later tick
+    sent_at: float | None = None  # when it was sent (monotonic s); None: not known
 
     @property
     def answered(self) -> bool:

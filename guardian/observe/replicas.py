@@ -241,7 +241,7 @@ class ProbeCarry:
         for endpoint in self.ENDPOINTS:
             task, sent = slots.get(endpoint, (None, mono))
             if task is not None and task.done():
-                got[endpoint] = task.result()
+                got[endpoint] = _stamped(task.result(), sent)
                 del slots[endpoint]
                 continue
             running_s.append(mono - sent)
@@ -257,6 +257,15 @@ class ProbeCarry:
         for name in [n for n in self.tasks if n not in keep]:
             for task, _ in self.tasks.pop(name).values():
                 task.cancel()
+
+
+def _stamped(result: Any, sent: float) -> Any:
+    """A finished probe's RESULT (a Probe, or a Probe and what it read) with the time it was SENT:
+    an answer to a probe sent before its unit's latest start is the previous run's (core/watchdog/fold.py)."""
+    if isinstance(result, Probe):
+        return replace(result, sent_at=sent)
+    probe, data = result
+    return replace(probe, sent_at=sent), data
 
 
 async def _send(

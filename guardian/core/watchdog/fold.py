@@ -186,6 +186,33 @@ def _no_canary_in_flight(track: Track) -> Track:
     )
 
 
+def this_starts_answers(obs: ReplicaObservation) -> ReplicaObservation:
+    """OBS without the answers to probes sent before its unit's latest start: they came from the run
+    that start ended (a probe carried over a tick, or sent while an operator's restart stopped the old
+    server, can be read beside a view of the unit that already shows the new start), and a /health 200
+    of the old run would end the new start's grace (L6) before it had served once."""
+    start = obs.unit.inactive_exit_mono if obs.unit is not None else None
+    if start is None:
+        return obs
+
+    def before(p: Probe) -> bool:
+        return p.sent_at is not None and p.sent_at < start
+
+    def gone(p: Probe) -> Probe:
+        return Probe(False, None, p.latency_s, "answered before its unit's latest start", sent_at=p.sent_at)
+
+    if not (before(obs.health) or before(obs.metrics_probe) or before(obs.models_probe)):
+        return obs
+    return replace(
+        obs,
+        health=gone(obs.health) if before(obs.health) else obs.health,
+        metrics_probe=gone(obs.metrics_probe) if before(obs.metrics_probe) else obs.metrics_probe,
+        metrics=None if before(obs.metrics_probe) else obs.metrics,
+        models_probe=gone(obs.models_probe) if before(obs.models_probe) else obs.models_probe,
+        models=None if before(obs.models_probe) else obs.models,
+    )
+
+
 def not_its_answers(track: Track, obs: ReplicaObservation) -> tuple[Track, ReplicaObservation]:
     """OBS without the answers of a listener that is not the replica's: nothing they say (health,
     counters, a model, a canary) is the replica's progress or its start's end (issue 34 row 13)."""
