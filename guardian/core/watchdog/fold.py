@@ -77,7 +77,7 @@ def fold(
         track = replace(track, dead_503_since=track.dead_503_since if track.dead_503_since is not None else now)
     else:
         track = replace(track, dead_503_since=None)
-    if health_in_time and not track.healthy_since_start:
+    if health_in_time and not track.healthy_since_start and _sent_since(obs.health, track.start_ts):
         track = replace(track, healthy_since_start=True)
     in_time_since = (
         (track.health_in_time_since if track.health_in_time_since is not None else now) if health_in_time else None
@@ -186,31 +186,13 @@ def _no_canary_in_flight(track: Track) -> Track:
     )
 
 
-def this_starts_answers(obs: ReplicaObservation) -> ReplicaObservation:
-    """OBS without the answers to probes sent before its unit's latest start: they came from the run
-    that start ended (a probe carried over a tick, or sent while an operator's restart stopped the old
-    server, can be read beside a view of the unit that already shows the new start), and a /health 200
-    of the old run would end the new start's grace (L6) before it had served once."""
-    start = obs.unit.inactive_exit_mono if obs.unit is not None else None
-    if start is None:
-        return obs
-
-    def before(p: Probe) -> bool:
-        return p.sent_at is not None and p.sent_at < start
-
-    def gone(p: Probe) -> Probe:
-        return Probe(False, None, p.latency_s, "answered before its unit's latest start", sent_at=p.sent_at)
-
-    if not (before(obs.health) or before(obs.metrics_probe) or before(obs.models_probe)):
-        return obs
-    return replace(
-        obs,
-        health=gone(obs.health) if before(obs.health) else obs.health,
-        metrics_probe=gone(obs.metrics_probe) if before(obs.metrics_probe) else obs.metrics_probe,
-        metrics=None if before(obs.metrics_probe) else obs.metrics,
-        models_probe=gone(obs.models_probe) if before(obs.models_probe) else obs.models_probe,
-        models=None if before(obs.models_probe) else obs.models,
-    )
+def _sent_since(probe: Probe, start_ts: float | None) -> bool:
+    """PROBE was sent at or after the unit's latest start (START_TS), or either is not known. A /health
+    200 to a probe sent before it came from the run that start ended (a probe carried over a tick, or
+    sent while an operator's restart stopped the old server, is read beside a view of the unit that
+    already shows the new start): it must not end the new start's grace (L6) before it served once.
+    It is still an answer (the port answered) for everything else, as any late answer is."""
+    return probe.sent_at is None or start_ts is None or probe.sent_at >= start_ts
 
 
 def not_its_answers(track: Track, obs: ReplicaObservation) -> tuple[Track, ReplicaObservation]:

@@ -14,7 +14,7 @@ from ..rules import UNCHANGED, first_match
 from ..vocab import SERVING_STATES, State
 from .canary import schedule_canary
 from .facts import Facts, Seen, port_taken_by
-from .fold import carry_over, fold, not_its_answers, this_starts_answers
+from .fold import carry_over, fold, not_its_answers
 from .liveness import NO_NEWS_RULE, ROWS
 from .track import Track
 
@@ -29,7 +29,6 @@ def step(
 ) -> tuple[Track, float | None]:
     """Fold one observation into the track. Returns (new track, the deadline of a canary to start, or None)."""
     track = replace(carry_over(track, obs, now), slow_said=None)
-    obs = this_starts_answers(obs)
     if port_taken_by(obs.port_owner, rcfg) is not None:
         track, obs = not_its_answers(track, obs)
     track, seen = fold(track, obs, now, rcfg, wcfg)
