@@ -11,35 +11,30 @@ from .core import admission, fleet, gates, outside, stopping, weights
 from .core.fit import startfit
 from .core.memory import memguard, startguard
 from .core.proxy import bypass, drain
-from .core.rules import Rule, markdown_table
+from .core.rules import markdown_table
 from .core.watchdog import canary, liveness
 
 # Where the tables live, relative to the repository root.
 RULES_DOC = "docs/rules.md"
 
 
-def rule_sets() -> dict[str, tuple[tuple[Rule, ...], str]]:
-    """Every rule table's rows and the heading of its outcome column, keyed by its docs/rules.md marker."""
-    return {
-        "liveness": (liveness.RULES, "state"),
-        "canary": (canary.CANARY_RULES, "meaning"),
-        "admission": (admission.RULES, "refusal"),
-        "gates": (gates.RULES, "refusal"),
-        "memory": (memguard.RULES, "verdict"),
-        "start": (startguard.RULES, "verdict"),
-        "fit": (startfit.RULES, "verdict"),
-        "drain": (drain.RULES, "outcome"),
-        "fleet": (fleet.RULES, "outcome"),
-        "bypass": (bypass.RULES, "outcome"),
-        "weights": (weights.RULES, "verdict"),
-        "stopping": (stopping.RULES, "outcome"),
-        "outside": (outside.RULES, "outcome"),
-    }
-
-
 def tables() -> dict[str, str]:
     """Every rule table, keyed by the docs/rules.md marker it is rendered under."""
-    return {name: markdown_table(rules, heading) for name, (rules, heading) in rule_sets().items()}
+    return {
+        "liveness": markdown_table(liveness.RULES, "state"),
+        "canary": markdown_table(canary.CANARY_RULES, "meaning"),
+        "admission": markdown_table(admission.RULES, "refusal"),
+        "gates": markdown_table(gates.RULES, "refusal"),
+        "memory": markdown_table(memguard.RULES, "verdict"),
+        "start": markdown_table(startguard.RULES, "verdict"),
+        "fit": markdown_table(startfit.RULES, "verdict"),
+        "drain": markdown_table(drain.RULES, "outcome"),
+        "fleet": markdown_table(fleet.RULES, "outcome"),
+        "bypass": markdown_table(bypass.RULES, "outcome"),
+        "weights": markdown_table(weights.RULES, "verdict"),
+        "stopping": markdown_table(stopping.RULES, "outcome"),
+        "outside": markdown_table(outside.RULES, "outcome"),
+    }
 
 
 def render_into(text: str) -> str:
